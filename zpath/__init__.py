@@ -1,0 +1,119 @@
+"""zpath: a single-controller runtime for JAX, after Pathways (Barham et al., 2022).
+
+    import zpath as zp
+    zp.init()                                   # start a local cluster
+    devs = zp.make_virtual_device_set().add_slice(devices=2).devices
+    double = zp.pmap(lambda x: x * 2., devices=devs)
+    print(double(np.arange(2.)))                # a future; printing fetches it
+    zp.shutdown()
+"""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from jax.sharding import PartitionSpec as P
+
+from zpath.api import Mesh, Slice, VirtualDevice, VirtualDeviceSet, jit, make_virtual_device_set, pmap
+from zpath.api import _current
+from zpath.errors import (Broken, Closed, DeadlineExceeded, HostLost, ProtocolError, RemoteError,
+                          ResourceError, ZpathError)
+from zpath.futures import Future
+
+__version__ = "0.1.0"
+
+__all__ = ["init", "connect", "shutdown", "Cluster", "pmap", "jit", "Mesh", "P",
+           "make_virtual_device_set", "VirtualDeviceSet", "VirtualDevice", "Slice", "Future",
+           "ZpathError", "ProtocolError", "RemoteError", "HostLost", "Closed", "Broken",
+           "DeadlineExceeded", "ResourceError"]
+
+
+class Cluster:
+    """What ``init``/``connect`` return: the connection, and the local cluster
+    when ``init`` started one."""
+
+    def __init__(self, client: Any, local: Any = None) -> None:
+        self.client = client
+        self.local = local
+
+    @property
+    def address(self) -> str:
+        return self.client.address
+
+    @property
+    def key(self) -> bytes:
+        return self.client.ep.key
+
+    @property
+    def hosts(self) -> dict:
+        return self.client.hosts
+
+    def __repr__(self) -> str:
+        kind = "local" if self.local else "remote"
+        return f"Cluster({kind}, address={self.address!r}, hosts={len(self.hosts)})"
+
+
+_cluster: dict[str, Cluster | None] = {"current": None}
+
+
+def init(islands: int | None = None, hosts_per_island: int | None = None,
+         devices_per_host: int | None = None, **kwargs: Any) -> Cluster:
+    """Start a local cluster (controller + one worker process per host) and
+    connect to it. With ``ZPATH_CONTROLLER`` set, connect to that cluster instead."""
+    from zpath.launcher import LocalCluster, default_shape
+
+    if _cluster["current"] is not None:
+        raise ZpathError("already initialised: call zp.shutdown() first")
+    if os.environ.get("ZPATH_CONTROLLER"):
+        return connect(os.environ["ZPATH_CONTROLLER"])
+    shape = default_shape()
+    for k, v in (("islands", islands), ("hosts_per_island", hosts_per_island),
+                 ("devices_per_host", devices_per_host)):
+        if v is not None:
+            shape[k] = v
+    local = LocalCluster(**shape, **kwargs)
+    try:
+        return _attach(local.address, local.key, local)
+    except BaseException:
+        local.stop()
+        raise
+
+
+def connect(address: str, key: bytes | str | None = None, *, name: str = "client",
+            timeout: float | None = None) -> Cluster:
+    """Connect to a running cluster. The key comes from ``key`` (bytes or hex),
+    ``ZPATH_KEY`` or ``ZPATH_KEY_FILE``."""
+    from zpath.keys import key_from_env
+
+    if _cluster["current"] is not None:
+        raise ZpathError("already connected: call zp.shutdown() first")
+    if key is None:
+        key = key_from_env()
+    elif isinstance(key, str):
+        key = bytes.fromhex(key)
+    return _attach(address, key, None, name=name, timeout=timeout)
+
+
+def _attach(address: str, key: bytes, local: Any, *, name: str = "client",
+            timeout: float | None = None) -> Cluster:
+    from zpath.client import CONNECT_TIMEOUT_S, Client
+
+    client = Client(address, key, name=name, timeout=timeout or CONNECT_TIMEOUT_S)
+    cluster = Cluster(client, local)
+    _cluster["current"] = cluster
+    _current["client"] = client
+    return cluster
+
+
+def shutdown() -> None:
+    """Disconnect; also stop the local cluster if ``init`` started one."""
+    cluster = _cluster["current"]
+    _cluster["current"] = None
+    _current["client"] = None
+    if cluster is None:
+        return
+    try:
+        cluster.client.close()
+    finally:
+        if cluster.local is not None:
+            cluster.local.stop()

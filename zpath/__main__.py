@@ -1,0 +1,5 @@
+import sys
+
+from zpath.cli import main
+
+sys.exit(main())

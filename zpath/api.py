@@ -1,0 +1,283 @@
+"""The user-facing API: virtual devices, meshes, and compiled functions placed
+on them (``pmap`` and ``jit``)."""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from zpath import sharding
+from zpath.errors import Closed, ZpathError
+from zpath.futures import Future
+from zpath.net import messages as m
+
+_current: dict[str, Any] = {"client": None}
+
+
+def current_client() -> Any:
+    c = _current["client"]
+    if c is None:
+        raise Closed("not connected: call zp.init() or zp.connect(address) first")
+    return c
+
+
+@dataclasses.dataclass(frozen=True)
+class VirtualDevice:
+    """One device of a slice; ``id`` is the physical device it maps to."""
+    slice_id: int
+    index: int
+    id: int
+    host: int
+    island: int
+    client: Any = dataclasses.field(compare=False, repr=False)
+
+
+class Slice:
+    def __init__(self, slice_id: int, devices: list[VirtualDevice]) -> None:
+        self.id = slice_id
+        self.devices = devices
+
+    def __repr__(self) -> str:
+        return f"Slice({self.id}, devices={[d.id for d in self.devices]})"
+
+
+class VirtualDeviceSet:
+    """A set of virtual device slices requested from the resource manager."""
+
+    def __init__(self, client: Any) -> None:
+        self.client = client
+        self.slices: list[Slice] = []
+
+    def add_slice(self, devices: int, island: int | None = None, host: int | None = None) -> Slice:
+        """Allocate ``devices`` devices, all on one host (optionally a given
+        island or host), spread over the cluster's least-loaded devices."""
+        reply = self.client.request(m.AllocSlice(int(devices), island, host))
+        s = Slice(reply.slice_id, [VirtualDevice(reply.slice_id, i, d.id, d.host, d.island, self.client)
+                                   for i, d in enumerate(reply.devices)])
+        self.slices.append(s)
+        return s
+
+    @property
+    def devices(self) -> list[VirtualDevice]:
+        return [d for s in self.slices for d in s.devices]
+
+
+def make_virtual_device_set() -> VirtualDeviceSet:
+    return VirtualDeviceSet(current_client())
+
+
+class Mesh:
+    """A named n-d arrangement of virtual devices, like ``jax.sharding.Mesh``."""
+
+    def __init__(self, devices: Any, axis_names: Sequence[str]) -> None:
+        arr = np.empty(np.shape(np.asarray(devices, dtype=object)), dtype=object)
+        arr[...] = np.asarray(devices, dtype=object)
+        if any(not isinstance(d, VirtualDevice) for d in arr.flat):
+            raise TypeError("Mesh devices must be zpath virtual devices")
+        if len({d.id for d in arr.flat}) != arr.size:
+            raise ValueError("a device appears twice in the mesh")
+        axis_names = tuple(axis_names)
+        if arr.ndim != len(axis_names):
+            raise ValueError(f"mesh of rank {arr.ndim} needs {arr.ndim} axis names, got {axis_names}")
+        self.devices = arr
+        self.axis_names = axis_names
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.devices.shape
+
+    @property
+    def device_ids(self) -> list[int]:
+        return [d.id for d in self.devices.flat]
+
+    def __repr__(self) -> str:
+        return f"Mesh({dict(zip(self.axis_names, self.shape))}, devices={self.device_ids})"
+
+
+@dataclasses.dataclass
+class _Traced:
+    digest: str
+    blob: bytes
+    in_specs: list[list]
+    out_specs: list[list]
+    out_avals: list[tuple[tuple[int, ...], np.dtype]]
+    out_tree: Any
+
+
+def _aval(x: Any) -> tuple[tuple[int, ...], np.dtype]:
+    if isinstance(x, Future):
+        return x.shape, x.dtype
+    a = np.asarray(x)
+    if a.dtype == object:
+        raise TypeError(f"cannot pass a {type(x).__name__} to a zpath computation")
+    return a.shape, a.dtype
+
+
+class Computation:
+    """A JAX function placed on a mesh of virtual devices. Call it with numpy
+    arrays, scalars or futures; it returns a pytree of futures at once."""
+
+    def __init__(self, fn: Callable, mesh: Mesh, in_specs: Any, out_specs: Any,
+                 pmap_axis: str | None) -> None:
+        self.fn = fn
+        self.mesh = mesh
+        self.in_specs = in_specs
+        self.out_specs = out_specs
+        self.pmap_axis = pmap_axis
+        self.name = getattr(fn, "__name__", "computation")
+        clients = {id(d.client) for d in mesh.devices.flat}
+        if len(clients) != 1:
+            raise ValueError("all devices of a computation must come from one connection")
+        self.client = mesh.devices.flat[0].client
+        self._cache: dict[Any, _Traced] = {}
+        functools.update_wrapper(self, fn)
+
+    def _leaf_specs(self, args: tuple, in_tree: Any, n: int) -> list[Any]:
+        import jax
+        from jax.sharding import PartitionSpec as P
+
+        if self.pmap_axis is not None:
+            return [P(self.pmap_axis)] * n
+        specs = self.in_specs
+        if specs is None or isinstance(specs, P):
+            return [specs or P()] * n
+        specs = tuple(specs)
+        if len(specs) != len(args):
+            raise ValueError(f"{self.name}: in_specs has {len(specs)} entries for {len(args)} arguments")
+        out = []
+        for a, s in zip(args, specs, strict=True):
+            leaves = jax.tree_util.tree_leaves(a, is_leaf=lambda x: isinstance(x, Future))
+            if s is None or isinstance(s, P):
+                out += [s or P()] * len(leaves)
+            else:
+                sl = jax.tree_util.tree_leaves(s, is_leaf=lambda x: isinstance(x, P))
+                if len(sl) != len(leaves):
+                    raise ValueError(f"{self.name}: in_specs entry {s} does not match argument structure")
+                out += sl
+        return out
+
+    def _trace(self, args: tuple, leaves: list, in_tree: Any,
+               avals: list[tuple[tuple[int, ...], np.dtype]]) -> _Traced:
+        import jax
+        import jax.numpy as jnp
+        from jax.sharding import AbstractMesh, NamedSharding
+        from jax.sharding import PartitionSpec as P
+
+        am = AbstractMesh(self.mesh.shape, self.mesh.axis_names)
+        leaf_specs = self._leaf_specs(args, in_tree, len(leaves))
+        structs = [jax.ShapeDtypeStruct(s, d, sharding=NamedSharding(am, spec))
+                   for (s, d), spec in zip(avals, leaf_specs, strict=True)]
+        fn = self.fn
+
+        if self.pmap_axis is not None:
+            axis = self.pmap_axis
+
+            def per_shard(*blocks: Any) -> Any:
+                out = fn(*jax.tree_util.tree_unflatten(in_tree, [b[0] for b in blocks]))
+                return jax.tree_util.tree_map(lambda o: jnp.expand_dims(o, 0), out)
+
+            body = jax.shard_map(per_shard, mesh=am, in_specs=tuple(leaf_specs), out_specs=P(axis))
+            jitted = jax.jit(body)
+        else:
+            out_specs = self.out_specs if self.out_specs is not None else P()
+
+            def flat_fn(*flat: Any) -> Any:
+                return fn(*jax.tree_util.tree_unflatten(in_tree, list(flat)))
+
+            out_sh = jax.tree_util.tree_map(lambda s: NamedSharding(am, s), out_specs,
+                                            is_leaf=lambda x: isinstance(x, P))
+            jitted = jax.jit(flat_fn, out_shardings=out_sh)
+        with jax.enable_x64(True):
+            exported = jax.export.export(jitted)(*structs)
+        out_avals = [(tuple(a.shape), np.dtype(a.dtype)) for a in exported.out_avals]
+        if self.pmap_axis is not None:
+            out_leaf_specs = [P(self.pmap_axis)] * len(out_avals)
+        elif isinstance(self.out_specs, P) or self.out_specs is None:
+            out_leaf_specs = [self.out_specs or P()] * len(out_avals)
+        else:
+            out_leaf_specs = jax.tree_util.tree_leaves(self.out_specs, is_leaf=lambda x: isinstance(x, P))
+            if len(out_leaf_specs) != len(out_avals):
+                raise ValueError(f"{self.name}: out_specs has {len(out_leaf_specs)} specs for "
+                                 f"{len(out_avals)} outputs")
+        names = self.mesh.axis_names
+        blob = bytes(exported.serialize())
+        return _Traced(
+            digest=hashlib.sha256(blob).hexdigest(), blob=blob,
+            in_specs=[sharding.normalize_spec(s, len(a[0]), names) for s, a in zip(leaf_specs, avals, strict=True)],
+            out_specs=[sharding.normalize_spec(s, len(a[0]), names) for s, a in zip(out_leaf_specs, out_avals, strict=True)],
+            out_avals=out_avals, out_tree=exported.out_tree)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        import jax
+
+        if kwargs:
+            raise TypeError(f"{self.name}: keyword arguments are not supported; pass them positionally")
+        client = self.client
+        leaves, in_tree = jax.tree_util.tree_flatten(args, is_leaf=lambda x: isinstance(x, Future))
+        values = [x if isinstance(x, Future) else np.asarray(x) for x in leaves]
+        avals = [_aval(x) for x in values]
+        n = self.mesh.devices.size
+        if self.pmap_axis is not None:
+            for i, (shape, _) in enumerate(avals):
+                if not shape or shape[0] != n:
+                    raise ValueError(f"{self.name}: pmap over {n} devices needs every input to have a "
+                                     f"leading axis of size {n}; input {i} has shape {shape}")
+        key = (in_tree, tuple((s, d.str) for s, d in avals))
+        traced = self._cache.get(key)
+        if traced is None:
+            traced = self._cache[key] = self._trace(args, leaves, in_tree, avals)
+        for x in values:
+            if isinstance(x, Future) and x._client is not client:
+                raise ValueError(f"{self.name}: an input future belongs to another connection")
+        client.register_program(traced.digest, self.name, traced.blob)
+        mesh_shape, names, devices = list(self.mesh.shape), list(self.mesh.axis_names), self.mesh.device_ids
+        inputs = []
+        for x, (shape, dtype), spec in zip(values, avals, traced.in_specs, strict=True):
+            aval = m.Aval(list(shape), dtype.name)
+            if isinstance(x, Future):
+                inputs.append(m.CallInput(x.buffer, aval, spec, False))
+                continue
+            buf = client.new_buffer_id()
+            regs = sharding.regions(shape, mesh_shape, names, spec)
+            for d, r in zip(devices, regs, strict=True):
+                data = np.ascontiguousarray(x[tuple(slice(a, b) for a, b in r)])
+                client.put(client.devices[d].host, m.Put(buf, d, sharding.to_wire(r),
+                                                         m.Aval(list(data.shape), dtype.name)), data)
+            inputs.append(m.CallInput(buf, aval, spec, True))
+        outs, futures = [], []
+        for (shape, dtype), spec in zip(traced.out_avals, traced.out_specs, strict=True):
+            buf = client.new_buffer_id()
+            outs.append(m.CallOutput(buf, m.Aval(list(shape), dtype.name), spec))
+            fut = Future(client, buf, shape, dtype, devices, mesh_shape, names, spec)
+            client.track(fut)
+            futures.append(fut)
+        client.post(m.Call(client.new_call_id(), traced.digest, mesh_shape, names, devices, inputs, outs))
+        return jax.tree_util.tree_unflatten(traced.out_tree, futures)
+
+
+def _devices_list(devices: Any) -> list[VirtualDevice]:
+    if isinstance(devices, Slice):
+        return list(devices.devices)
+    return list(devices)
+
+
+def pmap(fn: Callable, devices: Any, axis_name: str | None = None) -> Computation:
+    """Map ``fn`` over the leading axis of every input, one slice per device,
+    like ``jax.pmap``. Collectives over ``axis_name`` are allowed."""
+    devs = _devices_list(devices)
+    if not devs:
+        raise ValueError("pmap needs at least one device")
+    axis = axis_name or "_zp_pmap"
+    return Computation(fn, Mesh(devs, (axis,)), None, None, axis)
+
+
+def jit(fn: Callable, mesh: Mesh, in_specs: Any = None, out_specs: Any = None) -> Computation:
+    """Run ``fn`` (on global arrays, as with ``jax.jit``) sharded over ``mesh``:
+    ``in_specs`` is one PartitionSpec for every input or one per positional
+    argument; ``out_specs`` one for every output or a pytree matching the outputs."""
+    if not isinstance(mesh, Mesh):
+        raise TypeError("zp.jit needs mesh=zp.Mesh(devices, axis_names)")
+    return Computation(fn, mesh, in_specs, out_specs, None)

@@ -1,0 +1,283 @@
+"""The client side of a connection to a zpath cluster.
+
+One I/O thread owns the sockets: a DEALER to the controller and one DEALER per
+worker data port (client values are put straight onto workers, and results
+fetched straight from them, so bulk bytes never pass through the controller).
+User threads hand it messages through an :class:`~zpath.net.transport.Outbox`.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import itertools
+import logging
+import os
+import threading
+import time
+import weakref
+from typing import Any
+
+import numpy as np
+import zmq
+
+from zpath import sharding
+from zpath.errors import (Broken, Closed, DeadlineExceeded, HostLost, ProtocolError,
+                          RemoteError, ResourceError, ZpathError)
+from zpath.net import messages as m
+from zpath.net.codec import PROTOCOL_VERSION, Record
+from zpath.net.transport import BadMessage, Endpoint, Outbox, make_context
+
+log = logging.getLogger(__name__)
+
+CONNECT_TIMEOUT_S = float(os.environ.get("ZPATH_CONNECT_TIMEOUT", "30"))
+REQUEST_TIMEOUT_S = 60.0
+FETCH_TIMEOUT_S = float(os.environ.get("ZPATH_FETCH_TIMEOUT", "600"))
+
+
+def error_from_info(info: m.ErrorInfo) -> ZpathError:
+    match info.kind:
+        case "HostLost":
+            return HostLost(info.message)
+        case "DeadlineExceeded":
+            return DeadlineExceeded(info.message)
+        case _:
+            return RemoteError(info.message, host=info.host, computation=info.computation,
+                               remote_traceback=info.traceback)
+
+
+class _Fetch:
+    """One fetch of a whole future: one request per distinct region."""
+
+    def __init__(self, future: Any, regions: dict[int, sharding.Region]) -> None:
+        self.future = future
+        self.regions = regions                     # request id -> region
+        self.parts: dict[int, np.ndarray] = {}
+
+
+class Client:
+    def __init__(self, address: str, key: bytes, *, name: str = "client",
+                 timeout: float = CONNECT_TIMEOUT_S) -> None:
+        self.address = address
+        self.ctx = make_context()
+        self.ep = Endpoint(key, f"client:{name}:{os.getpid()}")
+        self.ctl = self.ctx.socket(zmq.DEALER)
+        self.ctl.connect(address)
+        self._closed = False
+        try:
+            welcome = self._handshake(name, timeout)
+        except BaseException:
+            self.ctl.close(0)
+            self.ctx.term()
+            raise
+        self.client_id = welcome.client_id
+        self.hosts: dict[int, m.HostInfo] = {h.rank: h for h in welcome.hosts}
+        self.devices: dict[int, m.DeviceInfo] = {d.id: d for h in welcome.hosts for d in h.devices}
+        self._buffer_ids = itertools.count(1)
+        self._call_ids = itertools.count(1)
+        self.programs: set[str] = set()
+        self.outbox = Outbox()
+        self._pending: dict[int, concurrent.futures.Future] = {}
+        self._fetches: dict[int, _Fetch] = {}
+        self._futures: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
+        self._data: dict[int, zmq.Socket] = {}
+        self._thread = threading.Thread(target=self._loop, name="zpath-client-io", daemon=True)
+        self._thread.start()
+
+    def _handshake(self, name: str, timeout: float) -> m.Welcome:
+        msg_id = self.ep.send(self.ctl, m.Hello(name, PROTOCOL_VERSION))
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not self.ctl.poll(int(left * 1000)):
+                raise DeadlineExceeded(f"no answer from a zpath controller at {self.address} "
+                                       f"within {timeout:.0f}s (is it running, and is the key right?)")
+            try:
+                _, header, reply, _ = self.ep.recv(self.ctl)
+            except BadMessage as e:
+                raise ProtocolError(f"controller at {self.address}: {e}") from None
+            if header.parent != msg_id:
+                continue
+            if isinstance(reply, m.Error):
+                raise ProtocolError(f"controller refused connection: {reply.message}")
+            if not isinstance(reply, m.Welcome):
+                raise ProtocolError(f"expected Welcome, got {type(reply).__name__}")
+            return reply
+
+    # ---- API used by the rest of zpath --------------------------------------
+    def new_buffer_id(self) -> int:
+        return (self.client_id << 32) | next(self._buffer_ids)
+
+    def new_call_id(self) -> int:
+        return next(self._call_ids)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise Closed("this zpath client is closed")
+
+    def request(self, msg: Record, timeout: float = REQUEST_TIMEOUT_S) -> Record:
+        """Send to the controller and wait for its answer."""
+        self._check_open()
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        msg_id = self.ep.next_id()
+        self._pending[msg_id] = fut
+        self.outbox.put("ctl", None, msg, (), msg_id)
+        try:
+            reply = fut.result(timeout)
+        except concurrent.futures.TimeoutError:
+            raise DeadlineExceeded(f"controller did not answer {type(msg).__name__} within "
+                                   f"{timeout:.0f}s") from None
+        finally:
+            self._pending.pop(msg_id, None)
+        if isinstance(reply, m.Error):
+            if reply.code == "resource":
+                raise ResourceError(reply.message)
+            raise ZpathError(f"controller: {reply.message}")
+        return reply
+
+    def post(self, msg: Record, buffers: Any = ()) -> None:
+        """Send to the controller without waiting."""
+        self._check_open()
+        self.outbox.put("ctl", None, msg, buffers, 0)
+
+    def put(self, host: int, msg: m.Put, data: np.ndarray) -> None:
+        self._check_open()
+        self.outbox.put("data", host, msg, (data,), 0)
+
+    def register_program(self, digest: str, name: str, blob: bytes) -> None:
+        if digest not in self.programs:
+            self.post(m.RegisterProgram(digest, name), [blob])
+            self.programs.add(digest)
+
+    def track(self, future: Any) -> None:
+        self._futures[future.buffer] = future
+
+    def start_fetch(self, future: Any, timeout: float) -> None:
+        """Ask the workers for every distinct shard of ``future``; the I/O thread
+        sets the future's value when all have arrived."""
+        self._check_open()
+        regs = future._regions()
+        seen: dict[sharding.Region, int] = {}
+        for d, r in zip(future._devices, regs, strict=True):
+            seen.setdefault(r, d)
+        requests = {}
+        for r, d in seen.items():
+            req = self.ep.next_id()
+            requests[req] = (r, d)
+        fetch = _Fetch(future, {req: r for req, (r, _) in requests.items()})
+        for req in requests:
+            self._fetches[req] = fetch
+        for req, (r, d) in requests.items():
+            self.outbox.put("data", self.devices[d].host,
+                            m.Fetch(req, future.buffer, d, sharding.to_wire(r), timeout), (), req)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self.outbox.put("ctl", None, m.Goodbye("client closed"), (), 0)
+        self.outbox.put("stop", None, None, (), 0)
+        self._thread.join(5)
+        err = Closed("the zpath client was closed")
+        for fut in list(self._pending.values()):
+            if not fut.done():
+                fut.set_exception(err)
+        for fetch in set(self._fetches.values()):
+            fetch.future._fail(err)
+
+    # ---- I/O thread ----------------------------------------------------------
+    def _data_sock(self, host: int) -> zmq.Socket:
+        s = self._data.get(host)
+        if s is None:
+            s = self.ctx.socket(zmq.DEALER)
+            s.connect(self.hosts[host].data_address)
+            self._data[host] = s
+            self._poller.register(s, zmq.POLLIN)
+        return s
+
+    def _loop(self) -> None:
+        self._poller = zmq.Poller()
+        self._poller.register(self.ctl, zmq.POLLIN)
+        self._poller.register(self.outbox.fd, zmq.POLLIN)
+        stop = False
+        while not stop:
+            for sock, _ in self._poller.poll(timeout=1000):
+                if sock == self.outbox.fd:
+                    stop = self._flush()
+                else:
+                    self._recv(sock)
+        for s in [self.ctl, *self._data.values()]:
+            s.close(linger=200)
+        self.ctx.term()
+        self.outbox.close()
+
+    def _flush(self) -> bool:
+        for kind, target, msg, buffers, msg_id in self.outbox.drain():
+            if kind == "stop":
+                return True
+            try:
+                sock = self.ctl if kind == "ctl" else self._data_sock(target)
+                self.ep.send(sock, msg, buffers=buffers, msg_id=msg_id)
+            except zmq.ZMQError as e:
+                log.warning("cannot send %s: %s", type(msg).__name__, e)
+        return False
+
+    def _recv(self, sock: zmq.Socket) -> None:
+        while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            try:
+                _, header, msg, buffers = self.ep.recv(sock)
+            except BadMessage as e:
+                log.warning("dropped a bad message: %s", e)
+                continue
+            try:
+                self._handle(header.parent, msg, buffers)
+            except Exception:
+                log.exception("error handling %s", type(msg).__name__)
+
+    def _handle(self, parent: int, msg: Record, buffers: list) -> None:
+        match msg:
+            case m.FetchReply():
+                fetch = self._fetches.pop(msg.request, None)
+                if fetch is None:
+                    return
+                if msg.error is not None:
+                    self._forget(fetch)
+                    fetch.future._fail(error_from_info(msg.error))
+                    return
+                dtype = np.dtype(fetch.future.dtype)
+                fetch.parts[msg.request] = np.frombuffer(buffers[0], dtype=dtype).reshape(msg.aval.shape)
+                if len(fetch.parts) == len(fetch.regions):
+                    self._assemble(fetch)
+            case m.CallFailed():
+                err = error_from_info(msg.error)
+                for b in msg.buffers:
+                    fut = self._futures.get(b)
+                    if fut is not None:
+                        fut._fail(err)
+            case m.Error() if parent in self._pending:
+                self._pending[parent].set_result(msg)
+            case m.Error():
+                fetch = self._fetches.pop(parent, None)
+                if fetch is not None:
+                    self._forget(fetch)
+                    fetch.future._fail(Broken(f"worker refused a request: {msg.message}"))
+                else:
+                    log.warning("zpath: %s: %s", msg.code, msg.message)
+            case _ if parent in self._pending:
+                self._pending[parent].set_result(msg)
+            case m.Ping():
+                pass
+            case _:
+                log.debug("ignored %s", type(msg).__name__)
+
+    def _forget(self, fetch: _Fetch) -> None:
+        for req in fetch.regions:
+            self._fetches.pop(req, None)
+
+    def _assemble(self, fetch: _Fetch) -> None:
+        fut = fetch.future
+        if len(fetch.parts) == 1 and next(iter(fetch.regions.values())) == tuple((0, s) for s in fut.shape):
+            value = next(iter(fetch.parts.values())).copy()
+        else:
+            value = np.empty(fut.shape, dtype=np.dtype(fut.dtype))
+            for req, r in fetch.regions.items():
+                value[sharding.local_slices(r, tuple((0, s) for s in fut.shape))] = fetch.parts[req]
+        fut._resolve(value)

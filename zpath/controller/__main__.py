@@ -1,0 +1,5 @@
+import sys
+
+from zpath.controller.server import main
+
+sys.exit(main())

@@ -1,0 +1,266 @@
+"""The controller process: one ROUTER socket that clients and workers connect
+to, and a loop that hands each message to the resource manager, the program
+registry or the directory, then sends what they decide."""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import logging
+import os
+import signal
+import time
+from typing import Any
+
+import zmq
+
+from zpath.controller.directory import Directory, PlanError
+from zpath.controller.resources import ResourceManager
+from zpath.errors import ResourceError
+from zpath.net import messages as m
+from zpath.net.codec import PROTOCOL_VERSION, Header, Record
+from zpath.net.transport import BadMessage, Endpoint, make_context
+
+log = logging.getLogger(__name__)
+
+PING_INTERVAL_S = 1.0
+MAX_PROGRAM_BYTES = 256 << 20
+
+
+@dataclasses.dataclass
+class Peer:
+    role: str                # "worker" or "client"
+    id: int                  # host rank or client id
+    name: str
+    last_seen: float
+
+
+class Controller:
+    def __init__(self, key: bytes, bind: str = "tcp://127.0.0.1:0") -> None:
+        self.ep = Endpoint(key, "controller")
+        self.ctx = make_context()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        if bind.rsplit(":", 1)[-1] in ("0", "*"):
+            port = self.sock.bind_to_random_port(bind.rsplit(":", 1)[0])
+            self.address = f"{bind.rsplit(':', 1)[0]}:{port}"
+        else:
+            self.sock.bind(bind)
+            self.address = bind
+        self.rm = ResourceManager()
+        self.directory = Directory(lambda d: self.rm.devices[d].host,
+                                   lambda h: self.rm.hosts[h].data_address)
+        self.programs: dict[str, tuple[str, bytes]] = {}
+        self.host_programs: dict[int, set[str]] = {}
+        self.peers: dict[bytes, Peer] = {}
+        self.worker_ident: dict[int, bytes] = {}
+        self.client_ids = 0
+        self.calls = 0
+        self.running = True
+
+    # ---- sending -------------------------------------------------------------
+    def send(self, ident: bytes, msg: Record, parent: int = 0, buffers: Any = ()) -> None:
+        try:
+            self.ep.send(self.sock, msg, to=ident, parent=parent, buffers=buffers)
+        except zmq.ZMQError as e:
+            log.warning("cannot send %s to %r: %s", type(msg).__name__, ident, e)
+
+    def reply_error(self, ident: bytes, parent: int, code: str, text: str) -> None:
+        self.send(ident, m.Error(code, text), parent)
+
+    def to_host(self, rank: int, msg: Record, buffers: Any = ()) -> None:
+        self.send(self.worker_ident[rank], msg, buffers=buffers)
+
+    # ---- loop ----------------------------------------------------------------
+    def serve_forever(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        next_ping = time.monotonic()
+        seq = 0
+        log.info("controller listening on %s", self.address)
+        while self.running:
+            now = time.monotonic()
+            if now >= next_ping:
+                seq += 1
+                for rank, ident in self.worker_ident.items():
+                    self.send(ident, m.Ping(seq))
+                next_ping = now + PING_INTERVAL_S
+            for _ in dict(poller.poll(timeout=max(1, int((next_ping - now) * 1000)))):
+                self._recv_all()
+        self._stop_workers("controller shutting down")
+        self.sock.close(0)
+        self.ctx.term()
+
+    def _recv_all(self) -> None:
+        while self.running:
+            try:
+                ident, header, msg, buffers = self.ep.recv(self.sock, router=True)
+            except zmq.Again:
+                return
+            except BadMessage as e:
+                self._bad(e)
+                continue
+            try:
+                self.handle(ident, header, msg, buffers)
+            except Exception:  # a handler bug must not take the controller down
+                log.exception("error handling %s from %s", type(msg).__name__, header.sender)
+                self.reply_error(ident, header.msg_id, "internal",
+                                 f"controller failed handling {type(msg).__name__}")
+            if not self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                return
+
+    def _bad(self, e: BadMessage) -> None:
+        who = self.peers.get(e.ident) if e.ident else None
+        log.warning("rejected message from %s: %s",
+                    f"{who.role} {who.id}" if who else repr(e.ident), e)
+        if e.ident is not None:
+            self.reply_error(e.ident, e.header.msg_id if e.header else 0, "protocol", str(e))
+
+    def stop(self, *_: Any) -> None:
+        self.running = False
+
+    def _stop_workers(self, reason: str) -> None:
+        for ident in self.worker_ident.values():
+            self.send(ident, m.Shutdown(reason))
+
+    # ---- handlers ------------------------------------------------------------
+    def handle(self, ident: bytes, header: Header, msg: Record, buffers: list) -> None:
+        peer = self.peers.get(ident)
+        if peer is not None:
+            peer.last_seen = time.monotonic()
+        parent = header.msg_id
+        match msg:
+            case m.RegisterWorker():
+                self._register_worker(ident, parent, msg)
+            case m.Hello():
+                if msg.protocol != PROTOCOL_VERSION:
+                    self.reply_error(ident, parent, "protocol",
+                                     f"client speaks protocol {msg.protocol}, controller {PROTOCOL_VERSION}")
+                    return
+                self.client_ids += 1
+                self.peers[ident] = Peer("client", self.client_ids, msg.name, time.monotonic())
+                log.info("client %d (%s) connected", self.client_ids, msg.name)
+                self.send(ident, m.Welcome(self.client_ids, self._host_infos()), parent)
+            case m.StatusRequest():
+                self.send(ident, m.Status(self._host_infos(),
+                                          [f"{p.id}:{p.name}" for p in self.peers.values() if p.role == "client"],
+                                          len(self.directory.buffers), len(self.programs), self.calls), parent)
+            case m.Pong() | m.Ping() if peer is not None:
+                if isinstance(msg, m.Ping):
+                    self.send(ident, m.Pong(msg.seq), parent)
+            case _ if peer is None:
+                self.reply_error(ident, parent, "not_registered",
+                                 f"{type(msg).__name__} before Hello/RegisterWorker")
+            case m.AllocSlice() if peer.role == "client":
+                try:
+                    sid, devs = self.rm.alloc_slice(msg.devices, island=msg.island, host=msg.host)
+                except ResourceError as e:
+                    self.reply_error(ident, parent, "resource", str(e))
+                    return
+                self.send(ident, m.SliceAllocated(sid, [self._device_info(d) for d in devs]), parent)
+            case m.RegisterProgram() if peer.role == "client":
+                self._register_program(ident, parent, msg, buffers)
+            case m.Call() if peer.role == "client":
+                self._call(ident, peer, msg)
+            case m.ExecDone() if peer.role == "worker":
+                if msg.error is not None:
+                    log.info("computation %d failed on host %d: %s", msg.exec_id, peer.id,
+                             msg.error.message)
+            case m.Goodbye() if peer.role == "client":
+                log.info("client %d (%s) disconnected: %s", peer.id, peer.name, msg.reason)
+                del self.peers[ident]
+            case m.Error():
+                log.warning("%s %d reported an error: %s: %s", peer.role, peer.id, msg.code, msg.message)
+            case _:
+                self.reply_error(ident, parent, "bad_request",
+                                 f"{type(msg).__name__} is not accepted from a {peer.role}")
+
+    def _register_worker(self, ident: bytes, parent: int, msg: m.RegisterWorker) -> None:
+        if msg.protocol != PROTOCOL_VERSION:
+            self.reply_error(ident, parent, "protocol",
+                             f"worker speaks protocol {msg.protocol}, controller {PROTOCOL_VERSION}")
+            return
+        if ident in self.peers:
+            self.reply_error(ident, parent, "bad_request", "already registered")
+            return
+        try:
+            host = self.rm.add_host(name=msg.name, island=msg.island, data_address=msg.data_address,
+                                    pid=msg.pid, platform=msg.platform, num_devices=msg.num_devices)
+        except ResourceError as e:
+            self.reply_error(ident, parent, "resource", str(e))
+            return
+        self.peers[ident] = Peer("worker", host.rank, msg.name, time.monotonic())
+        self.worker_ident[host.rank] = ident
+        self.host_programs[host.rank] = set()
+        log.info("host %d registered: %s island %d, %d %s devices, data %s", host.rank, msg.name,
+                 msg.island, msg.num_devices, msg.platform, msg.data_address)
+        self.send(ident, m.Registered(host.rank, [self._device_info(d) for d in host.devices]), parent)
+
+    def _register_program(self, ident: bytes, parent: int, msg: m.RegisterProgram,
+                          buffers: list) -> None:
+        if len(buffers) != 1 or buffers[0].nbytes > MAX_PROGRAM_BYTES:
+            self.reply_error(ident, parent, "bad_request", "RegisterProgram needs one buffer "
+                             f"of at most {MAX_PROGRAM_BYTES} bytes")
+            return
+        blob = bytes(buffers[0])
+        if hashlib.sha256(blob).hexdigest() != msg.digest:
+            self.reply_error(ident, parent, "bad_request", f"program {msg.name!r}: sha256 does not "
+                             "match its digest")
+            return
+        self.programs.setdefault(msg.digest, (msg.name, blob))
+
+    def _call(self, ident: bytes, peer: Peer, call: m.Call) -> None:
+        self.calls += 1
+        prog = self.programs.get(call.program)
+        try:
+            if prog is None:
+                raise PlanError("not_found", f"program {call.program[:12]} is not registered")
+            plan = self.directory.plan(call, peer.id, prog[0])
+        except PlanError as e:
+            err = e.error or m.ErrorInfo("CallFailed", f"call rejected: {e}", None,
+                                         prog[0] if prog else "", "")
+            outs = [o.buffer for o in call.outputs]
+            self.directory.poison(outs, peer.id, err)
+            self.send(ident, m.CallFailed(call.call_id, outs, err))
+            return
+        for rank in plan.executes:
+            if call.program not in self.host_programs[rank]:
+                self.to_host(rank, m.RegisterProgram(call.program, prog[0]), buffers=[prog[1]])
+                self.host_programs[rank].add(call.program)
+        for rank, piece in plan.sends:
+            self.to_host(rank, piece)
+        for rank, ex in plan.executes.items():
+            self.to_host(rank, ex)
+
+    def _device_info(self, d: int) -> m.DeviceInfo:
+        dev = self.rm.devices[d]
+        return m.DeviceInfo(dev.id, dev.host, dev.island, dev.local_index)
+
+    def _host_infos(self) -> list[m.HostInfo]:
+        return [m.HostInfo(h.rank, h.island, h.name, h.data_address,
+                           [self._device_info(d) for d in h.devices])
+                for h in self.rm.hosts.values() if h.alive]
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    from zpath import logs
+    from zpath.keys import key_from_env
+
+    p = argparse.ArgumentParser(prog="zpath controller", description="Run the zpath controller.")
+    p.add_argument("--bind", default="tcp://127.0.0.1:0",
+                   help="ZeroMQ address to listen on (port 0: pick a free one)")
+    p.add_argument("--address-file", help="write the address here once listening")
+    args = p.parse_args(argv)
+    logs.setup("controller")
+    ctl = Controller(key_from_env(), args.bind)
+    signal.signal(signal.SIGTERM, ctl.stop)
+    signal.signal(signal.SIGINT, ctl.stop)
+    if args.address_file:
+        tmp = args.address_file + ".tmp"
+        with open(tmp, "w") as f:
+            f.write(ctl.address + "\n")
+        os.replace(tmp, args.address_file)
+    print(f"zpath controller listening on {ctl.address}", flush=True)
+    ctl.serve_forever()
+    return 0

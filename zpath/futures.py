@@ -1,0 +1,109 @@
+"""Futures: handles to values that live on the workers."""
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import numpy as np
+
+from zpath import sharding
+from zpath.errors import DeadlineExceeded, ZpathError
+
+
+class Future:
+    """A value being computed (or already computed) on the cluster.
+
+    ``shape`` and ``dtype`` are known at once. ``result()`` or ``np.asarray()``
+    fetch the value from the workers; passing the future to another call does not
+    bring it back to this process."""
+
+    __slots__ = ("_client", "buffer", "shape", "dtype", "_devices", "_mesh_shape",
+                 "_axis_names", "_spec", "_lock", "_event", "_value", "_error", "_fetching",
+                 "__weakref__")
+
+    def __init__(self, client: Any, buffer: int, shape: tuple[int, ...], dtype: np.dtype,
+                 devices: list[int], mesh_shape: list[int], axis_names: list[str],
+                 spec: list) -> None:
+        self._client = client
+        self.buffer = buffer
+        self.shape = tuple(shape)
+        self.dtype = np.dtype(dtype)
+        self._devices = devices
+        self._mesh_shape = mesh_shape
+        self._axis_names = axis_names
+        self._spec = spec
+        self._lock = threading.Lock()
+        self._event = threading.Event()
+        self._value: np.ndarray | None = None
+        self._error: BaseException | None = None
+        self._fetching = False
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def size(self) -> int:
+        return int(np.prod(self.shape))
+
+    def _regions(self) -> list[sharding.Region]:
+        return sharding.regions(self.shape, self._mesh_shape, self._axis_names, self._spec)
+
+    def _resolve(self, value: np.ndarray) -> None:
+        with self._lock:
+            self._value = value
+            self._fetching = False
+            self._event.set()
+
+    def _fail(self, error: BaseException) -> None:
+        with self._lock:
+            if self._value is None:
+                self._error = error
+            self._fetching = False
+            self._event.set()
+
+    def done(self) -> bool:
+        """True once the value has been fetched or the future has failed."""
+        return self._event.is_set()
+
+    def result(self, timeout: float | None = None) -> np.ndarray:
+        """Fetch the value. Raises the remote error if the computation failed, and
+        :class:`~zpath.DeadlineExceeded` if it is not here within ``timeout``
+        seconds (default ``ZPATH_FETCH_TIMEOUT``, 600)."""
+        from zpath.client import FETCH_TIMEOUT_S
+
+        timeout = FETCH_TIMEOUT_S if timeout is None else timeout
+        with self._lock:
+            if self._error is not None:
+                raise self._error
+            if self._value is not None:
+                return self._value
+            if not self._fetching:
+                self._fetching = True
+                self._event.clear()
+                self._client.start_fetch(self, timeout)
+        if not self._event.wait(timeout):
+            with self._lock:
+                self._fetching = False
+            raise DeadlineExceeded(f"value of buffer {self.buffer} ({self.dtype}{list(self.shape)}) "
+                                   f"not fetched within {timeout:.1f}s")
+        with self._lock:
+            if self._error is not None:
+                raise self._error
+            assert self._value is not None
+            return self._value
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        value = self.result()
+        return value if dtype is None else value.astype(dtype)
+
+    def __repr__(self) -> str:
+        try:
+            return repr(self.result())
+        except ZpathError as e:
+            return f"<zpath.Future {self.dtype}{list(self.shape)} failed: {type(e).__name__}>"
+
+    def __len__(self) -> int:
+        if not self.shape:
+            raise TypeError("len() of a 0-d future")
+        return self.shape[0]

@@ -1,0 +1,160 @@
+"""Local launcher: starts a controller and one worker process per host on this
+machine, waits until every worker has registered, and stops them all.
+
+Every process it starts is stopped by pid: SIGTERM, then SIGKILL after a grace
+period (a process stuck inside XLA may ignore SIGTERM)."""
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+from zpath.errors import DeadlineExceeded, ZpathError
+from zpath.keys import new_key, write_key_file
+
+log = logging.getLogger(__name__)
+
+START_TIMEOUT_S = float(os.environ.get("ZPATH_START_TIMEOUT", "120"))
+GRACE_S = 5.0
+
+
+def _die_with_parent() -> None:
+    """In the child: get SIGKILL when the launching process dies (Linux)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def default_shape() -> dict[str, int]:
+    """A shape that suits a small machine: two single-host islands with two
+    devices each (one worker process per core on a 2-core machine)."""
+    return {"islands": 2, "hosts_per_island": 1, "devices_per_host": 2}
+
+
+class LocalCluster:
+    """A controller and ``islands * hosts_per_island`` workers on this machine."""
+
+    def __init__(self, islands: int = 2, hosts_per_island: int = 1, devices_per_host: int = 2, *,
+                 log_dir: str | None = None, bind_host: str = "127.0.0.1",
+                 start_timeout: float = START_TIMEOUT_S, env: dict[str, str] | None = None) -> None:
+        for name, v in (("islands", islands), ("hosts_per_island", hosts_per_island),
+                        ("devices_per_host", devices_per_host)):
+            if int(v) < 1:
+                raise ValueError(f"{name} must be at least 1, got {v}")
+        self.islands, self.hosts_per_island, self.devices_per_host = islands, hosts_per_island, devices_per_host
+        self.key = new_key()
+        self._own_dir = log_dir is None
+        self.dir = log_dir or tempfile.mkdtemp(prefix="zpath-")
+        os.makedirs(self.dir, exist_ok=True)
+        self.key_file = os.path.join(self.dir, "cluster.key")
+        write_key_file(self.key_file, self.key)
+        self.procs: list[tuple[str, subprocess.Popen]] = []
+        self.address = ""
+        self._env = dict(os.environ, **(env or {}))
+        self._env["ZPATH_KEY"] = self.key.hex()
+        self._env.pop("ZPATH_CONTROLLER", None)
+        try:
+            self._start(bind_host, start_timeout)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _spawn(self, name: str, args: list[str], env: dict[str, str]) -> subprocess.Popen:
+        out = open(os.path.join(self.dir, f"{name}.log"), "ab")
+        p = subprocess.Popen([sys.executable, "-m", *args], stdout=out, stderr=subprocess.STDOUT,
+                             stdin=subprocess.DEVNULL, env=env, preexec_fn=_die_with_parent)
+        out.close()
+        self.procs.append((name, p))
+        return p
+
+    def _start(self, bind_host: str, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        addr_file = os.path.join(self.dir, "controller.address")
+        ctl = self._spawn("controller", ["zpath.controller", "--bind", f"tcp://{bind_host}:0",
+                                         "--address-file", addr_file], self._env)
+        while not os.path.exists(addr_file):
+            self._check_alive(deadline)
+            time.sleep(0.02)
+        with open(addr_file) as f:
+            self.address = f.read().strip()
+        wenv = dict(self._env)
+        flags = [f for f in wenv.get("XLA_FLAGS", "").split()
+                 if not f.startswith("--xla_force_host_platform_device_count")]
+        wenv["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={self.devices_per_host}"])
+        for island in range(self.islands):
+            for h in range(self.hosts_per_island):
+                self._spawn(f"worker-i{island}-h{h}", ["zpath.worker", "--controller", self.address,
+                                                       "--island", str(island), "--bind-host", bind_host,
+                                                       "--name", f"local-i{island}-h{h}"], wenv)
+        self._wait_registered(deadline)
+        log.info("local cluster up at %s (pid %d), logs in %s", self.address, ctl.pid, self.dir)
+
+    def _check_alive(self, deadline: float) -> None:
+        for name, p in self.procs:
+            if p.poll() is not None:
+                raise ZpathError(f"{name} exited with code {p.returncode} during start-up:\n"
+                                 f"{self.log_tail(name)}")
+        if time.monotonic() > deadline:
+            raise DeadlineExceeded(f"local cluster did not start in time; logs in {self.dir}")
+
+    def _wait_registered(self, deadline: float) -> None:
+        from zpath.client import Client
+        from zpath.net import messages as m
+
+        want = self.islands * self.hosts_per_island
+        c = Client(self.address, self.key, name="launcher")
+        try:
+            while True:
+                status = c.request(m.StatusRequest(False))
+                if len(status.hosts) >= want:
+                    return
+                self._check_alive(deadline)
+                time.sleep(0.1)
+        finally:
+            c.close()
+
+    def log_tail(self, name: str, lines: int = 30) -> str:
+        try:
+            with open(os.path.join(self.dir, f"{name}.log"), errors="replace") as f:
+                return "".join(f.readlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for _, p in self.procs]
+
+    def stop(self, grace: float = GRACE_S) -> None:
+        """Stop every process this cluster started: SIGTERM, then SIGKILL."""
+        for _, p in reversed(self.procs):
+            if p.poll() is None:
+                try:
+                    p.send_signal(signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+        deadline = time.monotonic() + grace
+        for name, p in self.procs:
+            try:
+                p.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                log.warning("%s (pid %d) ignored SIGTERM; killing it", name, p.pid)
+                p.kill()
+                p.wait(5)
+        self.procs.clear()
+        if self._own_dir and not os.environ.get("ZPATH_KEEP_LOGS"):
+            shutil.rmtree(self.dir, ignore_errors=True)
+
+    def __enter__(self) -> "LocalCluster":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()

@@ -1,0 +1,17 @@
+"""Logging set-up: every line carries the process role and host rank."""
+from __future__ import annotations
+
+import logging
+import os
+
+
+def setup(role: str, level: str | None = None) -> None:
+    level = level or os.environ.get("ZPATH_LOG_LEVEL", "INFO")
+    root = logging.getLogger()
+    for h in list(root.handlers):
+        root.removeHandler(h)
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter(
+        f"%(asctime)s {role} %(name)s %(levelname)s: %(message)s"))
+    root.addHandler(handler)
+    root.setLevel(level.upper())

@@ -1,0 +1,308 @@
+"""Every message type of the zpath protocol, in one place (see docs/protocol.md).
+
+Conventions: ids are plain ints; a *region* is the part of a global array one
+shard holds, as ``[[start, stop], ...]`` per dimension; a *spec* is a
+PartitionSpec as a list with one entry per array dimension, each ``None``, an
+axis name, or a list of axis names.
+"""
+from __future__ import annotations
+
+from zpath.net.codec import Record, message, record
+
+Region = list[list[int]]
+Spec = list[None | str | list[str]]
+
+
+# ---- shared records ---------------------------------------------------------
+
+@record
+class ErrorInfo(Record):
+    kind: str                # "RemoteError", "HostLost", "DeadlineExceeded", ...
+    message: str
+    host: int | None
+    computation: str
+    traceback: str
+
+
+@record
+class DeviceInfo(Record):
+    id: int                  # global (physical) device id, assigned by the controller
+    host: int                # host rank
+    island: int
+    local_index: int         # index into the worker's jax.local_devices()
+
+
+@record
+class HostInfo(Record):
+    rank: int
+    island: int
+    name: str
+    data_address: str
+    devices: list[DeviceInfo]
+
+
+@record
+class Aval(Record):
+    shape: list[int]
+    dtype: str
+
+
+
+@record
+class CallInput(Record):
+    buffer: int
+    aval: Aval
+    spec: Spec
+    put: bool
+
+@record
+class CallOutput(Record):
+    buffer: int
+    aval: Aval
+    spec: Spec
+
+@record
+class PieceSource(Record):
+    """Where one piece of an input shard comes from: a local shard
+    (``piece_id == 0``) or a piece another worker sends (``piece_id > 0``).
+    ``sub`` is the piece's region in global coordinates."""
+    piece_id: int
+    device: int
+    region: Region
+    sub: Region
+
+@record
+class ShardInput(Record):
+    """One local device's shard of an input. No pieces: the shard is already
+    in the store under (buffer, device, region)."""
+    device: int
+    region: Region
+    pieces: list[PieceSource]
+
+@record
+class ExecInput(Record):
+    buffer: int
+    aval: Aval
+    spec: Spec
+    shards: list[ShardInput]
+
+@record
+class ExecOutput(Record):
+    buffer: int
+    aval: Aval
+    spec: Spec
+
+
+# ---- handshake and errors (any peer) ----------------------------------------
+
+@message(1)
+class Error(Record):
+    """Reply to a message that could not be accepted."""
+    code: str                # "protocol", "bad_request", "not_found", ...
+    message: str
+
+
+@message(2)
+class Hello(Record):
+    """Client -> controller, first message on a connection."""
+    name: str
+    protocol: int
+
+
+@message(3)
+class Welcome(Record):
+    """Controller -> client, answer to Hello."""
+    client_id: int
+    hosts: list[HostInfo]
+
+
+@message(4)
+class RegisterWorker(Record):
+    """Worker -> controller, first message on a connection."""
+    name: str
+    island: int
+    data_address: str
+    pid: int
+    platform: str
+    num_devices: int
+    protocol: int
+
+
+@message(5)
+class Registered(Record):
+    """Controller -> worker, answer to RegisterWorker."""
+    rank: int
+    devices: list[DeviceInfo]
+
+
+@message(6)
+class Goodbye(Record):
+    """Client -> controller: the client disconnects."""
+    reason: str
+
+
+@message(7)
+class Ping(Record):
+    seq: int
+
+
+@message(8)
+class Pong(Record):
+    seq: int
+
+
+@message(9)
+class Shutdown(Record):
+    """Controller -> worker: exit now."""
+    reason: str
+
+
+# ---- resources and status ---------------------------------------------------
+
+@message(20)
+class AllocSlice(Record):
+    """Client -> controller: allocate ``devices`` virtual devices."""
+    devices: int
+    island: int | None
+    host: int | None
+
+
+@message(21)
+class SliceAllocated(Record):
+    slice_id: int
+    devices: list[DeviceInfo]
+
+
+@message(22)
+class StatusRequest(Record):
+    verbose: bool
+
+
+@message(23)
+class Status(Record):
+    hosts: list[HostInfo]
+    clients: list[str]
+    buffers: int
+    programs: int
+    calls: int
+
+
+# ---- programs and calls -----------------------------------------------------
+
+@message(30)
+class RegisterProgram(Record):
+    """Client -> controller and controller -> worker. One buffer: the
+    ``jax.export`` serialisation, whose sha256 hex is ``digest``."""
+    digest: str
+    name: str
+
+
+@message(31)
+class Call(Record):
+    """Client -> controller: run a registered program on a mesh of devices.
+
+    ``inputs`` name buffers (existing ones, or ones the client has put straight
+    onto the workers in the input's layout when ``put`` is true)."""
+    call_id: int
+    program: str
+    mesh_shape: list[int]
+    axis_names: list[str]
+    devices: list[int]       # global device ids, mesh positions in row-major order
+    inputs: list[CallInput]
+    outputs: list[CallOutput]
+
+
+
+
+
+
+@message(32)
+class CallFailed(Record):
+    """Controller -> client: a call was rejected before it ran."""
+    call_id: int
+    buffers: list[int]
+    error: ErrorInfo
+
+
+@message(33)
+class Execute(Record):
+    """Controller -> worker: this host's part of one computation."""
+    exec_id: int
+    program: str
+    name: str
+    mesh_shape: list[int]
+    axis_names: list[str]
+    devices: list[int]
+    inputs: list[ExecInput]
+    outputs: list[ExecOutput]
+
+
+
+
+
+
+
+
+
+
+@message(34)
+class ExecDone(Record):
+    """Worker -> controller: a computation finished (error is None) or failed."""
+    exec_id: int
+    error: ErrorInfo | None
+
+
+@message(35)
+class SendPiece(Record):
+    """Controller -> worker: send part ``sub`` of shard (buffer, device, region)
+    to host ``dst_host`` as piece ``piece_id``."""
+    piece_id: int
+    buffer: int
+    device: int
+    region: Region
+    sub: Region
+    dst_host: int
+    dst_address: str
+
+
+@message(36)
+class Free(Record):
+    """Controller -> worker: drop every shard of these buffers."""
+    buffers: list[int]
+
+
+# ---- data plane (worker data port) ------------------------------------------
+
+@message(50)
+class Put(Record):
+    """Client -> worker: one shard of a client value. One buffer: the bytes."""
+    buffer: int
+    device: int
+    region: Region
+    aval: Aval               # the shard's shape and dtype
+
+
+@message(51)
+class Piece(Record):
+    """Worker -> worker: one piece of a shard. One buffer unless ``error``."""
+    piece_id: int
+    aval: Aval
+    error: ErrorInfo | None
+
+
+@message(52)
+class Fetch(Record):
+    """Client -> worker: send me shard (buffer, device, region)."""
+    request: int
+    buffer: int
+    device: int
+    region: Region
+    timeout_s: float
+
+
+@message(53)
+class FetchReply(Record):
+    """Worker -> client. One buffer unless ``error``."""
+    request: int
+    aval: Aval
+    error: ErrorInfo | None

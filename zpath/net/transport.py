@@ -1,0 +1,136 @@
+"""Socket helpers shared by the controller, workers and clients.
+
+ZeroMQ sockets are not thread-safe, so each process has one I/O thread that owns
+its sockets. Other threads hand it outgoing messages through an :class:`Outbox`,
+which wakes the I/O thread through a pipe it polls next to its sockets.
+"""
+from __future__ import annotations
+
+import collections
+import itertools
+import logging
+import os
+import random
+import threading
+import time
+from typing import Any, Sequence
+
+import zmq
+
+from zpath.errors import ProtocolError
+from zpath.net import codec
+from zpath.net.codec import Header, Record
+
+log = logging.getLogger(__name__)
+
+# frames at or above this size are sent without copying
+ZERO_COPY_BYTES = 64 << 10
+
+
+class Endpoint:
+    """Signs, numbers and checks the messages of one process."""
+
+    def __init__(self, key: bytes, sender: str) -> None:
+        if len(key) < 16:
+            raise ValueError("cluster key must be at least 16 bytes")
+        self.key = key
+        self.sender = sender
+        self._ids = itertools.count(1)
+
+    def next_id(self) -> int:
+        return next(self._ids)
+
+    def send(self, sock: zmq.Socket, msg: Record, *, to: bytes | None = None,
+             parent: int = 0, buffers: Sequence[Any] = (), msg_id: int = 0) -> int:
+        msg_id = msg_id or self.next_id()
+        frames = codec.encode(self.key, msg, msg_id=msg_id, sender=self.sender,
+                              parent=parent, buffers=buffers)
+        if to is not None:
+            frames.insert(0, to)
+        big = any(memoryview(b).nbytes >= ZERO_COPY_BYTES for b in buffers)
+        sock.send_multipart(frames, copy=not big)
+        return msg_id
+
+    def recv(self, sock: zmq.Socket, *, router: bool = False
+             ) -> tuple[bytes | None, Header, Record, list[memoryview]]:
+        """Receive one message. On a bad message raises :class:`BadMessage`
+        carrying what is known about its sender, so the caller can answer."""
+        frames = sock.recv_multipart(copy=False)
+        ident = None
+        if router:
+            ident = frames[0].bytes
+            frames = frames[1:]
+        try:
+            header, msg, buffers = codec.decode(self.key, frames)
+        except ProtocolError as e:
+            raise BadMessage(str(e), ident, codec.decode_header(frames)) from None
+        return ident, header, msg, buffers
+
+
+class BadMessage(ProtocolError):
+    def __init__(self, text: str, ident: bytes | None, header: Header | None) -> None:
+        super().__init__(text)
+        self.ident = ident
+        self.header = header
+
+
+class Outbox:
+    """Thread-safe queue of outgoing messages, drained by the I/O thread."""
+
+    def __init__(self) -> None:
+        self._items: collections.deque[tuple] = collections.deque()
+        self._r, self._w = os.pipe()
+        os.set_blocking(self._r, False)
+        os.set_blocking(self._w, False)
+        self._armed = threading.Event()
+
+    @property
+    def fd(self) -> int:
+        return self._r
+
+    def put(self, *item: Any) -> None:
+        self._items.append(item)
+        if not self._armed.is_set():
+            self._armed.set()
+            try:
+                os.write(self._w, b"x")
+            except BlockingIOError:
+                pass
+
+    def drain(self) -> list[tuple]:
+        self._armed.clear()
+        try:
+            while os.read(self._r, 4096):
+                pass
+        except BlockingIOError:
+            pass
+        out = []
+        while self._items:
+            out.append(self._items.popleft())
+        return out
+
+    def close(self) -> None:
+        for fd in (self._r, self._w):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+
+def backoff(attempt: int, base: float = 0.05, cap: float = 2.0) -> float:
+    """Capped, jittered exponential backoff in seconds."""
+    return random.uniform(0.5, 1.0) * min(cap, base * (2 ** attempt))
+
+
+def deadline_in(seconds: float | None) -> float | None:
+    return None if seconds is None else time.monotonic() + seconds
+
+
+def remaining(deadline: float | None) -> float | None:
+    return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+
+def make_context() -> zmq.Context:
+    ctx = zmq.Context()
+    ctx.setsockopt(zmq.LINGER, 0)
+    return ctx

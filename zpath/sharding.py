@@ -1,0 +1,117 @@
+"""Pure sharding arithmetic shared by the client and the controller.
+
+A *spec* (PartitionSpec) gives, per array dimension, ``None`` or the mesh axes
+that split it. A *region* is the block of the global array one device holds:
+``((start, stop), ...)`` per dimension. These functions compute, without any
+devices, what ``NamedSharding(mesh, spec).devices_indices_map(shape)`` computes.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Iterable, Sequence
+
+Region = tuple[tuple[int, int], ...]
+SpecEntry = None | str | tuple[str, ...]
+
+
+def normalize_spec(spec: Any, ndim: int, axis_names: Sequence[str]) -> list[None | str | list[str]]:
+    """A PartitionSpec (or sequence) as a wire-ready list of length ``ndim``."""
+    entries = list(spec) if spec is not None else []
+    if len(entries) > ndim:
+        raise ValueError(f"spec {spec} has {len(entries)} entries for an array of rank {ndim}")
+    out: list[None | str | list[str]] = []
+    used: set[str] = set()
+    for e in entries + [None] * (ndim - len(entries)):
+        names = [] if e is None else [e] if isinstance(e, str) else list(e)
+        for n in names:
+            if n not in axis_names:
+                raise ValueError(f"spec {spec} names axis {n!r}; mesh axes are {tuple(axis_names)}")
+            if n in used:
+                raise ValueError(f"spec {spec} uses axis {n!r} twice")
+            used.add(n)
+        out.append(None if not names else names[0] if len(names) == 1 and isinstance(e, str) else names)
+    return out
+
+
+def _axes(entry: None | str | Sequence[str]) -> list[str]:
+    return [] if entry is None else [entry] if isinstance(entry, str) else list(entry)
+
+
+def regions(shape: Sequence[int], mesh_shape: Sequence[int], axis_names: Sequence[str],
+            spec: Sequence[None | str | Sequence[str]]) -> list[Region]:
+    """Region of every mesh position (row-major order of the mesh)."""
+    sizes = dict(zip(axis_names, mesh_shape, strict=True))
+    parts = []
+    for d, entry in enumerate(spec):
+        axes = _axes(entry)
+        n = math.prod(sizes[a] for a in axes)
+        if shape[d] % n:
+            raise ValueError(f"dimension {d} of size {shape[d]} is not divisible by "
+                             f"{n} (mesh axes {axes})")
+        parts.append((axes, n))
+    out = []
+    for pos in _positions(mesh_shape):
+        coord = dict(zip(axis_names, pos, strict=True))
+        reg = []
+        for d, size in enumerate(shape):
+            if d >= len(parts) or not parts[d][0]:
+                reg.append((0, size))
+                continue
+            axes, n = parts[d]
+            idx = 0
+            for a in axes:
+                idx = idx * sizes[a] + coord[a]
+            step = size // n
+            reg.append((idx * step, (idx + 1) * step))
+        out.append(tuple(reg))
+    return out
+
+
+def _positions(mesh_shape: Sequence[int]) -> Iterable[tuple[int, ...]]:
+    if not mesh_shape:
+        yield ()
+        return
+    total = math.prod(mesh_shape)
+    for flat in range(total):
+        pos = []
+        for s in reversed(mesh_shape):
+            pos.append(flat % s)
+            flat //= s
+        yield tuple(reversed(pos))
+
+
+def intersect(a: Region, b: Region) -> Region | None:
+    out = []
+    for (a0, a1), (b0, b1) in zip(a, b, strict=True):
+        lo, hi = max(a0, b0), min(a1, b1)
+        if lo >= hi:
+            return None
+        out.append((lo, hi))
+    return tuple(out)
+
+
+def contains(outer: Region, inner: Region) -> bool:
+    return all(o0 <= i0 and i1 <= o1 for (o0, o1), (i0, i1) in zip(outer, inner, strict=True))
+
+
+def local_slices(inner: Region, outer: Region) -> tuple[slice, ...]:
+    """Slices that cut ``inner`` out of an array holding ``outer``."""
+    return tuple(slice(i0 - o0, i1 - o0) for (i0, i1), (o0, _) in zip(inner, outer, strict=True))
+
+
+def region_shape(r: Region) -> tuple[int, ...]:
+    return tuple(b - a for a, b in r)
+
+
+def region_from_index(index: Sequence[slice], shape: Sequence[int]) -> Region:
+    """Region of a JAX shard index (tuple of slices)."""
+    return tuple((s.start or 0, size if s.stop is None else s.stop)
+                 for s, size in zip(index, shape, strict=True))
+
+
+def to_wire(r: Region) -> list[list[int]]:
+    return [[a, b] for a, b in r]
+
+
+def from_wire(r: Sequence[Sequence[int]]) -> Region:
+    return tuple((int(a), int(b)) for a, b in r)

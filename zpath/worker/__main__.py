@@ -1,0 +1,5 @@
+import sys
+
+from zpath.worker.server import main
+
+sys.exit(main())

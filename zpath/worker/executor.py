@@ -1,0 +1,180 @@
+"""Runs computations, one at a time, in the order they were dispatched.
+
+Inputs are assembled from local shards and from pieces sent by other hosts; a
+failed input poisons the outputs with the same root cause instead of running."""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import traceback
+from typing import Any, Callable
+
+import numpy as np
+
+from zpath import sharding
+from zpath.net import messages as m
+from zpath.worker.store import Store, shard_key
+
+log = logging.getLogger(__name__)
+
+INPUT_TIMEOUT_S = 300.0
+
+
+class InputError(Exception):
+    def __init__(self, error: m.ErrorInfo) -> None:
+        super().__init__(error.message)
+        self.error = error
+
+
+class Executor:
+    def __init__(self, store: Store, local_devices: dict[int, Any],
+                 on_done: Callable[[int, m.ErrorInfo | None], None],
+                 input_timeout_s: float = INPUT_TIMEOUT_S) -> None:
+        """``local_devices`` maps global device id -> jax Device."""
+        import jax
+
+        self.jax = jax
+        self.store = store
+        self.devices = local_devices
+        self.gid = {d: g for g, d in local_devices.items()}
+        self.on_done = on_done
+        self.input_timeout_s = input_timeout_s
+        self.rank: int | None = None
+        self.programs: dict[str, Any] = {}          # digest -> jax.export.Exported
+        self.compiled: dict[tuple, Any] = {}        # (digest, devices, specs) -> callable
+        self.queue: queue.Queue[m.Execute | None] = queue.Queue()
+        self.thread = threading.Thread(target=self._run, name="executor", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def stop(self) -> None:
+        self.queue.put(None)
+
+    def add_program(self, digest: str, blob: bytes) -> None:
+        if digest not in self.programs:
+            self.programs[digest] = blob     # deserialised lazily on the executor thread
+
+    def submit(self, ex: m.Execute) -> None:
+        self.queue.put(ex)
+
+    # ---- executor thread -----------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            ex = self.queue.get()
+            if ex is None:
+                return
+            error = None
+            try:
+                self._execute(ex)
+            except InputError as e:
+                error = e.error
+            except Exception as e:
+                error = m.ErrorInfo("RemoteError", f"{type(e).__name__}: {e}", self.rank, ex.name,
+                                    traceback.format_exc())
+                log.warning("computation %d (%s) failed: %s", ex.exec_id, ex.name, error.message)
+            if error is not None:
+                for o in ex.outputs:
+                    self._poison_output(ex, o, error)
+            self.on_done(ex.exec_id, error)
+
+    def _poison_output(self, ex: m.Execute, o: m.ExecOutput, error: m.ErrorInfo) -> None:
+        regs = sharding.regions(o.aval.shape, ex.mesh_shape, ex.axis_names, o.spec)
+        for d, r in zip(ex.devices, regs, strict=True):
+            if d in self.devices:
+                self.store.set(shard_key(o.buffer, d, r), error=error)
+
+    def _execute(self, ex: m.Execute) -> None:
+        jax = self.jax
+        from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+        mesh_devices = np.array([self.devices[d] for d in ex.devices], dtype=object)
+        mesh = Mesh(mesh_devices.reshape(ex.mesh_shape), tuple(ex.axis_names))
+
+        def named(spec: list) -> NamedSharding:
+            return NamedSharding(mesh, PartitionSpec(*[tuple(e) if isinstance(e, list) else e
+                                                       for e in spec]))
+        args, first_error = [], None
+        for inp in ex.inputs:
+            shards = []
+            for s in inp.shards:
+                try:
+                    shards.append(self._input_shard(inp, s))
+                except InputError as e:   # keep going: every promised shard gets settled
+                    first_error = first_error or e
+            if first_error is None:
+                args.append(jax.make_array_from_single_device_arrays(
+                    tuple(inp.aval.shape), named(inp.spec), shards))
+        if first_error is not None:
+            raise first_error
+        fn = self._compiled(ex, named)
+        outs = fn(*args)
+        # Run to completion before the next computation: a failure is reported
+        # against the computation that caused it, and XLA:CPU collectives never
+        # overlap on the same devices (see ARCHITECTURE.md, section 2).
+        jax.block_until_ready(outs)
+        for o, out in zip(ex.outputs, outs, strict=True):
+            shape = tuple(o.aval.shape)
+            for sh in out.addressable_shards:
+                region = sharding.region_from_index(sh.index, shape)
+                self.store.set(shard_key(o.buffer, self.gid[sh.device], region), sh.data)
+
+    def _compiled(self, ex: m.Execute, named: Callable) -> Callable:
+        key = (ex.program, tuple(ex.devices), tuple(ex.mesh_shape), tuple(ex.axis_names),
+               repr([i.spec for i in ex.inputs]), repr([o.spec for o in ex.outputs]))
+        fn = self.compiled.get(key)
+        if fn is None:
+            exported = self.programs.get(ex.program)
+            if exported is None:
+                raise RuntimeError(f"program {ex.program[:12]} was never sent to this host")
+            if isinstance(exported, bytes):
+                exported = self.programs[ex.program] = self.jax.export.deserialize(bytearray(exported))
+            jitted = self.jax.jit(lambda *a: tuple(self.jax.tree_util.tree_leaves(exported.call(*a))),
+                                  in_shardings=tuple(named(i.spec) for i in ex.inputs),
+                                  out_shardings=tuple(named(o.spec) for o in ex.outputs))
+            fn = self.compiled[key] = jitted
+            log.debug("compiled %s for devices %s", ex.name, ex.devices)
+        return fn
+
+    def _input_shard(self, inp: m.ExecInput, s: m.ShardInput) -> Any:
+        """The input shard for one local device: already stored, or assembled
+        from pieces (and then stored, so later calls reuse it)."""
+        key = shard_key(inp.buffer, s.device, s.region)
+        if not s.pieces:
+            return self._wait(key, inp.buffer)
+        region = sharding.from_wire(s.region)
+        dev = self.devices[s.device]
+        try:
+            if len(s.pieces) == 1 and s.pieces[0].piece_id == 0 and \
+                    sharding.from_wire(s.pieces[0].region) == region:
+                p = s.pieces[0]        # same region on another local device
+                value = self.jax.device_put(
+                    self._wait(shard_key(inp.buffer, p.device, p.region), inp.buffer), dev)
+            else:
+                out = np.empty(sharding.region_shape(region), dtype=np.dtype(inp.aval.dtype))
+                for p in s.pieces:
+                    sub = sharding.from_wire(p.sub)
+                    if p.piece_id == 0:
+                        src = self._wait(shard_key(inp.buffer, p.device, p.region), inp.buffer)
+                        data = np.asarray(src)[sharding.local_slices(sub, sharding.from_wire(p.region))]
+                    else:
+                        data = self._wait(("p", p.piece_id), inp.buffer)
+                        self.store.pop(("p", p.piece_id))
+                    out[sharding.local_slices(sub, region)] = data
+                value = self.jax.device_put(out, dev)
+        except InputError as e:
+            self.store.set(key, error=e.error)
+            raise
+        self.store.set(key, value)
+        return value
+
+    def _wait(self, key: tuple, buffer: int) -> Any:
+        e = self.store.entry(key)
+        if not e.event.wait(self.input_timeout_s):
+            err = m.ErrorInfo("DeadlineExceeded", f"input buffer {buffer} did not arrive within "
+                              f"{self.input_timeout_s:.0f}s", self.rank, "", "")
+            self.store.set(key, error=err)
+        if e.error is not None:
+            raise InputError(e.error)
+        return e.value

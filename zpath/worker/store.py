@@ -1,0 +1,80 @@
+"""The worker's shard of the object store.
+
+Keys are ``("s", buffer, device, region)`` for shards and ``("p", piece_id)``
+for pieces in transit. An entry is created by whoever first names it (a waiter
+or the producer) and is *done* once it has a value or an error."""
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable, Hashable
+
+from zpath.net import messages as m
+
+
+class Entry:
+    __slots__ = ("value", "error", "event", "callbacks")
+
+    def __init__(self) -> None:
+        self.value: Any = None
+        self.error: m.ErrorInfo | None = None
+        self.event = threading.Event()
+        self.callbacks: list[Callable[["Entry"], None]] = []
+
+    @property
+    def done(self) -> bool:
+        return self.event.is_set()
+
+
+class Store:
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._entries: dict[Hashable, Entry] = {}
+
+    def entry(self, key: Hashable) -> Entry:
+        with self._lock:
+            e = self._entries.get(key)
+            if e is None:
+                e = self._entries[key] = Entry()
+            return e
+
+    def set(self, key: Hashable, value: Any = None, error: m.ErrorInfo | None = None) -> None:
+        e = self.entry(key)
+        with self._lock:
+            if e.done:
+                return
+            e.value, e.error = value, error
+            e.event.set()
+            callbacks, e.callbacks = e.callbacks, []
+        for cb in callbacks:
+            cb(e)
+
+    def when_done(self, key: Hashable, cb: Callable[[Entry], None]) -> None:
+        """Call ``cb(entry)`` once the entry is done (now, if it already is)."""
+        e = self.entry(key)
+        with self._lock:
+            if not e.done:
+                e.callbacks.append(cb)
+                return
+        cb(e)
+
+    def pop(self, key: Hashable) -> None:
+        with self._lock:
+            self._entries.pop(key, None)
+
+    def free_buffers(self, buffers: set[int]) -> int:
+        with self._lock:
+            keys = [k for k in self._entries if k[0] == "s" and k[1] in buffers]
+            for k in keys:
+                del self._entries[k]
+        return len(keys)
+
+    def stats(self) -> tuple[int, int]:
+        """(number of shards, bytes held by done shards)."""
+        with self._lock:
+            shards = [e for k, e in self._entries.items() if k[0] == "s"]
+        nbytes = sum(getattr(e.value, "nbytes", 0) for e in shards if e.done)
+        return len(shards), nbytes
+
+
+def shard_key(buffer: int, device: int, region: Any) -> tuple:
+    return ("s", buffer, device, tuple(tuple(x) for x in region))
