@@ -243,7 +243,7 @@ class Computation:
             buf = client.new_buffer_id()
             regs = sharding.regions(shape, mesh_shape, names, spec)
             for d, r in zip(devices, regs, strict=True):
-                data = np.ascontiguousarray(x[tuple(slice(a, b) for a, b in r)])
+                data = sharding.cut(x, r)
                 client.put(client.devices[d].host, m.Put(buf, d, sharding.to_wire(r),
                                                          m.Aval(list(data.shape), dtype.name)), data)
             inputs.append(m.CallInput(buf, aval, spec, True))

@@ -150,7 +150,7 @@ class Client:
     def track(self, future: Any) -> None:
         self._futures[future.buffer] = future
 
-    def start_fetch(self, future: Any, timeout: float) -> None:
+    def start_fetch(self, future: Any, timeout: float) -> "_Fetch":
         """Ask the workers for every distinct shard of ``future``; the I/O thread
         sets the future's value when all have arrived."""
         self._check_open()
@@ -168,6 +168,7 @@ class Client:
         for req, (r, d) in requests.items():
             self.outbox.put("data", self.devices[d].host,
                             m.Fetch(req, future.buffer, d, sharding.to_wire(r), timeout), (), req)
+        return fetch
 
     def close(self) -> None:
         if self._closed:
@@ -181,7 +182,7 @@ class Client:
             if not fut.done():
                 fut.set_exception(err)
         for fetch in set(self._fetches.values()):
-            fetch.future._fail(err)
+            fetch.future._fetched(fetch, None, err)
 
     # ---- I/O thread ----------------------------------------------------------
     def _data_sock(self, host: int) -> zmq.Socket:
@@ -240,7 +241,7 @@ class Client:
                     return
                 if msg.error is not None:
                     self._forget(fetch)
-                    fetch.future._fail(error_from_info(msg.error))
+                    fetch.future._fetched(fetch, None, error_from_info(msg.error))
                     return
                 dtype = np.dtype(fetch.future.dtype)
                 fetch.parts[msg.request] = np.frombuffer(buffers[0], dtype=dtype).reshape(msg.aval.shape)
@@ -258,7 +259,7 @@ class Client:
                 fetch = self._fetches.pop(parent, None)
                 if fetch is not None:
                     self._forget(fetch)
-                    fetch.future._fail(Broken(f"worker refused a request: {msg.message}"))
+                    fetch.future._fetched(fetch, None, Broken(f"worker refused a request: {msg.message}"))
                 else:
                     log.warning("zpath: %s: %s", msg.code, msg.message)
             case _ if parent in self._pending:
@@ -280,4 +281,4 @@ class Client:
             value = np.empty(fut.shape, dtype=np.dtype(fut.dtype))
             for req, r in fetch.regions.items():
                 value[sharding.local_slices(r, tuple((0, s) for s in fut.shape))] = fetch.parts[req]
-        fut._resolve(value)
+        fut._fetched(fetch, value, None)

@@ -18,7 +18,8 @@ class Future:
     bring it back to this process."""
 
     __slots__ = ("_client", "buffer", "shape", "dtype", "_devices", "_mesh_shape",
-                 "_axis_names", "_spec", "_lock", "_event", "_value", "_error", "_fetching",
+                 "_axis_names", "_spec", "_lock", "_event", "_value", "_error", "_fetch",
+                 "_fetch_error",
                  "__weakref__")
 
     def __init__(self, client: Any, buffer: int, shape: tuple[int, ...], dtype: np.dtype,
@@ -35,8 +36,9 @@ class Future:
         self._lock = threading.Lock()
         self._event = threading.Event()
         self._value: np.ndarray | None = None
-        self._error: BaseException | None = None
-        self._fetching = False
+        self._error: BaseException | None = None       # the call failed: final
+        self._fetch: Any = None                         # the fetch being waited on
+        self._fetch_error: BaseException | None = None  # how the last fetch failed
 
     @property
     def ndim(self) -> int:
@@ -49,22 +51,29 @@ class Future:
     def _regions(self) -> list[sharding.Region]:
         return sharding.regions(self.shape, self._mesh_shape, self._axis_names, self._spec)
 
-    def _resolve(self, value: np.ndarray) -> None:
+    def _fetched(self, fetch: Any, value: np.ndarray | None, error: BaseException | None) -> None:
+        """Outcome of one fetch; ignored unless it is the fetch being waited on."""
         with self._lock:
-            self._value = value
-            self._fetching = False
+            if fetch is not self._fetch:
+                return
+            self._fetch = None
+            if error is None:
+                self._value = value
+            else:
+                self._fetch_error = error
             self._event.set()
 
     def _fail(self, error: BaseException) -> None:
+        """The call that produces this value failed: every fetch raises ``error``."""
         with self._lock:
             if self._value is None:
                 self._error = error
-            self._fetching = False
+            self._fetch = None
             self._event.set()
 
     def done(self) -> bool:
-        """True once the value has been fetched or the future has failed."""
-        return self._event.is_set()
+        """True once the value is here or the call is known to have failed."""
+        return self._value is not None or self._error is not None
 
     def result(self, timeout: float | None = None) -> np.ndarray:
         """Fetch the value. Raises the remote error if the computation failed, and
@@ -78,20 +87,23 @@ class Future:
                 raise self._error
             if self._value is not None:
                 return self._value
-            if not self._fetching:
-                self._fetching = True
+            if self._fetch is None:
+                self._fetch_error = None
                 self._event.clear()
-                self._client.start_fetch(self, timeout)
-        if not self._event.wait(timeout):
-            with self._lock:
-                self._fetching = False
-            raise DeadlineExceeded(f"value of buffer {self.buffer} ({self.dtype}{list(self.shape)}) "
-                                   f"not fetched within {timeout:.1f}s")
+                self._fetch = self._client.start_fetch(self, timeout)
+            fetch = self._fetch
+        arrived = self._event.wait(timeout)
         with self._lock:
             if self._error is not None:
                 raise self._error
-            assert self._value is not None
-            return self._value
+            if self._value is not None:
+                return self._value
+            if self._fetch_error is not None and self._fetch is None:
+                raise self._fetch_error
+            if not arrived and self._fetch is fetch:
+                self._fetch = None     # a later result() asks again
+            raise DeadlineExceeded(f"value of buffer {self.buffer} ({self.dtype}{list(self.shape)}) "
+                                   f"not fetched within {timeout:.1f}s")
 
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
         value = self.result()

@@ -25,13 +25,21 @@ START_TIMEOUT_S = float(os.environ.get("ZPATH_START_TIMEOUT", "120"))
 GRACE_S = 5.0
 
 
-def _die_with_parent() -> None:
-    """In the child: get SIGKILL when the launching process dies (Linux)."""
+def die_with_parent() -> None:
+    """Called early in a controller or worker started by this launcher: ask the
+    kernel for SIGKILL when the launching process dies (Linux), so a crashed
+    launcher leaves no orphans. Done in the child, not with ``preexec_fn``, which
+    would force a plain fork() of a multithreaded (JAX) parent."""
+    parent = os.environ.pop("ZPATH_PARENT_PID", None)
+    if not parent:
+        return
     try:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
         libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != int(parent):   # the parent died before we asked
+        os._exit(1)
 
 
 def default_shape() -> dict[str, int]:
@@ -61,6 +69,7 @@ class LocalCluster:
         self.address = ""
         self._env = dict(os.environ, **(env or {}))
         self._env["ZPATH_KEY"] = self.key.hex()
+        self._env["ZPATH_PARENT_PID"] = str(os.getpid())
         self._env.pop("ZPATH_CONTROLLER", None)
         try:
             self._start(bind_host, start_timeout)
@@ -71,7 +80,7 @@ class LocalCluster:
     def _spawn(self, name: str, args: list[str], env: dict[str, str]) -> subprocess.Popen:
         out = open(os.path.join(self.dir, f"{name}.log"), "ab")
         p = subprocess.Popen([sys.executable, "-m", *args], stdout=out, stderr=subprocess.STDOUT,
-                             stdin=subprocess.DEVNULL, env=env, preexec_fn=_die_with_parent)
+                             stdin=subprocess.DEVNULL, env=env)
         out.close()
         self.procs.append((name, p))
         return p

@@ -41,9 +41,20 @@ def regions(shape: Sequence[int], mesh_shape: Sequence[int], axis_names: Sequenc
             spec: Sequence[None | str | Sequence[str]]) -> list[Region]:
     """Region of every mesh position (row-major order of the mesh)."""
     sizes = dict(zip(axis_names, mesh_shape, strict=True))
+    if any(s < 0 for s in shape):
+        raise ValueError(f"shape {list(shape)} has a negative dimension")
+    if len(spec) > len(shape):
+        raise ValueError(f"spec {list(spec)} has {len(spec)} entries for an array of rank {len(shape)}")
     parts = []
+    used: set[str] = set()
     for d, entry in enumerate(spec):
         axes = _axes(entry)
+        for a in axes:
+            if a not in sizes:
+                raise ValueError(f"spec {list(spec)} names axis {a!r}; mesh axes are {tuple(axis_names)}")
+            if a in used:
+                raise ValueError(f"spec {list(spec)} uses axis {a!r} twice")
+            used.add(a)
         n = math.prod(sizes[a] for a in axes)
         if shape[d] % n:
             raise ValueError(f"dimension {d} of size {shape[d]} is not divisible by "
@@ -107,6 +118,15 @@ def region_from_index(index: Sequence[slice], shape: Sequence[int]) -> Region:
     """Region of a JAX shard index (tuple of slices)."""
     return tuple((s.start or 0, size if s.stop is None else s.stop)
                  for s, size in zip(index, shape, strict=True))
+
+
+def cut(array: Any, r: Region) -> Any:
+    """``array[r]`` as a C-contiguous numpy array of the region's rank (0-d too,
+    unlike ``np.ascontiguousarray``, which makes 0-d arrays 1-d)."""
+    import numpy as np
+
+    out = np.asarray(array)[tuple(slice(a, b) for a, b in r) + (Ellipsis,)]
+    return out if out.flags.c_contiguous else out.copy(order="C")
 
 
 def to_wire(r: Region) -> list[list[int]]:

@@ -65,7 +65,8 @@ class Directory:
 
     def plan(self, call: m.Call, owner: int, name: str) -> Plan:
         ndev = math.prod(call.mesh_shape)
-        if ndev != len(call.devices) or len(call.axis_names) != len(call.mesh_shape):
+        if any(n < 1 for n in call.mesh_shape) or ndev != len(call.devices) \
+                or len(call.axis_names) != len(call.mesh_shape):
             raise PlanError("bad_request", f"mesh {call.mesh_shape} {call.axis_names} does not "
                             f"match {len(call.devices)} devices")
         if len(set(call.devices)) != len(call.devices):
@@ -115,14 +116,18 @@ class Directory:
                 continue
             buf = self.buffers[i.buffer]
             new: dict[Region, list[int]] = {}
+            copied = False
             for d, h, r in zip(call.devices, hosts, regs, strict=True):
                 if any(d in lay.get(r, ()) for lay in buf.layouts):
                     pieces = []
                 else:
                     pieces = self._pieces(buf, r, h, sends)
-                    new.setdefault(r, []).append(d)
+                    copied = True
+                # Every device, not only the copies: _pieces tiles a region from
+                # one layout, so each layout must cover the whole array.
+                new.setdefault(r, []).append(d)
                 shards[h][-1].append(m.ShardInput(d, sharding.to_wire(r), pieces))
-            if new:
+            if copied:
                 buf.layouts.append(new)
         for o, regs in zip(call.outputs, out_regs, strict=True):
             layout = {}

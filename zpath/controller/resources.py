@@ -66,7 +66,8 @@ class ResourceManager:
         """Place ``n`` virtual devices. All devices of a slice are on one host
         (SPMD across the hosts of an island is not supported yet). Among hosts that
         satisfy the constraints, picks the one whose ``n`` least-loaded devices
-        carry the least load, so successive slices spread over the cluster."""
+        carry the least load (ties: the host with the least load in all, then the
+        lowest rank), so successive slices spread over the cluster's hosts."""
         if n < 1:
             raise ResourceError(f"a slice needs at least one device, got {n}")
         hosts = [h for h in self.hosts.values() if h.alive]
@@ -79,20 +80,20 @@ class ResourceManager:
             if not hosts:
                 raise ResourceError(f"no live host on island {island} "
                                     f"(islands: {sorted(self.islands())})")
-        best: tuple[int, int, list[Device]] | None = None
+        best: tuple[int, int, int, list[Device]] | None = None
         for h in hosts:
             devs = sorted((self.devices[d] for d in h.devices), key=lambda d: (d.load, d.local_index))
             if len(devs) < n:
                 continue
             chosen = devs[:n]
-            cost = (sum(d.load for d in chosen), h.rank)
-            if best is None or cost < best[:2]:
+            cost = (sum(d.load for d in chosen), sum(d.load for d in devs), h.rank)
+            if best is None or cost < best[:3]:
                 best = (*cost, chosen)
         if best is None:
             largest = max((len(h.devices) for h in hosts), default=0)
             raise ResourceError(f"no host has {n} devices (largest host has {largest}); "
                                 "a slice must fit on one host")
-        chosen = sorted(best[2], key=lambda d: d.local_index)
+        chosen = sorted(best[3], key=lambda d: d.local_index)
         for d in chosen:
             d.load += 1
         sid = next(self._slice_ids)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import faulthandler
 import logging
 import os
 import signal
@@ -252,6 +253,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="ZeroMQ address to listen on (port 0: pick a free one)")
     p.add_argument("--address-file", help="write the address here once listening")
     args = p.parse_args(argv)
+    from zpath.launcher import die_with_parent
+    die_with_parent()
+    faulthandler.register(signal.SIGUSR1)  # `kill -USR1 <pid>` dumps every thread's stack
     logs.setup("controller")
     ctl = Controller(key_from_env(), args.bind)
     signal.signal(signal.SIGTERM, ctl.stop)

@@ -98,12 +98,15 @@ class Outbox:
                 pass
 
     def drain(self) -> list[tuple]:
-        self._armed.clear()
+        # Order matters: empty the pipe, then disarm, then take the items. An
+        # item put after the disarm finds it clear and writes a new byte, which
+        # stays in the pipe for the next poll; one put before it is taken now.
         try:
             while os.read(self._r, 4096):
                 pass
         except BlockingIOError:
             pass
+        self._armed.clear()
         out = []
         while self._items:
             out.append(self._items.popleft())

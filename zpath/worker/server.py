@@ -9,6 +9,7 @@ the shard is done."""
 from __future__ import annotations
 
 import concurrent.futures
+import faulthandler
 import logging
 import os
 import signal
@@ -207,8 +208,9 @@ class Worker:
         if e.error is not None:
             self.post_peer(msg.dst_host, m.Piece(msg.piece_id, m.Aval([], ""), e.error))
             return
-        data = np.ascontiguousarray(np.asarray(e.value)[sharding.local_slices(
-            sharding.from_wire(msg.sub), sharding.from_wire(msg.region))])
+        region = sharding.from_wire(msg.region)
+        local = tuple((a.start, a.stop) for a in sharding.local_slices(sharding.from_wire(msg.sub), region))
+        data = sharding.cut(e.value, local)
         self.post_peer(msg.dst_host, m.Piece(msg.piece_id, m.Aval(list(data.shape), data.dtype.name),
                                              None), [data])
 
@@ -216,25 +218,24 @@ class Worker:
     def _handle_data(self, ident: bytes, msg_id: int, msg: Record, buffers: list) -> None:
         match msg:
             case m.Put() | m.Piece() if not getattr(msg, "error", None):
+                key = shard_key(msg.buffer, msg.device, msg.region) if isinstance(msg, m.Put) \
+                    else ("p", msg.piece_id)
                 try:
                     arr = _array(msg.aval, buffers)
+                    if isinstance(msg, m.Put):
+                        if self.executor is None or msg.device not in self.executor.devices:
+                            raise ValueError(f"device {msg.device} is not on host {self.rank}")
+                        shape = sharding.region_shape(sharding.from_wire(msg.region))
+                        if arr.shape != shape:
+                            raise ValueError(f"shard shape {arr.shape} does not match region {shape}")
+                        arr = self.jax.device_put(arr, self.executor.devices[msg.device])
                 except ValueError as e:
+                    # Reject it, and fail whatever waits on it rather than let it wait.
                     self.post_data(ident, m.Error("bad_request", str(e)), parent=msg_id)
+                    self.store.set(key, error=m.ErrorInfo("RemoteError", f"bad {type(msg).__name__}: {e}",
+                                                          self.rank, "", ""))
                     return
-                if isinstance(msg, m.Put):
-                    if self.executor is None or msg.device not in self.executor.devices:
-                        self.post_data(ident, m.Error("bad_request", f"device {msg.device} is not "
-                                                      f"on host {self.rank}"), parent=msg_id)
-                        return
-                    shape = sharding.region_shape(sharding.from_wire(msg.region))
-                    if arr.shape != shape:
-                        self.post_data(ident, m.Error("bad_request", f"shard shape {arr.shape} "
-                                                      f"does not match region {shape}"), parent=msg_id)
-                        return
-                    self.store.set(shard_key(msg.buffer, msg.device, msg.region),
-                                   self.jax.device_put(arr, self.executor.devices[msg.device]))
-                else:
-                    self.store.set(("p", msg.piece_id), arr)
+                self.store.set(key, arr)
             case m.Piece():
                 self.store.set(("p", msg.piece_id), error=msg.error)
             case m.Fetch():
@@ -255,7 +256,7 @@ class Worker:
         if e.error is not None:
             self.post_data(ident, m.FetchReply(msg.request, m.Aval([], ""), e.error))
             return
-        data = np.ascontiguousarray(np.asarray(e.value))
+        data = sharding.cut(e.value, ())
         self.post_data(ident, m.FetchReply(msg.request, m.Aval(list(data.shape), data.dtype.name),
                                            None), [data])
 
@@ -284,6 +285,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--bind-host", default="127.0.0.1", help="address to listen on for data")
     p.add_argument("--name", help="host name shown in status (default hostname:pid)")
     args = p.parse_args(argv)
+    from zpath.launcher import die_with_parent
+    die_with_parent()
+    faulthandler.register(signal.SIGUSR1)  # `kill -USR1 <pid>` dumps every thread's stack
     logs.setup(f"worker[island {args.island}]")
     w = Worker(key_from_env(), args.controller, args.island, bind_host=args.bind_host, name=args.name)
     signal.signal(signal.SIGTERM, w.stop)
@@ -296,4 +300,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     logs.setup(f"worker[host {w.rank}]")
     w.serve_forever()
-    return 0
+    logging.shutdown()
+    # Threads may still wait on shards (fetches, inputs); do not let the
+    # interpreter join them at exit.
+    os._exit(0)

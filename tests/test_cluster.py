@@ -1,0 +1,296 @@
+"""Integration tests on real local clusters of several worker processes."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+import psutil
+import pytest
+
+import zpath as zp
+from zpath.launcher import LocalCluster
+from tests.conftest import assert_gone
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def devices(n, **kw):
+    return zp.make_virtual_device_set().add_slice(devices=n, **kw).devices
+
+
+def figure2(islands=(None, None, None)):
+    a = zp.pmap(lambda x: x * 2., devices=devices(2, island=islands[0]))
+    b = zp.pmap(lambda x: x + 1., devices=devices(2, island=islands[1]))
+    c = zp.pmap(lambda x: x / 2., devices=devices(2, island=islands[2]))
+
+    def f(v):
+        x = a(v)
+        y = b(x)
+        z = a(c(x))
+        return (y, z)
+    return f(np.array([1., 2.])), (a, b, c)
+
+
+def test_figure2_example(client):
+    (y, z), (a, b, c) = figure2()
+    assert isinstance(y, zp.Future) and y.shape == (2,) and y.dtype == np.float64
+    np.testing.assert_array_equal(np.asarray(y), [3., 5.])
+    np.testing.assert_array_equal(z.result(timeout=30), [2., 4.])
+    assert repr((y, z)) == "(array([3., 5.]), array([2., 4.]))"
+    # the slices were spread: not every computation on the same devices
+    placements = {tuple(d.id for d in comp.mesh.devices.flat) for comp in (a, b, c)}
+    assert len(placements) > 1
+
+
+def test_figure2_across_two_islands(client):
+    (y, z), (a, b, c) = figure2(islands=(0, 1, 0))
+    assert {d.island for d in b.mesh.devices.flat} == {1}
+    assert {d.island for d in a.mesh.devices.flat} == {0}
+    np.testing.assert_array_equal(np.asarray(y), [3., 5.])
+    np.testing.assert_array_equal(np.asarray(z), [2., 4.])
+
+
+def test_chain_of_100_calls(client):
+    inc = zp.pmap(lambda x: x + 1., devices=devices(2))
+    x = np.zeros((2, 3))
+    for _ in range(100):
+        x = inc(x)
+    np.testing.assert_array_equal(np.asarray(x), np.full((2, 3), 100.))
+
+
+def test_chain_alternating_hosts(client):
+    """Every call consumes a value that lives on the other host."""
+    on0 = zp.pmap(lambda x: x * 3., devices=devices(2, host=0))
+    on1 = zp.pmap(lambda x: x - 1., devices=devices(2, host=1))
+    x = np.arange(4.).reshape(2, 2)
+    expect = x.copy()
+    for _ in range(10):
+        x = on1(on0(x))
+        expect = expect * 3. - 1.
+    np.testing.assert_allclose(np.asarray(x), expect)
+
+
+def test_inputs_from_other_hosts_and_resharding(client):
+    """A value sharded on host 0 is consumed replicated, and resharded 2-D, on host 1."""
+    d0, d1 = devices(2, host=0), devices(2, host=1)
+    P = zp.P
+    make = zp.jit(lambda x: x * 10., mesh=zp.Mesh(d0, ("i",)), in_specs=P("i"), out_specs=P("i"))
+    total = zp.jit(lambda x, y: x.sum() + y.sum(), mesh=zp.Mesh(d1, ("j",)),
+                   in_specs=(P(), P("j")), out_specs=P())
+    col = zp.jit(lambda x: x.T, mesh=zp.Mesh(d1, ("j",)), in_specs=P(None, "j"), out_specs=P("j"))
+    a = np.arange(8.).reshape(4, 2)
+    x = make(a)
+    np.testing.assert_array_equal(np.asarray(total(x, x)), 2 * (a * 10.).sum())
+    np.testing.assert_array_equal(np.asarray(col(x)), (a * 10.).T)
+
+
+def test_jit_over_a_mesh_matches_jax(client):
+    import jax
+    P = zp.P
+    mesh = zp.Mesh(np.array(devices(2)), ("data",))
+    f = zp.jit(lambda x, w: jax.numpy.tanh(x @ w), mesh=mesh, in_specs=(P("data"), P()),
+               out_specs=P("data"))
+    x = np.random.default_rng(0).normal(size=(4, 3))
+    w = np.random.default_rng(1).normal(size=(3, 5))
+    np.testing.assert_allclose(np.asarray(f(x, w)), np.tanh(x @ w), rtol=1e-12)
+
+
+def test_pytrees_and_scalars(client):
+    f = zp.pmap(lambda d, s: {"sum": d["a"] + d["b"] * s, "neg": -d["a"]}, devices=devices(2))
+    out = f({"a": np.ones(2), "b": np.arange(2.)}, np.array([2., 3.]))
+    assert set(out) == {"sum", "neg"}
+    np.testing.assert_array_equal(np.asarray(out["sum"]), [1., 4.])
+    np.testing.assert_array_equal(np.asarray(out["neg"]), [-1., -1.])
+    g = zp.jit(lambda x: x * 2, mesh=zp.Mesh(devices(1), ("i",)))
+    assert np.asarray(g(3)) == 6 and g(np.float32(1.5)).dtype == np.float32
+
+
+def test_returns_before_the_controller_answers(client):
+    """A call returns a future at once; the value arrives later."""
+    slow = zp.pmap(lambda x: x @ x @ x @ x, devices=devices(1))
+    x = np.eye(600)[None] * 0.5
+    slow(x).result(timeout=60)  # compile once
+    t = time.perf_counter()
+    fut = slow(x)
+    returned = time.perf_counter() - t
+    assert not fut.done()
+    np.testing.assert_allclose(fut.result(timeout=60)[0], np.eye(600) * 0.0625)
+    fetched = time.perf_counter() - t
+    assert returned < fetched
+
+
+def test_trace_error_raised_at_call_site(client):
+    f = zp.pmap(lambda x: x @ np.ones((5, 5)), devices=devices(2))
+    with pytest.raises(TypeError, match="dot_general requires contracting dimensions"):
+        f(np.ones((2, 3)))
+
+
+def test_shape_mismatch_raised_before_dispatch(client):
+    f = zp.pmap(lambda x: x + 1, devices=devices(2))
+    with pytest.raises(ValueError, match="leading axis of size 2"):
+        f(np.ones((3, 2)))
+    g = zp.jit(lambda x: x, mesh=zp.Mesh(devices(2), ("i",)), in_specs=zp.P("i"))
+    with pytest.raises(ValueError, match="evenly divide"):
+        g(np.ones(3))
+
+
+def test_remote_failure_reaches_the_future(client):
+    """A computation that fails on the worker (here: an 8 TiB allocation) gives a
+    RemoteError with the remote traceback; consumers fail with the same cause."""
+    import jax.numpy as jnp
+    huge = zp.pmap(lambda x: jnp.broadcast_to(x, (1 << 40,)), devices=devices(1))
+    after = zp.pmap(lambda x: x[:3] + 1, devices=huge.mesh.devices.flat)
+    bad = huge(np.ones(1))
+    downstream = after(bad)
+    with pytest.raises(zp.RemoteError) as info:
+        bad.result(timeout=60)
+    err = info.value
+    assert "RESOURCE_EXHAUSTED" in str(err) and err.host is not None
+    assert "Traceback" in err.remote_traceback and err.computation == "<lambda>"
+    with pytest.raises(zp.RemoteError, match="RESOURCE_EXHAUSTED"):
+        downstream.result(timeout=60)
+    # a value computed from a failed future in a later call also fails, same cause
+    with pytest.raises(zp.RemoteError, match="RESOURCE_EXHAUSTED"):
+        after(bad).result(timeout=60)
+    # and the cluster keeps working
+    ok = zp.pmap(lambda x: x + 1, devices=devices(1))
+    np.testing.assert_array_equal(np.asarray(ok(np.zeros(1))), [1.])
+
+
+def test_fetch_has_a_deadline(client):
+    slow = zp.pmap(lambda x: x @ x @ x @ x @ x @ x, devices=devices(1))
+    fut = slow(np.ones((1, 1500, 1500)))
+    with pytest.raises(zp.DeadlineExceeded, match="not fetched within"):
+        fut.result(timeout=0.001)
+    assert fut.result(timeout=120).shape == (1, 1500, 1500)
+
+
+def test_bad_requests_get_clear_errors(client):
+    with pytest.raises(zp.ResourceError, match="no host has 64 devices"):
+        devices(64)
+    with pytest.raises(zp.ResourceError, match="no live host on island 7"):
+        devices(1, island=7)
+
+
+def test_malformed_messages_do_not_stop_the_cluster(cluster, client):
+    """Garbage, unsigned, wrongly signed and unknown messages to the controller
+    and a worker's data port are rejected with an error reply; both keep serving."""
+    import zmq
+
+    from zpath.net import codec
+    from zpath.net import messages as m
+    inc = zp.pmap(lambda x: x + 1, devices=devices(1))
+    ctx = zmq.Context()
+    try:
+        targets = [cluster.address] + [h.data_address for h in client.hosts.values()]
+        for addr in targets:
+            s = ctx.socket(zmq.DEALER)
+            s.setsockopt(zmq.LINGER, 0)
+            s.connect(addr)
+            good = codec.encode(cluster.key, m.Ping(1), msg_id=7, sender="fuzz")
+            bad_frames = [
+                [b"garbage"],
+                [os.urandom(32), b"\x01", b"\x02"],
+                codec.encode(os.urandom(32), m.Ping(1), msg_id=7, sender="fuzz"),
+                good[:2] + [b"\xc1"],
+                [codec._sign(cluster.key, [good[1].replace(b"\x07", b"\x7f"), good[2]]),
+                 good[1].replace(b"\x07", b"\x7f"), good[2]],
+            ]
+            for frames in bad_frames:
+                s.send_multipart(frames)
+            replies = 0
+            while s.poll(2000):
+                frames = s.recv_multipart()
+                _, msg, _ = codec.decode(cluster.key, frames)
+                assert isinstance(msg, m.Error) and msg.code in ("protocol", "not_registered", "bad_request")
+                replies += 1
+            assert replies >= 3
+            s.close()
+            x = inc(np.zeros(1))
+            np.testing.assert_array_equal(np.asarray(x), [1.])
+    finally:
+        ctx.term()
+
+
+def test_connect_via_environment_and_two_clients(cluster, monkeypatch):
+    monkeypatch.setenv("ZPATH_CONTROLLER", cluster.address)
+    monkeypatch.setenv("ZPATH_KEY", cluster.key.hex())
+    conn = zp.init()  # connects instead of starting a cluster
+    try:
+        assert conn.local is None and conn.address == cluster.address
+        f = zp.pmap(lambda x: x * 4, devices=devices(2))
+        code = ("import numpy as np, zpath as zp\n"
+                f"zp.connect({cluster.address!r})\n"
+                "d = zp.make_virtual_device_set().add_slice(devices=2).devices\n"
+                "print(np.asarray(zp.pmap(lambda x: x - 1, devices=d)(np.ones(2))).tolist())\n"
+                "zp.shutdown()\n")
+        other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                               timeout=120, env=os.environ.copy())
+        assert other.returncode == 0, other.stderr
+        assert other.stdout.strip() == "[0.0, 0.0]"
+        np.testing.assert_array_equal(np.asarray(f(np.ones(2))), [4., 4.])
+    finally:
+        zp.shutdown()
+
+
+def test_init_and_shutdown_leave_no_process():
+    conn = zp.init(islands=1, hosts_per_island=2, devices_per_host=1)
+    pids = conn.local.pids
+    try:
+        assert len(pids) == 3 and all(psutil.pid_exists(p) for p in pids)
+        d0, d1 = devices(1, host=0), devices(1, host=1)
+        x = zp.pmap(lambda v: v + 1, devices=d0)(np.ones(1))
+        np.testing.assert_array_equal(np.asarray(zp.pmap(lambda v: v * 2, devices=d1)(x)), [4.])
+    finally:
+        zp.shutdown()
+    assert_gone(pids)
+    assert not os.path.exists(conn.local.dir)
+    with pytest.raises(zp.Closed):
+        zp.make_virtual_device_set()
+
+
+def test_zpath_up_cli_runs_and_stops_on_sigterm(tmp_path):
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    p = subprocess.Popen([sys.executable, "-m", "zpath", "up", "--islands", "1", "--devices-per-host", "1",
+                          "--log-dir", str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True, env=env)
+    try:
+        address = None
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and address is None:
+            line = p.stdout.readline()
+            if not line:
+                break
+            if line.startswith("zpath cluster up:"):
+                address = line.split(":", 1)[1].strip()
+        assert address, p.stderr.read()
+        children = psutil.Process(p.pid).children(recursive=True)
+        assert len(children) == 2
+        status = subprocess.run([sys.executable, "-m", "zpath", "status", address], capture_output=True,
+                                text=True, timeout=60,
+                                env=dict(env, ZPATH_KEY_FILE=str(tmp_path / "cluster.key")))
+        assert status.returncode == 0, status.stderr
+        assert "1 host(s)" in status.stdout and "island 0 host 0" in status.stdout
+        p.terminate()
+        assert p.wait(30) == 0
+        assert_gone([c.pid for c in children])
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+
+
+def test_workers_exit_when_the_controller_dies(tmp_path):
+    """No orphans: killing the controller makes the workers exit."""
+    c = LocalCluster(islands=1, hosts_per_island=1, devices_per_host=1, log_dir=str(tmp_path))
+    try:
+        (_, ctl), (_, worker) = c.procs
+        ctl.kill()
+        worker.wait(40)
+    finally:
+        pids = c.pids
+        c.stop()
+        assert_gone(pids)

@@ -1,0 +1,475 @@
+"""Directory.plan as a pure unit: Call messages in, Execute and SendPiece out.
+
+Besides checking the plans' shape, :class:`World` plays the plans out on numpy
+arrays the way the workers would (SendPiece cuts a piece out of a stored shard
+and sends it to a host; an input shard is assembled from local shards and
+received pieces) and checks that every input shard ends up holding exactly the
+right part of its global array."""
+from __future__ import annotations
+
+import math
+import random
+from typing import Any
+
+import numpy as np
+import pytest
+
+from zpath import sharding
+from zpath.controller.directory import Directory, Plan, PlanError
+from zpath.net import messages as m
+
+pytestmark = pytest.mark.timeout(60)
+
+DEVICES_PER_HOST = 4
+HOSTS = 3
+HOST_OF = {d: d // DEVICES_PER_HOST for d in range(HOSTS * DEVICES_PER_HOST)}
+PROGRAM = "ab" * 32
+
+
+def address(h: int) -> str:
+    return f"tcp://host{h}:9000"
+
+
+def new_directory() -> Directory:
+    return Directory(HOST_OF.__getitem__, address)
+
+
+def inp(buf: int, shape: list[int], spec: list, put: bool = False, dtype: str = "float32") -> m.CallInput:
+    return m.CallInput(buf, m.Aval(list(shape), dtype), spec, put)
+
+
+def out(buf: int, shape: list[int], spec: list, dtype: str = "float32") -> m.CallOutput:
+    return m.CallOutput(buf, m.Aval(list(shape), dtype), spec)
+
+
+_call_ids = iter(range(1, 1 << 30))
+
+
+def call(devices: list[int], inputs: list[m.CallInput], outputs: list[m.CallOutput] = (),
+         mesh_shape: list[int] | None = None, axis_names: list[str] | None = None) -> m.Call:
+    mesh_shape = mesh_shape or [len(devices)]
+    axis_names = axis_names or ["x", "y", "z"][:len(mesh_shape)]
+    return m.Call(next(_call_ids), PROGRAM, mesh_shape, axis_names, devices, list(inputs), list(outputs))
+
+
+def R(*pairs: tuple[int, int]) -> list[list[int]]:
+    return [list(p) for p in pairs]
+
+
+class World:
+    """A directory plus the shards the workers would hold."""
+
+    def __init__(self) -> None:
+        self.d = new_directory()
+        self.values: dict[int, np.ndarray] = {}
+        self.store: dict[tuple, np.ndarray] = {}
+        self._next = 100
+
+    def value(self, buf: int, shape: list[int], dtype: str = "float32") -> np.ndarray:
+        if buf not in self.values:
+            self._next += 1000
+            self.values[buf] = (np.arange(math.prod(shape)) + self._next).astype(dtype).reshape(shape)
+        return self.values[buf]
+
+    def holds(self, buf: int, dev: int, region: Any) -> bool:
+        return (buf, dev, sharding.from_wire(region)) in self.store
+
+    def run(self, c: m.Call, owner: int = 1) -> Plan:
+        # the client puts its values straight onto the workers
+        for i in c.inputs:
+            if i.put:
+                v = self.value(i.buffer, i.aval.shape, i.aval.dtype)
+                for dev, r in zip(c.devices, sharding.regions(i.aval.shape, c.mesh_shape, c.axis_names, i.spec),
+                                  strict=True):
+                    self.store[(i.buffer, dev, r)] = v[sharding.local_slices(r, tuple((0, s) for s in v.shape))]
+        plan = self.d.plan(c, owner, "fn")
+        self.check_and_play(c, plan)
+        return plan
+
+    def check_and_play(self, c: m.Call, plan: Plan) -> None:
+        hosts = {HOST_OF[d] for d in c.devices}
+        assert set(plan.executes) == hosts
+        assert len({ex.exec_id for ex in plan.executes.values()}) == 1
+        sends: dict[int, tuple[int, m.SendPiece]] = {}
+        for src, sp in plan.sends:
+            assert sp.piece_id > 0 and sp.piece_id not in sends, "piece ids are unique and > 0"
+            assert HOST_OF[sp.device] == src, "a SendPiece goes to the host of its source device"
+            assert sp.dst_host != src, "pieces between devices of one host are not sent"
+            assert sp.dst_address == address(sp.dst_host)
+            assert sharding.contains(sharding.from_wire(sp.region), sharding.from_wire(sp.sub))
+            sends[sp.piece_id] = (src, sp)
+        used: set[int] = set()
+        for h, ex in plan.executes.items():
+            assert (ex.program, ex.name, ex.mesh_shape, ex.axis_names, ex.devices) == \
+                (c.program, "fn", c.mesh_shape, c.axis_names, c.devices)
+            assert [o.buffer for o in ex.outputs] == [o.buffer for o in c.outputs]
+            assert [i.buffer for i in ex.inputs] == [i.buffer for i in c.inputs]
+        for k, ci in enumerate(c.inputs):
+            regs = sharding.regions(ci.aval.shape, c.mesh_shape, c.axis_names, ci.spec)
+            want_of = dict(zip(c.devices, regs, strict=True))
+            for h, ex in plan.executes.items():
+                ei = ex.inputs[k]
+                assert (ei.aval, ei.spec) == (ci.aval, ci.spec)
+                # exactly this host's devices, in mesh order
+                assert [s.device for s in ei.shards] == [d for d in c.devices if HOST_OF[d] == h]
+                for s in ei.shards:
+                    want = sharding.from_wire(s.region)
+                    assert want == want_of[s.device]
+                    self._assemble(ci, h, s, want, sends, used)
+        assert used == set(sends), "every SendPiece is consumed by exactly one shard"
+        for o in c.outputs:
+            v = self.value(o.buffer, o.aval.shape, o.aval.dtype)
+            for dev, r in zip(c.devices, sharding.regions(o.aval.shape, c.mesh_shape, c.axis_names, o.spec),
+                              strict=True):
+                self.store[(o.buffer, dev, r)] = v[sharding.local_slices(r, tuple((0, n) for n in v.shape))]
+
+    def _assemble(self, ci: m.CallInput, h: int, s: m.ShardInput, want: sharding.Region,
+                  sends: dict, used: set) -> None:
+        buf = ci.buffer
+        glob = self.values[buf]
+        expect = glob[sharding.local_slices(want, tuple((0, n) for n in glob.shape))]
+        key = (buf, s.device, want)
+        if not s.pieces:
+            assert key in self.store, f"shard {key} is not there and no pieces were planned"
+            np.testing.assert_array_equal(self.store[key], expect)
+            return
+        value = np.zeros(sharding.region_shape(want), dtype=glob.dtype)
+        cover = np.zeros(sharding.region_shape(want), dtype=int)
+        for p in s.pieces:
+            sub, preg = sharding.from_wire(p.sub), sharding.from_wire(p.region)
+            assert sharding.contains(want, sub) and sharding.contains(preg, sub)
+            if p.piece_id == 0:
+                assert HOST_OF[p.device] == h, "a local piece comes from a device of this host"
+                src = self.store[(buf, p.device, preg)]
+            else:
+                assert p.piece_id not in used
+                used.add(p.piece_id)
+                src_host, sp = sends[p.piece_id]
+                assert sp.dst_host == h and HOST_OF[p.device] != h
+                assert (sp.buffer, sp.device, sp.region, sp.sub) == (buf, p.device, p.region, p.sub)
+                src = self.store[(buf, sp.device, preg)]
+            piece = src[sharding.local_slices(sub, preg)]
+            value[sharding.local_slices(sub, want)] = piece
+            cover[sharding.local_slices(sub, want)] += 1
+        assert (cover == 1).all(), f"pieces of {want} do not tile it exactly"
+        np.testing.assert_array_equal(value, expect)
+        self.store[key] = value
+
+
+def shards_of(plan: Plan, host: int, k: int = 0) -> list[m.ShardInput]:
+    return plan.executes[host].inputs[k].shards
+
+
+# ---- puts and reuse -----------------------------------------------------------
+
+def test_put_inputs_create_buffers_and_need_no_transfer():
+    w = World()
+    plan = w.run(call([0, 1], [inp(1, [4, 4], ["x", None], put=True), inp(2, [3], [], put=True)],
+                      [out(3, [4], ["x"])]))
+    assert plan.sends == []
+    assert set(plan.executes) == {0}
+    assert all(s.pieces == [] for k in (0, 1) for s in shards_of(plan, 0, k))
+    assert [s.region for s in shards_of(plan, 0, 0)] == [R((0, 2), (0, 4)), R((2, 4), (0, 4))]
+    b = w.d.buffers[1]
+    assert (b.shape, b.dtype, b.owner, b.error) == ((4, 4), "float32", 1, None)
+    assert b.layouts == [{((0, 2), (0, 4)): [0], ((2, 4), (0, 4)): [1]}]
+    assert w.d.buffers[2].layouts == [{((0, 3),): [0, 1]}]
+    assert w.d.buffers[3].layouts == [{((0, 2),): [0], ((2, 4),): [1]}]
+    ex = plan.executes[0]
+    assert ex.outputs == [m.ExecOutput(3, m.Aval([4], "float32"), ["x"])]
+
+
+def test_same_layout_consumer_needs_no_pieces():
+    w = World()
+    w.run(call([0, 1], [inp(1, [8], ["x"], put=True)], [out(2, [8], ["x"])]))
+    for buf in (1, 2):          # a put buffer and a computed one
+        plan = w.run(call([0, 1], [inp(buf, [8], ["x"])]))
+        assert plan.sends == []
+        assert all(s.pieces == [] for s in shards_of(plan, 0))
+        assert len(w.d.buffers[buf].layouts) == 1
+
+
+def test_consumer_on_other_devices_of_the_same_host_uses_local_pieces():
+    w = World()
+    w.run(call([0, 1], [inp(1, [8, 2], ["x"], put=True)]))
+    plan = w.run(call([2, 3], [inp(1, [8, 2], ["x"])]))
+    assert plan.sends == []
+    assert shards_of(plan, 0) == [
+        m.ShardInput(2, R((0, 4), (0, 2)), [m.PieceSource(0, 0, R((0, 4), (0, 2)), R((0, 4), (0, 2)))]),
+        m.ShardInput(3, R((4, 8), (0, 2)), [m.PieceSource(0, 1, R((4, 8), (0, 2)), R((4, 8), (0, 2)))]),
+    ]
+    assert w.d.buffers[1].layouts[1] == {((0, 4), (0, 2)): [2], ((4, 8), (0, 2)): [3]}
+
+
+def test_consumer_on_another_host_gets_sent_pieces():
+    w = World()
+    w.run(call([0, 1], [inp(1, [8], ["x"], put=True)]))
+    plan = w.run(call([4, 5], [inp(1, [8], ["x"])]))
+    assert set(plan.executes) == {1}
+    assert len(plan.sends) == 2
+    (h0, s0), (h1, s1) = plan.sends
+    assert h0 == h1 == 0
+    assert (s0.buffer, s0.device, s0.region, s0.sub, s0.dst_host, s0.dst_address) == \
+        (1, 0, R((0, 4)), R((0, 4)), 1, address(1))
+    assert (s1.device, s1.region, s1.sub) == (1, R((4, 8)), R((4, 8)))
+    assert s0.piece_id != s1.piece_id
+    assert shards_of(plan, 1) == [
+        m.ShardInput(4, R((0, 4)), [m.PieceSource(s0.piece_id, 0, R((0, 4)), R((0, 4)))]),
+        m.ShardInput(5, R((4, 8)), [m.PieceSource(s1.piece_id, 1, R((4, 8)), R((4, 8)))]),
+    ]
+
+
+def test_second_identical_consumer_reuses_the_copy():
+    w = World()
+    w.run(call([0, 1], [inp(1, [8], ["x"], put=True)]))
+    first = w.run(call([4, 5], [inp(1, [8], ["x"])]))
+    assert len(first.sends) == 2
+    layouts = len(w.d.buffers[1].layouts)
+    again = w.run(call([4, 5], [inp(1, [8], ["x"])]))
+    assert again.sends == []
+    assert all(s.pieces == [] for s in shards_of(again, 1))
+    assert len(w.d.buffers[1].layouts) == layouts
+    # other devices of host 1 now copy from host 1, not from host 0
+    near = w.run(call([6, 7], [inp(1, [8], ["x"])]))
+    assert near.sends == []
+    assert [p.device for s in shards_of(near, 1) for p in s.pieces] == [4, 5]
+    assert all(p.piece_id == 0 for s in shards_of(near, 1) for p in s.pieces)
+
+
+def test_copy_on_a_whole_shard_is_preferred_over_tiling():
+    w = World()
+    w.run(call([0, 1], [inp(1, [8], ["x"], put=True)]))
+    w.run(call([4], [inp(1, [8], [])]))                 # host 1 now has the whole array
+    plan = w.run(call([5, 6], [inp(1, [8], ["x"])]))
+    assert plan.sends == []
+    assert [(p.piece_id, p.device, p.region, p.sub) for s in shards_of(plan, 1) for p in s.pieces] == \
+        [(0, 4, R((0, 8)), R((0, 4))), (0, 4, R((0, 8)), R((4, 8)))]
+
+
+# ---- resharding ---------------------------------------------------------------------
+
+def test_sharded_to_replicated_on_the_same_devices():
+    w = World()
+    w.run(call([0, 1], [inp(1, [8, 2], ["x", None], put=True)]))
+    plan = w.run(call([0, 1], [inp(1, [8, 2], [None, None])]))
+    assert plan.sends == []
+    for s in shards_of(plan, 0):
+        assert s.region == R((0, 8), (0, 2))
+        assert sorted((p.device, p.sub[0][0]) for p in s.pieces) == [(0, 0), (1, 4)]
+        assert all(p.piece_id == 0 for p in s.pieces)
+
+
+def test_two_shards_to_four_shards():
+    w = World()
+    w.run(call([0, 1], [inp(1, [8], ["x"], put=True)]))
+    plan = w.run(call([0, 1, 2, 3], [inp(1, [8], ["x"])]))
+    assert plan.sends == []
+    got = [(s.device, s.region, [(p.device, p.region, p.sub) for p in s.pieces]) for s in shards_of(plan, 0)]
+    assert got == [
+        (0, R((0, 2)), [(0, R((0, 4)), R((0, 2)))]),
+        (1, R((2, 4)), [(0, R((0, 4)), R((2, 4)))]),
+        (2, R((4, 6)), [(1, R((4, 8)), R((4, 6)))]),
+        (3, R((6, 8)), [(1, R((4, 8)), R((6, 8)))]),
+    ]
+    # and onto another host: each of 4 shards is one piece cut out of a source shard
+    remote = w.run(call([4, 5, 6, 7], [inp(1, [8], ["x"])]))
+    assert len(remote.sends) == 4
+    assert all(len(s.pieces) == 1 and s.pieces[0].piece_id > 0 for s in shards_of(remote, 1))
+
+
+def test_four_shards_to_two_on_another_host():
+    w = World()
+    w.run(call([0, 1, 2, 3], [inp(1, [8, 4], ["x"], put=True)]))
+    plan = w.run(call([8, 9], [inp(1, [8, 4], ["x"])]))
+    assert len(plan.sends) == 4 and all(h == 0 for h, _ in plan.sends)
+    assert all(sp.dst_host == 2 for _, sp in plan.sends)
+    assert [len(s.pieces) for s in shards_of(plan, 2)] == [2, 2]
+
+
+def test_1d_mesh_to_2d_mesh():
+    w = World()
+    w.run(call([0, 1, 2, 3], [inp(1, [8, 8], ["x", None], put=True)]))
+    plan = w.run(call([4, 5, 6, 7], [inp(1, [8, 8], [None, ["a", "b"]])],
+                      mesh_shape=[2, 2], axis_names=["a", "b"]))
+    # every destination (all rows x 2 columns) needs 4 pieces (2 rows x 2 columns)
+    assert [len(s.pieces) for s in shards_of(plan, 1)] == [4, 4, 4, 4]
+    assert len(plan.sends) == 16
+    assert all(sharding.region_shape(sharding.from_wire(sp.sub)) == (2, 2) for _, sp in plan.sends)
+    # and a 2-D blocked layout on the same host as the source
+    plan2 = w.run(call([0, 1, 2, 3], [inp(1, [8, 8], ["b", "a"])], mesh_shape=[2, 2], axis_names=["a", "b"]))
+    assert plan2.sends == []
+    assert [s.region for s in shards_of(plan2, 0)] == [
+        R((0, 4), (0, 4)), R((4, 8), (0, 4)), R((0, 4), (4, 8)), R((4, 8), (4, 8))]
+
+
+def test_partial_copy_layout_is_not_used_to_tile():
+    """A consumer that already holds some shards records a copy of only the
+    others; a later consumer must still be able to assemble the whole array."""
+    w = World()
+    w.run(call([0, 1], [inp(1, [8], ["x"], put=True)]))
+    w.run(call([0, 2], [inp(1, [8], ["x"])]))          # device 0 already holds its shard
+    plan = w.run(call([4, 5], [inp(1, [8], [None])]))   # replicated on host 1
+    assert all(len(s.pieces) == 2 for s in shards_of(plan, 1))
+
+
+def test_same_buffer_twice_in_one_call():
+    w = World()
+    w.run(call([0, 1], [inp(1, [8], ["x"], put=True)]))
+    plan = w.run(call([4, 5], [inp(1, [8], ["x"]), inp(1, [8], [None])]))
+    # the first input copies the shards to host 1; the second is tiled from that copy
+    assert len(plan.sends) == 2
+    assert [[(p.piece_id, p.device) for p in s.pieces] for s in shards_of(plan, 1, 1)] == \
+        [[(0, 4), (0, 5)], [(0, 4), (0, 5)]]
+
+
+def test_random_calls_play_out_correctly():
+    rng = random.Random(99)
+    w = World()
+    ndev = HOSTS * DEVICES_PER_HOST
+    live: list[tuple[int, list[int]]] = []
+    next_buf = 1
+    total_sends = 0
+
+    def random_mesh() -> tuple[list[int], list[int], list[str]]:
+        n = rng.choice([1, 2, 4])
+        if rng.random() < 0.8:               # one host, like a slice
+            h = rng.randrange(HOSTS)
+            devs = rng.sample(range(h * DEVICES_PER_HOST, (h + 1) * DEVICES_PER_HOST), n)
+        else:
+            devs = rng.sample(range(ndev), n)
+        if n == 4 and rng.random() < 0.5:
+            return devs, [2, 2], ["a", "b"]
+        return devs, [n], ["x"]
+
+    def random_spec(shape: list[int], names: list[str]) -> list:
+        spec, free = [], list(names)
+        for _ in shape:
+            choice = rng.random()
+            if not free or choice < 0.4:
+                spec.append(None)
+            elif choice < 0.8 or len(free) == 1:
+                spec.append(free.pop(rng.randrange(len(free))))
+            else:
+                rng.shuffle(free)
+                spec.append([free.pop(), free.pop()])
+        return spec
+
+    for _ in range(250):
+        devs, mesh_shape, names = random_mesh()
+        inputs = []
+        if not live or rng.random() < 0.25:
+            shape = rng.choice([[8], [8, 8], [4, 8, 4]])
+            inputs.append(inp(next_buf, shape, random_spec(shape, names), put=True))
+            live.append((next_buf, shape))
+            next_buf += 1
+        # existing buffers (not the one put by this very call)
+        existing = [(b, s) for b, s in live if b not in {i.buffer for i in inputs}]
+        for _ in range(rng.randrange(1, 3) if existing else 0):
+            buf, shape = rng.choice(existing)
+            inputs.append(inp(buf, shape, random_spec(shape, names)))
+        outputs = []
+        if rng.random() < 0.3:
+            shape = [8, 4]
+            outputs.append(out(next_buf, shape, random_spec(shape, names)))
+            live.append((next_buf, shape))
+            next_buf += 1
+        plan = w.run(call(devs, inputs, outputs, mesh_shape, names))
+        total_sends += len(plan.sends)
+    assert total_sends > 50         # the loop really moved data between hosts
+
+
+# ---- rejected calls -------------------------------------------------------------------
+
+def plan_error(d: Directory, c: m.Call) -> PlanError:
+    before = {b: (buf.shape, buf.dtype, [dict(lay) for lay in buf.layouts], buf.error)
+              for b, buf in d.buffers.items()}
+    with pytest.raises(PlanError) as info:
+        d.plan(c, 1, "fn")
+    after = {b: (buf.shape, buf.dtype, [dict(lay) for lay in buf.layouts], buf.error)
+             for b, buf in d.buffers.items()}
+    assert after == before, "a rejected call must not change the directory"
+    return info.value
+
+
+def test_unknown_input_buffer_is_not_found():
+    w = World()
+    w.run(call([0, 1], [inp(1, [8], ["x"], put=True)]))
+    e = plan_error(w.d, call([0, 1], [inp(5, [8], ["x"], put=True), inp(77, [8], ["x"])], [out(9, [8], [])]))
+    assert e.code == "not_found" and "77" in str(e) and e.error is None
+
+
+def test_poisoned_input_carries_the_root_cause():
+    d = new_directory()
+    err = m.ErrorInfo("RemoteError", "ZeroDivisionError: boom", 1, "divide", "Traceback ...")
+    d.poison([3], 1, err)
+    e = plan_error(d, call([0], [inp(3, [2], [])], [out(4, [2], [])]))
+    assert e.error is err
+    assert e.code == "RemoteError" and str(e) == "ZeroDivisionError: boom"
+    # poisoning a known buffer keeps its shape but marks the error
+    w = World()
+    w.run(call([0], [inp(1, [2], [], put=True)]))
+    w.d.poison([1], 1, err)
+    assert w.d.buffers[1].shape == (2,) and w.d.buffers[1].error is err
+    assert plan_error(w.d, call([0], [inp(1, [2], [])])).error is err
+
+
+@pytest.mark.parametrize("shape,dtype", [([4], "float32"), ([8, 1], "float32"), ([8], "float64"), ([], "float32")])
+def test_wrong_aval_is_bad_request(shape: list[int], dtype: str) -> None:
+    w = World()
+    w.run(call([0, 1], [inp(1, [8], ["x"], put=True)]))
+    e = plan_error(w.d, call([0, 1], [inp(1, shape, [None] * len(shape), dtype=dtype)]))
+    assert e.code == "bad_request"
+    assert "input buffer 1 is float32[8]" in str(e) and f"expects {dtype}{shape}" in str(e)
+
+
+def test_output_buffer_reuse_is_bad_request():
+    w = World()
+    w.run(call([0], [inp(1, [2], [], put=True)], [out(2, [2], [])]))
+    for existing in (1, 2):
+        e = plan_error(w.d, call([0], [inp(1, [2], [])], [out(existing, [2], [])]))
+        assert e.code == "bad_request" and f"output buffer {existing} already exists" in str(e)
+    e = plan_error(w.d, call([0], [inp(2, [2], [], put=True)]))
+    assert e.code == "bad_request" and "buffer 2 already exists" in str(e)
+
+
+@pytest.mark.parametrize("devices,mesh_shape,axis_names,pattern", [
+    ([0, 1, 2], [2], ["x"], "does not match 3 devices"),
+    ([0, 1], [2, 2], ["x", "y"], "does not match 2 devices"),
+    ([0, 1], [2], ["x", "y"], "does not match"),
+    ([0, 1, 2, 3], [2, 2], ["x"], "does not match"),
+    ([0, 0], [2], ["x"], "a device appears twice"),
+    ([0, 999], [2], ["x"], "unknown device 999"),
+    ([], [0], ["x"], "mesh"),
+    ([0], [-1, -1], ["x", "y"], "mesh"),
+])
+def test_bad_mesh_is_bad_request(devices, mesh_shape, axis_names, pattern) -> None:
+    d = new_directory()
+    e = plan_error(d, m.Call(1, PROGRAM, mesh_shape, axis_names, devices,
+                             [inp(1, [4], [], put=True)], [out(2, [4], [])]))
+    assert e.code == "bad_request" and pattern in str(e)
+    assert d.buffers == {}
+
+
+@pytest.mark.parametrize("spec,pattern", [
+    (["x"], "not divisible"),              # 6 over 4 devices
+    (["q"], "axis 'q'"),
+    ([None, "x"], "2 entries for an array of rank 1"),
+])
+def test_bad_sharding_is_bad_request(spec: list, pattern: str) -> None:
+    d = new_directory()
+    for put in (True, False):
+        e = plan_error(d, call([0, 1, 2, 3], [inp(1, [6], spec, put=put)] if put else [],
+                               [] if put else [out(2, [6], spec)]))
+        assert e.code == "bad_request" and pattern in str(e)
+
+
+def test_axis_used_twice_is_bad_request():
+    d = new_directory()
+    e = plan_error(d, call([0, 1], [inp(1, [4, 4], ["x", "x"], put=True)]))
+    assert e.code == "bad_request" and "twice" in str(e)
+
+
+def test_negative_dimension_is_bad_request():
+    d = new_directory()
+    e = plan_error(d, call([0, 1], [inp(1, [-4], ["x"], put=True)]))
+    assert e.code == "bad_request" and "-4" in str(e)
