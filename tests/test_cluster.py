@@ -281,6 +281,8 @@ def test_zpath_up_cli_runs_and_stops_on_sigterm(tmp_path):
         if p.poll() is None:
             p.kill()
             p.wait()
+        p.stdout.close()
+        p.stderr.close()
 
 
 def test_workers_exit_when_the_controller_dies(tmp_path):

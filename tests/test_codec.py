@@ -308,7 +308,7 @@ def test_wrong_field_count(value: Any, pattern: str) -> None:
 
 
 def _good_welcome() -> list:
-    return [3, [[0, 0, "h", "tcp://a:1", [[0, 0, 0, 0], [1, 0, 0, 1]]]]]
+    return [3, [[0, 0, "h", "tcp://a:1", [[0, 0, 0, 0, 0], [1, 0, 0, 1, 1]]]]]
 
 
 def _good_call() -> list:
@@ -341,12 +341,14 @@ def _set(value: list, path: tuple, new: Any) -> list:
     (m.Free, [{"a": 1}], "Free.buffers: expected list, got dict"),
     (m.Free, [[1, "2"]], "Free.buffers[1]: expected int, got str"),
     (m.AllocSlice, [2, "0", None], "AllocSlice.island: matches no alternative"),
-    (m.ExecDone, [1, "boom"], "ExecDone.error: matches no alternative"),
-    (m.ExecDone, [1, ["k", "m", None, "c"]], "expected 5 fields, got 4"),
+    (m.ExecDone, [1, "boom", 0.0, 1.0], "ExecDone.error: matches no alternative"),
+    (m.ExecDone, [1, ["k", "m", None, "c"], 0.0, 1.0], "expected 5 fields, got 4"),
+    (m.ExecDone, [1, None, "0", 1.0], "ExecDone.start: expected float, got str"),
+    (m.ExecDone, [1, None], "ExecDone: expected 4 fields, got 2"),
     (m.Welcome, _set(_good_welcome(), (1, 0, 4, 1, 3), "0"),
      "Welcome.hosts[0].devices[1].local_index: expected int, got str"),
-    (m.Welcome, _set(_good_welcome(), (1, 0, 4, 0), [0, 0, 0]),
-     "Welcome.hosts[0].devices[0]: expected 4 fields, got 3"),
+    (m.Welcome, _set(_good_welcome(), (1, 0, 4, 0), [0, 0, 0, 0]),
+     "Welcome.hosts[0].devices[0]: expected 5 fields, got 4"),
     (m.Welcome, _set(_good_welcome(), (1, 0), "host"),
      "Welcome.hosts[0]: expected 5 fields, got str"),
     (m.Call, _set(_good_call(), (5, 0, 1, 0), [4.0]),
@@ -368,7 +370,7 @@ def test_wrong_field_types(cls: type, value: list, pattern: str) -> None:
 def test_good_samples_of_the_field_type_tests_decode():
     """The malformed values above differ from these in one place only."""
     _, w, _ = codec.decode(KEY, signed(hdr(1, m.Welcome.TYPE, 1, 0, "s"), body(_good_welcome())))
-    assert w.hosts[0].devices[1] == m.DeviceInfo(1, 0, 0, 1)
+    assert w.hosts[0].devices[1] == m.DeviceInfo(1, 0, 0, 1, 1)
     _, c, _ = codec.decode(KEY, signed(hdr(1, m.Call.TYPE, 1, 0, "s"), body(_good_call())))
     assert c.inputs[0].put is True and c.outputs[0].spec == [None]
 

@@ -9,9 +9,9 @@ from zpath.errors import ResourceError, ZpathError
 pytestmark = pytest.mark.timeout(60)
 
 
-def add(rm: ResourceManager, island: int = 0, n: int = 4, name: str = "h"):
+def add(rm: ResourceManager, island: int = 0, n: int = 4, name: str = "h", runtime: str = ""):
     return rm.add_host(name=name, island=island, data_address=f"tcp://{name}:1", pid=100,
-                       platform="cpu", num_devices=n)
+                       platform="cpu", num_devices=n, runtime=runtime)
 
 
 def hosts_of(rm: ResourceManager, ids: list[int]) -> set[int]:
@@ -84,7 +84,8 @@ def test_slice_devices_are_on_one_host_and_sorted():
         _, devs = rm.alloc_slice(3)
         assert len(hosts_of(rm, devs)) == 1
         assert devs == sorted(devs)
-    with pytest.raises(ResourceError, match="no host has 4 devices \\(largest host has 3\\).*fit on one host"):
+    with pytest.raises(ResourceError, match="no host has 4 devices \\(largest host has 3\\) and no "
+                       "island runtime has 4"):
         rm.alloc_slice(4)
 
 
@@ -146,3 +147,43 @@ def test_dead_hosts_are_skipped():
         rm.alloc_slice(1, island=0)
     with pytest.raises(ResourceError):
         rm.alloc_slice(1)
+
+
+def test_multi_host_slices_need_a_shared_runtime():
+    rm = ResourceManager()
+    add(rm, island=0, n=2, runtime="coord:1")       # host 0: devices 0-1
+    add(rm, island=0, n=2, runtime="coord:1")       # host 1: devices 2-3
+    add(rm, island=1, n=2)                          # host 2: devices 4-5, no runtime
+    add(rm, island=1, n=2)                          # host 3: devices 6-7, no runtime
+    # fits on one host: stays on one host
+    _, devs = rm.alloc_slice(2)
+    assert len(hosts_of(rm, devs)) == 1
+    # 4 devices: only island 0's runtime can hold them, across both its hosts
+    _, devs = rm.alloc_slice(4)
+    assert devs == [0, 1, 2, 3]
+    with pytest.raises(ResourceError, match="no island runtime has 5"):
+        rm.alloc_slice(5)
+    with pytest.raises(ResourceError, match="no host has 4"):
+        rm.alloc_slice(4, island=1)
+    # a computation on devices of two hosts: only within one runtime
+    rm.check_spmd([0, 3])
+    rm.check_spmd([4, 5])
+    with pytest.raises(ResourceError, match="span islands"):
+        rm.check_spmd([0, 4])
+    with pytest.raises(ResourceError, match="do not share a JAX distributed runtime"):
+        rm.check_spmd([4, 6])
+    with pytest.raises(ResourceError, match="unknown device"):
+        rm.check_spmd([99])
+    with pytest.raises(ResourceError, match="already belongs to island 0"):
+        add(rm, island=1, runtime="coord:1")
+
+
+def test_multi_host_slices_spread_load():
+    rm = ResourceManager()
+    add(rm, island=0, n=2, runtime="a")
+    add(rm, island=0, n=2, runtime="a")
+    add(rm, island=1, n=2, runtime="b")
+    add(rm, island=1, n=2, runtime="b")
+    first = rm.alloc_slice(3)[1]
+    second = rm.alloc_slice(3)[1]
+    assert {rm.devices[d].island for d in first} != {rm.devices[d].island for d in second}

@@ -10,6 +10,7 @@ import logging
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -40,6 +41,13 @@ def die_with_parent() -> None:
         return
     if os.getppid() != int(parent):   # the parent died before we asked
         os._exit(1)
+
+
+def free_port(host: str) -> int:
+    """A TCP port that is free now (the OS picks it)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
 
 
 def default_shape() -> dict[str, int]:
@@ -88,6 +96,8 @@ class LocalCluster:
     def _start(self, bind_host: str, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         addr_file = os.path.join(self.dir, "controller.address")
+        if os.path.exists(addr_file):      # left by an earlier cluster in this directory
+            os.unlink(addr_file)
         ctl = self._spawn("controller", ["zpath.controller", "--bind", f"tcp://{bind_host}:0",
                                          "--address-file", addr_file], self._env)
         while not os.path.exists(addr_file):
@@ -100,10 +110,16 @@ class LocalCluster:
                  if not f.startswith("--xla_force_host_platform_device_count")]
         wenv["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={self.devices_per_host}"])
         for island in range(self.islands):
+            runtime: list[str] = []
+            if self.hosts_per_island > 1:   # the island's hosts share one JAX runtime
+                runtime = ["--coordinator", f"{bind_host}:{free_port(bind_host)}",
+                           "--num-processes", str(self.hosts_per_island)]
             for h in range(self.hosts_per_island):
                 self._spawn(f"worker-i{island}-h{h}", ["zpath.worker", "--controller", self.address,
                                                        "--island", str(island), "--bind-host", bind_host,
-                                                       "--name", f"local-i{island}-h{h}"], wenv)
+                                                       "--name", f"local-i{island}-h{h}", *runtime,
+                                                       *(["--process-id", str(h)] if runtime else [])],
+                            wenv)
         self._wait_registered(deadline)
         log.info("local cluster up at %s (pid %d), logs in %s", self.address, ctl.pid, self.dir)
 

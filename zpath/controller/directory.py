@@ -44,12 +44,14 @@ class Plan:
 
 class Directory:
     def __init__(self, host_of: Callable[[int], int],
-                 address_of: Callable[[int], str] = lambda h: "") -> None:
+                 address_of: Callable[[int], str] = lambda h: "",
+                 jax_id_of: Callable[[int], int] = lambda d: d) -> None:
         """``host_of`` maps a global device id to its host rank, ``address_of`` a
         host rank to its data address."""
         self.buffers: dict[int, Buffer] = {}
         self.host_of = host_of
         self.address_of = address_of
+        self.jax_id_of = jax_id_of
         self._piece_ids = itertools.count(1)
         self._exec_ids = itertools.count(1)
 
@@ -136,13 +138,14 @@ class Directory:
             self.buffers[o.buffer] = Buffer(o.buffer, tuple(o.aval.shape), o.aval.dtype,
                                             owner, [layout])
         exec_id = next(self._exec_ids)
+        jax_ids = [self.jax_id_of(d) for d in call.devices]
         outputs = [m.ExecOutput(o.buffer, o.aval, o.spec) for o in call.outputs]
         executes = {}
         for h, per_input in shards.items():
             inputs = [m.ExecInput(i.buffer, i.aval, i.spec, s)
                       for i, s in zip(call.inputs, per_input, strict=True)]
-            executes[h] = m.Execute(exec_id, call.program, name, call.mesh_shape,
-                                    call.axis_names, call.devices, inputs, outputs)
+            executes[h] = m.Execute(exec_id, 0, call.program, name, call.mesh_shape, call.axis_names,
+                                    call.devices, jax_ids, inputs, outputs)
         return Plan(executes, sends)
 
     def _pieces(self, buf: Buffer, want: Region, host: int,

@@ -14,6 +14,7 @@ class Device:
     host: int
     island: int
     local_index: int
+    jax_id: int = -1         # the device's id in JAX
     load: int = 0            # slices placed on this device
 
 
@@ -26,6 +27,7 @@ class Host:
     pid: int
     platform: str
     devices: list[int]
+    runtime: str = ""        # the island's jax.distributed coordinator ("" if none)
     alive: bool = True
 
 
@@ -39,18 +41,27 @@ class ResourceManager:
         self._slice_ids = itertools.count(1)
 
     def add_host(self, *, name: str, island: int, data_address: str, pid: int,
-                 platform: str, num_devices: int) -> Host:
+                 platform: str, num_devices: int, jax_ids: list[int] | None = None,
+                 runtime: str = "") -> Host:
+        """Register a host. Hosts of one island that share a ``runtime`` (a
+        jax.distributed coordinator address) can run one SPMD computation together."""
         if island < 0:
             raise ResourceError(f"island must be >= 0, got {island}")
         if num_devices < 1:
             raise ResourceError(f"a host needs at least one device, got {num_devices}")
+        if jax_ids is not None and len(jax_ids) != num_devices:
+            raise ResourceError(f"{len(jax_ids)} JAX ids for {num_devices} devices")
+        if runtime:
+            for h in self.hosts.values():
+                if h.runtime == runtime and h.island != island:
+                    raise ResourceError(f"runtime {runtime} already belongs to island {h.island}")
         rank = next(self._ranks)
         ids = []
         for i in range(num_devices):
-            d = Device(next(self._device_ids), rank, island, i)
+            d = Device(next(self._device_ids), rank, island, i, jax_ids[i] if jax_ids else i)
             self.devices[d.id] = d
             ids.append(d.id)
-        host = Host(rank, island, name, data_address, pid, platform, ids)
+        host = Host(rank, island, name, data_address, pid, platform, ids, runtime)
         self.hosts[rank] = host
         return host
 
@@ -63,8 +74,9 @@ class ResourceManager:
 
     def alloc_slice(self, n: int, *, island: int | None = None,
                     host: int | None = None) -> tuple[int, list[int]]:
-        """Place ``n`` virtual devices. All devices of a slice are on one host
-        (SPMD across the hosts of an island is not supported yet). Among hosts that
+        """Place ``n`` virtual devices. A slice that fits on one host goes on one
+        host; a larger one spans hosts of one island that share a JAX runtime
+        (see :meth:`_alloc_spread`). Among hosts that
         satisfy the constraints, picks the one whose ``n`` least-loaded devices
         carry the least load (ties: the host with the least load in all, then the
         lowest rank), so successive slices spread over the cluster's hosts."""
@@ -90,12 +102,61 @@ class ResourceManager:
             if best is None or cost < best[:3]:
                 best = (*cost, chosen)
         if best is None:
-            largest = max((len(h.devices) for h in hosts), default=0)
-            raise ResourceError(f"no host has {n} devices (largest host has {largest}); "
-                                "a slice must fit on one host")
-        chosen = sorted(best[3], key=lambda d: d.local_index)
+            chosen = self._alloc_spread(n, hosts) if host is None else None
+            if chosen is None:
+                largest = max((len(h.devices) for h in hosts), default=0)
+                groups = self._runtimes(hosts)
+                most = max((sum(len(h.devices) for h in g) for g in groups.values()), default=0)
+                raise ResourceError(f"no host has {n} devices (largest host has {largest}) and no "
+                                    f"island runtime has {n} (largest has {most})")
+        else:
+            chosen = sorted(best[3], key=lambda d: d.local_index)
         for d in chosen:
             d.load += 1
+        chosen = sorted(chosen, key=lambda d: (d.host, d.local_index))
         sid = next(self._slice_ids)
         self.slices[sid] = [d.id for d in chosen]
         return sid, self.slices[sid]
+
+    @staticmethod
+    def _runtimes(hosts: list[Host]) -> dict[tuple[int, str], list[Host]]:
+        groups: dict[tuple[int, str], list[Host]] = {}
+        for h in hosts:
+            if h.runtime:
+                groups.setdefault((h.island, h.runtime), []).append(h)
+        return groups
+
+    def _alloc_spread(self, n: int, hosts: list[Host]) -> list[Device] | None:
+        """``n`` least-loaded devices of one multi-host island runtime (the least
+        loaded runtime that has enough), or None."""
+        best: tuple[int, int, list[Device]] | None = None
+        for (island, _), group in sorted(self._runtimes(hosts).items()):
+            devs = sorted((self.devices[d] for h in group for d in h.devices),
+                          key=lambda d: (d.load, d.host, d.local_index))
+            if len(group) < 2 or len(devs) < n:
+                continue
+            cost = (sum(d.load for d in devs[:n]), island)
+            if best is None or cost < best[:2]:
+                best = (*cost, devs[:n])
+        return None if best is None else best[2]
+
+    def check_spmd(self, devices: list[int]) -> None:
+        """Raise ResourceError unless one SPMD computation can run on ``devices``:
+        all on one live host, or on live hosts of one island sharing a runtime."""
+        try:
+            hosts = {self.devices[d].host for d in devices}
+        except KeyError as e:
+            raise ResourceError(f"unknown device {e}") from None
+        dead = [h for h in hosts if not self.hosts[h].alive]
+        if dead:
+            raise ResourceError(f"host(s) {sorted(dead)} are lost")
+        if len(hosts) == 1:
+            return
+        islands = {self.hosts[h].island for h in hosts}
+        runtimes = {self.hosts[h].runtime for h in hosts}
+        if len(islands) > 1:
+            raise ResourceError(f"devices {devices} span islands {sorted(islands)}: one computation "
+                                "runs within one island (move values between islands instead)")
+        if len(runtimes) > 1 or "" in runtimes:
+            raise ResourceError(f"devices {devices} span hosts {sorted(hosts)} that do not share a "
+                                "JAX distributed runtime")

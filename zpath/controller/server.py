@@ -3,6 +3,7 @@ to, and a loop that hands each message to the resource manager, the program
 registry or the directory, then sends what they decide."""
 from __future__ import annotations
 
+import collections
 import dataclasses
 import hashlib
 import faulthandler
@@ -16,6 +17,7 @@ import zmq
 
 from zpath.controller.directory import Directory, PlanError
 from zpath.controller.resources import ResourceManager
+from zpath.controller.scheduler import GangScheduler
 from zpath.errors import ResourceError
 from zpath.net import messages as m
 from zpath.net.codec import PROTOCOL_VERSION, Header, Record
@@ -25,6 +27,7 @@ log = logging.getLogger(__name__)
 
 PING_INTERVAL_S = 1.0
 MAX_PROGRAM_BYTES = 256 << 20
+TIMELINE_RECORDS = 100_000
 
 
 @dataclasses.dataclass
@@ -49,7 +52,13 @@ class Controller:
             self.address = bind
         self.rm = ResourceManager()
         self.directory = Directory(lambda d: self.rm.devices[d].host,
-                                   lambda h: self.rm.hosts[h].data_address)
+                                   lambda h: self.rm.hosts[h].data_address,
+                                   lambda d: self.rm.devices[d].jax_id)
+        self.scheduler = GangScheduler(
+            break_order=os.environ.get("ZPATH_DEBUG_BREAK_GANG_ORDER") == "1")
+        # exec_id -> (client, name, island, seq, devices), until every host reported
+        self.in_flight: dict[int, tuple[int, str, int, int, list[int], set[int]]] = {}
+        self.timeline: collections.deque[m.ExecRecord] = collections.deque(maxlen=TIMELINE_RECORDS)
         self.programs: dict[str, tuple[str, bytes]] = {}
         self.host_programs: dict[int, set[str]] = {}
         self.peers: dict[bytes, Peer] = {}
@@ -104,8 +113,15 @@ class Controller:
                 self.handle(ident, header, msg, buffers)
             except Exception:  # a handler bug must not take the controller down
                 log.exception("error handling %s from %s", type(msg).__name__, header.sender)
-                self.reply_error(ident, header.msg_id, "internal",
-                                 f"controller failed handling {type(msg).__name__}")
+                if isinstance(msg, m.Call):   # fail its futures rather than leave them waiting
+                    outs = [o.buffer for o in msg.outputs]
+                    err = m.ErrorInfo("RemoteError", "the controller failed planning this call "
+                                      "(see its log)", None, "", "")
+                    self.directory.poison(outs, self.peers[ident].id, err)
+                    self.send(ident, m.CallFailed(msg.call_id, outs, err))
+                else:
+                    self.reply_error(ident, header.msg_id, "internal",
+                                     f"controller failed handling {type(msg).__name__}")
             if not self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
                 return
 
@@ -163,9 +179,10 @@ class Controller:
             case m.Call() if peer.role == "client":
                 self._call(ident, peer, msg)
             case m.ExecDone() if peer.role == "worker":
-                if msg.error is not None:
-                    log.info("computation %d failed on host %d: %s", msg.exec_id, peer.id,
-                             msg.error.message)
+                self._exec_done(peer.id, msg)
+            case m.TimelineRequest():
+                recs = list(self.timeline)[-msg.limit:] if msg.limit > 0 else []
+                self.send(ident, m.Timeline(recs), parent)
             case m.Goodbye() if peer.role == "client":
                 log.info("client %d (%s) disconnected: %s", peer.id, peer.name, msg.reason)
                 del self.peers[ident]
@@ -185,7 +202,9 @@ class Controller:
             return
         try:
             host = self.rm.add_host(name=msg.name, island=msg.island, data_address=msg.data_address,
-                                    pid=msg.pid, platform=msg.platform, num_devices=msg.num_devices)
+                                    pid=msg.pid, platform=msg.platform, num_devices=msg.num_devices,
+                                    jax_ids=msg.jax_ids,
+                                    runtime=msg.coordinator if msg.num_processes > 1 else "")
         except ResourceError as e:
             self.reply_error(ident, parent, "resource", str(e))
             return
@@ -215,6 +234,10 @@ class Controller:
         try:
             if prog is None:
                 raise PlanError("not_found", f"program {call.program[:12]} is not registered")
+            try:
+                self.rm.check_spmd(call.devices)
+            except ResourceError as e:
+                raise PlanError("resource", str(e)) from None
             plan = self.directory.plan(call, peer.id, prog[0])
         except PlanError as e:
             err = e.error or m.ErrorInfo("CallFailed", f"call rejected: {e}", None,
@@ -229,12 +252,30 @@ class Controller:
                 self.host_programs[rank].add(call.program)
         for rank, piece in plan.sends:
             self.to_host(rank, piece)
-        for rank, ex in plan.executes.items():
+        island = self.rm.hosts[next(iter(plan.executes))].island
+        ordered = self.scheduler.dispatch(island, plan.executes)
+        exec_id = next(iter(plan.executes.values())).exec_id
+        self.in_flight[exec_id] = (peer.id, prog[0], island, self.scheduler.next_seq[island] - 1,
+                                 call.devices, set(plan.executes))
+        for rank, ex in ordered:
             self.to_host(rank, ex)
+
+    def _exec_done(self, host: int, msg: m.ExecDone) -> None:
+        info = self.in_flight.get(msg.exec_id)
+        if msg.error is not None:
+            log.info("computation %d failed on host %d: %s", msg.exec_id, host, msg.error.message)
+        if info is None:
+            return
+        client, name, island, seq, devices, hosts = info
+        self.timeline.append(m.ExecRecord(msg.exec_id, seq, island, host, client, name, devices,
+                                          msg.start, msg.end, msg.error is None))
+        hosts.discard(host)
+        if not hosts:
+            del self.in_flight[msg.exec_id]
 
     def _device_info(self, d: int) -> m.DeviceInfo:
         dev = self.rm.devices[d]
-        return m.DeviceInfo(dev.id, dev.host, dev.island, dev.local_index)
+        return m.DeviceInfo(dev.id, dev.host, dev.island, dev.local_index, dev.jax_id)
 
     def _host_infos(self) -> list[m.HostInfo]:
         return [m.HostInfo(h.rank, h.island, h.name, h.data_address,

@@ -30,6 +30,7 @@ class DeviceInfo(Record):
     host: int                # host rank
     island: int
     local_index: int         # index into the worker's jax.local_devices()
+    jax_id: int              # the device's id in JAX (global within an island's runtime)
 
 
 @record
@@ -126,6 +127,10 @@ class RegisterWorker(Record):
     platform: str
     num_devices: int
     protocol: int
+    jax_ids: list[int]       # ids of its local devices in JAX
+    coordinator: str         # the island's jax.distributed coordinator ("" if none)
+    process_id: int          # its process id in that runtime
+    num_processes: int       # processes in that runtime (1 if none)
 
 
 @message(5)
@@ -226,13 +231,16 @@ class CallFailed(Record):
 
 @message(33)
 class Execute(Record):
-    """Controller -> worker: this host's part of one computation."""
+    """Controller -> worker: this host's part of one computation. ``seq`` is its
+    place in its island's gang order; ``jax_ids`` are the JAX ids of ``devices``."""
     exec_id: int
+    seq: int
     program: str
     name: str
     mesh_shape: list[int]
     axis_names: list[str]
     devices: list[int]
+    jax_ids: list[int]
     inputs: list[ExecInput]
     outputs: list[ExecOutput]
 
@@ -247,9 +255,12 @@ class Execute(Record):
 
 @message(34)
 class ExecDone(Record):
-    """Worker -> controller: a computation finished (error is None) or failed."""
+    """Worker -> controller: a computation finished (error is None) or failed;
+    ``start``/``end`` are the worker's wall-clock times (seconds since the epoch)."""
     exec_id: int
     error: ErrorInfo | None
+    start: float
+    end: float
 
 
 @message(35)
@@ -269,6 +280,31 @@ class SendPiece(Record):
 class Free(Record):
     """Controller -> worker: drop every shard of these buffers."""
     buffers: list[int]
+
+
+@message(37)
+class TimelineRequest(Record):
+    """Client -> controller: the most recent ``limit`` finished computations."""
+    limit: int
+
+
+@record
+class ExecRecord(Record):
+    exec_id: int
+    seq: int
+    island: int
+    host: int
+    client: int
+    name: str
+    devices: list[int]
+    start: float
+    end: float
+    ok: bool
+
+
+@message(38)
+class Timeline(Record):
+    records: list[ExecRecord]
 
 
 # ---- data plane (worker data port) ------------------------------------------

@@ -1,12 +1,20 @@
-"""Runs computations, one at a time, in the order they were dispatched.
+"""Runs computations in the order they were dispatched, per device.
+
+A computation starts once every earlier computation that shares one of its
+local devices has finished; computations on disjoint devices run at the same
+time, each on its own thread. The controller dispatches in one order per island
+(the gang order), so every host of an island runs shared-device computations in
+the same order. Each computation runs to completion before the next one on its
+devices starts (XLA:CPU collectives must not overlap on the same devices).
 
 Inputs are assembled from local shards and from pieces sent by other hosts; a
 failed input poisons the outputs with the same root cause instead of running."""
 from __future__ import annotations
 
+import concurrent.futures
 import logging
-import queue
 import threading
+import time
 import traceback
 from typing import Any, Callable
 
@@ -29,55 +37,94 @@ class InputError(Exception):
 
 class Executor:
     def __init__(self, store: Store, local_devices: dict[int, Any],
-                 on_done: Callable[[int, m.ErrorInfo | None], None],
-                 input_timeout_s: float = INPUT_TIMEOUT_S) -> None:
-        """``local_devices`` maps global device id -> jax Device."""
+                 on_done: Callable[[int, m.ErrorInfo | None, float, float], None],
+                 input_timeout_s: float = INPUT_TIMEOUT_S, jax_devices: dict[int, Any] | None = None) -> None:
+        """``local_devices`` maps global device id -> jax Device; ``jax_devices``
+        maps JAX id -> jax Device for every device of this host's island runtime."""
         import jax
 
         self.jax = jax
         self.store = store
         self.devices = local_devices
+        self.jax_devices = jax_devices or {d.id: d for d in local_devices.values()}
         self.gid = {d: g for g, d in local_devices.items()}
         self.on_done = on_done
         self.input_timeout_s = input_timeout_s
         self.rank: int | None = None
         self.programs: dict[str, Any] = {}          # digest -> jax.export.Exported
         self.compiled: dict[tuple, Any] = {}        # (digest, devices, specs) -> callable
-        self.queue: queue.Queue[m.Execute | None] = queue.Queue()
-        self.thread = threading.Thread(target=self._run, name="executor", daemon=True)
+        self._lock = threading.Lock()
+        self._waiting: list[m.Execute] = []          # dispatched, not started, in order
+        self._busy: set[int] = set()                 # local devices of running computations
+        self._last_seq = -1                          # a host belongs to one island: one order
+        # at most one computation per device runs at a time
+        self._pool = concurrent.futures.ThreadPoolExecutor(max(1, len(local_devices)),
+                                                           thread_name_prefix="exec")
+        self._stopped = False
 
     def start(self) -> None:
-        self.thread.start()
+        pass
 
     def stop(self) -> None:
-        self.queue.put(None)
+        with self._lock:
+            self._stopped = True
+            self._waiting.clear()
+        self._pool.shutdown(wait=False, cancel_futures=True)
 
     def add_program(self, digest: str, blob: bytes) -> None:
         if digest not in self.programs:
             self.programs[digest] = blob     # deserialised lazily on the executor thread
 
     def submit(self, ex: m.Execute) -> None:
-        self.queue.put(ex)
+        """Queue a computation (in dispatch order) and start what can start."""
+        with self._lock:
+            if ex.seq <= self._last_seq:
+                log.warning("computation %d (seq %d) arrived after seq %d: out of gang order",
+                            ex.exec_id, ex.seq, self._last_seq)
+            self._last_seq = max(self._last_seq, ex.seq)
+            self._waiting.append(ex)
+            self._start_ready()
 
-    # ---- executor thread -----------------------------------------------------
-    def _run(self) -> None:
-        while True:
-            ex = self.queue.get()
-            if ex is None:
-                return
-            error = None
-            try:
-                self._execute(ex)
-            except InputError as e:
-                error = e.error
-            except Exception as e:
-                error = m.ErrorInfo("RemoteError", f"{type(e).__name__}: {e}", self.rank, ex.name,
-                                    traceback.format_exc())
-                log.warning("computation %d (%s) failed: %s", ex.exec_id, ex.name, error.message)
-            if error is not None:
-                for o in ex.outputs:
-                    self._poison_output(ex, o, error)
-            self.on_done(ex.exec_id, error)
+    def _local(self, ex: m.Execute) -> set[int]:
+        return {d for d in ex.devices if d in self.devices}
+
+    def _start_ready(self) -> None:
+        """With the lock held: start every waiting computation none of whose
+        devices is busy or claimed by an earlier waiting computation."""
+        if self._stopped:
+            return
+        claimed = set(self._busy)
+        still = []
+        for ex in self._waiting:
+            devs = self._local(ex)
+            if devs & claimed:
+                still.append(ex)
+            else:
+                self._busy |= devs
+                self._pool.submit(self._run, ex, devs)
+            claimed |= devs
+        self._waiting = still
+
+    # ---- executor threads ----------------------------------------------------
+    def _run(self, ex: m.Execute, devs: set[int]) -> None:
+        start = time.time()
+        error = None
+        try:
+            self._execute(ex)
+        except InputError as e:
+            error = e.error
+        except Exception as e:
+            error = m.ErrorInfo("RemoteError", f"{type(e).__name__}: {e}", self.rank, ex.name,
+                                traceback.format_exc())
+            log.warning("computation %d (%s) failed: %s", ex.exec_id, ex.name, error.message)
+        if error is not None:
+            for o in ex.outputs:
+                self._poison_output(ex, o, error)
+        end = time.time()
+        with self._lock:
+            self._busy -= devs
+            self._start_ready()
+        self.on_done(ex.exec_id, error, start, end)
 
     def _poison_output(self, ex: m.Execute, o: m.ExecOutput, error: m.ErrorInfo) -> None:
         regs = sharding.regions(o.aval.shape, ex.mesh_shape, ex.axis_names, o.spec)
@@ -89,7 +136,7 @@ class Executor:
         jax = self.jax
         from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-        mesh_devices = np.array([self.devices[d] for d in ex.devices], dtype=object)
+        mesh_devices = np.array([self.jax_devices[j] for j in ex.jax_ids], dtype=object)
         mesh = Mesh(mesh_devices.reshape(ex.mesh_shape), tuple(ex.axis_names))
 
         def named(spec: list) -> NamedSharding:

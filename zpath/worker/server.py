@@ -38,10 +38,22 @@ MAX_FETCH_TIMEOUT_S = 3600.0
 
 class Worker:
     def __init__(self, key: bytes, controller: str, island: int, *,
-                 bind_host: str = "127.0.0.1", name: str | None = None) -> None:
+                 bind_host: str = "127.0.0.1", name: str | None = None,
+                 coordinator: str = "", num_processes: int = 1, process_id: int = 0) -> None:
         import jax
 
         jax.config.update("jax_enable_x64", True)
+        self.coordinator = coordinator if num_processes > 1 else ""
+        self.num_processes, self.process_id = num_processes, process_id
+        if self.coordinator:
+            # One JAX runtime for the island's hosts, so a computation can span
+            # them; CPU collectives go through gloo (GPUs use their own).
+            jax.config.update("jax_cpu_collectives_implementation", "gloo")
+            log.info("joining island runtime at %s as process %d of %d", coordinator,
+                     process_id, num_processes)
+            jax.distributed.initialize(coordinator, num_processes=num_processes,
+                                       process_id=process_id,
+                                       initialization_timeout=int(REGISTER_TIMEOUT_S))
         self.jax = jax
         self.local = jax.local_devices()
         self.platform = self.local[0].platform
@@ -67,7 +79,9 @@ class Worker:
     # ---- start-up ------------------------------------------------------------
     def register(self) -> None:
         msg = m.RegisterWorker(self.name, self.island, self.data_address, os.getpid(),
-                               self.platform, len(self.local), PROTOCOL_VERSION)
+                               self.platform, len(self.local), PROTOCOL_VERSION,
+                               [d.id for d in self.local], self.coordinator, self.process_id,
+                               self.num_processes)
         deadline = time.monotonic() + REGISTER_TIMEOUT_S
         attempt = 0
         while time.monotonic() < deadline and self.running:
@@ -78,7 +92,8 @@ class Worker:
                     case m.Registered():
                         self.rank = reply.rank
                         devices = {d.id: self.local[d.local_index] for d in reply.devices}
-                        self.executor = Executor(self.store, devices, self._exec_done)
+                        self.executor = Executor(self.store, devices, self._exec_done,
+                                                 jax_devices={d.id: d for d in self.jax.devices()})
                         self.executor.rank = reply.rank
                         self.executor.start()
                         log.info("registered as host %d with devices %s", reply.rank,
@@ -99,8 +114,8 @@ class Worker:
     def post_peer(self, rank: int, msg: Record, buffers: Any = ()) -> None:
         self.outbox.put("peer", rank, msg, buffers, 0)
 
-    def _exec_done(self, exec_id: int, error: m.ErrorInfo | None) -> None:
-        self.post_ctl(m.ExecDone(exec_id, error))
+    def _exec_done(self, exec_id: int, error: m.ErrorInfo | None, start: float, end: float) -> None:
+        self.post_ctl(m.ExecDone(exec_id, error, start, end))
 
     # ---- I/O loop ------------------------------------------------------------
     def serve_forever(self) -> None:
@@ -284,12 +299,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--island", type=int, default=0, help="island this host belongs to")
     p.add_argument("--bind-host", default="127.0.0.1", help="address to listen on for data")
     p.add_argument("--name", help="host name shown in status (default hostname:pid)")
+    p.add_argument("--coordinator", default="",
+                   help="HOST:PORT of the island's jax.distributed coordinator (islands of several hosts)")
+    p.add_argument("--num-processes", type=int, default=1, help="hosts in this island's runtime")
+    p.add_argument("--process-id", type=int, default=0, help="this host's index in the island runtime")
     args = p.parse_args(argv)
     from zpath.launcher import die_with_parent
     die_with_parent()
     faulthandler.register(signal.SIGUSR1)  # `kill -USR1 <pid>` dumps every thread's stack
     logs.setup(f"worker[island {args.island}]")
-    w = Worker(key_from_env(), args.controller, args.island, bind_host=args.bind_host, name=args.name)
+    if not 0 <= args.process_id < args.num_processes:
+        p.error(f"--process-id must be in [0, {args.num_processes})")
+    if args.num_processes > 1 and not args.coordinator:
+        p.error("--num-processes > 1 needs --coordinator")
+    w = Worker(key_from_env(), args.controller, args.island, bind_host=args.bind_host, name=args.name,
+               coordinator=args.coordinator, num_processes=args.num_processes,
+               process_id=args.process_id)
     signal.signal(signal.SIGTERM, w.stop)
     signal.signal(signal.SIGINT, w.stop)
     try:
