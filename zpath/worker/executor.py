@@ -52,7 +52,7 @@ class Executor:
         self.input_timeout_s = input_timeout_s
         self.rank: int | None = None
         self.programs: dict[str, Any] = {}          # digest -> jax.export.Exported
-        self.compiled: dict[tuple, Any] = {}        # (digest, devices, specs) -> callable
+        self.compiled: dict[tuple, _Prepared] = {}  # (digest, devices, specs) -> prepared
         self._lock = threading.Lock()
         self._waiting: list[m.Execute] = []          # dispatched, not started, in order
         self._busy: set[int] = set()                 # local devices of running computations
@@ -134,16 +134,9 @@ class Executor:
 
     def _execute(self, ex: m.Execute) -> None:
         jax = self.jax
-        from jax.sharding import Mesh, NamedSharding, PartitionSpec
-
-        mesh_devices = np.array([self.jax_devices[j] for j in ex.jax_ids], dtype=object)
-        mesh = Mesh(mesh_devices.reshape(ex.mesh_shape), tuple(ex.axis_names))
-
-        def named(spec: list) -> NamedSharding:
-            return NamedSharding(mesh, PartitionSpec(*[tuple(e) if isinstance(e, list) else e
-                                                       for e in spec]))
+        prepared = self._prepare(ex)
         args, first_error = [], None
-        for inp in ex.inputs:
+        for inp, in_sharding in zip(ex.inputs, prepared.in_shardings, strict=True):
             shards = []
             for s in inp.shards:
                 try:
@@ -152,11 +145,10 @@ class Executor:
                     first_error = first_error or e
             if first_error is None:
                 args.append(jax.make_array_from_single_device_arrays(
-                    tuple(inp.aval.shape), named(inp.spec), shards))
+                    tuple(inp.aval.shape), in_sharding, shards))
         if first_error is not None:
             raise first_error
-        fn = self._compiled(ex, named)
-        outs = fn(*args)
+        outs = prepared.fn(*args)
         # Run to completion before the next computation: a failure is reported
         # against the computation that caused it, and XLA:CPU collectives never
         # overlap on the same devices (see ARCHITECTURE.md, section 2).
@@ -167,22 +159,31 @@ class Executor:
                 region = sharding.region_from_index(sh.index, shape)
                 self.store.set(shard_key(o.buffer, self.gid[sh.device], region), sh.data)
 
-    def _compiled(self, ex: m.Execute, named: Callable) -> Callable:
-        key = (ex.program, tuple(ex.devices), tuple(ex.mesh_shape), tuple(ex.axis_names),
-               repr([i.spec for i in ex.inputs]), repr([o.spec for o in ex.outputs]))
-        fn = self.compiled.get(key)
-        if fn is None:
-            exported = self.programs.get(ex.program)
-            if exported is None:
-                raise RuntimeError(f"program {ex.program[:12]} was never sent to this host")
-            if isinstance(exported, bytes):
-                exported = self.programs[ex.program] = self.jax.export.deserialize(bytearray(exported))
-            jitted = self.jax.jit(lambda *a: tuple(self.jax.tree_util.tree_leaves(exported.call(*a))),
-                                  in_shardings=tuple(named(i.spec) for i in ex.inputs),
-                                  out_shardings=tuple(named(o.spec) for o in ex.outputs))
-            fn = self.compiled[key] = jitted
-            log.debug("compiled %s for devices %s", ex.name, ex.devices)
-        return fn
+    def _prepare(self, ex: m.Execute) -> "_Prepared":
+        """The compiled function and input shardings for this program on these
+        devices with these specs, built once."""
+        key = (ex.program, tuple(ex.jax_ids), tuple(ex.mesh_shape), tuple(ex.axis_names),
+               tuple(_freeze(i.spec) for i in ex.inputs), tuple(_freeze(o.spec) for o in ex.outputs))
+        prepared = self.compiled.get(key)
+        if prepared is not None:
+            return prepared
+        from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+        exported = self.programs.get(ex.program)
+        if exported is None:
+            raise RuntimeError(f"program {ex.program[:12]} was never sent to this host")
+        if isinstance(exported, bytes):
+            exported = self.programs[ex.program] = self.jax.export.deserialize(bytearray(exported))
+        mesh_devices = np.array([self.jax_devices[j] for j in ex.jax_ids], dtype=object)
+        mesh = Mesh(mesh_devices.reshape(ex.mesh_shape), tuple(ex.axis_names))
+        ins = tuple(NamedSharding(mesh, PartitionSpec(*spec)) for spec in key[4])
+        outs = tuple(NamedSharding(mesh, PartitionSpec(*spec)) for spec in key[5])
+        call = exported.call
+        leaves = self.jax.tree_util.tree_leaves
+        fn = self.jax.jit(lambda *a: tuple(leaves(call(*a))), in_shardings=ins, out_shardings=outs)
+        prepared = self.compiled[key] = _Prepared(fn, ins)
+        log.debug("prepared %s for devices %s", ex.name, ex.devices)
+        return prepared
 
     def _input_shard(self, inp: m.ExecInput, s: m.ShardInput) -> Any:
         """The input shard for one local device: already stored, or assembled
@@ -225,3 +226,15 @@ class Executor:
         if e.error is not None:
             raise InputError(e.error)
         return e.value
+
+
+class _Prepared:
+    __slots__ = ("fn", "in_shardings")
+
+    def __init__(self, fn: Callable, in_shardings: tuple) -> None:
+        self.fn = fn
+        self.in_shardings = in_shardings
+
+
+def _freeze(spec: list) -> tuple:
+    return tuple(tuple(e) if isinstance(e, list) else e for e in spec)
