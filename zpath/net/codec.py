@@ -30,7 +30,7 @@ MAX_BUFFERS = 4096
 SIG_BYTES = 32
 
 _REGISTRY: dict[int, type["Record"]] = {}
-_Check = Callable[[Any, str], Any]
+_Check = Callable[[Any, str | None], Any]   # (value, path or None) -> checked value
 
 
 class Record:
@@ -45,13 +45,25 @@ class Record:
         return [_to_wire(getattr(self, name)) for name, _ in self._checks]
 
     @classmethod
-    def from_wire(cls, value: Any, where: str = "") -> "Record":
+    def from_wire(cls, value: Any, where: str | None = "") -> "Record":
+        """Check and build a record. ``where`` names it in error messages; with
+        ``where=None`` the checks build no paths (the fast path), and a failure
+        is retried with paths to produce the precise message."""
+        checks = cls._checks
+        if where is None:
+            if type(value) is not list or len(value) != len(checks):
+                raise ProtocolError("")
+            return cls(*[check(v, None) for (_, check), v in zip(checks, value)])
+        try:
+            return cls.from_wire(value, None)
+        except ProtocolError:
+            pass
         where = where or cls.__name__
-        if not isinstance(value, list) or len(value) != len(cls._checks):
+        if not isinstance(value, list) or len(value) != len(checks):
             n = len(value) if isinstance(value, list) else type(value).__name__
-            raise ProtocolError(f"{where}: expected {len(cls._checks)} fields, got {n}")
+            raise ProtocolError(f"{where}: expected {len(checks)} fields, got {n}")
         return cls(*[check(v, f"{where}.{name}")
-                     for (name, check), v in zip(cls._checks, value, strict=True)])
+                     for (name, check), v in zip(checks, value, strict=True)])
 
 
 def _to_wire(v: Any) -> Any:
@@ -103,9 +115,12 @@ def _compile(tp: Any) -> _Check:
     origin = typing.get_origin(tp)
     args = typing.get_args(tp)
     if origin in (typing.Union, types.UnionType):
-        checks = [_compile(a) for a in args]
-        def check_union(v: Any, w: str) -> Any:
-            errors = []
+        optional = type(None) in args
+        checks = [_compile(a) for a in args if a is not type(None)]
+        def check_union(v: Any, w: str | None) -> Any:
+            if v is None and optional:
+                return None
+            errors = ["expected nil, got " + type(v).__name__] if optional else []
             for c in checks:
                 try:
                     return c(v, w)
@@ -119,6 +134,8 @@ def _compile(tp: Any) -> _Check:
             def check_fixed(v: Any, w: str) -> tuple:
                 if not isinstance(v, list) or len(v) != len(items):
                     raise ProtocolError(f"{w}: expected a list of {len(items)}")
+                if w is None:
+                    return tuple(c(x, None) for c, x in zip(items, v))
                 return tuple(c(x, f"{w}[{i}]") for i, (c, x) in enumerate(zip(items, v, strict=True)))
             return check_fixed
         item = _compile(args[0])
@@ -126,6 +143,9 @@ def _compile(tp: Any) -> _Check:
         def check_list(v: Any, w: str) -> Any:
             if not isinstance(v, list):
                 raise ProtocolError(f"{w}: expected list, got {type(v).__name__}")
+            if w is None:
+                out = [item(x, None) for x in v]
+                return out if conv is list else tuple(out)
             return conv(item(x, f"{w}[{i}]") for i, x in enumerate(v))
         return check_list
     if origin is dict:
@@ -133,6 +153,8 @@ def _compile(tp: Any) -> _Check:
         def check_dict(v: Any, w: str) -> dict:
             if not isinstance(v, dict):
                 raise ProtocolError(f"{w}: expected map, got {type(v).__name__}")
+            if w is None:
+                return {kc(k, None): vc(x, None) for k, x in v.items()}
             return {kc(k, f"{w}.key"): vc(x, f"{w}[{k!r}]") for k, x in v.items()}
         return check_dict
     raise TypeError(f"unsupported field type {tp!r}")

@@ -1,0 +1,512 @@
+"""Island dispatch: zpath vs. JAX multi-controller, after the Pathways paper's
+comparison (Barham et al., 2022, section 5.1), on a 2-host island of this machine.
+
+Workload: a scalar all-reduce followed by a scalar add, ``psum(x) + 1.`` on a
+float64 scalar per device, over 2 processes x 1 device each.
+
+* zpath: ``zp.init(islands=1, hosts_per_island=2, devices_per_host=1)`` -- a
+  controller and two worker processes that join one jax.distributed runtime
+  (gloo CPU collectives) -- and this process as the client.
+* JAX multi-controller: two Python processes started by this script, each with
+  one CPU device, joined by ``jax.distributed.initialize`` (gloo), each running
+  its own Python loop of the same jitted SPMD computation
+  (``jax.jit(jax.shard_map(...))`` over a global mesh of the 2 devices). The
+  time of a run is the slower of the two processes.
+
+Variants (the paper's -O and -F):
+
+* -O  one computation per call: ``x = f(x)`` chained ``--calls-o`` times, then
+      the final value is fetched (inside the timing) and checked;
+* -F  one call runs 128 such computations in a ``fori_loop`` (the psum's
+      result is cast back to device-varying with ``jax.lax.pcast(..., to="varying")``,
+      a no-op at run time, so the loop carry keeps its type); chained
+      ``--calls-f`` times, then fetched and checked. Computations/s = 128 * calls / time.
+
+Each variant is warmed up once, then timed ``--repeats`` times, zpath and
+multi-controller runs alternating (both stay up; the idle side uses no CPU to
+speak of), so both see the same machine load; the table shows
+the median computations per second and the ratio zpath / multi-controller.
+It also prints where a zpath -O call's time goes (CPU time per call of the
+client, controller and workers, and the workers' execution times). This is a
+benchmark that prints figures, not a test.
+
+    python benchmarks/island_dispatch.py [--calls-o 500] [--calls-f 20] [--repeats 5] [--json out.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any, Callable
+
+import numpy as np
+
+LOOP = 128           # computations per -F call, as in the paper
+
+
+def expected(x0: float, steps: int) -> float:
+    """The value after ``steps`` of ``x = psum(x) + 1`` over 2 devices that all
+    start at ``x0``, in float64 exactly as the devices compute it."""
+    x = np.float64(x0)
+    with np.errstate(over="ignore"):
+        for _ in range(steps):
+            x = (x + x) + np.float64(1.0)
+    return float(x)
+
+
+def _check(what: str, got: Any, want: float) -> None:
+    got = np.asarray(got, dtype=np.float64).ravel()
+    if got.shape != (2,) or not np.all(got == want):
+        raise AssertionError(f"{what}: expected [{want!r}, {want!r}], got {got!r}")
+
+
+def _summary(times: list[float], comps_per_run: int) -> dict[str, Any]:
+    med = statistics.median(times)
+    return {"times_s": times, "median_s": med, "min_s": min(times), "max_s": max(times),
+            "computations": comps_per_run, "comps_per_s": comps_per_run / med,
+            "us_per_comp": med / comps_per_run * 1e6}
+
+
+# The -O chain starts from 0: x_k = 2^k - 1 (rounded), exact and finite for k < 1024,
+# so the final value checks the number of computations. A -F chain of 128*calls
+# steps from 0 would overflow, so it starts from the fixed point -1 (psum(-1) + 1 = -1)
+# and the number of iterations per call is checked separately after the warm-up:
+# one call from 0 gives 2^128, two give 2^256.
+X0_O, X0_F = 0.0, -1.0
+
+
+# ---- zpath ------------------------------------------------------------------
+def _cpu(procs: dict[str, Any]) -> dict[str, float]:
+    out = {}
+    for name, p in procs.items():
+        t = p.cpu_times()
+        out[name] = t.user + t.system
+    return out
+
+
+def _timeline_stats(cluster: Any, name: str, calls: int) -> dict[str, Any]:
+    """Median execution time on each worker (input assembly + XLA run incl. the
+    gloo all-reduce) and median start-to-start interval, over the last run."""
+    from zpath.net import messages as m
+
+    recs = cluster.client.request(m.TimelineRequest(2 * calls)).records
+    out: dict[str, Any] = {}
+    for host in sorted({r.host for r in recs}):
+        mine = sorted((r for r in recs if r.host == host and r.name == name), key=lambda r: r.start)
+        if len(mine) < 3:
+            continue
+        exec_us = [(r.end - r.start) * 1e6 for r in mine]
+        gap_us = [(b.start - a.start) * 1e6 for a, b in zip(mine, mine[1:])]
+        idle_us = [(b.start - a.end) * 1e6 for a, b in zip(mine, mine[1:])]
+        out[f"host{host}"] = {"records": len(mine), "exec_us_median": statistics.median(exec_us),
+                              "start_to_start_us_median": statistics.median(gap_us),
+                              "idle_between_us_median": statistics.median(idle_us)}
+    return out
+
+
+class ZpathBench:
+    """A local zpath cluster (1 island x 2 hosts x 1 device) and the two
+    computations placed on its 2 devices, warmed up and checked."""
+
+    def __init__(self, warm_o: int, warm_f: int) -> None:
+        import jax
+        import psutil
+
+        import zpath as zp
+
+        self.zp = zp
+        self.cluster = zp.init(islands=1, hosts_per_island=2, devices_per_host=1)
+        try:
+            devs = zp.make_virtual_device_set().add_slice(devices=2).devices
+            if len(devs) != 2 or {d.host for d in devs} != {0, 1}:
+                raise AssertionError(f"expected one device on each of 2 hosts, got {devs}")
+
+            def allreduce_add(x):
+                return jax.lax.psum(x, "i") + 1.
+
+            def allreduce_add_x128(x):
+                def body(i, y):
+                    return jax.lax.pcast(jax.lax.psum(y, "i") + 1., "i", to="varying")
+                return jax.lax.fori_loop(0, LOOP, body, x)
+
+            self.fns = {"O": zp.pmap(allreduce_add, axis_name="i", devices=devs),
+                        "F": zp.pmap(allreduce_add_x128, axis_name="i", devices=devs)}
+            self.procs = {"client": psutil.Process()}
+            for name, p in self.cluster.local.procs:
+                self.procs[name] = psutil.Process(p.pid)
+            self.cpu = {v: dict.fromkeys(self.procs, 0.0) for v in ("O", "F")}
+            self.run("O", warm_o, timed=False)
+            self.run("F", warm_f, timed=False)
+            for k in (1, 2):     # 128 iterations per call, checked from 0
+                got = self._chain(self.fns["F"], 0.0, k)
+                _check(f"zpath -F from 0 ({k} calls)", got, expected(0.0, LOOP * k))
+        except BaseException:
+            zp.shutdown()
+            raise
+
+    @staticmethod
+    def _chain(fn: Callable, x0: float, n: int) -> np.ndarray:
+        x = np.full(2, x0)
+        for _ in range(n):
+            x = fn(x)
+        return x.result(timeout=600)
+
+    def run(self, v: str, n: int, timed: bool = True) -> float:
+        """One run of ``n`` chained calls of variant ``v``; its wall time."""
+        x0, per = (X0_O, 1) if v == "O" else (X0_F, LOOP)
+        c0 = _cpu(self.procs)
+        t0 = time.perf_counter()
+        got = self._chain(self.fns[v], x0, n)
+        t = time.perf_counter() - t0
+        c1 = _cpu(self.procs)
+        _check(f"zpath -{v} ({n} calls)", got, expected(x0, per * n))
+        if timed:
+            for k in c0:
+                self.cpu[v][k] += c1[k] - c0[k]
+        return t
+
+    def timeline(self, v: str, calls: int) -> dict[str, Any]:
+        return _timeline_stats(self.cluster, "allreduce_add" if v == "O" else "allreduce_add_x128", calls)
+
+    def close(self) -> None:
+        self.zp.shutdown()
+
+
+# ---- JAX multi-controller ---------------------------------------------------------
+MC_CHILD = r"""
+import json, sys, time
+idx, port = int(sys.argv[1]), int(sys.argv[2])
+calls_o, calls_f, warm_o, warm_f = (int(a) for a in sys.argv[3:7])
+sync_each, LOOP, X0_O, X0_F = sys.argv[7] == "each", int(sys.argv[8]), float(sys.argv[9]), float(sys.argv[10])
+import jax
+jax.config.update("jax_cpu_collectives_implementation", "gloo")
+jax.config.update("jax_enable_x64", True)
+jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=idx,
+                           initialization_timeout=60)
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+devs = jax.devices()
+local = jax.local_devices()
+assert len(devs) == 2 and len(local) == 1, (devs, local)
+mesh = Mesh(np.array(devs), ("i",))
+sh = NamedSharding(mesh, P("i"))
+
+def allreduce_add(x):
+    return jax.lax.psum(x, "i") + 1.
+
+def allreduce_add_x128(x):
+    def body(i, y):
+        return jax.lax.pcast(jax.lax.psum(y, "i") + 1., "i", to="varying")
+    return jax.lax.fori_loop(0, LOOP, body, x)
+
+f_o = jax.jit(jax.shard_map(allreduce_add, mesh=mesh, in_specs=P("i"), out_specs=P("i")))
+f_f = jax.jit(jax.shard_map(allreduce_add_x128, mesh=mesh, in_specs=P("i"), out_specs=P("i")))
+
+def make(v):
+    return jax.make_array_from_single_device_arrays((2,), sh, [jax.device_put(np.full((1,), v), local[0])])
+
+def fetch(x):
+    return float(np.asarray(x.addressable_shards[0].data)[0])
+
+def expected(x0, steps):
+    x = np.float64(x0)
+    with np.errstate(over="ignore"):
+        for _ in range(steps):
+            x = (x + x) + np.float64(1.0)
+    return float(x)
+
+def chain(fn, x0, n):
+    x = make(x0)
+    for _ in range(n):
+        x = fn(x)
+        if sync_each:
+            x.block_until_ready()
+    return fetch(x)
+
+def check(what, got, want):
+    if got != want:
+        raise AssertionError(f"process {idx} {what}: expected {want!r}, got {got!r}")
+
+def barrier():          # one blocking collective: both processes leave it together
+    fetch(f_o(make(0.)))
+
+check("-O warm-up", chain(f_o, X0_O, warm_o), expected(X0_O, warm_o))
+check("-F warm-up", chain(f_f, X0_F, warm_f), expected(X0_F, LOOP * warm_f))
+for k in (1, 2):
+    check(f"-F from 0 ({k} calls)", chain(f_f, 0.0, k), expected(0.0, LOOP * k))
+print("READY", flush=True)
+for line in sys.stdin:          # one timed run per command: "O" or "F"; "Q" quits
+    v = line.strip()
+    if v == "Q":
+        break
+    fn, x0, n, per = (f_o, X0_O, calls_o, 1) if v == "O" else (f_f, X0_F, calls_f, LOOP)
+    barrier()
+    c0, t0 = time.process_time(), time.perf_counter()
+    got = chain(fn, x0, n)
+    t1, c1 = time.perf_counter(), time.process_time()
+    check(f"-{v} ({n} calls)", got, expected(x0, per * n))
+    print("RESULT " + json.dumps({"t": t1 - t0, "cpu": c1 - c0}), flush=True)
+jax.distributed.shutdown()
+"""
+
+
+def _stop(procs: list[subprocess.Popen], grace: float = 5.0) -> None:
+    """SIGTERM every still-running process, then SIGKILL those that ignore it."""
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    for p in procs:
+        try:
+            p.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait(10)
+
+
+class McBench:
+    """Two JAX processes (one CPU device each) joined by jax.distributed; each
+    runs its own Python loop. They wait on stdin between timed runs, so runs
+    can alternate with zpath's."""
+
+    def __init__(self, calls_o: int, calls_f: int, warm_o: int, warm_f: int, sync: str,
+                 timeout: float) -> None:
+        import queue
+        import threading
+
+        from zpath.launcher import free_port
+
+        self.sync, self.timeout = sync, timeout
+        env = dict(os.environ)
+        flags = [f for f in env.get("XLA_FLAGS", "").split()
+                 if not f.startswith("--xla_force_host_platform_device_count")]
+        env["XLA_FLAGS"] = " ".join(flags + ["--xla_force_host_platform_device_count=1"])
+        port = free_port("127.0.0.1")
+        self.logs = [tempfile.TemporaryFile() for _ in range(2)]
+        self.procs: list[subprocess.Popen] = []
+        self.lines: list[Any] = []
+        try:
+            for i in range(2):
+                p = subprocess.Popen(
+                    [sys.executable, "-c", MC_CHILD, str(i), str(port), str(calls_o), str(calls_f),
+                     str(warm_o), str(warm_f), sync, str(LOOP), repr(X0_O), repr(X0_F)],
+                    stdout=subprocess.PIPE, stderr=self.logs[i], stdin=subprocess.PIPE, env=env,
+                    text=True, bufsize=1)
+                self.procs.append(p)
+                q: Any = queue.Queue()
+                threading.Thread(target=self._reader, args=(p, q), daemon=True).start()
+                self.lines.append(q)
+            self._expect("READY")
+        except BaseException:
+            self.close()
+            raise
+        self.cpu = {"O": [0.0, 0.0], "F": [0.0, 0.0]}
+
+    @staticmethod
+    def _reader(p: subprocess.Popen, q: Any) -> None:
+        for line in p.stdout:
+            q.put(line)
+        q.put(None)
+
+    def _expect(self, prefix: str) -> list[str]:
+        import queue
+
+        deadline = time.monotonic() + self.timeout
+        out = []
+        for i, q in enumerate(self.lines):
+            while True:
+                try:
+                    line = q.get(timeout=max(0.1, deadline - time.monotonic()))
+                except queue.Empty:
+                    raise TimeoutError(f"multi-controller process {i} gave no {prefix} within "
+                                       f"{self.timeout:.0f}s (sync={self.sync})") from None
+                if line is None:
+                    self.procs[i].wait(10)
+                    self.logs[i].seek(0)
+                    err = self.logs[i].read().decode(errors="replace")[-3000:]
+                    raise RuntimeError(f"multi-controller process {i} exited "
+                                       f"(rc={self.procs[i].returncode}):\n{err}")
+                if line.startswith(prefix):
+                    out.append(line[len(prefix):].strip())
+                    break
+        return out
+
+    def run(self, v: str) -> float:
+        """One timed run of variant ``v`` in both processes; the slower one's time."""
+        for p in self.procs:
+            p.stdin.write(v + "\n")
+            p.stdin.flush()
+        reports = [json.loads(r) for r in self._expect("RESULT ")]
+        for i, r in enumerate(reports):
+            self.cpu[v][i] += r["cpu"]
+        return max(r["t"] for r in reports)
+
+    def close(self) -> None:
+        for p in self.procs:
+            try:
+                if p.poll() is None:
+                    p.stdin.write("Q\n")
+                    p.stdin.flush()
+            except (BrokenPipeError, OSError):
+                pass
+        deadline = time.monotonic() + 10
+        for p in self.procs:
+            try:
+                p.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        _stop(self.procs)
+        for f in self.logs:
+            f.close()
+        self.procs = []
+
+
+def measure(z: ZpathBench, mc: McBench, calls: dict[str, int], repeats: int) -> tuple[dict, dict]:
+    """Alternate zpath and multi-controller runs (which goes first alternates
+    too), so both see the same machine; return their summaries."""
+    zres: dict[str, Any] = {}
+    mres: dict[str, Any] = {"sync": mc.sync}
+    for v in ("O", "F"):
+        zt, mt = [], []
+        for r in range(repeats):
+            if r % 2 == 0:
+                zt.append(z.run(v, calls[v]))
+                mt.append(mc.run(v))
+            else:
+                mt.append(mc.run(v))
+                zt.append(z.run(v, calls[v]))
+        comps = calls[v] * (LOOP if v == "F" else 1)
+        zres[v] = _summary(zt, comps)
+        zres[v]["cpu_us_per_comp"] = {k: t / (comps * repeats) * 1e6 for k, t in z.cpu[v].items()}
+        zres[v]["timeline"] = z.timeline(v, calls[v])
+        mres[v] = _summary(mt, comps)
+        mres[v]["cpu_us_per_comp"] = {f"process{i}": t / (comps * repeats) * 1e6
+                                      for i, t in enumerate(mc.cpu[v])}
+    return zres, mres
+
+
+# ---- report -------------------------------------------------------------------
+def _table(z: dict[str, Any], mc: dict[str, Any]) -> str:
+    head = (f"{'variant':<8} {'zpath comp/s':>13} {'zpath us/comp':>14} "
+            f"{'MC comp/s':>11} {'MC us/comp':>11} {'zpath/MC':>9}")
+    lines = [head, "-" * len(head)]
+    for v in ("O", "F"):
+        a, b = z[v], mc[v]
+        lines.append(f"{'-' + v:<8} {a['comps_per_s']:>13,.0f} {a['us_per_comp']:>14,.1f} "
+                     f"{b['comps_per_s']:>11,.0f} {b['us_per_comp']:>11,.1f} "
+                     f"{a['comps_per_s'] / b['comps_per_s']:>9.3f}")
+    return "\n".join(lines)
+
+
+def _breakdown(z: dict[str, Any], mc: dict[str, Any]) -> str:
+    out = []
+    for v in ("O", "F"):
+        zc, mcc = z[v]["cpu_us_per_comp"], mc[v]["cpu_us_per_comp"]
+        out.append(f"  -{v} zpath CPU us/comp: " + ", ".join(f"{k} {t:,.1f}" for k, t in zc.items())
+                   + f"; total {sum(zc.values()):,.1f} (wall {z[v]['us_per_comp']:,.1f})")
+        out.append(f"  -{v} MC    CPU us/comp: " + ", ".join(f"{k} {t:,.1f}" for k, t in mcc.items())
+                   + f"; total {sum(mcc.values()):,.1f} (wall {mc[v]['us_per_comp']:,.1f})")
+        for host, t in z[v]["timeline"].items():
+            per = LOOP if v == "F" else 1
+            out.append(f"  -{v} zpath worker {host}: execute {t['exec_us_median']:,.1f} us/call, "
+                       f"start-to-start {t['start_to_start_us_median']:,.1f} us/call, idle between "
+                       f"{t['idle_between_us_median']:,.1f} us (median over {t['records']} calls"
+                       + (f" of {per} computations" if per > 1 else "") + ")")
+    return "\n".join(out)
+
+
+def _spread(z: dict[str, Any], mc: dict[str, Any]) -> str:
+    out = []
+    for name, r in (("zpath", z), ("MC", mc)):
+        for v in ("O", "F"):
+            out.append(f"  {name:<5} -{v} runs (s): " + " ".join(f"{t:.4f}" for t in r[v]["times_s"]))
+    return "\n".join(out)
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)     # unwind through the finally blocks that stop everything
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description="Pathways-style island dispatch: zpath vs. JAX multi-controller.")
+    p.add_argument("--calls-o", type=int, default=500, help="calls per timed -O run (default 500)")
+    p.add_argument("--calls-f", type=int, default=20,
+                   help=f"calls per timed -F run, {LOOP} computations each (default 20)")
+    p.add_argument("--repeats", type=int, default=5, help="timed runs per variant (default 5)")
+    p.add_argument("--mc-sync", choices=("end", "each", "auto"), default="auto",
+                   help="multi-controller: block only at the end of a run ('end'), after every "
+                        "call ('each'), or 'end' and fall back to 'each' on a hang (default auto)")
+    p.add_argument("--mc-timeout", type=float, default=120.0,
+                   help="seconds the multi-controller processes may take to start or for one run "
+                        "(default 120); then they are stopped")
+    p.add_argument("--json", metavar="PATH", help="also write the results as JSON here")
+    args = p.parse_args(argv)
+    if args.calls_o < 1 or args.calls_f < 1 or args.repeats < 1:
+        p.error("--calls-o, --calls-f and --repeats must be at least 1")
+    if args.calls_o >= 1024:
+        p.error("--calls-o must be below 1024 (the -O check value 2^n - 1 overflows float64)")
+    warm_o, warm_f = min(args.calls_o, 200), min(args.calls_f, 5)
+
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    print(f"island dispatch of `psum(x) + 1.` (float64 scalar per device), 1 island x 2 hosts x "
+          f"1 device: -O {args.calls_o} calls/run, -F {args.calls_f} calls x {LOOP}/run, "
+          f"median of {args.repeats} runs after a warm-up", flush=True)
+
+    # zpath first: its launcher starts processes before this process starts any
+    # JAX backend threads (the multi-controller processes are separate anyway).
+    calls = {"O": args.calls_o, "F": args.calls_f}
+    notes: list[str] = []
+    zb = ZpathBench(warm_o, warm_f)
+    try:
+        syncs = ["end", "each"] if args.mc_sync == "auto" else [args.mc_sync]
+        for sync in syncs:
+            mb = McBench(args.calls_o, args.calls_f, warm_o, warm_f, sync, args.mc_timeout)
+            try:
+                z, mc = measure(zb, mb, calls, args.repeats)
+                break
+            except TimeoutError as e:
+                notes.append(str(e))
+                print(f"note: {e}; stopped them", flush=True)
+                if sync == syncs[-1]:
+                    raise
+                print("note: retrying with a block after every multi-controller call", flush=True)
+                zb.cpu = {v: dict.fromkeys(zb.procs, 0.0) for v in ("O", "F")}
+            finally:
+                mb.close()
+    finally:
+        zb.close()
+
+    import jax
+
+    config = {"calls_o": args.calls_o, "calls_f": args.calls_f, "loop": LOOP, "repeats": args.repeats,
+              "warmup_o": warm_o, "warmup_f": warm_f, "mc_sync": mc["sync"], "notes": notes,
+              "python": platform.python_version(), "jax": jax.__version__, "cpus": os.cpu_count()}
+    print(f"python {platform.python_version()}, jax {jax.__version__}, {os.cpu_count()} CPUs; "
+          f"zpath: client + controller + 2 workers; multi-controller (MC): 2 processes, "
+          f"blocking {'after every call' if mc['sync'] == 'each' else 'at the end of a run'}")
+    print()
+    print(_table(z, mc))
+    print("(comp/s: computations per second, median run; MC time = slower of the 2 processes; "
+          "zpath/MC: throughput ratio)")
+    print()
+    print("where the time goes (CPU time per computation over all timed runs):")
+    print(_breakdown(z, mc))
+    print()
+    print(_spread(z, mc))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"zpath": z, "multi_controller": mc, "config": config}, f, indent=2)
+        print(f"\nwrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
