@@ -11,6 +11,7 @@ Inputs are assembled from local shards and from pieces sent by other hosts; a
 failed input poisons the outputs with the same root cause instead of running."""
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import logging
 import threading
@@ -54,7 +55,10 @@ class Executor:
         self.programs: dict[str, Any] = {}          # digest -> jax.export.Exported
         self.compiled: dict[tuple, _Prepared] = {}  # (digest, devices, specs) -> prepared
         self._lock = threading.Lock()
-        self._waiting: list[m.Execute] = []          # dispatched, not started, in order
+        # per local device, the computations dispatched to it and not yet started,
+        # in dispatch order; an entry is (Execute, its local devices)
+        self._queues: dict[int, collections.deque[tuple[m.Execute, frozenset[int]]]] = {
+            d: collections.deque() for d in local_devices}
         self._busy: set[int] = set()                 # local devices of running computations
         self._last_seq = -1                          # a host belongs to one island: one order
         # at most one computation per device runs at a time
@@ -68,7 +72,8 @@ class Executor:
     def stop(self) -> None:
         with self._lock:
             self._stopped = True
-            self._waiting.clear()
+            for q in self._queues.values():
+                q.clear()
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     def add_program(self, digest: str, blob: bytes) -> None:
@@ -82,31 +87,24 @@ class Executor:
                 log.warning("computation %d (seq %d) arrived after seq %d: out of gang order",
                             ex.exec_id, ex.seq, self._last_seq)
             self._last_seq = max(self._last_seq, ex.seq)
-            self._waiting.append(ex)
-            self._start_ready()
+            entry = (ex, frozenset(d for d in ex.devices if d in self.devices))
+            for d in entry[1]:
+                self._queues[d].append(entry)
+            self._try_start(entry)
 
-    def _local(self, ex: m.Execute) -> set[int]:
-        return {d for d in ex.devices if d in self.devices}
-
-    def _start_ready(self) -> None:
-        """With the lock held: start every waiting computation none of whose
-        devices is busy or claimed by an earlier waiting computation."""
-        if self._stopped:
+    def _try_start(self, entry: tuple[m.Execute, frozenset[int]]) -> None:
+        """With the lock held: start ``entry`` if it is first in the queue of
+        every one of its devices and none of them is busy."""
+        ex, devs = entry
+        if self._stopped or devs & self._busy or any(self._queues[d][0] is not entry for d in devs):
             return
-        claimed = set(self._busy)
-        still = []
-        for ex in self._waiting:
-            devs = self._local(ex)
-            if devs & claimed:
-                still.append(ex)
-            else:
-                self._busy |= devs
-                self._pool.submit(self._run, ex, devs)
-            claimed |= devs
-        self._waiting = still
+        for d in devs:
+            self._queues[d].popleft()
+        self._busy |= devs
+        self._pool.submit(self._run, ex, devs)
 
     # ---- executor threads ----------------------------------------------------
-    def _run(self, ex: m.Execute, devs: set[int]) -> None:
+    def _run(self, ex: m.Execute, devs: frozenset[int]) -> None:
         start = time.time()
         error = None
         try:
@@ -123,7 +121,9 @@ class Executor:
         end = time.time()
         with self._lock:
             self._busy -= devs
-            self._start_ready()
+            for d in devs:
+                if self._queues[d]:
+                    self._try_start(self._queues[d][0])
         self.on_done(ex.exec_id, error, start, end)
 
     def _poison_output(self, ex: m.Execute, o: m.ExecOutput, error: m.ErrorInfo) -> None:
