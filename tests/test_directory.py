@@ -473,3 +473,24 @@ def test_negative_dimension_is_bad_request():
     d = new_directory()
     e = plan_error(d, call([0, 1], [inp(1, [-4], ["x"], put=True)]))
     assert e.code == "bad_request" and "-4" in str(e)
+
+
+# ---- release ----------------------------------------------------------------
+
+def test_release_frees_every_copy_on_every_host_and_only_the_owners():
+    host_of = {0: 0, 1: 0, 2: 1, 3: 1}.__getitem__
+    d = Directory(host_of)
+    av = m.Aval([4], "float64")
+    put = m.Call(1, "p", [2], ["i"], [0, 1], [m.CallInput(10, av, ["i"], True)],
+                 [m.CallOutput(11, av, ["i"])])
+    d.plan(put, owner=1, name="f")
+    # consume buffer 11 on host 1: it now has copies on both hosts
+    d.plan(m.Call(2, "p", [2], ["i"], [2, 3], [m.CallInput(11, av, ["i"], False)],
+                  [m.CallOutput(12, av, ["i"])]), owner=1, name="g")
+    assert d.release([11, 12], owner=2) == {}           # not the owner: nothing happens
+    assert 11 in d.buffers
+    assert d.release([11, 99], owner=1) == {0: [11], 1: [11]}
+    assert 11 not in d.buffers
+    assert d.release([11], owner=1) == {}               # twice: nothing more
+    frees = d.release_owner(1)
+    assert frees == {0: [10], 1: [12]} and not d.buffers

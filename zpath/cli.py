@@ -55,9 +55,12 @@ def _status(args: argparse.Namespace) -> int:
         c.close()
     print(f"controller {address}: {len(st.hosts)} host(s), {st.programs} program(s), "
           f"{st.buffers} buffer(s), {st.calls} call(s)")
+    stores = {s.rank: s for s in st.stores}
     for h in st.hosts:
+        s = stores.get(h.rank)
+        held = f", {s.shards} shard(s) {s.nbytes} bytes" if s else ""
         print(f"  island {h.island} host {h.rank} {h.name} devices {[d.id for d in h.devices]} "
-              f"data {h.data_address}")
+              f"data {h.data_address}{held}")
     for cl in st.clients:
         print(f"  client {cl}")
     return 0

@@ -150,6 +150,12 @@ class Client:
     def track(self, future: Any) -> None:
         self._futures[future.buffer] = future
 
+    def release(self, buffer: int) -> None:
+        """A future was dropped: its buffer may be freed. Goes through the outbox
+        after every call already queued, so it never overtakes a call using it."""
+        if not self._closed:
+            self.outbox.put("rel", None, buffer, (), 0)
+
     def start_fetch(self, future: Any, timeout: float) -> "_Fetch":
         """Ask the workers for every distinct shard of ``future``; the I/O thread
         sets the future's value when all have arrived."""
@@ -211,7 +217,14 @@ class Client:
         self.outbox.close()
 
     def _flush(self) -> bool:
+        released: list[int] = []
         for kind, target, msg, buffers, msg_id in self.outbox.drain():
+            if kind == "rel":           # batched into one Release, sent in order
+                released.append(msg)
+                continue
+            if released:
+                self.ep.send(self.ctl, m.Release(released))
+                released = []
             if kind == "stop":
                 return True
             try:
@@ -219,6 +232,8 @@ class Client:
                 self.ep.send(sock, msg, buffers=buffers, msg_id=msg_id)
             except zmq.ZMQError as e:
                 log.warning("cannot send %s: %s", type(msg).__name__, e)
+        if released:
+            self.ep.send(self.ctl, m.Release(released))
         return False
 
     def _recv(self, sock: zmq.Socket) -> None:

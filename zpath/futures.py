@@ -40,6 +40,12 @@ class Future:
         self._fetch: Any = None                         # the fetch being waited on
         self._fetch_error: BaseException | None = None  # how the last fetch failed
 
+    def __del__(self) -> None:
+        try:
+            self._client.release(self.buffer)
+        except Exception:   # interpreter shutdown, closed client: nothing to free
+            pass
+
     @property
     def ndim(self) -> int:
         return len(self.shape)

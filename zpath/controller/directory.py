@@ -65,6 +65,24 @@ class Directory:
             else:
                 buf.error = error
 
+    def release(self, buffer_ids: list[int], owner: int) -> dict[int, list[int]]:
+        """Forget buffers the owner no longer references. Returns, per host, the
+        buffers whose shards it must free. Buffers of other owners are ignored."""
+        frees: dict[int, list[int]] = {}
+        for b in buffer_ids:
+            buf = self.buffers.get(b)
+            if buf is None or buf.owner != owner:
+                continue
+            del self.buffers[b]
+            hosts = {self.host_of(d) for lay in buf.layouts for devs in lay.values() for d in devs}
+            for h in sorted(hosts):
+                frees.setdefault(h, []).append(b)
+        return frees
+
+    def release_owner(self, owner: int) -> dict[int, list[int]]:
+        """Forget every buffer of an owner (a client that left)."""
+        return self.release([b for b, buf in self.buffers.items() if buf.owner == owner], owner)
+
     def plan(self, call: m.Call, owner: int, name: str) -> Plan:
         ndev = math.prod(call.mesh_shape)
         if any(n < 1 for n in call.mesh_shape) or ndev != len(call.devices) \

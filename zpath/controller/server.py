@@ -64,6 +64,7 @@ class Controller:
         self.peers: dict[bytes, Peer] = {}
         self.worker_ident: dict[int, bytes] = {}
         self.client_ids = 0
+        self.host_stores: dict[int, tuple[int, int]] = {}   # rank -> (shards, bytes) from Pong
         self.calls = 0
         self.running = True
 
@@ -158,12 +159,15 @@ class Controller:
                 log.info("client %d (%s) connected", self.client_ids, msg.name)
                 self.send(ident, m.Welcome(self.client_ids, self._host_infos()), parent)
             case m.StatusRequest():
-                self.send(ident, m.Status(self._host_infos(),
+                stores = [m.HostStatus(r, *self.host_stores.get(r, (0, 0))) for r in self.rm.hosts]
+                self.send(ident, m.Status(self._host_infos(), stores,
                                           [f"{p.id}:{p.name}" for p in self.peers.values() if p.role == "client"],
                                           len(self.directory.buffers), len(self.programs), self.calls), parent)
-            case m.Pong() | m.Ping() if peer is not None:
-                if isinstance(msg, m.Ping):
-                    self.send(ident, m.Pong(msg.seq), parent)
+            case m.Pong() if peer is not None:
+                if peer.role == "worker":
+                    self.host_stores[peer.id] = (msg.shards, msg.nbytes)
+            case m.Ping() if peer is not None:
+                self.send(ident, m.Pong(msg.seq, 0, 0), parent)
             case _ if peer is None:
                 self.reply_error(ident, parent, "not_registered",
                                  f"{type(msg).__name__} before Hello/RegisterWorker")
@@ -183,9 +187,12 @@ class Controller:
             case m.TimelineRequest():
                 recs = list(self.timeline)[-msg.limit:] if msg.limit > 0 else []
                 self.send(ident, m.Timeline(recs), parent)
+            case m.Release() if peer.role == "client":
+                self._free(self.directory.release(msg.buffers, peer.id))
             case m.Goodbye() if peer.role == "client":
                 log.info("client %d (%s) disconnected: %s", peer.id, peer.name, msg.reason)
                 del self.peers[ident]
+                self._free(self.directory.release_owner(peer.id))
             case m.Error():
                 log.warning("%s %d reported an error: %s: %s", peer.role, peer.id, msg.code, msg.message)
             case _:
@@ -259,6 +266,14 @@ class Controller:
                                  call.devices, set(plan.executes))
         for rank, ex in ordered:
             self.to_host(rank, ex)
+        # values the client put for this call have no future: free them once the
+        # call has used them (workers free after earlier computations finish)
+        self._free(self.directory.release([i.buffer for i in call.inputs if i.put], peer.id))
+
+    def _free(self, frees: dict[int, list[int]]) -> None:
+        for rank, buffers in frees.items():
+            if rank in self.worker_ident:
+                self.to_host(rank, m.Free(buffers))
 
     def _exec_done(self, host: int, msg: m.ExecDone) -> None:
         info = self.in_flight.get(msg.exec_id)

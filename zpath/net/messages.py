@@ -153,7 +153,10 @@ class Ping(Record):
 
 @message(8)
 class Pong(Record):
+    """Answer to Ping. From a worker it carries the object-store shard's size."""
     seq: int
+    shards: int
+    nbytes: int
 
 
 @message(9)
@@ -183,9 +186,17 @@ class StatusRequest(Record):
     verbose: bool
 
 
+@record
+class HostStatus(Record):
+    rank: int
+    shards: int              # shards held in the host's object store
+    nbytes: int              # bytes they take
+
+
 @message(23)
 class Status(Record):
     hosts: list[HostInfo]
+    stores: list[HostStatus]
     clients: list[str]
     buffers: int
     programs: int
@@ -278,7 +289,15 @@ class SendPiece(Record):
 
 @message(36)
 class Free(Record):
-    """Controller -> worker: drop every shard of these buffers."""
+    """Controller -> worker: drop every shard of these buffers once every
+    computation received before this message has finished."""
+    buffers: list[int]
+
+
+@message(39)
+class Release(Record):
+    """Client -> controller: the client holds no more references to these
+    buffers (its futures were dropped)."""
     buffers: list[int]
 
 

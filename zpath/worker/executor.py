@@ -57,10 +57,16 @@ class Executor:
         self._lock = threading.Lock()
         # per local device, the computations dispatched to it and not yet started,
         # in dispatch order; an entry is (Execute, its local devices)
-        self._queues: dict[int, collections.deque[tuple[m.Execute, frozenset[int]]]] = {
+        self._queues: dict[int, collections.deque[tuple[m.Execute, frozenset[int], int]]] = {
             d: collections.deque() for d in local_devices}
         self._busy: set[int] = set()                 # local devices of running computations
         self._last_seq = -1                          # a host belongs to one island: one order
+        # arrival indices of computations not finished yet, in arrival order,
+        # and frees waiting for every computation that arrived before them
+        self._arrived = 0
+        self._unfinished: collections.deque[int] = collections.deque()
+        self._finished: set[int] = set()
+        self._frees: collections.deque[tuple[int, list[int]]] = collections.deque()
         # at most one computation per device runs at a time
         self._pool = concurrent.futures.ThreadPoolExecutor(max(1, len(local_devices)),
                                                            thread_name_prefix="exec")
@@ -87,24 +93,41 @@ class Executor:
                 log.warning("computation %d (seq %d) arrived after seq %d: out of gang order",
                             ex.exec_id, ex.seq, self._last_seq)
             self._last_seq = max(self._last_seq, ex.seq)
-            entry = (ex, frozenset(d for d in ex.devices if d in self.devices))
+            entry = (ex, frozenset(d for d in ex.devices if d in self.devices), self._arrived)
+            self._unfinished.append(self._arrived)
+            self._arrived += 1
             for d in entry[1]:
                 self._queues[d].append(entry)
             self._try_start(entry)
 
-    def _try_start(self, entry: tuple[m.Execute, frozenset[int]]) -> None:
+    def free_after_earlier(self, buffers: list[int]) -> None:
+        """Free these buffers' shards once every computation that arrived before
+        now has finished (one of them may still read them)."""
+        with self._lock:
+            self._frees.append((self._arrived, buffers))
+            self._run_frees()
+
+    def _run_frees(self) -> None:
+        """With the lock held: carry out the frees whose predecessors are done."""
+        while self._unfinished and self._unfinished[0] in self._finished:
+            self._finished.discard(self._unfinished.popleft())
+        oldest = self._unfinished[0] if self._unfinished else self._arrived
+        while self._frees and self._frees[0][0] <= oldest:
+            self.store.free_buffers(self._frees.popleft()[1])
+
+    def _try_start(self, entry: tuple[m.Execute, frozenset[int], int]) -> None:
         """With the lock held: start ``entry`` if it is first in the queue of
         every one of its devices and none of them is busy."""
-        ex, devs = entry
+        ex, devs, index = entry
         if self._stopped or devs & self._busy or any(self._queues[d][0] is not entry for d in devs):
             return
         for d in devs:
             self._queues[d].popleft()
         self._busy |= devs
-        self._pool.submit(self._run, ex, devs)
+        self._pool.submit(self._run, ex, devs, index)
 
     # ---- executor threads ----------------------------------------------------
-    def _run(self, ex: m.Execute, devs: frozenset[int]) -> None:
+    def _run(self, ex: m.Execute, devs: frozenset[int], index: int) -> None:
         start = time.time()
         error = None
         try:
@@ -121,6 +144,8 @@ class Executor:
         end = time.time()
         with self._lock:
             self._busy -= devs
+            self._finished.add(index)
+            self._run_frees()
             for d in devs:
                 if self._queues[d]:
                     self._try_start(self._queues[d][0])

@@ -206,9 +206,9 @@ class Worker:
                 if len(buffers) == 1:
                     self.executor.add_program(msg.digest, bytes(buffers[0]))
             case m.Ping():
-                self.post_ctl(m.Pong(msg.seq))
+                self.post_ctl(m.Pong(msg.seq, *self.store.stats()))
             case m.Free():
-                self.store.free_buffers(set(msg.buffers))
+                self.executor.free_after_earlier(msg.buffers)
             case m.Shutdown():
                 log.info("controller asked us to exit: %s", msg.reason)
                 self.running = False

@@ -29,12 +29,15 @@ class Store:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._entries: dict[Hashable, Entry] = {}
+        self._by_buffer: dict[int, set[Hashable]] = {}    # buffer -> its shard keys
 
     def entry(self, key: Hashable) -> Entry:
         with self._lock:
             e = self._entries.get(key)
             if e is None:
                 e = self._entries[key] = Entry()
+                if key[0] == "s":
+                    self._by_buffer.setdefault(key[1], set()).add(key)
             return e
 
     def set(self, key: Hashable, value: Any = None, error: m.ErrorInfo | None = None) -> None:
@@ -61,12 +64,15 @@ class Store:
         with self._lock:
             self._entries.pop(key, None)
 
-    def free_buffers(self, buffers: set[int]) -> int:
+    def free_buffers(self, buffers: list[int]) -> int:
+        """Drop every shard of these buffers; returns how many were dropped."""
+        n = 0
         with self._lock:
-            keys = [k for k in self._entries if k[0] == "s" and k[1] in buffers]
-            for k in keys:
-                del self._entries[k]
-        return len(keys)
+            for b in buffers:
+                for k in self._by_buffer.pop(b, ()):
+                    if self._entries.pop(k, None) is not None:
+                        n += 1
+        return n
 
     def stats(self) -> tuple[int, int]:
         """(number of shards, bytes held by done shards)."""
