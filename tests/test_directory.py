@@ -492,5 +492,5 @@ def test_release_frees_every_copy_on_every_host_and_only_the_owners():
     assert d.release([11, 99], owner=1) == {0: [11], 1: [11]}
     assert 11 not in d.buffers
     assert d.release([11], owner=1) == {}               # twice: nothing more
-    frees = d.release_owner(1)
-    assert frees == {0: [10], 1: [12]} and not d.buffers
+    assert sorted(d.owned(1)) == [10, 12] and d.owned(2) == []
+    assert d.release(d.owned(1), owner=1) == {0: [10], 1: [12]} and not d.buffers

@@ -19,10 +19,11 @@ from zpath.api import _current
 from zpath.errors import (Broken, Closed, DeadlineExceeded, HostLost, ProtocolError, RemoteError,
                           ResourceError, ZpathError)
 from zpath.futures import Future
+from zpath.tracer import ProgramFunction, program
 
 __version__ = "0.1.0"
 
-__all__ = ["init", "connect", "shutdown", "Cluster", "pmap", "jit", "Mesh", "P",
+__all__ = ["init", "connect", "shutdown", "Cluster", "pmap", "jit", "program", "ProgramFunction", "Mesh", "P",
            "make_virtual_device_set", "VirtualDeviceSet", "VirtualDevice", "Slice", "Future",
            "ZpathError", "ProtocolError", "RemoteError", "HostLost", "Closed", "Broken",
            "DeadlineExceeded", "ResourceError"]

@@ -54,7 +54,8 @@ class VirtualDeviceSet:
     def add_slice(self, devices: int, island: int | None = None, host: int | None = None) -> Slice:
         """Allocate ``devices`` devices, all on one host (optionally a given
         island or host), spread over the cluster's least-loaded devices."""
-        reply = self.client.request(m.AllocSlice(int(devices), island, host))
+        reply = self.client.request(m.AllocSlice(int(devices), None if island is None else int(island),
+                                                 None if host is None else int(host)))
         s = Slice(reply.slice_id, [VirtualDevice(reply.slice_id, i, d.id, d.host, d.island, self.client)
                                    for i, d in enumerate(reply.devices)])
         self.slices.append(s)
@@ -210,15 +211,11 @@ class Computation:
             out_specs=[sharding.normalize_spec(s, len(a[0]), names) for s, a in zip(out_leaf_specs, out_avals, strict=True)],
             out_avals=out_avals, out_tree=exported.out_tree)
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        import jax
-
-        if kwargs:
-            raise TypeError(f"{self.name}: keyword arguments are not supported; pass them positionally")
-        client = self.client
-        leaves, in_tree = jax.tree_util.tree_flatten(args, is_leaf=lambda x: isinstance(x, Future))
-        values = [x if isinstance(x, Future) else np.asarray(x) for x in leaves]
-        avals = [_aval(x) for x in values]
+    def prepare(self, args: tuple, leaves: list, in_tree: Any,
+                avals: list[tuple[tuple[int, ...], np.dtype]]) -> _Traced:
+        """Check the inputs against the devices and trace/export the function for
+        this input signature (once; cached). Errors are raised here, at the call
+        site, before anything is dispatched."""
         n = self.mesh.devices.size
         if self.pmap_axis is not None:
             for i, (shape, _) in enumerate(avals):
@@ -229,32 +226,66 @@ class Computation:
         traced = self._cache.get(key)
         if traced is None:
             traced = self._cache[key] = self._trace(args, leaves, in_tree, avals)
+        self.client.register_program(traced.digest, self.name, traced.blob)
+        return traced
+
+    def put(self, x: np.ndarray, spec: list, send: bool = True) -> int:
+        """Send a client value straight to the workers, sharded as this
+        computation reads it (``spec``); returns its new buffer id. With
+        ``send=False`` only the id is made (for a plan that will not run)."""
+        client = self.client
+        buf = client.new_buffer_id()
+        if not send:
+            return buf
+        dtype = x.dtype.name
+        regs = sharding.regions(x.shape, list(self.mesh.shape), list(self.mesh.axis_names), spec)
+        for d, r in zip(self.mesh.device_ids, regs, strict=True):
+            data = sharding.cut(x, r)
+            client.put(client.devices[d].host, m.Put(buf, d, sharding.to_wire(r),
+                                                     m.Aval(list(data.shape), dtype)), data)
+        return buf
+
+    def call_message(self, traced: _Traced, inputs: list[m.CallInput],
+                     out_buffers: list[int]) -> m.Call:
+        outs = [m.CallOutput(b, m.Aval(list(shape), dtype.name), spec)
+                for b, (shape, dtype), spec in zip(out_buffers, traced.out_avals, traced.out_specs, strict=True)]
+        return m.Call(self.client.new_call_id(), traced.digest, list(self.mesh.shape),
+                      list(self.mesh.axis_names), self.mesh.device_ids, inputs, outs)
+
+    def future(self, buffer: int, aval: tuple[tuple[int, ...], np.dtype], spec: list) -> Future:
+        fut = Future(self.client, buffer, aval[0], aval[1], self.mesh.device_ids,
+                     list(self.mesh.shape), list(self.mesh.axis_names), spec)
+        self.client.track(fut)
+        return fut
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        import jax
+
+        from zpath import tracer
+
+        if kwargs:
+            raise TypeError(f"{self.name}: keyword arguments are not supported; pass them positionally")
+        if tracer.tracing():
+            return tracer.record(self, args)
+        client = self.client
+        leaves, in_tree = jax.tree_util.tree_flatten(args, is_leaf=lambda x: isinstance(x, Future))
+        values = [x if isinstance(x, Future) else np.asarray(x) for x in leaves]
         for x in values:
             if isinstance(x, Future) and x._client is not client:
                 raise ValueError(f"{self.name}: an input future belongs to another connection")
-        client.register_program(traced.digest, self.name, traced.blob)
-        mesh_shape, names, devices = list(self.mesh.shape), list(self.mesh.axis_names), self.mesh.device_ids
+        avals = [_aval(x) for x in values]
+        traced = self.prepare(args, leaves, in_tree, avals)
         inputs = []
         for x, (shape, dtype), spec in zip(values, avals, traced.in_specs, strict=True):
             aval = m.Aval(list(shape), dtype.name)
             if isinstance(x, Future):
                 inputs.append(m.CallInput(x.buffer, aval, spec, False))
-                continue
-            buf = client.new_buffer_id()
-            regs = sharding.regions(shape, mesh_shape, names, spec)
-            for d, r in zip(devices, regs, strict=True):
-                data = sharding.cut(x, r)
-                client.put(client.devices[d].host, m.Put(buf, d, sharding.to_wire(r),
-                                                         m.Aval(list(data.shape), dtype.name)), data)
-            inputs.append(m.CallInput(buf, aval, spec, True))
-        outs, futures = [], []
-        for (shape, dtype), spec in zip(traced.out_avals, traced.out_specs, strict=True):
-            buf = client.new_buffer_id()
-            outs.append(m.CallOutput(buf, m.Aval(list(shape), dtype.name), spec))
-            fut = Future(client, buf, shape, dtype, devices, mesh_shape, names, spec)
-            client.track(fut)
-            futures.append(fut)
-        client.post(m.Call(client.new_call_id(), traced.digest, mesh_shape, names, devices, inputs, outs))
+            else:
+                inputs.append(m.CallInput(self.put(x, spec), aval, spec, True))
+        out_buffers = [client.new_buffer_id() for _ in traced.out_avals]
+        futures = [self.future(b, a, spec) for b, a, spec in
+                   zip(out_buffers, traced.out_avals, traced.out_specs, strict=True)]
+        client.post(self.call_message(traced, inputs, out_buffers))
         return jax.tree_util.tree_unflatten(traced.out_tree, futures)
 
 

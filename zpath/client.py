@@ -223,18 +223,36 @@ class Client:
                 released.append(msg)
                 continue
             if released:
-                self.ep.send(self.ctl, m.Release(released))
+                self._send(self.ctl, m.Release(released), (), 0)
                 released = []
             if kind == "stop":
                 return True
-            try:
-                sock = self.ctl if kind == "ctl" else self._data_sock(target)
-                self.ep.send(sock, msg, buffers=buffers, msg_id=msg_id)
-            except zmq.ZMQError as e:
-                log.warning("cannot send %s: %s", type(msg).__name__, e)
+            sock = self.ctl if kind == "ctl" else self._data_sock(target)
+            self._send(sock, msg, buffers, msg_id)
         if released:
-            self.ep.send(self.ctl, m.Release(released))
+            self._send(self.ctl, m.Release(released), (), 0)
         return False
+
+    def _send(self, sock: zmq.Socket, msg: Record, buffers: Any, msg_id: int) -> None:
+        """Send one message; if it cannot be sent, fail whatever waits on it
+        (never the I/O thread itself)."""
+        try:
+            self.ep.send(sock, msg, buffers=buffers, msg_id=msg_id)
+        except Exception as e:
+            log.error("cannot send %s: %s", type(msg).__name__, e)
+            err = Broken(f"could not send {type(msg).__name__}: {e}")
+            pending = self._pending.get(msg_id)
+            if pending is not None and not pending.done():
+                pending.set_exception(err)
+            fetch = self._fetches.get(msg_id)
+            if fetch is not None:
+                self._forget(fetch)
+                fetch.future._fetched(fetch, None, err)
+            if isinstance(msg, m.Call):
+                for o in msg.outputs:
+                    fut = self._futures.get(o.buffer)
+                    if fut is not None:
+                        fut._fail(err)
 
     def _recv(self, sock: zmq.Socket) -> None:
         while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
@@ -258,10 +276,17 @@ class Client:
                     self._forget(fetch)
                     fetch.future._fetched(fetch, None, error_from_info(msg.error))
                     return
-                dtype = np.dtype(fetch.future.dtype)
-                fetch.parts[msg.request] = np.frombuffer(buffers[0], dtype=dtype).reshape(msg.aval.shape)
-                if len(fetch.parts) == len(fetch.regions):
-                    self._assemble(fetch)
+                try:
+                    want = sharding.region_shape(fetch.regions[msg.request])
+                    if len(buffers) != 1 or tuple(msg.aval.shape) != want:
+                        raise ValueError(f"shard of shape {msg.aval.shape}, expected {list(want)}")
+                    part = np.frombuffer(buffers[0], dtype=np.dtype(fetch.future.dtype)).reshape(want)
+                    fetch.parts[msg.request] = part
+                    if len(fetch.parts) == len(fetch.regions):
+                        self._assemble(fetch)
+                except Exception as e:   # never leave a fetch waiting on a bad reply
+                    self._forget(fetch)
+                    fetch.future._fetched(fetch, None, Broken(f"bad reply from a worker: {e}"))
             case m.CallFailed():
                 err = error_from_info(msg.error)
                 for b in msg.buffers:

@@ -90,7 +90,7 @@ class Future:
         timeout = FETCH_TIMEOUT_S if timeout is None else timeout
         with self._lock:
             if self._error is not None:
-                raise self._error
+                raise _fresh(self._error)
             if self._value is not None:
                 return self._value
             if self._fetch is None:
@@ -101,11 +101,11 @@ class Future:
         arrived = self._event.wait(timeout)
         with self._lock:
             if self._error is not None:
-                raise self._error
+                raise _fresh(self._error)
             if self._value is not None:
                 return self._value
             if self._fetch_error is not None and self._fetch is None:
-                raise self._fetch_error
+                raise _fresh(self._fetch_error)
             if not arrived and self._fetch is fetch:
                 self._fetch = None     # a later result() asks again
             raise DeadlineExceeded(f"value of buffer {self.buffer} ({self.dtype}{list(self.shape)}) "
@@ -125,3 +125,18 @@ class Future:
         if not self.shape:
             raise TypeError("len() of a 0-d future")
         return self.shape[0]
+
+
+def _fresh(error: BaseException) -> BaseException:
+    """A new exception equal to ``error``: raising the stored one would attach a
+    traceback that refers back to this future (a reference cycle that keeps it,
+    and its buffer, alive until the cyclic collector runs)."""
+    from zpath.errors import RemoteError
+
+    if isinstance(error, RemoteError):
+        return RemoteError(error.message, host=error.host, computation=error.computation,
+                           remote_traceback=error.remote_traceback)
+    try:
+        return type(error)(*error.args)
+    except Exception:
+        return error

@@ -79,9 +79,9 @@ class Directory:
                 frees.setdefault(h, []).append(b)
         return frees
 
-    def release_owner(self, owner: int) -> dict[int, list[int]]:
-        """Forget every buffer of an owner (a client that left)."""
-        return self.release([b for b, buf in self.buffers.items() if buf.owner == owner], owner)
+    def owned(self, owner: int) -> list[int]:
+        """Every buffer of an owner (to release them all when it leaves)."""
+        return [b for b, buf in self.buffers.items() if buf.owner == owner]
 
     def plan(self, call: m.Call, owner: int, name: str) -> Plan:
         ndev = math.prod(call.mesh_shape)
@@ -106,7 +106,7 @@ class Directory:
                 if buf is not None:
                     raise PlanError("bad_request", f"buffer {i.buffer} already exists")
                 continue
-            if buf is None:
+            if buf is None or buf.owner != owner:
                 raise PlanError("not_found", f"input buffer {i.buffer} is unknown (freed, "
                                 "or never produced)")
             if buf.error is not None:

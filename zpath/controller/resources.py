@@ -7,6 +7,8 @@ import itertools
 
 from zpath.errors import ResourceError
 
+MAX_DEVICES_PER_HOST = 4096
+
 
 @dataclasses.dataclass
 class Device:
@@ -47,8 +49,8 @@ class ResourceManager:
         jax.distributed coordinator address) can run one SPMD computation together."""
         if island < 0:
             raise ResourceError(f"island must be >= 0, got {island}")
-        if num_devices < 1:
-            raise ResourceError(f"a host needs at least one device, got {num_devices}")
+        if not 1 <= num_devices <= MAX_DEVICES_PER_HOST:
+            raise ResourceError(f"a host needs 1 to {MAX_DEVICES_PER_HOST} devices, got {num_devices}")
         if jax_ids is not None and len(jax_ids) != num_devices:
             raise ResourceError(f"{len(jax_ids)} JAX ids for {num_devices} devices")
         if runtime:

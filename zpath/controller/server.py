@@ -4,6 +4,7 @@ registry or the directory, then sends what they decide."""
 from __future__ import annotations
 
 import collections
+import copy
 import dataclasses
 import hashlib
 import faulthandler
@@ -15,7 +16,7 @@ from typing import Any
 
 import zmq
 
-from zpath.controller.directory import Directory, PlanError
+from zpath.controller.directory import Directory, Plan, PlanError
 from zpath.controller.resources import ResourceManager
 from zpath.controller.scheduler import GangScheduler
 from zpath.errors import ResourceError
@@ -36,6 +37,40 @@ class Peer:
     id: int                  # host rank or client id
     name: str
     last_seen: float
+
+
+@dataclasses.dataclass
+class _ProgramRun:
+    """One submitted program: how many of its nodes have been sent."""
+    peer: Peer
+    release: list[int]
+    total: int
+    sent: int = 0
+
+
+@dataclasses.dataclass
+class _HeldNode:
+    """A node of a sequential program waiting for the computations it reads."""
+    run: _ProgramRun
+    call: m.Call
+    planned: tuple[Plan, str]
+    waits: set[int]
+
+
+def _buffers(call: m.Call) -> list[int]:
+    return [i.buffer for i in call.inputs] + [o.buffer for o in call.outputs]
+
+
+def _nbytes(region: list[list[int]], dtype: str) -> int:
+    import math
+
+    import numpy as np
+    try:
+        itemsize = np.dtype(dtype).itemsize
+    except TypeError:
+        import ml_dtypes
+        itemsize = np.dtype(getattr(ml_dtypes, dtype)).itemsize
+    return itemsize * math.prod(b - a for a, b in region)
 
 
 class Controller:
@@ -59,6 +94,10 @@ class Controller:
         # exec_id -> (client, name, island, seq, devices), until every host reported
         self.in_flight: dict[int, tuple[int, str, int, int, list[int], set[int]]] = {}
         self.timeline: collections.deque[m.ExecRecord] = collections.deque(maxlen=TIMELINE_RECORDS)
+        self.waiters: dict[int, list[_HeldNode]] = {}    # exec id -> sequential nodes waiting on it
+        # buffers read or written by held nodes: their release waits until the node is sent
+        self.pinned: collections.Counter[int] = collections.Counter()
+        self.deferred: dict[int, int] = {}               # pinned buffer -> owner that released it
         self.programs: dict[str, tuple[str, bytes]] = {}
         self.host_programs: dict[int, set[str]] = {}
         self.peers: dict[bytes, Peer] = {}
@@ -70,8 +109,14 @@ class Controller:
 
     # ---- sending -------------------------------------------------------------
     def send(self, ident: bytes, msg: Record, parent: int = 0, buffers: Any = ()) -> None:
+        """Send without ever blocking the controller: a peer that has stopped
+        reading (its queue is full) or is gone loses the message, with a log line."""
         try:
-            self.ep.send(self.sock, msg, to=ident, parent=parent, buffers=buffers)
+            self.ep.send(self.sock, msg, to=ident, parent=parent, buffers=buffers, block=False)
+        except zmq.Again:
+            peer = self.peers.get(ident)
+            log.error("%s %s is not reading its messages (queue full): dropped %s",
+                      peer.role if peer else "peer", peer.id if peer else repr(ident), type(msg).__name__)
         except zmq.ZMQError as e:
             log.warning("cannot send %s to %r: %s", type(msg).__name__, ident, e)
 
@@ -101,8 +146,12 @@ class Controller:
         self.sock.close(0)
         self.ctx.term()
 
-    def _recv_all(self) -> None:
-        while self.running:
+    def _recv_all(self, budget: int = 1000) -> None:
+        """Handle waiting messages, at most ``budget`` of them, so the loop gets
+        back to its timers (pings) even under a flood."""
+        for _ in range(budget):
+            if not self.running:
+                return
             try:
                 ident, header, msg, buffers = self.ep.recv(self.sock, router=True)
             except zmq.Again:
@@ -182,17 +231,21 @@ class Controller:
                 self._register_program(ident, parent, msg, buffers)
             case m.Call() if peer.role == "client":
                 self._call(ident, peer, msg)
+            case m.Program() if peer.role == "client":
+                self._program(ident, peer, msg)
+            case m.ExplainRequest() if peer.role == "client":
+                self._explain(ident, parent, peer, msg)
             case m.ExecDone() if peer.role == "worker":
                 self._exec_done(peer.id, msg)
             case m.TimelineRequest():
                 recs = list(self.timeline)[-msg.limit:] if msg.limit > 0 else []
                 self.send(ident, m.Timeline(recs), parent)
             case m.Release() if peer.role == "client":
-                self._free(self.directory.release(msg.buffers, peer.id))
+                self._release(msg.buffers, peer.id)
             case m.Goodbye() if peer.role == "client":
                 log.info("client %d (%s) disconnected: %s", peer.id, peer.name, msg.reason)
                 del self.peers[ident]
-                self._free(self.directory.release_owner(peer.id))
+                self._release(self.directory.owned(peer.id), peer.id)
             case m.Error():
                 log.warning("%s %d reported an error: %s: %s", peer.role, peer.id, msg.code, msg.message)
             case _:
@@ -235,8 +288,11 @@ class Controller:
             return
         self.programs.setdefault(msg.digest, (msg.name, blob))
 
-    def _call(self, ident: bytes, peer: Peer, call: m.Call) -> None:
-        self.calls += 1
+    def _plan(self, ident: bytes, peer: Peer, call: m.Call, directory: Directory | None = None
+              ) -> tuple[Plan, str] | None:
+        """Plan one call, or fail it: its outputs are poisoned and the client is
+        told (CallFailed). ``directory`` (a scratch copy) plans without effect."""
+        self.calls += directory is None
         prog = self.programs.get(call.program)
         try:
             if prog is None:
@@ -245,30 +301,158 @@ class Controller:
                 self.rm.check_spmd(call.devices)
             except ResourceError as e:
                 raise PlanError("resource", str(e)) from None
-            plan = self.directory.plan(call, peer.id, prog[0])
+            theirs = [b for b in [o.buffer for o in call.outputs] + [i.buffer for i in call.inputs if i.put]
+                      if b >> 32 != peer.id]
+            if theirs:
+                raise PlanError("bad_request", f"buffer ids {theirs[:4]} are not this client's "
+                                f"(client {peer.id} names new buffers {peer.id} << 32 | n)")
+            return (directory or self.directory).plan(call, peer.id, prog[0]), prog[0]
         except PlanError as e:
+            if directory is not None:
+                raise
             err = e.error or m.ErrorInfo("CallFailed", f"call rejected: {e}", None,
                                          prog[0] if prog else "", "")
-            outs = [o.buffer for o in call.outputs]
+            # poison only outputs that are new: never an existing (valid) buffer
+            outs = [o.buffer for o in call.outputs if o.buffer not in self.directory.buffers]
             self.directory.poison(outs, peer.id, err)
             self.send(ident, m.CallFailed(call.call_id, outs, err))
-            return
+            # shards the client already put for it: free them where they went
+            puts = [i.buffer for i in call.inputs if i.put and i.buffer not in self.directory.buffers]
+            hosts = {self.rm.devices[d].host for d in call.devices if d in self.rm.devices}
+            if puts:
+                self._free({h: puts for h in hosts})
+            return None
+
+    def _dispatch(self, peer: Peer, call: m.Call, plan: Plan, name: str) -> int:
+        """Send a planned call to its hosts in gang order; returns its exec id."""
         for rank in plan.executes:
             if call.program not in self.host_programs[rank]:
-                self.to_host(rank, m.RegisterProgram(call.program, prog[0]), buffers=[prog[1]])
+                blob = self.programs[call.program][1]
+                self.to_host(rank, m.RegisterProgram(call.program, name), buffers=[blob])
                 self.host_programs[rank].add(call.program)
         for rank, piece in plan.sends:
             self.to_host(rank, piece)
         island = self.rm.hosts[next(iter(plan.executes))].island
         ordered = self.scheduler.dispatch(island, plan.executes)
         exec_id = next(iter(plan.executes.values())).exec_id
-        self.in_flight[exec_id] = (peer.id, prog[0], island, self.scheduler.next_seq[island] - 1,
-                                 call.devices, set(plan.executes))
+        self.in_flight[exec_id] = (peer.id, name, island, self.scheduler.next_seq[island] - 1,
+                                   call.devices, set(plan.executes))
         for rank, ex in ordered:
             self.to_host(rank, ex)
+        return exec_id
+
+    def _call(self, ident: bytes, peer: Peer, call: m.Call) -> None:
+        planned = self._plan(ident, peer, call)
+        if planned is not None:
+            self._dispatch(peer, call, *planned)
         # values the client put for this call have no future: free them once the
         # call has used them (workers free after earlier computations finish)
-        self._free(self.directory.release([i.buffer for i in call.inputs if i.put], peer.id))
+        self._release([i.buffer for i in call.inputs if i.put], peer.id)
+
+    def _program(self, ident: bytes, peer: Peer, prog: m.Program) -> None:
+        """A traced program: plan every node now; send them all at once
+        (parallel) or each once the nodes it reads have finished (sequential)."""
+        if prog.dispatch not in ("parallel", "sequential"):
+            for call in prog.calls:
+                outs = [o.buffer for o in call.outputs]
+                err = m.ErrorInfo("CallFailed", f"unknown dispatch mode {prog.dispatch!r}", None, prog.name, "")
+                self.directory.poison(outs, peer.id, err)
+                self.send(ident, m.CallFailed(call.call_id, outs, err))
+            return
+        producer: dict[int, int] = {}                 # buffer -> node index
+        nodes = []
+        for k, call in enumerate(prog.calls):
+            preds = {producer[i.buffer] for i in call.inputs if i.buffer in producer}
+            for o in call.outputs:
+                producer[o.buffer] = k
+            nodes.append((call, self._plan(ident, peer, call), preds))
+        run = _ProgramRun(peer, prog.release, len(nodes))
+        exec_ids: dict[int, int] = {}
+        for k, (call, planned, preds) in enumerate(nodes):
+            if planned is None:
+                run.sent += 1
+                continue
+            # every planned predecessor, sent or held (none can have finished yet:
+            # completions are handled after this message)
+            waits = {exec_ids[p] for p in preds if p in exec_ids}
+            if prog.dispatch == "parallel" or not waits:
+                exec_ids[k] = self._dispatch(peer, call, *planned)
+                run.sent += 1
+            else:
+                exec_ids[k] = next(iter(planned[0].executes.values())).exec_id
+                held = _HeldNode(run, call, planned, waits)
+                for e in waits:
+                    self.waiters.setdefault(e, []).append(held)
+                self.pinned.update(_buffers(call))
+        self._maybe_release(run)
+
+    def _exec_finished(self, exec_id: int) -> None:
+        """Every host finished a computation: send the held nodes waiting on it."""
+        for held in self.waiters.pop(exec_id, ()):
+            held.waits.discard(exec_id)
+            if not held.waits:
+                self._dispatch(held.run.peer, held.call, *held.planned)
+                held.run.sent += 1
+                self.pinned.subtract(_buffers(held.call))
+                ready = []
+                for b in _buffers(held.call):
+                    if self.pinned[b] <= 0:
+                        del self.pinned[b]
+                        if b in self.deferred:
+                            ready.append(b)
+                for b in ready:
+                    self._release([b], self.deferred.pop(b))
+                self._maybe_release(held.run)
+
+    def _maybe_release(self, run: "_ProgramRun") -> None:
+        """Once every node of a program was sent, free its intermediates and the
+        values the client put for it (workers free after the nodes ran)."""
+        if run.sent == run.total:
+            self._release(run.release, run.peer.id)
+
+    def _release(self, buffers: list[int], owner: int) -> None:
+        """Free buffers the owner no longer needs, except those a held node still
+        reads or writes: those wait until it has been sent."""
+        now = []
+        for b in buffers:
+            if self.pinned.get(b, 0) > 0:
+                self.deferred[b] = owner
+            else:
+                now.append(b)
+        self._free(self.directory.release(now, owner))
+
+    def _explain(self, ident: bytes, parent: int, peer: Peer, req: m.ExplainRequest) -> None:
+        """Plan a program on a scratch copy of the directory and describe it."""
+        scratch = Directory(self.directory.host_of, self.directory.address_of, self.directory.jax_id_of)
+        for call in req.calls:
+            for i in call.inputs:
+                buf = self.directory.buffers.get(i.buffer)
+                if buf is not None and i.buffer not in scratch.buffers:
+                    scratch.buffers[i.buffer] = copy.deepcopy(buf)
+        nodes = []
+        for k, call in enumerate(req.calls):
+            try:
+                plan, name = self._plan(ident, peer, call, directory=scratch)
+            except PlanError as e:
+                self.reply_error(ident, parent, "bad_request", f"node {k}: {e}")
+                return
+            transfers = []
+            for src, piece in plan.sends:
+                same = self.rm.hosts[src].island == self.rm.hosts[piece.dst_host].island
+                transfers.append(m.TransferInfo(piece.buffer, src, piece.dst_host,
+                                                _nbytes(piece.sub, scratch.buffers[piece.buffer].dtype),
+                                                "ICI" if same else "DCN"))
+            for h, ex in plan.executes.items():
+                for inp in ex.inputs:
+                    for shard in inp.shards:
+                        for p in shard.pieces:
+                            if p.piece_id == 0:
+                                transfers.append(m.TransferInfo(inp.buffer, h, h,
+                                                                _nbytes(p.sub, inp.aval.dtype), "local"))
+            hosts = sorted(plan.executes)
+            nodes.append(m.NodePlan(call.call_id, name, self.rm.hosts[hosts[0]].island, hosts,
+                                    call.devices, transfers))
+        self.send(ident, m.Explanation(nodes), parent)
 
     def _free(self, frees: dict[int, list[int]]) -> None:
         for rank, buffers in frees.items():
@@ -287,6 +471,7 @@ class Controller:
         hosts.discard(host)
         if not hosts:
             del self.in_flight[msg.exec_id]
+            self._exec_finished(msg.exec_id)
 
     def _device_info(self, d: int) -> m.DeviceInfo:
         dev = self.rm.devices[d]

@@ -326,6 +326,50 @@ class Timeline(Record):
     records: list[ExecRecord]
 
 
+@message(40)
+class Program(Record):
+    """Client -> controller: a traced program, one ``Call`` per node in program
+    order. ``dispatch`` is "parallel" (every node is sent to its hosts at once)
+    or "sequential" (a node is sent once the nodes it reads have finished).
+    ``release`` names buffers to free once the program has used them (its
+    intermediates and the values the client put for it)."""
+    program_id: int
+    name: str
+    dispatch: str
+    calls: list[Call]
+    release: list[int]
+
+
+@message(41)
+class ExplainRequest(Record):
+    """Client -> controller: plan a program without running it."""
+    calls: list[Call]
+
+
+@record
+class TransferInfo(Record):
+    buffer: int
+    src_host: int
+    dst_host: int
+    nbytes: int
+    channel: str             # "local" (same host), "ICI" (same island) or "DCN"
+
+
+@record
+class NodePlan(Record):
+    call_id: int
+    name: str
+    island: int
+    hosts: list[int]
+    devices: list[int]
+    transfers: list[TransferInfo]
+
+
+@message(42)
+class Explanation(Record):
+    nodes: list[NodePlan]
+
+
 # ---- data plane (worker data port) ------------------------------------------
 
 @message(50)

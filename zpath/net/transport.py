@@ -25,6 +25,21 @@ log = logging.getLogger(__name__)
 
 # frames at or above this size are sent without copying
 ZERO_COPY_BYTES = 64 << 10
+# messages queued per peer before a send would block; a peer this far behind is
+# not reading, and processes that must not block drop messages to it instead
+SEND_HWM = 100_000
+
+
+def raw(buffer: Any) -> Any:
+    """A buffer as plain bytes for a frame: numpy arrays of any dtype (bfloat16
+    and other ml_dtypes cannot be exported as buffers) become uint8 views."""
+    try:
+        import numpy as np
+    except ImportError:  # pragma: no cover
+        return buffer
+    if isinstance(buffer, np.ndarray):
+        return buffer.reshape(-1).view(np.uint8)
+    return buffer
 
 
 class Endpoint:
@@ -41,14 +56,18 @@ class Endpoint:
         return next(self._ids)
 
     def send(self, sock: zmq.Socket, msg: Record, *, to: bytes | None = None,
-             parent: int = 0, buffers: Sequence[Any] = (), msg_id: int = 0) -> int:
+             parent: int = 0, buffers: Sequence[Any] = (), msg_id: int = 0,
+             block: bool = True) -> int:
+        """Send one message. With ``block=False`` a full queue raises zmq.Again
+        instead of waiting for the peer."""
         msg_id = msg_id or self.next_id()
+        buffers = [raw(b) for b in buffers]
         frames = codec.encode(self.key, msg, msg_id=msg_id, sender=self.sender,
                               parent=parent, buffers=buffers)
         if to is not None:
             frames.insert(0, to)
         big = any(memoryview(b).nbytes >= ZERO_COPY_BYTES for b in buffers)
-        sock.send_multipart(frames, copy=not big)
+        sock.send_multipart(frames, copy=not big, flags=0 if block else zmq.NOBLOCK)
         return msg_id
 
     def recv(self, sock: zmq.Socket, *, router: bool = False
@@ -136,4 +155,6 @@ def remaining(deadline: float | None) -> float | None:
 def make_context() -> zmq.Context:
     ctx = zmq.Context()
     ctx.setsockopt(zmq.LINGER, 0)
+    ctx.setsockopt(zmq.SNDHWM, SEND_HWM)
+    ctx.setsockopt(zmq.RCVHWM, SEND_HWM)
     return ctx

@@ -141,6 +141,13 @@ class Executor:
         if error is not None:
             for o in ex.outputs:
                 self._poison_output(ex, o, error)
+            # input shards it was to assemble: later calls and sends may wait on them
+            for inp in ex.inputs:
+                for s in inp.shards:
+                    self.store.set(shard_key(inp.buffer, s.device, s.region), error=error)
+                    for p in s.pieces:
+                        if p.piece_id:
+                            self.store.pop(("p", p.piece_id))
         end = time.time()
         with self._lock:
             self._busy -= devs
@@ -182,7 +189,10 @@ class Executor:
             shape = tuple(o.aval.shape)
             for sh in out.addressable_shards:
                 region = sharding.region_from_index(sh.index, shape)
-                self.store.set(shard_key(o.buffer, self.gid[sh.device], region), sh.data)
+                data = sh.data
+                if data.size == 0:     # JAX gives empty shards the global shape
+                    data = jax.device_put(np.empty(sharding.region_shape(region), out.dtype), sh.device)
+                self.store.set(shard_key(o.buffer, self.gid[sh.device], region), data)
 
     def _prepare(self, ex: m.Execute) -> "_Prepared":
         """The compiled function and input shardings for this program on these
@@ -214,9 +224,15 @@ class Executor:
         """The input shard for one local device: already stored, or assembled
         from pieces (and then stored, so later calls reuse it)."""
         key = shard_key(inp.buffer, s.device, s.region)
+        region = sharding.from_wire(s.region)
+        if 0 in sharding.region_shape(region):    # nothing to wait for or move
+            value = self.jax.device_put(np.empty(sharding.region_shape(region),
+                                                 np.dtype(self.jax.numpy.dtype(inp.aval.dtype))),
+                                        self.devices[s.device])
+            self.store.set(key, value)
+            return value
         if not s.pieces:
             return self._wait(key, inp.buffer)
-        region = sharding.from_wire(s.region)
         dev = self.devices[s.device]
         try:
             if len(s.pieces) == 1 and s.pieces[0].piece_id == 0 and \

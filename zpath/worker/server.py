@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import faulthandler
+import heapq
 import logging
 import os
 import signal
@@ -75,6 +76,7 @@ class Worker:
         self.executor: Executor | None = None
         self.running = True
         self.last_controller = time.monotonic()
+        self.fetch_deadlines: list[tuple[float, int, _PendingFetch]] = []   # heap
 
     # ---- start-up ------------------------------------------------------------
     def register(self) -> None:
@@ -125,7 +127,8 @@ class Worker:
         poller.register(self.outbox.fd, zmq.POLLIN)
         self.last_controller = time.monotonic()
         while self.running:
-            events = dict(poller.poll(timeout=500))
+            wait = min(0.5, self._expire_fetches())
+            events = dict(poller.poll(timeout=max(1, int(wait * 1000))))
             if self.ctl in events:
                 self._drain(self.ctl, router=False)
             if self.data in events:
@@ -153,13 +156,15 @@ class Worker:
         for kind, target, msg, buffers, parent in self.outbox.drain():
             try:
                 if kind == "ctl":
-                    self.ep.send(self.ctl, msg)
+                    self.ep.send(self.ctl, msg, block=False)
                 elif kind == "data":
-                    self.ep.send(self.data, msg, to=target, buffers=buffers, parent=parent)
+                    self.ep.send(self.data, msg, to=target, buffers=buffers, parent=parent, block=False)
                 else:
-                    self.ep.send(self._peer(target), msg, buffers=buffers)
-            except zmq.ZMQError as e:
-                log.warning("cannot send %s: %s", type(msg).__name__, e)
+                    self.ep.send(self._peer(target), msg, buffers=buffers, block=False)
+            except zmq.Again:
+                log.error("%s %s is not reading (queue full): dropped %s", kind, target, type(msg).__name__)
+            except Exception as e:   # one bad message must not stop the I/O thread
+                log.error("cannot send %s: %s", type(msg).__name__, e)
 
     def _peer(self, rank: int) -> zmq.Socket:
         s = self.peer_socks.get(rank)
@@ -244,7 +249,7 @@ class Worker:
                         if arr.shape != shape:
                             raise ValueError(f"shard shape {arr.shape} does not match region {shape}")
                         arr = self.jax.device_put(arr, self.executor.devices[msg.device])
-                except ValueError as e:
+                except (ValueError, TypeError) as e:
                     # Reject it, and fail whatever waits on it rather than let it wait.
                     self.post_data(ident, m.Error("bad_request", str(e)), parent=msg_id)
                     self.store.set(key, error=m.ErrorInfo("RemoteError", f"bad {type(msg).__name__}: {e}",
@@ -254,26 +259,54 @@ class Worker:
             case m.Piece():
                 self.store.set(("p", msg.piece_id), error=msg.error)
             case m.Fetch():
+                # answered when the shard is done, or with an error at the
+                # deadline; no thread waits meanwhile
                 key = shard_key(msg.buffer, msg.device, msg.region)
-                timeout = min(max(msg.timeout_s, 0.0), MAX_FETCH_TIMEOUT_S)
-                self.pool.submit(self._fetch, ident, msg, key, timeout)
+                timeout = msg.timeout_s if msg.timeout_s == msg.timeout_s else 0.0   # NaN
+                timeout = min(max(timeout, 0.0), MAX_FETCH_TIMEOUT_S)
+                pending = _PendingFetch(ident, msg)
+                heapq.heappush(self.fetch_deadlines, (time.monotonic() + timeout, id(pending), pending))
+                self.store.when_done(key, lambda e, p=pending: self.pool.submit(self._reply_fetch, p, e))
             case _:
                 self.post_data(ident, m.Error("bad_request", f"{type(msg).__name__} is not "
                                               "accepted on the data port"), parent=msg_id)
 
-    def _fetch(self, ident: bytes, msg: m.Fetch, key: tuple, timeout: float) -> None:
-        e = self.store.entry(key)
-        if not e.event.wait(timeout):
-            err = m.ErrorInfo("DeadlineExceeded", f"buffer {msg.buffer} was not ready on host "
-                              f"{self.rank} within {timeout:.1f}s", self.rank, "", "")
-            self.post_data(ident, m.FetchReply(msg.request, m.Aval([], ""), err))
-            return
+    def _reply_fetch(self, p: "_PendingFetch", e: Entry) -> None:
+        if not p.claim():
+            return          # already answered at its deadline
         if e.error is not None:
-            self.post_data(ident, m.FetchReply(msg.request, m.Aval([], ""), e.error))
+            self.post_data(p.ident, m.FetchReply(p.msg.request, m.Aval([], ""), e.error))
             return
         data = sharding.cut(e.value, ())
-        self.post_data(ident, m.FetchReply(msg.request, m.Aval(list(data.shape), data.dtype.name),
-                                           None), [data])
+        self.post_data(p.ident, m.FetchReply(p.msg.request, m.Aval(list(data.shape), data.dtype.name),
+                                             None), [data])
+
+    def _expire_fetches(self) -> float:
+        """Answer fetches whose deadline passed; returns seconds to the next one."""
+        now = time.monotonic()
+        while self.fetch_deadlines and self.fetch_deadlines[0][0] <= now:
+            _, _, p = heapq.heappop(self.fetch_deadlines)
+            if p.claim():
+                err = m.ErrorInfo("DeadlineExceeded", f"buffer {p.msg.buffer} was not ready on host "
+                                  f"{self.rank} within {p.msg.timeout_s:.1f}s", self.rank, "", "")
+                self.post_data(p.ident, m.FetchReply(p.msg.request, m.Aval([], ""), err))
+        return self.fetch_deadlines[0][0] - now if self.fetch_deadlines else 0.5
+
+
+class _PendingFetch:
+    """A fetch waiting for its shard; answered once (value, error or deadline)."""
+
+    def __init__(self, ident: bytes, msg: m.Fetch) -> None:
+        self.ident, self.msg = ident, msg
+        self._lock = threading.Lock()
+        self._answered = False
+
+    def claim(self) -> bool:
+        with self._lock:
+            if self._answered:
+                return False
+            self._answered = True
+            return True
 
 
 def _array(aval: m.Aval, buffers: list) -> np.ndarray:
@@ -281,7 +314,12 @@ def _array(aval: m.Aval, buffers: list) -> np.ndarray:
 
     if len(buffers) != 1:
         raise ValueError(f"expected one data buffer, got {len(buffers)}")
-    dtype = np.dtype(jnp.dtype(aval.dtype))
+    try:
+        dtype = np.dtype(jnp.dtype(aval.dtype))
+    except TypeError:
+        raise ValueError(f"unknown dtype {aval.dtype!r}") from None
+    if dtype.kind == "O":
+        raise ValueError(f"dtype {aval.dtype!r} cannot be sent")
     shape = tuple(aval.shape)
     if any(s < 0 for s in shape) or buffers[0].nbytes != dtype.itemsize * int(np.prod(shape)):
         raise ValueError(f"{buffers[0].nbytes} bytes do not make a {aval.dtype}{list(shape)}")

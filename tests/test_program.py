@@ -1,0 +1,151 @@
+"""@zp.program: traced dataflow graphs submitted as one message, explained,
+dispatched in parallel or sequentially."""
+from __future__ import annotations
+
+import gc
+
+import numpy as np
+import pytest
+
+import zpath as zp
+from zpath.net import messages as m
+from tests.test_memory import empty, wait_for
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def devices(n, **kw):
+    return zp.make_virtual_device_set().add_slice(devices=n, **kw).devices
+
+
+@pytest.fixture
+def figure2(client):
+    a = zp.pmap(lambda x: x * 2., devices=devices(2, island=0))
+    b = zp.pmap(lambda x: x + 1., devices=devices(2, island=1))
+    c = zp.pmap(lambda x: x / 2., devices=devices(2, island=0))
+    traces = []
+
+    def f(v):
+        traces.append(1)          # runs only while tracing
+        x = a(v)
+        y = b(x)
+        z = a(c(x))
+        return (y, z)
+    return f, traces
+
+
+@pytest.mark.parametrize("dispatch", ["parallel", "sequential"])
+def test_figure2_as_one_program(client, figure2, dispatch):
+    f, traces = figure2
+    prog = zp.program(f, dispatch=dispatch)
+    calls_before = client.client.request(m.StatusRequest(False)).calls
+    y, z = prog(np.array([1., 2.]))
+    assert isinstance(y, zp.Future) and y.shape == (2,)
+    np.testing.assert_array_equal(np.asarray(y), [3., 5.])
+    np.testing.assert_array_equal(np.asarray(z), [2., 4.])
+    # traced once per input signature; a new signature traces again
+    y2, _ = prog(np.array([5., 6.]))
+    np.testing.assert_array_equal(np.asarray(y2), [11., 13.])
+    assert len(traces) == 1
+    prog(np.ones((2, 3)))[0].result(timeout=60)
+    assert len(traces) == 2
+    # the controller planned one node per computation: 4 per program
+    assert client.client.request(m.StatusRequest(False)).calls - calls_before == 12
+
+
+def test_intermediates_are_freed_after_the_program(client, figure2):
+    f, _ = figure2
+    prog = zp.program(f)
+    wait_for(client, empty)
+    y, z = prog(np.arange(2000.).reshape(2, 1000))
+    y.result(timeout=60), z.result(timeout=60)
+    # only y (host of island 1) and z (island 0) remain: 2 shards each, 8000 bytes each
+    held = wait_for(client, lambda s: sorted(s.values()) == [(2, 16000), (2, 16000)])
+    assert len(held) == 2
+    del y, z
+    gc.collect()
+    wait_for(client, empty)
+
+
+def test_explain_shows_nodes_and_transfers(client, figure2, capsys):
+    f, _ = figure2
+    text = zp.program(f).explain(np.array([1., 2.]))
+    assert capsys.readouterr().out.strip() == text
+    lines = text.splitlines()
+    assert lines[0] == "program f: 4 node(s), dispatch=parallel"
+    assert sum(1 for ln in lines if ln.startswith("  node ")) == 4
+    # x (island 0) is read by b on island 1: two 8-byte shards cross the DCN
+    dcn = [ln for ln in lines if "over DCN" in ln]
+    assert len(dcn) == 2 and all("8 bytes" in ln for ln in dcn)
+    assert not any("over ICI" in ln for ln in lines)
+
+
+def test_sequential_dispatch_waits_for_predecessors(client):
+    """In sequential mode a node starts only after the node it reads finished;
+    both modes agree on the result."""
+    on0 = zp.pmap(lambda x: x + 1., devices=devices(1, host=0))
+    on1 = zp.pmap(lambda x: x * 2., devices=devices(1, host=1))
+
+    def chain(v):
+        for _ in range(4):
+            v = on1(on0(v))
+        return v
+
+    seq, par = zp.program(chain, dispatch="sequential"), zp.program(chain)
+    np.testing.assert_array_equal(np.asarray(seq(np.zeros(1))), np.asarray(par(np.zeros(1))))
+    np.testing.assert_array_equal(np.asarray(seq(np.zeros(1))), [30.])
+    recs = client.client.request(m.TimelineRequest(8)).records
+    assert len(recs) == 8
+    for before, after in zip(recs, recs[1:]):
+        assert after.start >= before.end - 1e-3, (before, after)
+
+
+def test_program_inputs_futures_and_constants(client):
+    d = devices(2)
+    add = zp.pmap(lambda x, y: x + y, devices=d)
+    outside = add(np.ones(2), np.ones(2))            # a future captured by the program
+    const = np.array([10., 20.])
+
+    @zp.program
+    def p(v):
+        return add(add(v, outside), const)
+
+    np.testing.assert_array_equal(np.asarray(p(np.array([1., 2.]))), [13., 24.])
+    np.testing.assert_array_equal(np.asarray(p(outside)), [14., 24.])  # a future as input
+
+
+def test_program_errors(client):
+    inc = zp.pmap(lambda x: x + 1, devices=devices(2))
+
+    @zp.program
+    def peeks(v):
+        return np.asarray(inc(v))
+    with pytest.raises(zp.ZpathError, match="no contents yet"):
+        peeks(np.ones(2))
+
+    @zp.program
+    def returns_input(v):
+        return v
+    with pytest.raises(zp.ZpathError, match="must return values computed"):
+        returns_input(np.ones(2))
+
+    @zp.program
+    def bad_shape(v):
+        return inc(v)
+    with pytest.raises(ValueError, match="leading axis of size 2"):
+        bad_shape(np.ones(3))
+    with pytest.raises(ValueError, match="dispatch must be"):
+        zp.program(lambda v: v, dispatch="sideways")
+
+
+def test_a_failing_node_fails_the_program_outputs(client):
+    import jax.numpy as jnp
+    d = devices(1)
+    huge = zp.pmap(lambda x: jnp.broadcast_to(x, (1 << 40,)), devices=d)
+    after = zp.pmap(lambda x: x[:2] * 2, devices=d)
+
+    @zp.program
+    def p(v):
+        return after(huge(v))
+    with pytest.raises(zp.RemoteError, match="RESOURCE_EXHAUSTED"):
+        p(np.ones(1)).result(timeout=60)

@@ -1,0 +1,219 @@
+"""``@zp.program``: trace a block of Python that calls compiled functions into one
+dataflow graph and submit it as one message.
+
+While a program is traced, calling a compiled function records a node (one per
+sharded computation, whatever its number of shards) on symbolic values instead
+of running it. The trace is cached per input signature; each call of the program
+binds the inputs, assigns fresh buffers and sends one ``Program`` message. Values
+of the program that it does not return are freed after their last consumer."""
+from __future__ import annotations
+
+import dataclasses
+import threading
+from typing import Any, Callable
+
+import numpy as np
+
+from zpath.errors import ZpathError
+from zpath.futures import Future
+from zpath.net import messages as m
+
+_state = threading.local()
+
+
+def tracing() -> bool:
+    return getattr(_state, "trace", None) is not None
+
+
+class Value:
+    """A value inside a program being traced: its shape and dtype are known,
+    its contents are not."""
+
+    __slots__ = ("shape", "dtype", "origin")
+
+    def __init__(self, shape: tuple[int, ...], dtype: np.dtype, origin: tuple) -> None:
+        self.shape = tuple(shape)
+        self.dtype = np.dtype(dtype)
+        # ("input", i) | ("node", node, output) | ("future", Future) | ("const", ndarray)
+        self.origin = origin
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def __array__(self, *a: Any, **k: Any) -> np.ndarray:
+        raise ZpathError("a value inside @zp.program has no contents yet; return it from the "
+                         "program and fetch the future instead")
+
+    def __repr__(self) -> str:
+        return f"<traced {self.dtype}{list(self.shape)} from {self.origin[0]}>"
+
+
+@dataclasses.dataclass
+class Node:
+    computation: Any                   # zpath.api.Computation
+    traced: Any                        # zpath.api._Traced
+    inputs: list[Value]
+    outputs: list[Value]
+
+
+class _Trace:
+    def __init__(self) -> None:
+        self.nodes: list[Node] = []
+        self.client: Any = None
+
+
+def record(computation: Any, args: tuple) -> Any:
+    """Called by a compiled function while a program is traced."""
+    import jax
+
+    from zpath.api import _aval
+
+    trace: _Trace = _state.trace
+    if trace.client is None:
+        trace.client = computation.client
+    elif computation.client is not trace.client:
+        raise ValueError("every computation of a program must use one connection")
+    leaves, in_tree = jax.tree_util.tree_flatten(
+        args, is_leaf=lambda x: isinstance(x, (Future, Value)))
+    values = []
+    for x in leaves:
+        if isinstance(x, Value):
+            values.append(x)
+        elif isinstance(x, Future):
+            values.append(Value(x.shape, x.dtype, ("future", x)))
+        else:
+            a = np.asarray(x)
+            values.append(Value(*_aval(a), ("const", a)))
+    avals = [(v.shape, v.dtype) for v in values]
+    traced = computation.prepare(args, leaves, in_tree, avals)
+    node = Node(computation, traced, values, [])
+    node.outputs = [Value(s, d, ("node", node, i)) for i, (s, d) in enumerate(traced.out_avals)]
+    trace.nodes.append(node)
+    return jax.tree_util.tree_unflatten(traced.out_tree, node.outputs)
+
+
+@dataclasses.dataclass
+class Traced:
+    nodes: list[Node]
+    inputs: list[Value]
+    outputs: list[Value]
+    out_tree: Any
+    client: Any
+
+
+class ProgramFunction:
+    """What ``@zp.program`` returns: call it like the function; every call is one
+    dataflow graph submitted as one message, and returns a pytree of futures."""
+
+    def __init__(self, fn: Callable, dispatch: str = "parallel") -> None:
+        if dispatch not in ("parallel", "sequential"):
+            raise ValueError(f"dispatch must be 'parallel' or 'sequential', not {dispatch!r}")
+        self.fn = fn
+        self.dispatch = dispatch
+        self.name = getattr(fn, "__name__", "program")
+        self._cache: dict[Any, Traced] = {}
+
+    def trace(self, *args: Any) -> tuple[Traced, list]:
+        """The traced graph for these inputs (cached per input signature) and the
+        input leaves to bind."""
+        import jax
+
+        from zpath.api import _aval
+
+        leaves, in_tree = jax.tree_util.tree_flatten(args, is_leaf=lambda x: isinstance(x, Future))
+        bound = [x if isinstance(x, Future) else np.asarray(x) for x in leaves]
+        avals = [_aval(x) for x in bound]
+        key = (in_tree, tuple((s, d.str) for s, d in avals))
+        traced = self._cache.get(key)
+        if traced is None:
+            if tracing():
+                raise ZpathError("@zp.program functions cannot be nested")
+            inputs = [Value(s, d, ("input", i)) for i, (s, d) in enumerate(avals)]
+            _state.trace = trace = _Trace()
+            try:
+                out = self.fn(*jax.tree_util.tree_unflatten(in_tree, inputs))
+            finally:
+                _state.trace = None
+            out_leaves, out_tree = jax.tree_util.tree_flatten(out, is_leaf=lambda x: isinstance(x, Value))
+            for o in out_leaves:
+                if not isinstance(o, Value) or o.origin[0] != "node":
+                    raise ZpathError(f"{self.name}: a program must return values computed by "
+                                     f"compiled functions inside it, not {o!r}")
+            if not trace.nodes:
+                raise ZpathError(f"{self.name}: the program calls no compiled function")
+            traced = self._cache[key] = Traced(trace.nodes, inputs, out_leaves, out_tree, trace.client)
+        return traced, bound
+
+    def _lower(self, traced: Traced, bound: list, send: bool = True
+               ) -> tuple[list[m.Call], list[int], list[Future]]:
+        """Calls with fresh buffer ids for one invocation, the buffers to free
+        after it (intermediates and client values), and the output futures.
+        ``send=False`` (a plan only) sends no client values."""
+        client = traced.client
+        buffers: dict[int, int] = {}               # id(Value) -> buffer id
+        put: list[int] = []
+        calls = []
+        for node in traced.nodes:
+            inputs = []
+            for v, spec in zip(node.inputs, node.traced.in_specs, strict=True):
+                aval = m.Aval(list(v.shape), v.dtype.name)
+                kind = v.origin[0]
+                source = bound[v.origin[1]] if kind == "input" else v.origin[1] if kind in ("future", "const") else None
+                if isinstance(source, Future):
+                    if source._client is not client:
+                        raise ValueError(f"{self.name}: an input future belongs to another connection")
+                    inputs.append(m.CallInput(source.buffer, aval, spec, False))
+                elif id(v) in buffers:
+                    inputs.append(m.CallInput(buffers[id(v)], aval, spec, False))
+                elif kind == "node":
+                    raise ZpathError(f"{self.name}: internal error: value used before it is produced")
+                else:   # a client value: put it as its first consumer reads it
+                    buf = buffers[id(v)] = node.computation.put(source, spec, send)
+                    put.append(buf)
+                    inputs.append(m.CallInput(buf, aval, spec, True))
+            outs = []
+            for o in node.outputs:
+                buffers[id(o)] = client.new_buffer_id()
+                outs.append(buffers[id(o)])
+            calls.append(node.computation.call_message(node.traced, inputs, outs))
+        returned = {id(o) for o in traced.outputs}
+        intermediates = [buffers[id(o)] for n in traced.nodes for o in n.outputs if id(o) not in returned]
+        futures = []
+        for o in traced.outputs:
+            node, i = o.origin[1], o.origin[2]
+            futures.append(node.computation.future(buffers[id(o)], node.traced.out_avals[i],
+                                                   node.traced.out_specs[i]))
+        return calls, intermediates + put, futures
+
+    def __call__(self, *args: Any) -> Any:
+        import jax
+
+        traced, bound = self.trace(*args)
+        calls, release, futures = self._lower(traced, bound)
+        client = traced.client
+        client.post(m.Program(client.new_call_id(), self.name, self.dispatch, calls, release))
+        return jax.tree_util.tree_unflatten(traced.out_tree, futures)
+
+    def explain(self, *args: Any, file: Any = None) -> str:
+        """Print (and return) the plan of this program for these inputs: nodes,
+        devices, and the transfers between hosts with their bytes and channel."""
+        traced, bound = self.trace(*args)
+        calls, _, _ = self._lower(traced, bound, send=False)
+        reply = traced.client.request(m.ExplainRequest(calls))
+        lines = [f"program {self.name}: {len(reply.nodes)} node(s), dispatch={self.dispatch}"]
+        for k, n in enumerate(reply.nodes):
+            lines.append(f"  node {k} {n.name}: island {n.island}, hosts {n.hosts}, devices {n.devices}")
+            for t in n.transfers:
+                lines.append(f"    transfer buffer {t.buffer}: host {t.src_host} -> host {t.dst_host}, "
+                             f"{t.nbytes} bytes over {t.channel}")
+        text = "\n".join(lines)
+        print(text, file=file)
+        return text
+
+
+def program(fn: Callable | None = None, *, dispatch: str = "parallel") -> Any:
+    """Decorator: ``@zp.program`` or ``@zp.program(dispatch="sequential")``."""
+    if fn is None:
+        return lambda f: ProgramFunction(f, dispatch)
+    return ProgramFunction(fn, dispatch)
