@@ -20,7 +20,9 @@ def _up(args: argparse.Namespace) -> int:
     print(f"starting {args.islands} island(s) x {args.hosts_per_island} host(s) x "
           f"{args.devices_per_host} device(s)...", file=sys.stderr, flush=True)
     cluster = LocalCluster(args.islands, args.hosts_per_island, args.devices_per_host,
-                           log_dir=args.log_dir, bind_host=args.bind_host)
+                           log_dir=args.log_dir, bind_host=args.bind_host,
+                           dcn_latency_ms=args.dcn_latency_ms, dcn_gbps=args.dcn_gbps,
+                           dcn_encrypt=args.dcn_encrypt)
     try:
         print(f"zpath cluster up: {cluster.address}", flush=True)
         print(f"  key file: {cluster.key_file}", flush=True)
@@ -78,6 +80,12 @@ def main(argv: list[str] | None = None) -> int:
     up.add_argument("--devices-per-host", type=int, default=shape["devices_per_host"])
     up.add_argument("--bind-host", default="127.0.0.1", help="address every process listens on")
     up.add_argument("--log-dir", help="where process logs and the key file go (default: a temp dir)")
+    up.add_argument("--dcn-latency-ms", type=float, default=0.0,
+                    help="emulated one-way latency of traffic between islands (ms)")
+    up.add_argument("--dcn-gbps", type=float, default=0.0,
+                    help="emulated bandwidth cap of each host's link between islands (Gbit/s; 0: none)")
+    up.add_argument("--dcn-encrypt", action="store_true",
+                    help="encrypt traffic between islands with CURVE")
     up.set_defaults(fn=_up)
     st = sub.add_parser("status", help="show a running cluster")
     st.add_argument("address", nargs="?", help="controller address (default $ZPATH_CONTROLLER)")

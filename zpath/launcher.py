@@ -61,13 +61,28 @@ class LocalCluster:
 
     def __init__(self, islands: int = 2, hosts_per_island: int = 1, devices_per_host: int = 2, *,
                  log_dir: str | None = None, bind_host: str = "127.0.0.1",
-                 start_timeout: float = START_TIMEOUT_S, env: dict[str, str] | None = None) -> None:
+                 start_timeout: float = START_TIMEOUT_S, env: dict[str, str] | None = None,
+                 dcn_latency_ms: float = 0.0, dcn_gbps: float = 0.0, dcn_encrypt: bool = False) -> None:
+        """``dcn_latency_ms``/``dcn_gbps`` emulate a data-centre network between
+        islands (added one-way latency, bandwidth cap of each host's link; 0: none);
+        ``dcn_encrypt`` encrypts traffic between islands with CURVE."""
         for name, v in (("islands", islands), ("hosts_per_island", hosts_per_island),
                         ("devices_per_host", devices_per_host)):
             if int(v) < 1:
                 raise ValueError(f"{name} must be at least 1, got {v}")
         self.islands, self.hosts_per_island, self.devices_per_host = islands, hosts_per_island, devices_per_host
+        if dcn_latency_ms < 0 or dcn_gbps < 0:
+            raise ValueError("dcn_latency_ms and dcn_gbps must be >= 0")
+        if dcn_encrypt:
+            import zmq
+            if not zmq.has("curve"):
+                raise ZpathError(f"dcn_encrypt needs CURVE, but this libzmq ({zmq.zmq_version()}) "
+                                 "was built without it")
+        self.dcn_flags = ["--dcn-latency-ms", str(float(dcn_latency_ms)), "--dcn-gbps",
+                          str(float(dcn_gbps)), *(["--dcn-encrypt"] if dcn_encrypt else [])]
         self.key = new_key()
+        from zpath.net.channels import shm_prefix
+        self.shm_prefix = shm_prefix(self.key)    # names of its shared-memory segments
         self._own_dir = log_dir is None
         self.dir = log_dir or tempfile.mkdtemp(prefix="zpath-")
         os.makedirs(self.dir, exist_ok=True)
@@ -118,7 +133,8 @@ class LocalCluster:
                 self._spawn(f"worker-i{island}-h{h}", ["zpath.worker", "--controller", self.address,
                                                        "--island", str(island), "--bind-host", bind_host,
                                                        "--name", f"local-i{island}-h{h}", *runtime,
-                                                       *(["--process-id", str(h)] if runtime else [])],
+                                                       *(["--process-id", str(h)] if runtime else []),
+                                                       *self.dcn_flags],
                             wenv)
         self._wait_registered(deadline)
         log.info("local cluster up at %s (pid %d), logs in %s", self.address, ctl.pid, self.dir)
@@ -175,6 +191,9 @@ class LocalCluster:
                 p.kill()
                 p.wait(5)
         self.procs.clear()
+        # segments of workers that died without cleaning up (SIGKILL)
+        from zpath.net.channels import cleanup
+        cleanup(self.shm_prefix)
         if self._own_dir and not os.environ.get("ZPATH_KEEP_LOGS"):
             shutil.rmtree(self.dir, ignore_errors=True)
 

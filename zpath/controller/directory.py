@@ -45,13 +45,17 @@ class Plan:
 class Directory:
     def __init__(self, host_of: Callable[[int], int],
                  address_of: Callable[[int], str] = lambda h: "",
-                 jax_id_of: Callable[[int], int] = lambda d: d) -> None:
+                 jax_id_of: Callable[[int], int] = lambda d: d,
+                 route_of: Callable[[int, int], tuple[str, str, str, str]] | None = None) -> None:
         """``host_of`` maps a global device id to its host rank, ``address_of`` a
-        host rank to its data address."""
+        host rank to its data address, ``route_of`` (source host, destination
+        host) to (channel, data address, destination machine id, CURVE key); without
+        it every transfer is plain ICI to ``address_of``."""
         self.buffers: dict[int, Buffer] = {}
         self.host_of = host_of
         self.address_of = address_of
         self.jax_id_of = jax_id_of
+        self.route_of = route_of or (lambda src, dst: ("ICI", self.address_of(dst), "", ""))
         self._piece_ids = itertools.count(1)
         self._exec_ids = itertools.count(1)
 
@@ -196,7 +200,9 @@ class Directory:
             pid = 0
         else:
             pid = next(self._piece_ids)
-            sends.append((self.host_of(dev), m.SendPiece(
+            src = self.host_of(dev)
+            channel, address, machine, key = self.route_of(src, host)
+            sends.append((src, m.SendPiece(
                 pid, buf.id, dev, sharding.to_wire(reg), sharding.to_wire(sub), host,
-                self.address_of(host))))
+                address, channel, machine, key)))
         return m.PieceSource(pid, dev, sharding.to_wire(reg), sharding.to_wire(sub))

@@ -31,6 +31,9 @@ class Host:
     devices: list[int]
     runtime: str = ""        # the island's jax.distributed coordinator ("" if none)
     alive: bool = True
+    machine: str = ""        # machine id: ICI between hosts of one machine uses shared memory
+    public_key: str = ""     # CURVE public key for encrypted DCN ("" if off)
+    dcn_address: str = ""    # its CURVE-encrypted data port ("" if off)
 
 
 class ResourceManager:
@@ -44,7 +47,8 @@ class ResourceManager:
 
     def add_host(self, *, name: str, island: int, data_address: str, pid: int,
                  platform: str, num_devices: int, jax_ids: list[int] | None = None,
-                 runtime: str = "") -> Host:
+                 runtime: str = "", machine: str = "", public_key: str = "",
+                 dcn_address: str = "") -> Host:
         """Register a host. Hosts of one island that share a ``runtime`` (a
         jax.distributed coordinator address) can run one SPMD computation together."""
         if island < 0:
@@ -63,9 +67,21 @@ class ResourceManager:
             d = Device(next(self._device_ids), rank, island, i, jax_ids[i] if jax_ids else i)
             self.devices[d.id] = d
             ids.append(d.id)
-        host = Host(rank, island, name, data_address, pid, platform, ids, runtime)
+        host = Host(rank, island, name, data_address, pid, platform, ids, runtime,
+                    machine=machine, public_key=public_key, dcn_address=dcn_address)
         self.hosts[rank] = host
         return host
+
+    def route(self, src: int, dst: int) -> tuple[str, str, str, str]:
+        """How host ``src`` sends a piece to host ``dst``: (channel, data address,
+        destination machine id, destination CURVE key or ""). Same island: ICI;
+        otherwise DCN, through the encrypted port when the destination has one."""
+        s, d = self.hosts[src], self.hosts[dst]
+        if s.island == d.island:
+            return "ICI", d.data_address, d.machine, ""
+        if d.dcn_address and d.public_key:
+            return "DCN", d.dcn_address, d.machine, d.public_key
+        return "DCN", d.data_address, d.machine, ""
 
     def islands(self) -> dict[int, list[int]]:
         out: dict[int, list[int]] = {}

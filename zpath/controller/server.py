@@ -88,7 +88,7 @@ class Controller:
         self.rm = ResourceManager()
         self.directory = Directory(lambda d: self.rm.devices[d].host,
                                    lambda h: self.rm.hosts[h].data_address,
-                                   lambda d: self.rm.devices[d].jax_id)
+                                   lambda d: self.rm.devices[d].jax_id, self.rm.route)
         self.scheduler = GangScheduler(
             break_order=os.environ.get("ZPATH_DEBUG_BREAK_GANG_ORDER") == "1")
         # exec_id -> (client, name, island, seq, devices), until every host reported
@@ -264,7 +264,9 @@ class Controller:
             host = self.rm.add_host(name=msg.name, island=msg.island, data_address=msg.data_address,
                                     pid=msg.pid, platform=msg.platform, num_devices=msg.num_devices,
                                     jax_ids=msg.jax_ids,
-                                    runtime=msg.coordinator if msg.num_processes > 1 else "")
+                                    runtime=msg.coordinator if msg.num_processes > 1 else "",
+                                    machine=msg.machine, public_key=msg.public_key,
+                                    dcn_address=msg.dcn_address)
         except ResourceError as e:
             self.reply_error(ident, parent, "resource", str(e))
             return

@@ -131,6 +131,9 @@ class RegisterWorker(Record):
     coordinator: str         # the island's jax.distributed coordinator ("" if none)
     process_id: int          # its process id in that runtime
     num_processes: int       # processes in that runtime (1 if none)
+    machine: str             # machine id (host name and boot id): same machine -> shared memory
+    public_key: str          # CURVE public key (Z85) for encrypted DCN traffic ("" if off)
+    dcn_address: str         # CURVE-encrypted data port for DCN traffic ("" if off)
 
 
 @message(5)
@@ -284,7 +287,10 @@ class SendPiece(Record):
     region: Region
     sub: Region
     dst_host: int
-    dst_address: str
+    dst_address: str         # the data port to use (the encrypted one for encrypted DCN)
+    channel: str             # "ICI" (same island) or "DCN" (between islands)
+    dst_machine: str         # the destination's machine id (ICI: same as ours -> shm)
+    dst_key: str             # the destination's CURVE public key ("" = plain TCP)
 
 
 @message(36)
@@ -405,3 +411,47 @@ class FetchReply(Record):
     request: int
     aval: Aval
     error: ErrorInfo | None
+
+
+@message(54)
+class ShmPiece(Record):
+    """Worker -> worker (ICI, same machine): piece ``piece_id`` is ``size``
+    bytes at ``offset`` of shared-memory segment ``segment``; no buffers. The
+    receiver copies them out and answers ``ShmAck``. ``drop`` names segments
+    the sender no longer uses (the receiver unmaps them)."""
+    piece_id: int
+    aval: Aval
+    segment: str
+    offset: int
+    size: int
+    drop: list[str]
+
+
+@message(55)
+class ShmAck(Record):
+    """Worker -> worker, answer to ShmPiece: these segments are free again."""
+    segments: list[str]
+
+
+@message(56)
+class ChannelStatsRequest(Record):
+    """Anyone with the key -> worker data port: the data-plane counters."""
+    reset: bool
+
+
+@message(57)
+class ChannelStats(Record):
+    """Worker -> asker: pieces and bytes sent per channel since start (or the
+    last reset), pieces received through shared memory and TCP, and the shared
+    memory segments this worker holds now."""
+    sent_shm: int
+    sent_ici_tcp: int
+    sent_dcn: int
+    bytes_shm: int
+    bytes_ici_tcp: int
+    bytes_dcn: int
+    recv_shm: int
+    recv_tcp: int
+    segments: int
+    sent_at: list[list[float]]   # recent pieces sent: [piece_id, wall time the send began]
+    received_at: list[list[float]]   # recent pieces received: [piece_id, wall time it was stored]

@@ -8,6 +8,7 @@ runs computations; replies that wait on a shard are sent from a small pool once
 the shard is done."""
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import faulthandler
 import heapq
@@ -24,6 +25,7 @@ import zmq
 
 from zpath import sharding
 from zpath.errors import ZpathError
+from zpath.net import channels
 from zpath.net import messages as m
 from zpath.net.codec import PROTOCOL_VERSION, Record
 from zpath.net.transport import BadMessage, Endpoint, Outbox, backoff, make_context
@@ -40,8 +42,13 @@ MAX_FETCH_TIMEOUT_S = 3600.0
 class Worker:
     def __init__(self, key: bytes, controller: str, island: int, *,
                  bind_host: str = "127.0.0.1", name: str | None = None,
-                 coordinator: str = "", num_processes: int = 1, process_id: int = 0) -> None:
+                 coordinator: str = "", num_processes: int = 1, process_id: int = 0,
+                 dcn_latency_ms: float = 0.0, dcn_gbps: float = 0.0, dcn_encrypt: bool = False) -> None:
         import jax
+
+        if dcn_encrypt and not zmq.has("curve"):
+            raise ZpathError("--dcn-encrypt needs CURVE, but this libzmq was built without it")
+        self.shaper = channels.Shaper(dcn_latency_ms, dcn_gbps)   # ValueError if negative
 
         jax.config.update("jax_enable_x64", True)
         self.coordinator = coordinator if num_processes > 1 else ""
@@ -67,8 +74,30 @@ class Worker:
         self.data = self.ctx.socket(zmq.ROUTER)
         port = self.data.bind_to_random_port(f"tcp://{bind_host}")
         self.data_address = f"tcp://{bind_host}:{port}"
+        # DCN traffic may come encrypted on a second port (CURVE server)
+        self.dcn: zmq.Socket | None = None
+        self.public_key = self.secret_key = b""
+        self.dcn_address = ""
+        if dcn_encrypt:
+            self.public_key, self.secret_key = zmq.curve_keypair()
+            self.dcn = self.ctx.socket(zmq.ROUTER)
+            self.dcn.curve_server = True
+            self.dcn.curve_secretkey = self.secret_key
+            self.dcn.curve_publickey = self.public_key
+            self.dcn_address = f"tcp://{bind_host}:{self.dcn.bind_to_random_port(f'tcp://{bind_host}')}"
+        self.machine = channels.machine_id()
+        self.use_shm = channels.shm_available() and os.environ.get("ZPATH_SHM", "1") != "0"
+        self.shm_out = channels.ShmSender(channels.shm_prefix(key))
+        self.shm_in = channels.ShmReceiver()
+        self.stats = dict.fromkeys(m.ChannelStats.__dataclass_fields__, 0)
+        # recent (piece id, wall time) of sends begun and pieces stored, for benchmarks
+        self.sent_at: collections.deque = collections.deque(maxlen=256)
+        self.received_at: collections.deque = collections.deque(maxlen=256)
+        self.shaped: list[tuple[float, int, int, Record, Any]] = []   # heap of DCN sends
+        self._shaped_seq = 0
+        self.poller = zmq.Poller()
         self.peer_socks: dict[int, zmq.Socket] = {}
-        self.peer_addrs: dict[int, str] = {}
+        self.peer_addrs: dict[int, tuple[str, str]] = {}   # rank -> (address, CURVE key)
         self.outbox = Outbox()
         self.store = Store()
         self.pool = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="send")
@@ -83,7 +112,8 @@ class Worker:
         msg = m.RegisterWorker(self.name, self.island, self.data_address, os.getpid(),
                                self.platform, len(self.local), PROTOCOL_VERSION,
                                [d.id for d in self.local], self.coordinator, self.process_id,
-                               self.num_processes)
+                               self.num_processes, self.machine, self.public_key.decode(),
+                               self.dcn_address)
         deadline = time.monotonic() + REGISTER_TIMEOUT_S
         attempt = 0
         while time.monotonic() < deadline and self.running:
@@ -113,28 +143,35 @@ class Worker:
     def post_data(self, ident: bytes, msg: Record, buffers: Any = (), parent: int = 0) -> None:
         self.outbox.put("data", ident, msg, buffers, parent)
 
-    def post_peer(self, rank: int, msg: Record, buffers: Any = ()) -> None:
-        self.outbox.put("peer", rank, msg, buffers, 0)
+    def post_peer(self, rank: int, msg: Record, buffers: Any = (), dcn: bool = False) -> None:
+        self.outbox.put("dcn" if dcn else "peer", rank, msg, buffers, 0)
 
     def _exec_done(self, exec_id: int, error: m.ErrorInfo | None, start: float, end: float) -> None:
         self.post_ctl(m.ExecDone(exec_id, error, start, end))
 
     # ---- I/O loop ------------------------------------------------------------
     def serve_forever(self) -> None:
-        poller = zmq.Poller()
+        poller = self.poller
         poller.register(self.ctl, zmq.POLLIN)
         poller.register(self.data, zmq.POLLIN)
         poller.register(self.outbox.fd, zmq.POLLIN)
+        if self.dcn is not None:
+            poller.register(self.dcn, zmq.POLLIN)
         self.last_controller = time.monotonic()
         while self.running:
-            wait = min(0.5, self._expire_fetches())
+            wait = min(0.5, self._expire_fetches(), self._send_shaped())
             events = dict(poller.poll(timeout=max(1, int(wait * 1000))))
             if self.ctl in events:
                 self._drain(self.ctl, router=False)
             if self.data in events:
                 self._drain(self.data, router=True)
+            if self.dcn is not None and self.dcn in events:
+                self._drain(self.dcn, router=True)
             if self.outbox.fd in events:
                 self._flush()
+            for s in self.peer_socks.values():
+                if s in events:
+                    self._drain_peer(s)
             if time.monotonic() - self.last_controller > CONTROLLER_SILENCE_S:
                 log.error("no word from the controller for %.0fs: exiting", CONTROLLER_SILENCE_S)
                 self.running = False
@@ -144,7 +181,10 @@ class Worker:
         if self.executor is not None:
             self.executor.stop()
         self.pool.shutdown(wait=False, cancel_futures=True)
-        for s in [self.ctl, self.data, *self.peer_socks.values()]:
+        self.shm_out.close()      # unlinks segments of ours that no peer took
+        self.shm_in.close()
+        for s in [self.ctl, self.data, *([self.dcn] if self.dcn is not None else []),
+                  *self.peer_socks.values()]:
             s.close(0)
         self.ctx.term()
         self.outbox.close()
@@ -159,6 +199,11 @@ class Worker:
                     self.ep.send(self.ctl, msg, block=False)
                 elif kind == "data":
                     self.ep.send(self.data, msg, to=target, buffers=buffers, parent=parent, block=False)
+                elif kind == "dcn" and self.shaper.active:
+                    # emulated DCN link: hand it to TCP when the link would deliver it
+                    due = self.shaper.due(channels.piece_nbytes(buffers), time.monotonic())
+                    self._shaped_seq += 1
+                    heapq.heappush(self.shaped, (due, self._shaped_seq, target, msg, buffers))
                 else:
                     self.ep.send(self._peer(target), msg, buffers=buffers, block=False)
             except zmq.Again:
@@ -166,13 +211,59 @@ class Worker:
             except Exception as e:   # one bad message must not stop the I/O thread
                 log.error("cannot send %s: %s", type(msg).__name__, e)
 
+    def _send_shaped(self) -> float:
+        """Send the shaped DCN messages that are due; returns seconds to the next."""
+        while self.shaped:
+            due, _, rank, msg, buffers = self.shaped[0]
+            now = time.monotonic()
+            if due > now:
+                return due - now
+            heapq.heappop(self.shaped)
+            try:
+                self.ep.send(self._peer(rank), msg, buffers=buffers, block=False)
+            except zmq.Again:
+                log.error("peer %s is not reading (queue full): dropped %s", rank, type(msg).__name__)
+            except Exception as e:
+                log.error("cannot send %s: %s", type(msg).__name__, e)
+        return 0.5
+
     def _peer(self, rank: int) -> zmq.Socket:
         s = self.peer_socks.get(rank)
         if s is None:
+            address, key = self.peer_addrs[rank]
             s = self.ctx.socket(zmq.DEALER)
-            s.connect(self.peer_addrs[rank])
+            if key:
+                if self.dcn is None:
+                    raise ZpathError(f"host {rank} wants CURVE-encrypted DCN traffic, but this "
+                                     "worker was started without --dcn-encrypt")
+                s.curve_serverkey = key.encode()
+                s.curve_publickey = self.public_key
+                s.curve_secretkey = self.secret_key
+            s.connect(address)
             self.peer_socks[rank] = s
+            self.poller.register(s, zmq.POLLIN)
         return s
+
+    def _drain_peer(self, sock: zmq.Socket) -> None:
+        """Answers from a peer's data port: ShmAck, or errors."""
+        for _ in range(1000):
+            try:
+                _, _, msg, _ = self.ep.recv(sock)
+            except zmq.Again:
+                return
+            except BadMessage as e:
+                log.warning("rejected message from a peer: %s", e)
+                continue
+            match msg:
+                case m.ShmAck():
+                    for name in msg.segments:
+                        self.shm_out.release(name)
+                case m.Error():
+                    log.warning("peer reported: %s: %s", msg.code, msg.message)
+                case _:
+                    log.warning("unexpected %s from a peer", type(msg).__name__)
+            if not sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                return
 
     def _drain(self, sock: zmq.Socket, router: bool) -> None:
         for _ in range(1000):
@@ -204,7 +295,7 @@ class Worker:
             case m.Execute():
                 self.executor.submit(msg)
             case m.SendPiece():
-                self.peer_addrs.setdefault(msg.dst_host, msg.dst_address)
+                self.peer_addrs.setdefault(msg.dst_host, (msg.dst_address, msg.dst_key))
                 key = shard_key(msg.buffer, msg.device, msg.region)
                 self.store.when_done(key, lambda e, msg=msg: self.pool.submit(self._send_piece, msg, e))
             case m.RegisterProgram():
@@ -225,14 +316,32 @@ class Worker:
                 log.warning("unexpected %s from the controller", type(msg).__name__)
 
     def _send_piece(self, msg: m.SendPiece, e: Entry) -> None:
+        self.sent_at.append([msg.piece_id, time.time()])
+        dcn = msg.channel == "DCN"
         if e.error is not None:
-            self.post_peer(msg.dst_host, m.Piece(msg.piece_id, m.Aval([], ""), e.error))
+            self.post_peer(msg.dst_host, m.Piece(msg.piece_id, m.Aval([], ""), e.error), dcn=dcn)
             return
         region = sharding.from_wire(msg.region)
         local = tuple((a.start, a.stop) for a in sharding.local_slices(sharding.from_wire(msg.sub), region))
         data = sharding.cut(e.value, local)
-        self.post_peer(msg.dst_host, m.Piece(msg.piece_id, m.Aval(list(data.shape), data.dtype.name),
-                                             None), [data])
+        aval = m.Aval(list(data.shape), data.dtype.name)
+        if not dcn and self.use_shm and msg.dst_machine == self.machine and data.nbytes > 0:
+            # ICI on one machine: the bytes go through shared memory
+            try:
+                name, offset, drop = self.shm_out.write(msg.dst_host, data)
+            except OSError as err:     # /dev/shm full or gone: fall back to TCP
+                log.warning("shared memory failed (%s); sending piece %d over TCP", err, msg.piece_id)
+            else:
+                self._count("shm", data.nbytes)
+                self.post_peer(msg.dst_host, m.ShmPiece(msg.piece_id, aval, name, offset, data.nbytes,
+                                                        drop))
+                return
+        self._count("dcn" if dcn else "ici_tcp", data.nbytes)
+        self.post_peer(msg.dst_host, m.Piece(msg.piece_id, aval, None), [data], dcn=dcn)
+
+    def _count(self, channel: str, nbytes: int) -> None:
+        self.stats[f"sent_{channel}"] += 1      # GIL-atomic enough for counters
+        self.stats[f"bytes_{channel}"] += nbytes
 
     # ---- data messages -------------------------------------------------------
     def _handle_data(self, ident: bytes, msg_id: int, msg: Record, buffers: list) -> None:
@@ -255,9 +364,40 @@ class Worker:
                     self.store.set(key, error=m.ErrorInfo("RemoteError", f"bad {type(msg).__name__}: {e}",
                                                           self.rank, "", ""))
                     return
+                if isinstance(msg, m.Piece):
+                    self.stats["recv_tcp"] += 1
+                    self.received_at.append([msg.piece_id, time.time()])
                 self.store.set(key, arr)
             case m.Piece():
                 self.store.set(("p", msg.piece_id), error=msg.error)
+            case m.ShmPiece():
+                key = ("p", msg.piece_id)
+                try:
+                    raw = self.shm_in.take(msg.segment, msg.offset, msg.size, msg.drop)
+                except (OSError, ValueError) as err:
+                    self.store.set(key, error=m.ErrorInfo("RemoteError", f"bad ShmPiece: {err}",
+                                                          self.rank, "", ""))
+                    return
+                finally:
+                    self.post_data(ident, m.ShmAck([msg.segment]), parent=msg_id)
+                try:
+                    arr = _array(msg.aval, [raw])
+                except (ValueError, TypeError) as err:
+                    self.store.set(key, error=m.ErrorInfo("RemoteError", f"bad ShmPiece: {err}",
+                                                          self.rank, "", ""))
+                    return
+                self.stats["recv_shm"] += 1
+                self.received_at.append([msg.piece_id, time.time()])
+                self.store.set(key, arr)
+            case m.ChannelStatsRequest():
+                self.stats["segments"] = self.shm_out.live()
+                self.post_data(ident, m.ChannelStats(**{**self.stats, "sent_at": list(self.sent_at),
+                                                        "received_at": list(self.received_at)}),
+                               parent=msg_id)
+                if msg.reset:
+                    self.stats = dict.fromkeys(self.stats, 0)
+                    self.sent_at.clear()
+                    self.received_at.clear()
             case m.Fetch():
                 # answered when the shard is done, or with an error at the
                 # deadline; no thread waits meanwhile
@@ -341,6 +481,12 @@ def main(argv: list[str] | None = None) -> int:
                    help="HOST:PORT of the island's jax.distributed coordinator (islands of several hosts)")
     p.add_argument("--num-processes", type=int, default=1, help="hosts in this island's runtime")
     p.add_argument("--process-id", type=int, default=0, help="this host's index in the island runtime")
+    p.add_argument("--dcn-latency-ms", type=float, default=0.0,
+                   help="emulated one-way latency added to DCN (cross-island) pieces this host sends")
+    p.add_argument("--dcn-gbps", type=float, default=0.0,
+                   help="emulated bandwidth cap of this host's DCN link in Gbit/s (0: none)")
+    p.add_argument("--dcn-encrypt", action="store_true",
+                   help="receive DCN pieces on a CURVE-encrypted port and encrypt those sent")
     args = p.parse_args(argv)
     from zpath.launcher import die_with_parent
     die_with_parent()
@@ -350,9 +496,16 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--process-id must be in [0, {args.num_processes})")
     if args.num_processes > 1 and not args.coordinator:
         p.error("--num-processes > 1 needs --coordinator")
+    if args.dcn_latency_ms < 0 or args.dcn_gbps < 0:
+        p.error("--dcn-latency-ms and --dcn-gbps must be >= 0")
+    if args.dcn_encrypt and not zmq.has("curve"):
+        log.error("--dcn-encrypt needs CURVE, but this libzmq (%s) was built without it",
+                  zmq.zmq_version())
+        return 2
     w = Worker(key_from_env(), args.controller, args.island, bind_host=args.bind_host, name=args.name,
                coordinator=args.coordinator, num_processes=args.num_processes,
-               process_id=args.process_id)
+               process_id=args.process_id, dcn_latency_ms=args.dcn_latency_ms,
+               dcn_gbps=args.dcn_gbps, dcn_encrypt=args.dcn_encrypt)
     signal.signal(signal.SIGTERM, w.stop)
     signal.signal(signal.SIGINT, w.stop)
     try:

@@ -1,0 +1,191 @@
+"""Data-plane throughput: ICI between two hosts of one island on this machine
+(shared memory, and plain TCP for comparison) next to a numpy memcpy of the same
+size, and DCN between islands with an emulated bandwidth cap.
+
+    .venv/bin/python benchmarks/transfer.py [--quick]
+
+Method: a value of N bytes is produced on host A (``v + 1``) and waited for;
+then a trivial consumer on host B (``v[..., :1] * 2``) reads it, which makes A
+send the whole value to B as one piece. Each worker stamps the wall clock (one
+machine, one clock) when its channel begins a send (before the bytes are cut
+out of the shard and copied into shared memory or handed to TCP) and when the
+receiver has the piece as an array (after copying it out of shared memory, or
+once the whole TCP frame is in); the transfer time is the median over repeats
+of the difference, asked from the workers with ChannelStatsRequest. The wall
+time of the consumer call (median, minus that of a 4-byte value) is shown too:
+it adds what lies outside the channel (scheduling, the consumer's device_put).
+memcpy is ``np.copyto`` into a preallocated (warm) array and ``a.copy()``
+(fresh pages), medians of repeats in the same process.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, __file__.rsplit("/benchmarks/", 1)[0])
+
+import zmq   # noqa: E402
+
+import zpath as zp   # noqa: E402
+from zpath.launcher import LocalCluster   # noqa: E402
+from zpath.net import messages as m   # noqa: E402
+from zpath.net.transport import Endpoint   # noqa: E402
+
+
+class Stats:
+    """Asks workers' data ports for their ChannelStats."""
+
+    def __init__(self, key: bytes, hosts: dict) -> None:
+        self.ep = Endpoint(key, "client:bench")
+        self.ctx = zmq.Context()
+        self.socks = {}
+        for rank, info in hosts.items():
+            s = self.ctx.socket(zmq.DEALER)
+            s.setsockopt(zmq.LINGER, 0)
+            s.connect(info.data_address)
+            self.socks[rank] = s
+
+    def get(self, rank: int, reset: bool = False) -> m.ChannelStats:
+        s = self.socks[rank]
+        self.ep.send(s, m.ChannelStatsRequest(reset))
+        if not s.poll(10_000):
+            raise RuntimeError(f"host {rank} does not answer")
+        return self.ep.recv(s)[2]
+
+    def close(self) -> None:
+        for s in self.socks.values():
+            s.close(0)
+        self.ctx.term()
+
+
+def median_time(fn, repeats: int) -> float:
+    ts = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t)
+    return statistics.median(ts)
+
+
+def memcpy(nbytes: int, repeats: int) -> tuple[float, float]:
+    a = np.ones(nbytes, np.uint8)
+    b = np.empty_like(a)
+    b[:] = 0
+    warm = median_time(lambda: np.copyto(b, a), repeats)
+    fresh = median_time(lambda: a.copy(), repeats)
+    return warm, fresh
+
+
+class Mover:
+    def __init__(self, a, b) -> None:
+        self.produce = zp.pmap(lambda v: v + 1, devices=a)
+        self.consume = zp.pmap(lambda v: v[..., :1] * 2, devices=b)
+        self.src, self.dst = a[0].host, b[0].host
+        self.stats = Stats(zp._cluster["current"].key, zp._cluster["current"].hosts)
+
+    def time(self, nbytes: int, repeats: int) -> tuple[float, float]:
+        """(median channel time, median wall time of the consumer call)."""
+        x = np.zeros((1, max(1, nbytes // 4)), np.float32)
+        self.consume(self.produce(x)).result()    # compile for this shape, warm the path
+        ts, chan = [], []
+        for _ in range(repeats):
+            src = self.produce(x)
+            src.result()
+            t = time.perf_counter()
+            self.consume(src).result()
+            ts.append(time.perf_counter() - t)
+            del src
+            sent = dict(map(tuple, self.stats.get(self.src, reset=True).sent_at))
+            got = dict(map(tuple, self.stats.get(self.dst, reset=True).received_at))
+            chan += [got[p] - sent[p] for p in sent if p in got]
+        return statistics.median(chan), statistics.median(ts)
+
+
+def sizes(quick: bool) -> list[int]:
+    top = 64 << 20 if quick else 256 << 20
+    out, n = [], 1 << 10
+    while n <= top:
+        out.append(n)
+        n *= 4
+    return out
+
+
+def repeats_for(n: int) -> int:
+    return 30 if n <= 1 << 20 else 12 if n <= 16 << 20 else 7 if n <= 64 << 20 else 5
+
+
+def ici(quick: bool) -> None:
+    rows = {}
+    for label, env in (("shm", {}), ("tcp", {"ZPATH_SHM": "0"})):
+        with LocalCluster(islands=1, hosts_per_island=2, devices_per_host=1, env=env) as c:
+            zp.connect(c.address, c.key, name="bench")
+            try:
+                vds = zp.make_virtual_device_set()
+                mv = Mover(vds.add_slice(devices=1, host=0).devices, vds.add_slice(devices=1, host=1).devices)
+                base = mv.time(4, 40)[1]
+                for n in sizes(quick):
+                    chan, wall = mv.time(n, repeats_for(n))
+                    rows.setdefault(n, {})[label] = chan
+                    rows[n][label + " wall"] = max(wall - base, 1e-9)
+                mv.stats.close()
+            finally:
+                zp.shutdown()
+    print("ICI, host 0 -> host 1 of one island on this machine: channel time (worker stamps)")
+    print(f"{'size':>9} | {'shm us':>9} {'shm GB/s':>9} {'tcp GB/s':>9} | {'memcpy warm':>11} "
+          f"{'memcpy fresh':>12} | {'shm/warm':>8} {'shm/fresh':>9} | {'call wall-base shm/tcp GB/s':>27}")
+    for n in sizes(quick):
+        warm, fresh = memcpy(n, max(5, repeats_for(n)))
+        r = rows[n]
+        shm, tcp = n / r["shm"] / 1e9, n / r["tcp"] / 1e9
+        mw, mf = n / warm / 1e9, n / fresh / 1e9
+        print(f"{_size(n):>9} | {r['shm'] * 1e6:9.0f} {shm:9.2f} {tcp:9.2f} | {mw:11.2f} {mf:12.2f} | "
+              f"{shm / mw:8.0%} {shm / mf:9.0%} | {n / r['shm wall'] / 1e9:13.2f} / "
+              f"{n / r['tcp wall'] / 1e9:.2f}")
+
+
+def dcn(quick: bool) -> None:
+    n = 64 << 20
+    print(f"\nDCN, island 0 -> island 1, {_size(n)} piece, emulated bandwidth cap "
+          "(fixed cost of a call subtracted)")
+    print(f"{'cap Gbit/s':>10} | {'expected s':>10} {'channel s':>10} | {'rate Gbit/s':>11} {'of cap':>7}"
+          f" | {'call wall-base s':>16}")
+    for gbps in (1.0, 4.0):
+        with LocalCluster(islands=2, hosts_per_island=1, devices_per_host=1, dcn_gbps=gbps) as c:
+            zp.connect(c.address, c.key, name="bench")
+            try:
+                vds = zp.make_virtual_device_set()
+                mv = Mover(vds.add_slice(devices=1, island=0).devices, vds.add_slice(devices=1, island=1).devices)
+                base = mv.time(4, 20)[1]
+                t, wall = mv.time(n, 3 if quick else 5)
+                mv.stats.close()
+            finally:
+                zp.shutdown()
+        expected = n * 8 / (gbps * 1e9)
+        rate = n * 8 / t / 1e9
+        print(f"{gbps:10.1f} | {expected:10.3f} {t:10.3f} | {rate:11.2f} {rate / gbps:7.0%}"
+              f" | {wall - base:16.3f}")
+
+
+def _size(n: int) -> str:
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n >= 1 << shift:
+            return f"{n >> shift} {unit}"
+    return f"{n} B"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="sizes up to 64 MiB, fewer repeats")
+    args = p.parse_args()
+    print(__doc__.split("Method:", 1)[1].strip().replace("\n", " ").replace("  ", " ")
+          .join(["Method: ", "\n"]))
+    ici(args.quick)
+    dcn(args.quick)
+
+
+if __name__ == "__main__":
+    main()

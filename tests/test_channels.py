@@ -1,0 +1,241 @@
+"""Data-plane channels on real local clusters: ICI through shared memory between
+hosts of one island on this machine (and no segment ever left behind), DCN
+shaping (latency, bandwidth cap) and CURVE encryption between islands."""
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+import zmq
+
+import zpath as zp
+from zpath.launcher import LocalCluster
+from zpath.net import channels
+from zpath.net import messages as m
+from zpath.net.transport import Endpoint
+from tests.conftest import assert_gone
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def channel_stats(cluster: LocalCluster, reset: bool = False) -> dict[int, m.ChannelStats]:
+    """Every worker's data-plane counters, asked on its data port."""
+    from zpath.client import Client
+    st = Client(cluster.address, cluster.key, name="stats")
+    try:
+        hosts = {h.rank: h.data_address for h in st.request(m.StatusRequest(False)).hosts}
+    finally:
+        st.close()
+    ep = Endpoint(cluster.key, "client:stats")
+    ctx = zmq.Context()
+    out = {}
+    try:
+        for rank, address in hosts.items():
+            s = ctx.socket(zmq.DEALER)
+            s.setsockopt(zmq.LINGER, 0)
+            s.connect(address)
+            ep.send(s, m.ChannelStatsRequest(reset))
+            assert s.poll(10_000), f"host {rank} did not answer ChannelStatsRequest"
+            _, _, reply, _ = ep.recv(s)
+            assert isinstance(reply, m.ChannelStats), reply
+            out[rank] = reply
+            s.close(0)
+    finally:
+        ctx.term()
+    return out
+
+
+def pair(island: int | None = None, hosts: tuple[int, int] | None = None):
+    vds = zp.make_virtual_device_set()
+    if hosts is not None:
+        a = vds.add_slice(devices=1, host=hosts[0]).devices
+        b = vds.add_slice(devices=1, host=hosts[1]).devices
+    else:
+        a = vds.add_slice(devices=1, island=0).devices
+        b = vds.add_slice(devices=1, island=1).devices
+    assert a[0].host != b[0].host
+    return a, b
+
+
+def move(a, b, x: np.ndarray) -> np.ndarray:
+    """Produce x+1 on device a, consume it (times 2) on device b."""
+    produce = zp.pmap(lambda v: v + 1, devices=a)
+    consume = zp.pmap(lambda v: v * 2, devices=b)
+    return np.asarray(consume(produce(x[None])))[0]
+
+
+# ---- ICI: shared memory ------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def island():
+    c = LocalCluster(islands=1, hosts_per_island=2, devices_per_host=1)
+    pids = c.pids
+    try:
+        yield c
+    finally:
+        c.stop()
+        assert_gone(pids)
+        assert channels.segments(c.shm_prefix) == []
+
+
+@pytest.fixture
+def conn(island):
+    c = zp.connect(island.address, island.key, name="test")
+    try:
+        yield c
+    finally:
+        zp.shutdown()
+
+
+@pytest.mark.parametrize("nbytes,dtype", [(1 << 10, "float32"), (64 << 10, "int8"),
+                                          (1 << 20, "bfloat16"), (4 << 20, "int64"),
+                                          (64 << 20, "float32")])
+def test_ici_shm_transfer(island, conn, nbytes, dtype):
+    import jax.numpy as jnp
+    dt = np.dtype(jnp.dtype(dtype))
+    n = nbytes // dt.itemsize
+    rng = np.random.default_rng(n)
+    x = (rng.integers(-50, 50, n)).astype(dt)
+    a, b = pair(hosts=(0, 1))
+    before = channel_stats(island)
+    y = move(a, b, x)
+    np.testing.assert_array_equal(y, ((x + dt.type(1)) * dt.type(2)).astype(dt))
+    after = channel_stats(island)
+    # the piece went host 0 -> host 1 through shared memory, not TCP
+    assert after[0].sent_shm == before[0].sent_shm + 1
+    assert after[0].bytes_shm - before[0].bytes_shm == nbytes
+    assert after[0].sent_ici_tcp == before[0].sent_ici_tcp
+    assert after[1].recv_shm == before[1].recv_shm + 1
+    assert after[1].recv_tcp == before[1].recv_tcp
+    # every segment was taken (its name unlinked): nothing left in /dev/shm
+    assert channels.segments(island.shm_prefix) == []
+
+
+def test_ici_segments_are_reused(island, conn):
+    a, b = pair(hosts=(0, 1))
+    x = np.arange(1 << 18, dtype=np.float32)
+    move(a, b, x)
+    live = channel_stats(island)[0].segments
+    for i in range(5):
+        np.testing.assert_array_equal(move(a, b, x + i), (x + i + 1) * 2)
+    assert channel_stats(island)[0].segments == live     # the pool did not grow
+    assert channels.segments(island.shm_prefix) == []
+
+
+def test_segments_gone_after_shutdown_and_after_sigkill():
+    zp.init(islands=1, hosts_per_island=2, devices_per_host=1)
+    local = zp._cluster["current"].local
+    prefix, pids = local.shm_prefix, local.pids
+    try:
+        a, b = pair(hosts=(0, 1))
+        move(a, b, np.ones(1 << 20, np.float32))
+    finally:
+        zp.shutdown()
+    assert_gone(pids)
+    assert channels.segments(prefix) == []
+
+    # A worker killed with segments it made and no peer took: the launcher's stop
+    # removes them (we plant one the way a sender would, then SIGKILL it).
+    c = LocalCluster(islands=1, hosts_per_island=2, devices_per_host=1)
+    pids = c.pids
+    try:
+        worker = next(p for name, p in c.procs if name == "worker-i0-h0")
+        planted = os.path.join(channels.SHM_DIR, f"{c.shm_prefix}-{worker.pid}-999")
+        with open(planted, "wb") as f:
+            f.write(b"x" * 4096)
+        with _Conn(c):
+            a, b = pair(hosts=(0, 1))
+            produce = zp.pmap(lambda v: v + 1, devices=a)
+            consume = zp.pmap(lambda v: v * 2, devices=b)
+            y = consume(produce(np.ones((1, 1 << 20), np.float32)))
+            os.kill(worker.pid, signal.SIGKILL)
+            del y
+        assert channels.segments(c.shm_prefix) != []
+    finally:
+        c.stop()
+    assert_gone(pids)
+    assert channels.segments(c.shm_prefix) == []
+
+
+class _Conn:
+    def __init__(self, c: LocalCluster) -> None:
+        self.c = c
+
+    def __enter__(self):
+        return zp.connect(self.c.address, self.c.key, name="test")
+
+    def __exit__(self, *exc):
+        zp.shutdown()
+
+
+def test_shaper_arithmetic():
+    s = channels.Shaper(latency_ms=10, gbps=1)
+    assert s.active
+    t1 = s.due(125_000_000, 100.0)              # 1 Gbit at 1 Gbit/s: 1 s + 10 ms
+    assert t1 == pytest.approx(101.01)
+    t2 = s.due(0, 100.5)                        # queued behind the first
+    assert t2 == pytest.approx(101.01)
+    assert not channels.Shaper().active
+    with pytest.raises(ValueError):
+        channels.Shaper(-1, 0)
+
+
+# ---- DCN: shaping and CURVE --------------------------------------------------
+
+def _timed_moves(a, b, x: np.ndarray, repeats: int) -> list[float]:
+    produce = zp.pmap(lambda v: v + 1, devices=a)
+    consume = zp.pmap(lambda v: v[..., :1] * 2, devices=b)   # trivial consumer
+    consume(produce(x[None])).result()                       # compile both, warm up
+    times = []
+    for _ in range(repeats):
+        src = produce(x[None])
+        src.result()                                         # the value is on host a
+        t = time.perf_counter()
+        consume(src).result()
+        times.append(time.perf_counter() - t)
+    return times
+
+
+def test_dcn_bandwidth_cap():
+    with LocalCluster(islands=2, hosts_per_island=1, devices_per_host=1, dcn_gbps=1.0) as c:
+        pids = c.pids
+        with _Conn(c):
+            a, b = pair()
+            t = min(_timed_moves(a, b, np.zeros(4 << 20, np.float32), 2))   # 16 MiB
+        s = channel_stats(c)[a[0].host]
+        assert s.sent_dcn >= 3 and s.sent_shm == 0
+    assert_gone(pids)
+    assert t >= 0.13, t               # 16 MiB at 1 Gbit/s is 0.134 s
+    assert t < 3.0, t
+
+
+def test_dcn_latency():
+    with LocalCluster(islands=2, hosts_per_island=1, devices_per_host=1, dcn_latency_ms=50) as c:
+        pids = c.pids
+        with _Conn(c):
+            a, b = pair()
+            t = min(_timed_moves(a, b, np.zeros(4, np.float32), 3))
+    assert_gone(pids)
+    assert t >= 0.050, t
+    assert t < 2.0, t
+
+
+@pytest.mark.skipif(not zmq.has("curve"), reason="libzmq built without CURVE")
+def test_dcn_curve():
+    with LocalCluster(islands=2, hosts_per_island=1, devices_per_host=1, dcn_encrypt=True) as c:
+        pids = c.pids
+        with _Conn(c):
+            a, b = pair()
+            for n in (16, 1 << 20):
+                x = np.arange(n, dtype=np.float64)
+                np.testing.assert_array_equal(move(a, b, x), (x + 1) * 2)
+        assert channel_stats(c)[a[0].host].sent_dcn >= 2
+    assert_gone(pids)
+
+
+def test_bad_dcn_settings():
+    with pytest.raises(ValueError):
+        LocalCluster(islands=1, hosts_per_island=1, devices_per_host=1, dcn_gbps=-1)

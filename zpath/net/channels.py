@@ -1,0 +1,247 @@
+"""Data-plane channels between workers (see README "Channels").
+
+* ICI (hosts of one island): on the same machine a piece's bytes go through a
+  POSIX shared-memory segment (a plain file under /dev/shm, mmapped) and ZeroMQ
+  carries only a descriptor (``ShmPiece``). Segments are pooled per peer: the
+  receiver copies the bytes out and answers ``ShmAck``, and the sender reuses
+  the segment (fresh tmpfs pages cost a page fault each; reused ones do not).
+  The receiver unlinks a segment's name the first time it maps it, so from then
+  on the memory lives only as long as the two mappings; a name that is never
+  taken is unlinked by its creator at exit, or by the launcher, which removes
+  every name with the cluster's prefix.
+* DCN (between islands): TCP, shaped on the sending side by :class:`Shaper`
+  (added latency, bandwidth cap), optionally CURVE-encrypted.
+"""
+from __future__ import annotations
+
+import glob
+import hashlib
+import itertools
+import mmap
+import os
+import socket
+import threading
+from typing import Any
+
+import numpy as np
+
+SHM_DIR = os.environ.get("ZPATH_SHM_DIR", "/dev/shm")
+# free segments a sender keeps per peer, and the bytes they may hold together
+POOL_SEGMENTS = 4
+POOL_BYTES = 1 << 30
+MIN_SEGMENT = 64 << 10
+
+
+def machine_id() -> str:
+    """Identifies this machine (and its /dev/shm) for this boot: the kernel's
+    boot id and the host name (containers on one kernel share the boot id but
+    not /dev/shm, and have their own host names). ``ZPATH_MACHINE_ID`` overrides."""
+    env = os.environ.get("ZPATH_MACHINE_ID")
+    if env:
+        return env
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = "noboot"
+    return f"{socket.gethostname()}/{boot}"
+
+
+def shm_prefix(key: bytes) -> str:
+    """Prefix of every segment name of the cluster with this key."""
+    return "zpath-" + hashlib.sha256(b"zpath-shm:" + key).hexdigest()[:8]
+
+
+def shm_available() -> bool:
+    return os.path.isdir(SHM_DIR) and os.access(SHM_DIR, os.W_OK)
+
+
+def cleanup(prefix: str, pid: int | None = None) -> int:
+    """Unlink segments named ``prefix-*`` (only ``prefix-pid-*`` with a pid).
+    Returns how many were removed."""
+    pattern = f"{prefix}-{pid}-*" if pid is not None else f"{prefix}-*"
+    n = 0
+    for path in glob.glob(os.path.join(SHM_DIR, pattern)):
+        try:
+            os.unlink(path)
+            n += 1
+        except OSError:
+            pass
+    return n
+
+
+def segments(prefix: str) -> list[str]:
+    """Names of the segments with this prefix that exist now."""
+    return sorted(os.path.basename(p) for p in glob.glob(os.path.join(SHM_DIR, f"{prefix}-*")))
+
+
+class _Segment:
+    __slots__ = ("name", "mm", "cap", "busy")
+
+    def __init__(self, name: str, mm: mmap.mmap, cap: int) -> None:
+        self.name, self.mm, self.cap, self.busy = name, mm, cap, True
+
+
+def _close(mm: mmap.mmap) -> None:
+    try:
+        mm.close()
+    except (BufferError, ValueError):
+        pass   # a view still exists; the mapping goes when it does
+
+
+class ShmSender:
+    """Sending side: per-peer pools of segments. Thread-safe."""
+
+    def __init__(self, prefix: str) -> None:
+        self.prefix = f"{prefix}-{os.getpid()}"
+        self._lock = threading.Lock()
+        self._ids = itertools.count()
+        self._pools: dict[int, list[_Segment]] = {}
+        self._drops: dict[int, list[str]] = {}     # peer -> segments it should unmap
+        self._by_name: dict[str, tuple[int, _Segment]] = {}
+
+    def write(self, peer: int, data: np.ndarray) -> tuple[str, int, list[str]]:
+        """Copy ``data`` into a free segment for ``peer``; returns (segment name,
+        offset, names the peer should unmap). The segment stays busy until
+        :meth:`release`."""
+        n = data.nbytes
+        with self._lock:
+            pool = self._pools.setdefault(peer, [])
+            free = [s for s in pool if not s.busy and s.cap >= n]
+            seg = min(free, key=lambda s: s.cap) if free else None
+            if seg is not None:
+                seg.busy = True
+            drops = self._drops.pop(peer, [])
+        if seg is None:
+            seg = self._create(n)
+            with self._lock:
+                self._pools.setdefault(peer, []).append(seg)
+                self._by_name[seg.name] = (peer, seg)
+                self._evict(peer)
+                drops += self._drops.pop(peer, [])
+        dst = np.ndarray(data.shape, data.dtype, buffer=seg.mm)
+        np.copyto(dst, data, casting="no")
+        del dst
+        return seg.name, 0, drops
+
+    def _create(self, n: int) -> _Segment:
+        cap = max(MIN_SEGMENT, 1 << max(0, n - 1).bit_length())
+        name = f"{self.prefix}-{next(self._ids)}"
+        fd = os.open(os.path.join(SHM_DIR, name), os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        try:
+            os.ftruncate(fd, cap)
+            mm = mmap.mmap(fd, cap)
+        finally:
+            os.close(fd)
+        return _Segment(name, mm, cap)
+
+    def release(self, name: str) -> None:
+        """The peer has taken the bytes: the segment is free again."""
+        with self._lock:
+            got = self._by_name.get(name)
+            if got is None:
+                return
+            peer, seg = got
+            seg.busy = False
+            self._evict(peer)
+
+    def _evict(self, peer: int) -> None:
+        """With the lock held: unmap free segments beyond the pool's limits,
+        largest first, and tell the peer to unmap them too."""
+        pool = self._pools[peer]
+        while True:
+            free = [s for s in pool if not s.busy]
+            if len(free) <= POOL_SEGMENTS and sum(s.cap for s in pool) <= POOL_BYTES:
+                return
+            if not free:
+                return
+            seg = max(free, key=lambda s: s.cap)
+            pool.remove(seg)
+            del self._by_name[seg.name]
+            self._drops.setdefault(peer, []).append(seg.name)
+            _close(seg.mm)
+            try:
+                os.unlink(os.path.join(SHM_DIR, seg.name))   # normally the peer did
+            except OSError:
+                pass
+
+    def live(self) -> int:
+        with self._lock:
+            return len(self._by_name)
+
+    def close(self) -> None:
+        with self._lock:
+            for pool in self._pools.values():
+                for seg in pool:
+                    _close(seg.mm)
+            self._pools.clear()
+            self._by_name.clear()
+        cleanup(self.prefix.rsplit("-", 1)[0], os.getpid())
+
+
+class ShmReceiver:
+    """Receiving side: maps segments (unlinking their names), copies pieces out."""
+
+    def __init__(self) -> None:
+        self._maps: dict[str, mmap.mmap] = {}
+
+    def take(self, name: str, offset: int, size: int, drop: list[str]) -> np.ndarray:
+        """A fresh uint8 array with ``size`` bytes of segment ``name`` at ``offset``."""
+        for d in drop:
+            mm = self._maps.pop(d, None)
+            if mm is not None:
+                _close(mm)
+        if "/" in name or not name.startswith("zpath-"):
+            raise ValueError(f"bad segment name {name!r}")
+        mm = self._maps.get(name)
+        if mm is None:
+            path = os.path.join(SHM_DIR, name)
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                mm = mmap.mmap(fd, 0, prot=mmap.PROT_READ)
+            finally:
+                os.close(fd)
+            try:
+                os.unlink(path)       # taken: from now on only the mappings hold it
+            except OSError:
+                pass
+            self._maps[name] = mm
+        if offset < 0 or size < 0 or offset + size > len(mm):
+            raise ValueError(f"segment {name} has {len(mm)} bytes, not [{offset}, {offset + size})")
+        out = np.empty(size, np.uint8)
+        src = np.frombuffer(mm, np.uint8, count=size, offset=offset)
+        np.copyto(out, src)
+        del src
+        return out
+
+    def close(self) -> None:
+        for mm in self._maps.values():
+            _close(mm)
+        self._maps.clear()
+
+
+class Shaper:
+    """Emulated DCN link of one sending host: a piece of N bytes leaves the link
+    N*8/rate seconds after the link is free (or now), and arrives ``latency``
+    later. Returns the monotonic time at which to hand the piece to TCP."""
+
+    def __init__(self, latency_ms: float = 0.0, gbps: float = 0.0) -> None:
+        if latency_ms < 0 or gbps < 0:
+            raise ValueError("DCN latency and bandwidth must be >= 0")
+        self.latency = latency_ms / 1e3
+        self.rate = gbps * 1e9 / 8 if gbps else 0.0    # bytes per second; 0 = no cap
+        self._free_at = 0.0
+
+    @property
+    def active(self) -> bool:
+        return self.latency > 0 or self.rate > 0
+
+    def due(self, nbytes: int, now: float) -> float:
+        start = max(now, self._free_at)
+        end = start + (nbytes / self.rate if self.rate else 0.0)
+        self._free_at = end
+        return end + self.latency
+
+
+def piece_nbytes(buffers: Any) -> int:
+    return sum(memoryview(b).nbytes if not isinstance(b, np.ndarray) else b.nbytes for b in buffers)
