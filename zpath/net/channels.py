@@ -76,10 +76,10 @@ def segments(prefix: str) -> list[str]:
 
 
 class _Segment:
-    __slots__ = ("name", "mm", "cap", "busy")
+    __slots__ = ("name", "mm", "cap", "busy", "used")
 
     def __init__(self, name: str, mm: mmap.mmap, cap: int) -> None:
-        self.name, self.mm, self.cap, self.busy = name, mm, cap, True
+        self.name, self.mm, self.cap, self.busy, self.used = name, mm, cap, True, 0
 
 
 def _close(mm: mmap.mmap) -> None:
@@ -111,6 +111,7 @@ class ShmSender:
             seg = min(free, key=lambda s: s.cap) if free else None
             if seg is not None:
                 seg.busy = True
+                seg.used = next(self._ids)
             drops = self._drops.pop(peer, [])
         if seg is None:
             seg = self._create(n)
@@ -133,7 +134,9 @@ class ShmSender:
             mm = mmap.mmap(fd, cap)
         finally:
             os.close(fd)
-        return _Segment(name, mm, cap)
+        seg = _Segment(name, mm, cap)
+        seg.used = next(self._ids)
+        return seg
 
     def release(self, name: str) -> None:
         """The peer has taken the bytes: the segment is free again."""
@@ -146,8 +149,8 @@ class ShmSender:
             self._evict(peer)
 
     def _evict(self, peer: int) -> None:
-        """With the lock held: unmap free segments beyond the pool's limits,
-        largest first, and tell the peer to unmap them too."""
+        """With the lock held: unmap free segments beyond the pool's limits, least
+        recently used first, and tell the peer to unmap them too."""
         pool = self._pools[peer]
         while True:
             free = [s for s in pool if not s.busy]
@@ -155,7 +158,7 @@ class ShmSender:
                 return
             if not free:
                 return
-            seg = max(free, key=lambda s: s.cap)
+            seg = min(free, key=lambda s: s.used)
             pool.remove(seg)
             del self._by_name[seg.name]
             self._drops.setdefault(peer, []).append(seg.name)
