@@ -149,3 +149,19 @@ def test_a_failing_node_fails_the_program_outputs(client):
         return after(huge(v))
     with pytest.raises(zp.RemoteError, match="RESOURCE_EXHAUSTED"):
         p(np.ones(1)).result(timeout=60)
+
+
+def test_calls_reading_a_held_sequential_node_wait_for_it(client):
+    """A program or plain call that reads the output of a sequential program
+    still being held back must not reach the worker before its producer."""
+    d = devices(1)
+    f = zp.pmap(lambda x: x * 2., devices=d)
+
+    @zp.program(dispatch="sequential")
+    def two(x):
+        return f(f(x))
+    y = two(np.ones(1))
+    z = two(y)                 # reads y, whose producer may still be held
+    w = f(z)                   # a plain call after it
+    np.testing.assert_array_equal(w.result(timeout=30), [32.])
+    np.testing.assert_array_equal(z.result(timeout=30), [16.])

@@ -56,6 +56,7 @@ class VirtualDeviceSet:
         island or host), spread over the cluster's least-loaded devices."""
         reply = self.client.request(m.AllocSlice(int(devices), None if island is None else int(island),
                                                  None if host is None else int(host)))
+        self.client.learn(reply.devices)
         s = Slice(reply.slice_id, [VirtualDevice(reply.slice_id, i, d.id, d.host, d.island, self.client)
                                    for i, d in enumerate(reply.devices)])
         self.slices.append(s)

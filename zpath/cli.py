@@ -63,6 +63,8 @@ def _status(args: argparse.Namespace) -> int:
         held = f", {s.shards} shard(s) {s.nbytes} bytes" if s else ""
         print(f"  island {h.island} host {h.rank} {h.name} devices {[d.id for d in h.devices]} "
               f"data {h.data_address}{held}")
+    for h in st.lost:
+        print(f"  island {h.island} host {h.rank} {h.name} LOST")
     for cl in st.clients:
         print(f"  client {cl}")
     return 0

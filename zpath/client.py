@@ -31,6 +31,7 @@ log = logging.getLogger(__name__)
 CONNECT_TIMEOUT_S = float(os.environ.get("ZPATH_CONNECT_TIMEOUT", "30"))
 REQUEST_TIMEOUT_S = 60.0
 FETCH_TIMEOUT_S = float(os.environ.get("ZPATH_FETCH_TIMEOUT", "600"))
+HEARTBEAT_S = 1.0
 
 
 def error_from_info(info: m.ErrorInfo) -> ZpathError:
@@ -47,9 +48,10 @@ def error_from_info(info: m.ErrorInfo) -> ZpathError:
 class _Fetch:
     """One fetch of a whole future: one request per distinct region."""
 
-    def __init__(self, future: Any, regions: dict[int, sharding.Region]) -> None:
+    def __init__(self, future: Any, regions: dict[int, sharding.Region], hosts: dict[int, int]) -> None:
         self.future = future
         self.regions = regions                     # request id -> region
+        self.hosts = hosts                         # request id -> host asked
         self.parts: dict[int, np.ndarray] = {}
 
 
@@ -133,6 +135,19 @@ class Client:
             raise ZpathError(f"controller: {reply.message}")
         return reply
 
+    def learn(self, devices: list[m.DeviceInfo]) -> None:
+        """Make sure hosts that joined after we connected are known (their data
+        addresses come from the controller's status)."""
+        if all(d.host in self.hosts for d in devices):
+            for d in devices:
+                self.devices.setdefault(d.id, d)
+            return
+        status = self.request(m.StatusRequest(False))
+        for h in status.hosts:
+            self.hosts[h.rank] = h
+            for d in h.devices:
+                self.devices[d.id] = d
+
     def post(self, msg: Record, buffers: Any = ()) -> None:
         """Send to the controller without waiting."""
         self._check_open()
@@ -168,7 +183,8 @@ class Client:
         for r, d in seen.items():
             req = self.ep.next_id()
             requests[req] = (r, d)
-        fetch = _Fetch(future, {req: r for req, (r, _) in requests.items()})
+        fetch = _Fetch(future, {req: r for req, (r, _) in requests.items()},
+                       {req: self.devices[d].host for req, (_, d) in requests.items()})
         for req in requests:
             self._fetches[req] = fetch
         for req, (r, d) in requests.items():
@@ -205,12 +221,17 @@ class Client:
         self._poller.register(self.ctl, zmq.POLLIN)
         self._poller.register(self.outbox.fd, zmq.POLLIN)
         stop = False
+        last_ping = time.monotonic()
         while not stop:
-            for sock, _ in self._poller.poll(timeout=1000):
+            for sock, _ in self._poller.poll(timeout=500):
                 if sock == self.outbox.fd:
                     stop = self._flush()
                 else:
                     self._recv(sock)
+            if time.monotonic() - last_ping >= HEARTBEAT_S and not stop:
+                # the controller treats a client silent for long as gone
+                self._send(self.ctl, m.Ping(0), (), 0)
+                last_ping = time.monotonic()
         for s in [self.ctl, *self._data.values()]:
             s.close(linger=200)
         self.ctx.term()
@@ -287,6 +308,11 @@ class Client:
                 except Exception as e:   # never leave a fetch waiting on a bad reply
                     self._forget(fetch)
                     fetch.future._fetched(fetch, None, Broken(f"bad reply from a worker: {e}"))
+            case m.HostDown():
+                err = HostLost(msg.error.message)
+                for fetch in {f for f in self._fetches.values() if msg.rank in f.hosts.values()}:
+                    self._forget(fetch)
+                    fetch.future._fetched(fetch, None, err)
             case m.CallFailed():
                 err = error_from_info(msg.error)
                 for b in msg.buffers:

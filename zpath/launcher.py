@@ -124,6 +124,7 @@ class LocalCluster:
         flags = [f for f in wenv.get("XLA_FLAGS", "").split()
                  if not f.startswith("--xla_force_host_platform_device_count")]
         wenv["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={self.devices_per_host}"])
+        self._worker_env, self.bind_host = wenv, bind_host
         for island in range(self.islands):
             runtime: list[str] = []
             if self.hosts_per_island > 1:   # the island's hosts share one JAX runtime
@@ -139,26 +140,40 @@ class LocalCluster:
         self._wait_registered(deadline)
         log.info("local cluster up at %s (pid %d), logs in %s", self.address, ctl.pid, self.dir)
 
-    def _check_alive(self, deadline: float) -> None:
-        for name, p in self.procs:
+    def add_worker(self, island: int, timeout: float = START_TIMEOUT_S) -> str:
+        """Start one more worker (a new host) on a single-host island, e.g. to
+        replace a lost one; returns its process name once it has registered."""
+        if self.hosts_per_island != 1:
+            raise ZpathError("hosts can be added only to single-host islands (a multi-host "
+                             "island's JAX runtime has a fixed size)")
+        n = sum(1 for name, _ in self.procs if name.startswith(f"worker-i{island}-"))
+        name = f"worker-i{island}-h{n}"
+        p = self._spawn(name, ["zpath.worker", "--controller", self.address, "--island", str(island),
+                               "--bind-host", self.bind_host, "--name", f"local-i{island}-h{n}"],
+                        self._worker_env)
+        self._wait_registered(time.monotonic() + timeout, extra=1, watch=[(name, p)])
+        return name
+
+    def _check_alive(self, deadline: float, watch: list | None = None) -> None:
+        for name, p in self.procs if watch is None else watch:
             if p.poll() is not None:
                 raise ZpathError(f"{name} exited with code {p.returncode} during start-up:\n"
                                  f"{self.log_tail(name)}")
         if time.monotonic() > deadline:
             raise DeadlineExceeded(f"local cluster did not start in time; logs in {self.dir}")
 
-    def _wait_registered(self, deadline: float) -> None:
+    def _wait_registered(self, deadline: float, extra: int = 0, watch: list | None = None) -> None:
         from zpath.client import Client
         from zpath.net import messages as m
 
-        want = self.islands * self.hosts_per_island
+        want = self.islands * self.hosts_per_island + extra
         c = Client(self.address, self.key, name="launcher")
         try:
             while True:
                 status = c.request(m.StatusRequest(False))
-                if len(status.hosts) >= want:
+                if len(status.hosts) + len(status.lost) >= want:
                     return
-                self._check_alive(deadline)
+                self._check_alive(deadline, watch)
                 time.sleep(0.1)
         finally:
             c.close()

@@ -83,6 +83,25 @@ class Directory:
                 frees.setdefault(h, []).append(b)
         return frees
 
+    def drop_devices(self, devices: set[int], error: m.ErrorInfo) -> dict[int, list[int]]:
+        """Forget every copy on these (lost) devices. A layout that loses a region
+        is dropped (layouts must tile the array); a buffer left with no layout
+        fails with ``error``. Returns, per owner, the buffers that failed."""
+        failed: dict[int, list[int]] = {}
+        for buf in self.buffers.values():
+            if buf.error is not None or not buf.layouts:
+                continue
+            kept = []
+            for lay in buf.layouts:
+                left = {r: [d for d in devs if d not in devices] for r, devs in lay.items()}
+                if all(left.values()):
+                    kept.append(left)
+            buf.layouts = kept
+            if not kept:
+                buf.error = error
+                failed.setdefault(buf.owner, []).append(buf.id)
+        return failed
+
     def owned(self, owner: int) -> list[int]:
         """Every buffer of an owner (to release them all when it leaves)."""
         return [b for b, buf in self.buffers.items() if buf.owner == owner]

@@ -27,6 +27,9 @@ from zpath.net.transport import BadMessage, Endpoint, make_context
 log = logging.getLogger(__name__)
 
 PING_INTERVAL_S = 1.0
+# a worker silent this long is lost; a client silent this long has left
+HOST_TIMEOUT_S = float(os.environ.get("ZPATH_HOST_TIMEOUT", "10"))
+CLIENT_TIMEOUT_S = float(os.environ.get("ZPATH_CLIENT_TIMEOUT", "15"))
 MAX_PROGRAM_BYTES = 256 << 20
 TIMELINE_RECORDS = 100_000
 
@@ -37,6 +40,21 @@ class Peer:
     id: int                  # host rank or client id
     name: str
     last_seen: float
+    ident: bytes = b""
+
+
+@dataclasses.dataclass
+class InFlight:
+    """A dispatched computation until every host reported it finished."""
+    client: int
+    client_ident: bytes
+    name: str
+    island: int
+    seq: int
+    devices: list[int]
+    hosts: set[int]                        # hosts still running it
+    outputs: list[int]
+    pieces: list[tuple[int, int, int]]     # (piece id, source host, destination host)
 
 
 @dataclasses.dataclass
@@ -50,11 +68,12 @@ class _ProgramRun:
 
 @dataclasses.dataclass
 class _HeldNode:
-    """A node of a sequential program waiting for the computations it reads."""
+    """A node waiting to be sent: for computations it reads to finish
+    (sequential programs) or for held producers to be sent."""
     run: _ProgramRun
     call: m.Call
     planned: tuple[Plan, str]
-    waits: set[int]
+    waits: set
 
 
 def _buffers(call: m.Call) -> list[int]:
@@ -92,9 +111,12 @@ class Controller:
         self.scheduler = GangScheduler(
             break_order=os.environ.get("ZPATH_DEBUG_BREAK_GANG_ORDER") == "1")
         # exec_id -> (client, name, island, seq, devices), until every host reported
-        self.in_flight: dict[int, tuple[int, str, int, int, list[int], set[int]]] = {}
+        self.in_flight: dict[int, InFlight] = {}
         self.timeline: collections.deque[m.ExecRecord] = collections.deque(maxlen=TIMELINE_RECORDS)
-        self.waiters: dict[int, list[_HeldNode]] = {}    # exec id -> sequential nodes waiting on it
+        # held nodes, by what they wait for: an exec id (it finished) or
+        # ("sent", exec id) (that held node was sent)
+        self.waiters: dict[Any, list[_HeldNode]] = {}
+        self.held_outputs: dict[int, int] = {}           # output buffer of a held node -> its exec id
         # buffers read or written by held nodes: their release waits until the node is sent
         self.pinned: collections.Counter[int] = collections.Counter()
         self.deferred: dict[int, int] = {}               # pinned buffer -> owner that released it
@@ -140,6 +162,7 @@ class Controller:
                 for rank, ident in self.worker_ident.items():
                     self.send(ident, m.Ping(seq))
                 next_ping = now + PING_INTERVAL_S
+                self._check_liveness(now)
             for _ in dict(poller.poll(timeout=max(1, int((next_ping - now) * 1000)))):
                 self._recv_all()
         self._stop_workers("controller shutting down")
@@ -204,14 +227,18 @@ class Controller:
                                      f"client speaks protocol {msg.protocol}, controller {PROTOCOL_VERSION}")
                     return
                 self.client_ids += 1
-                self.peers[ident] = Peer("client", self.client_ids, msg.name, time.monotonic())
+                self.peers[ident] = Peer("client", self.client_ids, msg.name, time.monotonic(), ident)
                 log.info("client %d (%s) connected", self.client_ids, msg.name)
                 self.send(ident, m.Welcome(self.client_ids, self._host_infos()), parent)
             case m.StatusRequest():
                 stores = [m.HostStatus(r, *self.host_stores.get(r, (0, 0))) for r in self.rm.hosts]
+                lost = [m.HostInfo(h.rank, h.island, h.name, h.data_address,
+                                   [self._device_info(d) for d in h.devices])
+                        for h in self.rm.hosts.values() if not h.alive]
                 self.send(ident, m.Status(self._host_infos(), stores,
                                           [f"{p.id}:{p.name}" for p in self.peers.values() if p.role == "client"],
-                                          len(self.directory.buffers), len(self.programs), self.calls), parent)
+                                          len(self.directory.buffers), len(self.programs), self.calls,
+                                          lost), parent)
             case m.Pong() if peer is not None:
                 if peer.role == "worker":
                     self.host_stores[peer.id] = (msg.shards, msg.nbytes)
@@ -244,8 +271,7 @@ class Controller:
                 self._release(msg.buffers, peer.id)
             case m.Goodbye() if peer.role == "client":
                 log.info("client %d (%s) disconnected: %s", peer.id, peer.name, msg.reason)
-                del self.peers[ident]
-                self._release(self.directory.owned(peer.id), peer.id)
+                self._client_left(peer)
             case m.Error():
                 log.warning("%s %d reported an error: %s: %s", peer.role, peer.id, msg.code, msg.message)
             case _:
@@ -270,7 +296,7 @@ class Controller:
         except ResourceError as e:
             self.reply_error(ident, parent, "resource", str(e))
             return
-        self.peers[ident] = Peer("worker", host.rank, msg.name, time.monotonic())
+        self.peers[ident] = Peer("worker", host.rank, msg.name, time.monotonic(), ident)
         self.worker_ident[host.rank] = ident
         self.host_programs[host.rank] = set()
         log.info("host %d registered: %s island %d, %d %s devices, data %s", host.rank, msg.name,
@@ -337,19 +363,18 @@ class Controller:
         island = self.rm.hosts[next(iter(plan.executes))].island
         ordered = self.scheduler.dispatch(island, plan.executes)
         exec_id = next(iter(plan.executes.values())).exec_id
-        self.in_flight[exec_id] = (peer.id, name, island, self.scheduler.next_seq[island] - 1,
-                                   call.devices, set(plan.executes))
+        self.in_flight[exec_id] = InFlight(
+            peer.id, peer.ident, name, island, self.scheduler.next_seq[island] - 1, call.devices,
+            set(plan.executes), [o.buffer for o in call.outputs],
+            [(piece.piece_id, src, piece.dst_host) for src, piece in plan.sends])
         for rank, ex in ordered:
             self.to_host(rank, ex)
         return exec_id
 
     def _call(self, ident: bytes, peer: Peer, call: m.Call) -> None:
-        planned = self._plan(ident, peer, call)
-        if planned is not None:
-            self._dispatch(peer, call, *planned)
-        # values the client put for this call have no future: free them once the
-        # call has used them (workers free after earlier computations finish)
-        self._release([i.buffer for i in call.inputs if i.put], peer.id)
+        # a one-node program; the values the client put for it have no future and
+        # are freed once it was sent (workers free after it ran)
+        self._submit(ident, peer, [call], "parallel", [i.buffer for i in call.inputs if i.put])
 
     def _program(self, ident: bytes, peer: Peer, prog: m.Program) -> None:
         """A traced program: plan every node now; send them all at once
@@ -361,50 +386,70 @@ class Controller:
                 self.directory.poison(outs, peer.id, err)
                 self.send(ident, m.CallFailed(call.call_id, outs, err))
             return
-        producer: dict[int, int] = {}                 # buffer -> node index
-        nodes = []
-        for k, call in enumerate(prog.calls):
+        self._submit(ident, peer, prog.calls, prog.dispatch, prog.release)
+
+    def _submit(self, ident: bytes, peer: Peer, calls: list[m.Call], dispatch: str,
+                release: list[int]) -> None:
+        """Plan nodes in order and send each when it may go. A node is held
+        until every held node whose output it reads has been sent (so it never
+        reaches a worker ahead of its producer), and in sequential mode until the
+        nodes of its program it reads have finished."""
+        producer: dict[int, int] = {}                 # buffer -> node index in this submission
+        run = _ProgramRun(peer, release, len(calls))
+        exec_ids: dict[int, int] = {}
+        for k, call in enumerate(calls):
             preds = {producer[i.buffer] for i in call.inputs if i.buffer in producer}
             for o in call.outputs:
                 producer[o.buffer] = k
-            nodes.append((call, self._plan(ident, peer, call), preds))
-        run = _ProgramRun(peer, prog.release, len(nodes))
-        exec_ids: dict[int, int] = {}
-        for k, (call, planned, preds) in enumerate(nodes):
+            planned = self._plan(ident, peer, call)
             if planned is None:
                 run.sent += 1
                 continue
-            # every planned predecessor, sent or held (none can have finished yet:
-            # completions are handled after this message)
-            waits = {exec_ids[p] for p in preds if p in exec_ids}
-            if prog.dispatch == "parallel" or not waits:
-                exec_ids[k] = self._dispatch(peer, call, *planned)
+            exec_ids[k] = next(iter(planned[0].executes.values())).exec_id
+            waits: set = {("sent", self.held_outputs[i.buffer]) for i in call.inputs
+                          if i.buffer in self.held_outputs}
+            if dispatch == "sequential":
+                # finished predecessors (none can have finished yet: completions
+                # are handled after this message)
+                waits |= {exec_ids[p] for p in preds if p in exec_ids}
+            if not waits:
+                self._dispatch(peer, call, *planned)
                 run.sent += 1
-            else:
-                exec_ids[k] = next(iter(planned[0].executes.values())).exec_id
-                held = _HeldNode(run, call, planned, waits)
-                for e in waits:
-                    self.waiters.setdefault(e, []).append(held)
-                self.pinned.update(_buffers(call))
+                continue
+            held = _HeldNode(run, call, planned, waits)
+            for w in waits:
+                self.waiters.setdefault(w, []).append(held)
+            self.pinned.update(_buffers(call))
+            for o in call.outputs:
+                self.held_outputs[o.buffer] = exec_ids[k]
         self._maybe_release(run)
 
     def _exec_finished(self, exec_id: int) -> None:
         """Every host finished a computation: send the held nodes waiting on it."""
-        for held in self.waiters.pop(exec_id, ()):
-            held.waits.discard(exec_id)
+        self._trigger(exec_id)
+
+    def _trigger(self, key: Any) -> None:
+        for held in self.waiters.pop(key, ()):
+            held.waits.discard(key)
             if not held.waits:
-                self._dispatch(held.run.peer, held.call, *held.planned)
-                held.run.sent += 1
-                self.pinned.subtract(_buffers(held.call))
-                ready = []
-                for b in _buffers(held.call):
-                    if self.pinned[b] <= 0:
-                        del self.pinned[b]
-                        if b in self.deferred:
-                            ready.append(b)
-                for b in ready:
-                    self._release([b], self.deferred.pop(b))
-                self._maybe_release(held.run)
+                self._send_held(held)
+
+    def _send_held(self, held: "_HeldNode") -> None:
+        exec_id = self._dispatch(held.run.peer, held.call, *held.planned)
+        held.run.sent += 1
+        for o in held.call.outputs:
+            self.held_outputs.pop(o.buffer, None)
+        self.pinned.subtract(_buffers(held.call))
+        ready = []
+        for b in _buffers(held.call):
+            if self.pinned[b] <= 0:
+                del self.pinned[b]
+                if b in self.deferred:
+                    ready.append(b)
+        for b in ready:
+            self._release([b], self.deferred.pop(b))
+        self._maybe_release(held.run)
+        self._trigger(("sent", exec_id))      # nodes that waited for this one to be sent
 
     def _maybe_release(self, run: "_ProgramRun") -> None:
         """Once every node of a program was sent, free its intermediates and the
@@ -456,6 +501,58 @@ class Controller:
                                     call.devices, transfers))
         self.send(ident, m.Explanation(nodes), parent)
 
+    # ---- failures --------------------------------------------------------------
+    def _check_liveness(self, now: float) -> None:
+        for peer in list(self.peers.values()):
+            silent = now - peer.last_seen
+            if peer.role == "worker" and silent > HOST_TIMEOUT_S:
+                self._host_lost(peer.id, f"no answer for {silent:.1f}s")
+            elif peer.role == "client" and silent > CLIENT_TIMEOUT_S:
+                log.warning("client %d (%s) silent for %.1fs: treating it as gone", peer.id,
+                            peer.name, silent)
+                self._client_left(peer)
+
+    def _client_left(self, peer: Peer) -> None:
+        """A client left (Goodbye) or vanished: everything it holds is freed."""
+        self.peers.pop(peer.ident, None)
+        self._release(self.directory.owned(peer.id), peer.id)
+
+    def _host_lost(self, rank: int, why: str) -> None:
+        """A worker stopped answering: fail what depended on it, keep serving."""
+        host = self.rm.hosts[rank]
+        host.alive = False
+        ident = self.worker_ident.pop(rank, None)
+        if ident is not None:
+            self.peers.pop(ident, None)
+        self.host_programs.pop(rank, None)
+        err = m.ErrorInfo("HostLost", f"host {rank} ({host.name}, island {host.island}) was lost: {why}",
+                          rank, "", "")
+        log.error("%s", err.message)
+        failed: dict[bytes, list[int]] = {}
+        broken_pieces: dict[int, list[int]] = {}
+        for exec_id, inf in list(self.in_flight.items()):
+            if rank in inf.hosts:          # it was still running there: it fails
+                self.directory.poison(inf.outputs, inf.client, err)
+                failed.setdefault(inf.client_ident, []).extend(inf.outputs)
+                del self.in_flight[exec_id]
+                self._exec_finished(exec_id)
+            for piece_id, src, dst in inf.pieces:
+                if src == rank and dst != rank:   # it will never send these
+                    broken_pieces.setdefault(dst, []).append(piece_id)
+        for owner, buffers in self.directory.drop_devices(set(host.devices), err).items():
+            ident = next((p.ident for p in self.peers.values() if p.role == "client" and p.id == owner), None)
+            if ident is not None:
+                failed.setdefault(ident, []).extend(buffers)
+        for dst, pieces in broken_pieces.items():
+            if dst in self.worker_ident:
+                self.to_host(dst, m.FailPieces(pieces, err))
+        for ident, buffers in failed.items():
+            if ident in self.peers:
+                self.send(ident, m.CallFailed(0, buffers, err))
+        for peer in list(self.peers.values()):
+            if peer.role == "client":
+                self.send(peer.ident, m.HostDown(rank, err))
+
     def _free(self, frees: dict[int, list[int]]) -> None:
         for rank, buffers in frees.items():
             if rank in self.worker_ident:
@@ -467,11 +564,11 @@ class Controller:
             log.info("computation %d failed on host %d: %s", msg.exec_id, host, msg.error.message)
         if info is None:
             return
-        client, name, island, seq, devices, hosts = info
-        self.timeline.append(m.ExecRecord(msg.exec_id, seq, island, host, client, name, devices,
-                                          msg.start, msg.end, msg.error is None))
-        hosts.discard(host)
-        if not hosts:
+        self.timeline.append(m.ExecRecord(msg.exec_id, info.seq, info.island, host, info.client,
+                                          info.name, info.devices, msg.start, msg.end,
+                                          msg.error is None))
+        info.hosts.discard(host)
+        if not info.hosts:
             del self.in_flight[msg.exec_id]
             self._exec_finished(msg.exec_id)
 

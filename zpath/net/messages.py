@@ -204,6 +204,7 @@ class Status(Record):
     buffers: int
     programs: int
     calls: int
+    lost: list[HostInfo]     # hosts that stopped answering
 
 
 # ---- programs and calls -----------------------------------------------------
@@ -374,6 +375,21 @@ class NodePlan(Record):
 @message(42)
 class Explanation(Record):
     nodes: list[NodePlan]
+
+
+@message(43)
+class HostDown(Record):
+    """Controller -> client: a host was lost; fetches from it fail with ``error``."""
+    rank: int
+    error: ErrorInfo
+
+
+@message(44)
+class FailPieces(Record):
+    """Controller -> worker: these pieces will never come (their source host was
+    lost); whatever waits on them fails with ``error``."""
+    piece_ids: list[int]
+    error: ErrorInfo
 
 
 # ---- data plane (worker data port) ------------------------------------------

@@ -305,6 +305,9 @@ class Worker:
                 self.post_ctl(m.Pong(msg.seq, *self.store.stats()))
             case m.Free():
                 self.executor.free_after_earlier(msg.buffers)
+            case m.FailPieces():
+                for piece_id in msg.piece_ids:
+                    self.store.set(("p", piece_id), error=msg.error)
             case m.Shutdown():
                 log.info("controller asked us to exit: %s", msg.reason)
                 self.running = False

@@ -1,0 +1,119 @@
+"""Failures: a worker killed with SIGKILL is noticed within seconds, what depends
+on it fails with HostLost naming the host, the controller and the other islands
+keep serving, a new worker can join; a client killed with SIGKILL has its
+buffers freed."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+import zpath as zp
+from zpath.launcher import LocalCluster
+from zpath.net import messages as m
+from tests.conftest import assert_gone
+from tests.test_memory import empty, wait_for
+
+pytestmark = pytest.mark.timeout(240)
+
+
+@pytest.fixture
+def fragile(tmp_path):
+    """Two single-host islands; hosts are declared lost after 2 s of silence and
+    clients after 4 s."""
+    c = LocalCluster(islands=2, hosts_per_island=1, devices_per_host=1, log_dir=str(tmp_path),
+                     env={"ZPATH_HOST_TIMEOUT": "2", "ZPATH_CLIENT_TIMEOUT": "4"})
+    try:
+        yield c
+    finally:
+        pids = c.pids
+        c.stop()
+        assert_gone(pids)
+
+
+def test_killed_worker_fails_its_futures_and_the_rest_keeps_working(fragile):
+    import jax
+    import jax.numpy as jnp
+    conn = zp.connect(fragile.address, fragile.key)
+    try:
+        d0 = zp.make_virtual_device_set().add_slice(devices=1, island=0).devices
+        d1 = zp.make_virtual_device_set().add_slice(devices=1, island=1).devices
+        victim_host = d1[0].host
+        victim = next(p for name, p in fragile.procs if name == "worker-i1-h0")
+        slow = zp.pmap(lambda x: jax.lax.fori_loop(0, 3000, lambda i, a: jnp.tanh(a @ a), x),
+                       devices=d1)
+        inc = zp.pmap(lambda x: x + 1, devices=d1)
+        fetched = inc(np.ones(1))
+        fetched.result(timeout=60)                                         # its value is here
+        unfetched = inc(np.ones(1))                                        # lives only there
+        x = np.eye(400)[None] * 0.01
+        running = slow(x)                                                  # in flight when killed
+        then = zp.pmap(lambda v: v * 2, devices=d0)(running)               # waits for a piece from it
+        time.sleep(1.0)
+        assert not running.done()
+        t = time.monotonic()
+        victim.send_signal(signal.SIGKILL)
+        lost = f"host {victim_host} .*island 1.* was lost"
+        for fut in (running, then, unfetched):
+            with pytest.raises(zp.HostLost, match=lost):
+                fut.result(timeout=60)
+        np.testing.assert_array_equal(fetched.result(), [2.])              # already fetched: kept
+        with pytest.raises(zp.HostLost, match=lost):                       # but it is gone there
+            zp.pmap(lambda v: v * 2, devices=d0)(fetched).result(timeout=60)
+        assert time.monotonic() - t < 20, "loss not noticed within a few seconds"
+        # the controller and the other island keep serving
+        ok = zp.pmap(lambda v: v - 1, devices=d0)
+        np.testing.assert_array_equal(ok(np.ones(1)).result(timeout=60), [0.])
+        st = conn.client.request(m.StatusRequest(False))
+        assert [h.rank for h in st.lost] == [victim_host]
+        assert victim_host not in [h.rank for h in st.hosts]
+        with pytest.raises(zp.ResourceError):
+            zp.make_virtual_device_set().add_slice(devices=1, island=1)
+        status = subprocess.run([sys.executable, "-m", "zpath", "status", fragile.address],
+                                capture_output=True, text=True, timeout=60,
+                                env=dict(os.environ, ZPATH_KEY=fragile.key.hex()))
+        assert f"host {victim_host} local-i1-h0 LOST" in status.stdout, status.stdout + status.stderr
+        # a restarted worker joins as a new host and is used
+        fragile.add_worker(1)
+        d_new = zp.make_virtual_device_set().add_slice(devices=1, island=1).devices
+        assert d_new[0].host != victim_host
+        np.testing.assert_array_equal(
+            zp.pmap(lambda v: v * 5, devices=d_new)(ok(np.ones(1))).result(timeout=60), [0.])
+    finally:
+        zp.shutdown()
+
+
+def test_killed_client_has_its_buffers_freed(fragile):
+    conn = zp.connect(fragile.address, fragile.key)
+    try:
+        wait_for(conn, empty)
+        code = ("import numpy as np, zpath as zp, time\n"
+                f"zp.connect({fragile.address!r})\n"
+                "d = zp.make_virtual_device_set().add_slice(devices=1).devices\n"
+                "keep = [zp.pmap(lambda x: x * 3, devices=d)(np.ones((1, 1000))) for _ in range(5)]\n"
+                "[k.result(timeout=60) for k in keep]\n"
+                "print('held', flush=True)\n"
+                "time.sleep(600)\n")
+        p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True, env=dict(os.environ, ZPATH_KEY=fragile.key.hex()))
+        try:
+            assert p.stdout.readline().strip() == "held", p.stderr.read()
+            wait_for(conn, lambda s: sum(v[0] for v in s.values()) == 5)
+            p.send_signal(signal.SIGKILL)
+            p.wait(30)
+            wait_for(conn, empty, timeout=30)
+            clients = conn.client.request(m.StatusRequest(False)).clients
+            assert len(clients) == 1         # only this test's connection is left
+        finally:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+            p.stdout.close()
+            p.stderr.close()
+    finally:
+        zp.shutdown()
