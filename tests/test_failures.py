@@ -14,9 +14,8 @@ import numpy as np
 import pytest
 
 import zpath as zp
-from zpath.launcher import LocalCluster
 from zpath.net import messages as m
-from tests.conftest import assert_gone
+from tests.conftest import running_cluster
 from tests.test_memory import empty, wait_for
 
 pytestmark = pytest.mark.timeout(240)
@@ -26,14 +25,9 @@ pytestmark = pytest.mark.timeout(240)
 def fragile(tmp_path):
     """Two single-host islands; hosts are declared lost after 2 s of silence and
     clients after 4 s."""
-    c = LocalCluster(islands=2, hosts_per_island=1, devices_per_host=1, log_dir=str(tmp_path),
-                     env={"ZPATH_HOST_TIMEOUT": "2", "ZPATH_CLIENT_TIMEOUT": "4"})
-    try:
+    with running_cluster(islands=2, hosts_per_island=1, devices_per_host=1, log_dir=str(tmp_path),
+                         env={"ZPATH_HOST_TIMEOUT": "2", "ZPATH_CLIENT_TIMEOUT": "4"}) as c:
         yield c
-    finally:
-        pids = c.pids
-        c.stop()
-        assert_gone(pids)
 
 
 def test_killed_worker_fails_its_futures_and_the_rest_keeps_working(fragile):

@@ -13,7 +13,7 @@ import pytest
 import zpath as zp
 from zpath.launcher import LocalCluster
 from zpath.net import messages as m
-from tests.conftest import assert_gone
+from tests.conftest import assert_gone, connected, running_cluster
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -21,22 +21,14 @@ pytestmark = pytest.mark.timeout(300)
 @pytest.fixture(scope="module")
 def island():
     """One island of two hosts (one JAX runtime), two devices per host."""
-    c = LocalCluster(islands=1, hosts_per_island=2, devices_per_host=2)
-    pids = c.pids
-    try:
+    with running_cluster(islands=1, hosts_per_island=2, devices_per_host=2) as c:
         yield c
-    finally:
-        c.stop()
-        assert_gone(pids)
 
 
 @pytest.fixture
 def client(island):
-    conn = zp.connect(island.address, island.key, name="test")
-    try:
+    with connected(island) as conn:
         yield conn
-    finally:
-        zp.shutdown()
 
 
 def whole_island():

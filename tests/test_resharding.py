@@ -7,9 +7,8 @@ import numpy as np
 import pytest
 
 import zpath as zp
-from zpath.launcher import LocalCluster
 from zpath.net import messages as m
-from tests.conftest import assert_gone
+from tests.conftest import connected, running_cluster
 
 pytestmark = pytest.mark.timeout(240)
 P = zp.P
@@ -18,22 +17,14 @@ P = zp.P
 @pytest.fixture(scope="module")
 def big_cluster():
     """Two islands of two hosts (one JAX runtime each), two devices per host."""
-    c = LocalCluster(islands=2, hosts_per_island=2, devices_per_host=2)
-    pids = c.pids
-    try:
+    with running_cluster(islands=2, hosts_per_island=2, devices_per_host=2) as c:
         yield c
-    finally:
-        c.stop()
-        assert_gone(pids)
 
 
 @pytest.fixture(scope="module")
 def conn(big_cluster):
-    conn = zp.connect(big_cluster.address, big_cluster.key, name="reshard")
-    try:
+    with connected(big_cluster, "reshard") as conn:
         yield conn
-    finally:
-        zp.shutdown()
 
 
 @pytest.fixture(scope="module")

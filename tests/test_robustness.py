@@ -110,7 +110,6 @@ def test_a_rejected_call_does_not_poison_an_existing_buffer(client):
     y = inc(np.zeros(1))
     y.result(timeout=60)
     c = client.client
-    traced = next(iter(inc._cache.values()))
     bogus = m.Call(c.new_call_id(), "0" * 64, [1], ["_zp_pmap"], inc.mesh.device_ids, [],
                    [m.CallOutput(y.buffer, m.Aval([1], "float64"), ["_zp_pmap"])])
     c.post(bogus)

@@ -10,7 +10,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from zpath import sharding
-from zpath.errors import Closed, ZpathError
+from zpath.errors import Closed
 from zpath.futures import Future
 from zpath.net import messages as m
 
