@@ -23,10 +23,10 @@ pytestmark = pytest.mark.timeout(240)
 
 @pytest.fixture
 def fragile(tmp_path):
-    """Two single-host islands; hosts are declared lost after 2 s of silence and
+    """Two single-host islands; hosts are declared lost after 3 s of silence and
     clients after 4 s."""
     with running_cluster(islands=2, hosts_per_island=1, devices_per_host=1, log_dir=str(tmp_path),
-                         env={"ZPATH_HOST_TIMEOUT": "2", "ZPATH_CLIENT_TIMEOUT": "4"}) as c:
+                         env={"ZPATH_HOST_TIMEOUT": "3", "ZPATH_CLIENT_TIMEOUT": "4"}) as c:
         yield c
 
 
@@ -59,7 +59,7 @@ def test_killed_worker_fails_its_futures_and_the_rest_keeps_working(fragile):
         np.testing.assert_array_equal(fetched.result(), [2.])              # already fetched: kept
         with pytest.raises(zp.HostLost, match=lost):                       # but it is gone there
             zp.pmap(lambda v: v * 2, devices=d0)(fetched).result(timeout=60)
-        assert time.monotonic() - t < 20, "loss not noticed within a few seconds"
+        assert time.monotonic() - t < 30, "loss not noticed within a few seconds"
         # the controller and the other island keep serving
         ok = zp.pmap(lambda v: v - 1, devices=d0)
         np.testing.assert_array_equal(ok(np.ones(1)).result(timeout=60), [0.])

@@ -149,7 +149,8 @@ class LocalCluster:
         n = sum(1 for name, _ in self.procs if name.startswith(f"worker-i{island}-"))
         name = f"worker-i{island}-h{n}"
         p = self._spawn(name, ["zpath.worker", "--controller", self.address, "--island", str(island),
-                               "--bind-host", self.bind_host, "--name", f"local-i{island}-h{n}"],
+                               "--bind-host", self.bind_host, "--name", f"local-i{island}-h{n}",
+                               *self.dcn_flags],
                         self._worker_env)
         self._wait_registered(time.monotonic() + timeout, extra=1, watch=[(name, p)])
         return name
