@@ -1,5 +1,6 @@
-"""Local launcher: starts a controller and one worker process per host on this
-machine, waits until every worker has registered, and stops them all.
+"""Launchers: start a controller on this machine and one worker process per
+host (here for ``LocalCluster``, over SSH for ``zpath.ssh.SSHCluster``), wait
+until every worker has registered, and stop them all.
 
 Every process it starts is stopped by pid: SIGTERM, then SIGKILL after a grace
 period (a process stuck inside XLA may ignore SIGTERM)."""
@@ -56,30 +57,38 @@ def default_shape() -> dict[str, int]:
     return {"islands": 2, "hosts_per_island": 1, "devices_per_host": 2}
 
 
-class LocalCluster:
-    """A controller and ``islands * hosts_per_island`` workers on this machine."""
+def worker_xla_flags(env: dict[str, str], devices: int) -> str:
+    """``XLA_FLAGS`` of ``env`` with the emulated device count set to ``devices``."""
+    flags = [f for f in env.get("XLA_FLAGS", "").split()
+             if not f.startswith("--xla_force_host_platform_device_count")]
+    return " ".join(flags + [f"--xla_force_host_platform_device_count={devices}"])
 
-    def __init__(self, islands: int = 2, hosts_per_island: int = 1, devices_per_host: int = 2, *,
-                 log_dir: str | None = None, bind_host: str = "127.0.0.1",
-                 start_timeout: float = START_TIMEOUT_S, env: dict[str, str] | None = None,
-                 dcn_latency_ms: float = 0.0, dcn_gbps: float = 0.0, dcn_encrypt: bool = False) -> None:
-        """``dcn_latency_ms``/``dcn_gbps`` emulate a data-centre network between
-        islands (added one-way latency, bandwidth cap of each host's link; 0: none);
-        ``dcn_encrypt`` encrypts traffic between islands with CURVE."""
-        for name, v in (("islands", islands), ("hosts_per_island", hosts_per_island),
-                        ("devices_per_host", devices_per_host)):
-            if int(v) < 1:
-                raise ValueError(f"{name} must be at least 1, got {v}")
-        self.islands, self.hosts_per_island, self.devices_per_host = islands, hosts_per_island, devices_per_host
-        if dcn_latency_ms < 0 or dcn_gbps < 0:
-            raise ValueError("dcn_latency_ms and dcn_gbps must be >= 0")
-        if dcn_encrypt:
-            import zmq
-            if not zmq.has("curve"):
-                raise ZpathError(f"dcn_encrypt needs CURVE, but this libzmq ({zmq.zmq_version()}) "
-                                 "was built without it")
-        self.dcn_flags = ["--dcn-latency-ms", str(float(dcn_latency_ms)), "--dcn-gbps",
-                          str(float(dcn_gbps)), *(["--dcn-encrypt"] if dcn_encrypt else [])]
+
+def dcn_flags(dcn_latency_ms: float, dcn_gbps: float, dcn_encrypt: bool) -> list[str]:
+    """The ``zpath worker`` flags of an emulated DCN; checks the values."""
+    if dcn_latency_ms < 0 or dcn_gbps < 0:
+        raise ValueError("dcn_latency_ms and dcn_gbps must be >= 0")
+    if dcn_encrypt:
+        import zmq
+        if not zmq.has("curve"):
+            raise ZpathError(f"dcn_encrypt needs CURVE, but this libzmq ({zmq.zmq_version()}) "
+                             "was built without it")
+    return ["--dcn-latency-ms", str(float(dcn_latency_ms)), "--dcn-gbps",
+            str(float(dcn_gbps)), *(["--dcn-encrypt"] if dcn_encrypt else [])]
+
+
+class ClusterLauncher:
+    """What the local and the SSH launcher share: the cluster key and its key
+    file, the log directory, the controller (always a local process), waiting
+    until every worker has registered, and stopping every process started.
+
+    A subclass starts its workers in ``_start_workers`` (each through
+    ``_spawn``, recording the worker name it expects in ``self.expected``) and
+    may describe a failed process better in ``_describe_exit``."""
+
+    kind = "cluster"
+
+    def __init__(self, *, log_dir: str | None = None, env: dict[str, str] | None = None) -> None:
         self.key = new_key()
         from zpath.net.channels import shm_prefix
         self.shm_prefix = shm_prefix(self.key)    # names of its shared-memory segments
@@ -89,92 +98,78 @@ class LocalCluster:
         self.key_file = os.path.join(self.dir, "cluster.key")
         write_key_file(self.key_file, self.key)
         self.procs: list[tuple[str, subprocess.Popen]] = []
+        self.expected: dict[str, str] = {}        # process name -> worker (host) name
         self.address = ""
         self._env = dict(os.environ, **(env or {}))
         self._env["ZPATH_KEY"] = self.key.hex()
         self._env["ZPATH_PARENT_PID"] = str(os.getpid())
         self._env.pop("ZPATH_CONTROLLER", None)
+
+    def _launch(self, bind_host: str, timeout: float, controller_port: int = 0) -> None:
+        """Start the controller and the workers; wait until all registered.
+        Stops what it started if any of it fails."""
         try:
-            self._start(bind_host, start_timeout)
+            deadline = time.monotonic() + timeout
+            ctl = self._start_controller(bind_host, controller_port, deadline)
+            self._start_workers(deadline)
+            self._wait_registered(deadline)
+            log.info("%s up at %s (pid %d), logs in %s", self.kind, self.address, ctl.pid, self.dir)
         except BaseException:
             self.stop()
             raise
 
-    def _spawn(self, name: str, args: list[str], env: dict[str, str]) -> subprocess.Popen:
+    def _spawn(self, name: str, argv: list[str], env: dict[str, str],
+               stdin: Any = subprocess.DEVNULL) -> subprocess.Popen:
         out = open(os.path.join(self.dir, f"{name}.log"), "ab")
-        p = subprocess.Popen([sys.executable, "-m", *args], stdout=out, stderr=subprocess.STDOUT,
-                             stdin=subprocess.DEVNULL, env=env)
-        out.close()
+        try:
+            p = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=stdin, env=env)
+        finally:
+            out.close()
         self.procs.append((name, p))
         return p
 
-    def _start(self, bind_host: str, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
+    def _start_controller(self, bind_host: str, port: int, deadline: float) -> subprocess.Popen:
         addr_file = os.path.join(self.dir, "controller.address")
         if os.path.exists(addr_file):      # left by an earlier cluster in this directory
             os.unlink(addr_file)
-        ctl = self._spawn("controller", ["zpath.controller", "--bind", f"tcp://{bind_host}:0",
-                                         "--address-file", addr_file], self._env)
+        ctl = self._spawn("controller", [sys.executable, "-m", "zpath.controller", "--bind",
+                                         f"tcp://{bind_host}:{port}", "--address-file", addr_file],
+                          self._env)
         while not os.path.exists(addr_file):
             self._check_alive(deadline)
             time.sleep(0.02)
         with open(addr_file) as f:
             self.address = f.read().strip()
-        wenv = dict(self._env)
-        flags = [f for f in wenv.get("XLA_FLAGS", "").split()
-                 if not f.startswith("--xla_force_host_platform_device_count")]
-        wenv["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={self.devices_per_host}"])
-        self._worker_env, self.bind_host = wenv, bind_host
-        for island in range(self.islands):
-            runtime: list[str] = []
-            if self.hosts_per_island > 1:   # the island's hosts share one JAX runtime
-                runtime = ["--coordinator", f"{bind_host}:{free_port(bind_host)}",
-                           "--num-processes", str(self.hosts_per_island)]
-            for h in range(self.hosts_per_island):
-                self._spawn(f"worker-i{island}-h{h}", ["zpath.worker", "--controller", self.address,
-                                                       "--island", str(island), "--bind-host", bind_host,
-                                                       "--name", f"local-i{island}-h{h}", *runtime,
-                                                       *(["--process-id", str(h)] if runtime else []),
-                                                       *self.dcn_flags],
-                            wenv)
-        self._wait_registered(deadline)
-        log.info("local cluster up at %s (pid %d), logs in %s", self.address, ctl.pid, self.dir)
+        return ctl
 
-    def add_worker(self, island: int, timeout: float = START_TIMEOUT_S) -> str:
-        """Start one more worker (a new host) on a single-host island, e.g. to
-        replace a lost one; returns its process name once it has registered."""
-        if self.hosts_per_island != 1:
-            raise ZpathError("hosts can be added only to single-host islands (a multi-host "
-                             "island's JAX runtime has a fixed size)")
-        n = sum(1 for name, _ in self.procs if name.startswith(f"worker-i{island}-"))
-        name = f"worker-i{island}-h{n}"
-        p = self._spawn(name, ["zpath.worker", "--controller", self.address, "--island", str(island),
-                               "--bind-host", self.bind_host, "--name", f"local-i{island}-h{n}",
-                               *self.dcn_flags],
-                        self._worker_env)
-        self._wait_registered(time.monotonic() + timeout, extra=1, watch=[(name, p)])
-        return name
+    def _start_workers(self, deadline: float) -> None:
+        raise NotImplementedError
 
-    def _check_alive(self, deadline: float, watch: list | None = None) -> None:
+    def _describe_exit(self, name: str, p: subprocess.Popen) -> str:
+        return f"{name} exited with code {p.returncode} during start-up:\n{self.log_tail(name)}"
+
+    def _check_alive(self, deadline: float, watch: list | None = None, missing: str = "") -> None:
         for name, p in self.procs if watch is None else watch:
             if p.poll() is not None:
-                raise ZpathError(f"{name} exited with code {p.returncode} during start-up:\n"
-                                 f"{self.log_tail(name)}")
+                raise ZpathError(self._describe_exit(name, p))
         if time.monotonic() > deadline:
-            raise DeadlineExceeded(f"local cluster did not start in time; logs in {self.dir}")
+            raise DeadlineExceeded(f"{self.kind} did not start in time{missing}; logs in {self.dir}")
 
     def _wait_registered(self, deadline: float, extra: int = 0, watch: list | None = None) -> None:
         from zpath.client import Client
         from zpath.net import messages as m
 
-        want = self.islands * self.hosts_per_island + extra
+        want = len(self.expected)       # ``extra``: kept for callers; added workers are in it
         c = Client(self.address, self.key, name="launcher")
         try:
             while True:
                 status = c.request(m.StatusRequest(False))
                 if len(status.hosts) + len(status.lost) >= want:
                     return
-                self._check_alive(deadline, watch)
+                seen = {h.name for h in [*status.hosts, *status.lost]}
+                missing = [f"{w} ({n})" for n, w in self.expected.items() if w not in seen]
+                self._check_alive(deadline, watch,
+                                  f"; not registered: {', '.join(missing)}" if missing else "")
                 time.sleep(0.1)
         finally:
             c.close()
@@ -190,13 +185,16 @@ class LocalCluster:
     def pids(self) -> list[int]:
         return [p.pid for _, p in self.procs]
 
+    def _ask_to_stop(self, name: str, p: subprocess.Popen) -> None:
+        p.send_signal(signal.SIGTERM)
+
     def stop(self, grace: float = GRACE_S) -> None:
         """Stop every process this cluster started: SIGTERM, then SIGKILL."""
-        for _, p in reversed(self.procs):
+        for name, p in reversed(self.procs):
             if p.poll() is None:
                 try:
-                    p.send_signal(signal.SIGTERM)
-                except ProcessLookupError:
+                    self._ask_to_stop(name, p)
+                except (ProcessLookupError, OSError):
                     pass
         deadline = time.monotonic() + grace
         for name, p in self.procs:
@@ -206,15 +204,77 @@ class LocalCluster:
                 log.warning("%s (pid %d) ignored SIGTERM; killing it", name, p.pid)
                 p.kill()
                 p.wait(5)
+            for f in (p.stdin, p.stdout, p.stderr):
+                if f is not None:
+                    try:
+                        f.close()
+                    except OSError:
+                        pass
         self.procs.clear()
-        # segments of workers that died without cleaning up (SIGKILL)
+        # segments of workers on this machine that died without cleaning up (SIGKILL)
         from zpath.net.channels import cleanup
         cleanup(self.shm_prefix)
         if self._own_dir and not os.environ.get("ZPATH_KEEP_LOGS"):
             shutil.rmtree(self.dir, ignore_errors=True)
 
-    def __enter__(self) -> "LocalCluster":
+    def __enter__(self) -> "ClusterLauncher":
         return self
 
     def __exit__(self, *exc: Any) -> None:
         self.stop()
+
+
+class LocalCluster(ClusterLauncher):
+    """A controller and ``islands * hosts_per_island`` workers on this machine."""
+
+    kind = "local cluster"
+
+    def __init__(self, islands: int = 2, hosts_per_island: int = 1, devices_per_host: int = 2, *,
+                 log_dir: str | None = None, bind_host: str = "127.0.0.1",
+                 start_timeout: float = START_TIMEOUT_S, env: dict[str, str] | None = None,
+                 dcn_latency_ms: float = 0.0, dcn_gbps: float = 0.0, dcn_encrypt: bool = False) -> None:
+        """``dcn_latency_ms``/``dcn_gbps`` emulate a data-centre network between
+        islands (added one-way latency, bandwidth cap of each host's link; 0: none);
+        ``dcn_encrypt`` encrypts traffic between islands with CURVE."""
+        for name, v in (("islands", islands), ("hosts_per_island", hosts_per_island),
+                        ("devices_per_host", devices_per_host)):
+            if int(v) < 1:
+                raise ValueError(f"{name} must be at least 1, got {v}")
+        self.islands, self.hosts_per_island, self.devices_per_host = islands, hosts_per_island, devices_per_host
+        self.dcn_flags = dcn_flags(dcn_latency_ms, dcn_gbps, dcn_encrypt)
+        super().__init__(log_dir=log_dir, env=env)
+        self.bind_host = bind_host
+        self._worker_env = dict(self._env, XLA_FLAGS=worker_xla_flags(self._env, devices_per_host))
+        self._launch(bind_host, start_timeout)
+
+    def _spawn_worker(self, island: int, h: int, runtime: list[str]) -> tuple[str, subprocess.Popen]:
+        name, host = f"worker-i{island}-h{h}", f"local-i{island}-h{h}"
+        self.expected[name] = host
+        p = self._spawn(name, [sys.executable, "-m", "zpath.worker", "--controller", self.address,
+                               "--island", str(island), "--bind-host", self.bind_host,
+                               "--name", host, *runtime, *self.dcn_flags],
+                        self._worker_env)
+        return name, p
+
+    def _start_workers(self, deadline: float) -> None:
+        for island in range(self.islands):
+            runtime: list[str] = []
+            if self.hosts_per_island > 1:   # the island's hosts share one JAX runtime
+                runtime = ["--coordinator", f"{self.bind_host}:{free_port(self.bind_host)}",
+                           "--num-processes", str(self.hosts_per_island)]
+            for h in range(self.hosts_per_island):
+                self._spawn_worker(island, h, [*runtime, *(["--process-id", str(h)] if runtime else [])])
+
+    def add_worker(self, island: int, timeout: float = START_TIMEOUT_S) -> str:
+        """Start one more worker (a new host) on a single-host island, e.g. to
+        replace a lost one; returns its process name once it has registered."""
+        if self.hosts_per_island != 1:
+            raise ZpathError("hosts can be added only to single-host islands (a multi-host "
+                             "island's JAX runtime has a fixed size)")
+        n = sum(1 for name, _ in self.procs if name.startswith(f"worker-i{island}-"))
+        name, p = self._spawn_worker(island, n, [])
+        self._wait_registered(time.monotonic() + timeout, extra=1, watch=[(name, p)])
+        return name
+
+    def __enter__(self) -> "LocalCluster":
+        return self
