@@ -494,3 +494,24 @@ def test_release_frees_every_copy_on_every_host_and_only_the_owners():
     assert d.release([11], owner=1) == {}               # twice: nothing more
     assert sorted(d.owned(1)) == [10, 12] and d.owned(2) == []
     assert d.release(d.owned(1), owner=1) == {0: [10], 1: [12]} and not d.buffers
+
+
+def test_device_bytes_follow_puts_outputs_copies_and_releases():
+    host_of = {0: 0, 1: 0, 2: 1}.__getitem__
+    d = Directory(host_of)
+    av = m.Aval([4], "float64")                    # 32 bytes; 16 per half
+    put = m.Call(1, "p", [2], ["i"], [0, 1], [m.CallInput(10, av, ["i"], True)],
+                 [m.CallOutput(11, av, [None])])   # output replicated: 32 bytes on each
+    assert d.needs(put) == {0: 16 + 32, 1: 16 + 32}
+    d.plan(put, owner=1, name="f")
+    assert dict(d.device_bytes) == {0: 48, 1: 48}
+    # reading 11 on device 2 (another host) copies it there; on device 0 it is present
+    read = m.Call(2, "p", [2], ["i"], [0, 2], [m.CallInput(11, av, [None], False)],
+                  [m.CallOutput(12, m.Aval([2], "float32"), ["i"])])
+    assert d.needs(read) == {0: 4, 2: 32 + 4}
+    d.plan(read, owner=1, name="g")
+    assert dict(d.device_bytes) == {0: 52, 1: 48, 2: 36}
+    d.release([11], owner=1)
+    assert dict(d.device_bytes) == {0: 20, 1: 16, 2: 4}
+    d.release([10, 12], owner=1)
+    assert all(v == 0 for v in d.device_bytes.values())

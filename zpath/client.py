@@ -40,6 +40,8 @@ def error_from_info(info: m.ErrorInfo) -> ZpathError:
             return HostLost(info.message)
         case "DeadlineExceeded":
             return DeadlineExceeded(info.message)
+        case "ResourceError":
+            return ResourceError(info.message)
         case _:
             return RemoteError(info.message, host=info.host, computation=info.computation,
                                remote_traceback=info.traceback)

@@ -129,6 +129,20 @@ def cut(array: Any, r: Region) -> Any:
     return out if out.flags.c_contiguous else out.copy(order="C")
 
 
+def itemsize(dtype: str) -> int:
+    """Bytes per element of a dtype name (numpy's, or ml_dtypes' like bfloat16)."""
+    import numpy as np
+    try:
+        return np.dtype(dtype).itemsize
+    except TypeError:
+        import ml_dtypes
+        return np.dtype(getattr(ml_dtypes, dtype)).itemsize
+
+
+def nbytes(r: Region | Sequence[Sequence[int]], dtype: str) -> int:
+    return itemsize(dtype) * math.prod(b - a for a, b in r)
+
+
 def to_wire(r: Region) -> list[list[int]]:
     return [[a, b] for a, b in r]
 

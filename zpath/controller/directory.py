@@ -9,6 +9,7 @@ sharded); each layout maps regions to the devices holding a copy.
 must move between hosts. It is pure: no sockets."""
 from __future__ import annotations
 
+import collections
 import dataclasses
 import itertools
 import math
@@ -55,6 +56,8 @@ class Directory:
         self.host_of = host_of
         self.address_of = address_of
         self.jax_id_of = jax_id_of
+        # bytes held per device, each region counted once per device
+        self.device_bytes: collections.Counter[int] = collections.Counter()
         self.route_of = route_of or (lambda src, dst: ("ICI", self.address_of(dst), "", ""))
         self._piece_ids = itertools.count(1)
         self._exec_ids = itertools.count(1)
@@ -78,6 +81,7 @@ class Directory:
             if buf is None or buf.owner != owner:
                 continue
             del self.buffers[b]
+            self.device_bytes.subtract(_footprint(buf))
             hosts = {self.host_of(d) for lay in buf.layouts for devs in lay.values() for d in devs}
             for h in sorted(hosts):
                 frees.setdefault(h, []).append(b)
@@ -91,16 +95,38 @@ class Directory:
         for buf in self.buffers.values():
             if buf.error is not None or not buf.layouts:
                 continue
+            before = _footprint(buf)
             kept = []
             for lay in buf.layouts:
                 left = {r: [d for d in devs if d not in devices] for r, devs in lay.items()}
                 if all(left.values()):
                     kept.append(left)
             buf.layouts = kept
+            self.device_bytes.subtract(before)
+            self.device_bytes.update(_footprint(buf))
             if not kept:
                 buf.error = error
                 failed.setdefault(buf.owner, []).append(buf.id)
         return failed
+
+    def needs(self, call: m.Call) -> dict[int, int]:
+        """Bytes the call would add per device (outputs, client values, input
+        copies it must assemble), without changing anything. Calls that cannot be
+        planned need nothing (they will fail)."""
+        need: dict[int, set] = {}
+        try:
+            mesh = (call.mesh_shape, call.axis_names)
+            for i in call.inputs:
+                buf = self.buffers.get(i.buffer)
+                for d, r in zip(call.devices, sharding.regions(i.aval.shape, *mesh, i.spec), strict=True):
+                    if i.put or buf is None or not any(d in lay.get(r, ()) for lay in buf.layouts):
+                        need.setdefault(d, set()).add((i.buffer, r, i.aval.dtype))
+            for o in call.outputs:
+                for d, r in zip(call.devices, sharding.regions(o.aval.shape, *mesh, o.spec), strict=True):
+                    need.setdefault(d, set()).add((o.buffer, r, o.aval.dtype))
+        except (ValueError, KeyError):
+            return {}
+        return {d: sum(sharding.nbytes(r, dt) for _, r, dt in items) for d, items in need.items()}
 
     def owned(self, owner: int) -> list[int]:
         """Every buffer of an owner (to release them all when it leaves)."""
@@ -152,8 +178,9 @@ class Directory:
                 layout: dict[Region, list[int]] = {}
                 for d, r in zip(call.devices, regs, strict=True):
                     layout.setdefault(r, []).append(d)
-                self.buffers[i.buffer] = Buffer(i.buffer, tuple(i.aval.shape), i.aval.dtype,
-                                                owner, [layout])
+                self.buffers[i.buffer] = buf = Buffer(i.buffer, tuple(i.aval.shape), i.aval.dtype,
+                                                      owner, [layout])
+                self.device_bytes.update(_footprint(buf))
                 for d, h, r in zip(call.devices, hosts, regs, strict=True):
                     shards[h][-1].append(m.ShardInput(d, sharding.to_wire(r), []))
                 continue
@@ -171,13 +198,17 @@ class Directory:
                 new.setdefault(r, []).append(d)
                 shards[h][-1].append(m.ShardInput(d, sharding.to_wire(r), pieces))
             if copied:
+                before = _footprint(buf)
                 buf.layouts.append(new)
+                self.device_bytes.subtract(before)
+                self.device_bytes.update(_footprint(buf))
         for o, regs in zip(call.outputs, out_regs, strict=True):
             layout = {}
             for d, r in zip(call.devices, regs, strict=True):
                 layout.setdefault(r, []).append(d)
-            self.buffers[o.buffer] = Buffer(o.buffer, tuple(o.aval.shape), o.aval.dtype,
-                                            owner, [layout])
+            self.buffers[o.buffer] = buf = Buffer(o.buffer, tuple(o.aval.shape), o.aval.dtype,
+                                                  owner, [layout])
+            self.device_bytes.update(_footprint(buf))
         exec_id = next(self._exec_ids)
         jax_ids = [self.jax_id_of(d) for d in call.devices]
         outputs = [m.ExecOutput(o.buffer, o.aval, o.spec) for o in call.outputs]
@@ -225,3 +256,13 @@ class Directory:
                 pid, buf.id, dev, sharding.to_wire(reg), sharding.to_wire(sub), host,
                 address, channel, machine, key)))
         return m.PieceSource(pid, dev, sharding.to_wire(reg), sharding.to_wire(sub))
+
+
+def _footprint(buf: Buffer) -> dict[int, int]:
+    """Bytes a buffer holds per device: each region once per device."""
+    seen: dict[int, set] = {}
+    for lay in buf.layouts:
+        for r, devs in lay.items():
+            for d in devs:
+                seen.setdefault(d, set()).add(r)
+    return {d: sum(sharding.nbytes(r, buf.dtype) for r in regs) for d, regs in seen.items()}

@@ -16,6 +16,7 @@ from typing import Any
 
 import zmq
 
+from zpath import sharding
 from zpath.controller.directory import Directory, Plan, PlanError
 from zpath.controller.resources import ResourceManager
 from zpath.controller.scheduler import GangScheduler
@@ -30,6 +31,8 @@ PING_INTERVAL_S = 1.0
 # a worker silent this long is lost; a client silent this long has left
 HOST_TIMEOUT_S = float(os.environ.get("ZPATH_HOST_TIMEOUT", "10"))
 CLIENT_TIMEOUT_S = float(os.environ.get("ZPATH_CLIENT_TIMEOUT", "15"))
+# bytes a device may hold (0: no limit); calls that would exceed it wait
+DEVICE_MEMORY_LIMIT = int(float(os.environ.get("ZPATH_DEVICE_MEMORY_LIMIT", "0")))
 MAX_PROGRAM_BYTES = 256 << 20
 TIMELINE_RECORDS = 100_000
 
@@ -67,6 +70,20 @@ class _ProgramRun:
 
 
 @dataclasses.dataclass
+class _Submission:
+    """Calls submitted together (a program, or one call), planned in order;
+    ``next`` is the first node not planned yet (it waits for memory)."""
+    ident: bytes
+    peer: Peer
+    calls: list[m.Call]
+    dispatch: str
+    run: _ProgramRun
+    next: int = 0
+    producer: dict[int, int] = dataclasses.field(default_factory=dict)
+    exec_ids: dict[int, int] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass
 class _HeldNode:
     """A node waiting to be sent: for computations it reads to finish
     (sequential programs) or for held producers to be sent."""
@@ -80,16 +97,7 @@ def _buffers(call: m.Call) -> list[int]:
     return [i.buffer for i in call.inputs] + [o.buffer for o in call.outputs]
 
 
-def _nbytes(region: list[list[int]], dtype: str) -> int:
-    import math
-
-    import numpy as np
-    try:
-        itemsize = np.dtype(dtype).itemsize
-    except TypeError:
-        import ml_dtypes
-        itemsize = np.dtype(getattr(ml_dtypes, dtype)).itemsize
-    return itemsize * math.prod(b - a for a, b in region)
+_nbytes = sharding.nbytes
 
 
 class Controller:
@@ -117,6 +125,10 @@ class Controller:
         # ("sent", exec id) (that held node was sent)
         self.waiters: dict[Any, list[_HeldNode]] = {}
         self.held_outputs: dict[int, int] = {}           # output buffer of a held node -> its exec id
+        # submissions waiting for device memory, in arrival order (each resumes at
+        # its first unplanned node); while any waits, new ones queue behind it
+        self.memory_waiting: collections.deque[_Submission] = collections.deque()
+        self.memory_limit = DEVICE_MEMORY_LIMIT
         # buffers read or written by held nodes: their release waits until the node is sent
         self.pinned: collections.Counter[int] = collections.Counter()
         self.deferred: dict[int, int] = {}               # pinned buffer -> owner that released it
@@ -390,14 +402,53 @@ class Controller:
 
     def _submit(self, ident: bytes, peer: Peer, calls: list[m.Call], dispatch: str,
                 release: list[int]) -> None:
-        """Plan nodes in order and send each when it may go. A node is held
+        sub = _Submission(ident, peer, calls, dispatch, _ProgramRun(peer, release, len(calls)))
+        if self.memory_waiting:          # keep arrival order behind waiting work
+            self.memory_waiting.append(sub)
+        elif not self._advance(sub):
+            self.memory_waiting.append(sub)
+
+    def _resume_waiting(self) -> None:
+        """Memory was freed: continue waiting submissions, oldest first."""
+        while self.memory_waiting:
+            if not self._advance(self.memory_waiting[0]):
+                return
+            self.memory_waiting.popleft()
+
+    def _fits(self, sub: "_Submission", call: m.Call) -> str:
+        """"ok", "wait" (for memory to be freed), or "failed": a call that can
+        never fit under the per-device limit fails at once."""
+        if not self.memory_limit:
+            return "ok"
+        for d, n in self.directory.needs(call).items():
+            if n > self.memory_limit:
+                err = m.ErrorInfo("ResourceError", f"call needs {n} bytes on device {d}, more than "
+                                  f"the per-device limit of {self.memory_limit} bytes", None, "", "")
+                outs = [o.buffer for o in call.outputs if o.buffer not in self.directory.buffers]
+                self.directory.poison(outs, sub.peer.id, err)
+                self.send(sub.ident, m.CallFailed(call.call_id, outs, err))
+                return "failed"
+            if self.directory.device_bytes[d] + n > self.memory_limit:
+                return "wait"
+        return "ok"
+
+    def _advance(self, sub: "_Submission") -> bool:
+        """Plan a submission's nodes in order and send each when it may go; stop
+        (returning False) at a node that must wait for memory. A node is held
         until every held node whose output it reads has been sent (so it never
         reaches a worker ahead of its producer), and in sequential mode until the
         nodes of its program it reads have finished."""
-        producer: dict[int, int] = {}                 # buffer -> node index in this submission
-        run = _ProgramRun(peer, release, len(calls))
-        exec_ids: dict[int, int] = {}
-        for k, call in enumerate(calls):
+        ident, peer, calls, dispatch, run = sub.ident, sub.peer, sub.calls, sub.dispatch, sub.run
+        producer, exec_ids = sub.producer, sub.exec_ids
+        while sub.next < len(calls):
+            k, call = sub.next, calls[sub.next]
+            fits = self._fits(sub, call)
+            if fits == "wait":
+                return False
+            sub.next += 1
+            if fits == "failed":
+                run.sent += 1
+                continue
             preds = {producer[i.buffer] for i in call.inputs if i.buffer in producer}
             for o in call.outputs:
                 producer[o.buffer] = k
@@ -423,6 +474,7 @@ class Controller:
             for o in call.outputs:
                 self.held_outputs[o.buffer] = exec_ids[k]
         self._maybe_release(run)
+        return True
 
     def _exec_finished(self, exec_id: int) -> None:
         """Every host finished a computation: send the held nodes waiting on it."""
@@ -557,6 +609,8 @@ class Controller:
         for rank, buffers in frees.items():
             if rank in self.worker_ident:
                 self.to_host(rank, m.Free(buffers))
+        if frees and self.memory_waiting:
+            self._resume_waiting()
 
     def _exec_done(self, host: int, msg: m.ExecDone) -> None:
         info = self.in_flight.get(msg.exec_id)

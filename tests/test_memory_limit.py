@@ -1,0 +1,49 @@
+"""Per-device memory limit: a call that would exceed it waits until memory is
+freed (it does not crash); one that can never fit fails at once, clearly."""
+from __future__ import annotations
+
+import gc
+import time
+
+import numpy as np
+import pytest
+
+import zpath as zp
+from tests.conftest import connected, running_cluster
+
+pytestmark = pytest.mark.timeout(180)
+LIMIT = 100_000          # bytes per device
+
+
+@pytest.fixture(scope="module")
+def limited():
+    with running_cluster(islands=1, hosts_per_island=1, devices_per_host=1,
+                         env={"ZPATH_DEVICE_MEMORY_LIMIT": str(LIMIT)}) as c:
+        yield c
+
+
+def test_calls_wait_for_memory_and_never_fitting_ones_fail(limited):
+    with connected(limited):
+        d = zp.make_virtual_device_set().add_slice(devices=1).devices
+        make = zp.jit(lambda: np.float64(1) * np.ones(5000), mesh=zp.Mesh(d, ("i",)))   # 40 kB
+        double = zp.jit(lambda x: x * 2, mesh=zp.Mesh(d, ("i",)))
+        a = make()
+        b = double(a)                  # 80 kB held
+        np.testing.assert_array_equal(np.asarray(b)[:2], [2., 2.])
+        c = double(b)                  # would need 120 kB: waits
+        d2 = double(np.ones(3))        # submitted after it: waits behind it (order kept)
+        time.sleep(1.5)
+        with pytest.raises(zp.DeadlineExceeded):
+            c.result(timeout=0.5)
+        assert not d2.done()
+        del a
+        gc.collect()                   # frees 40 kB: c fits now
+        np.testing.assert_array_equal(c.result(timeout=30)[:2], [4., 4.])
+        np.testing.assert_array_equal(d2.result(timeout=30), [2., 2., 2.])
+        big = zp.jit(lambda: np.ones(20000), mesh=zp.Mesh(d, ("i",)))                   # 160 kB
+        t = time.monotonic()
+        with pytest.raises(zp.ResourceError, match=f"needs 160000 bytes on device .*limit of {LIMIT}"):
+            big().result(timeout=30)
+        assert time.monotonic() - t < 10
+        # the cluster still works
+        np.testing.assert_array_equal(np.asarray(double(np.ones(1))), [2.])
