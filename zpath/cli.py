@@ -1,4 +1,4 @@
-"""The ``zpath`` command: ``up``, ``status``, ``controller``, ``worker``."""
+"""The ``zpath`` command: ``up``, ``down``, ``status``, ``controller``, ``worker``."""
 from __future__ import annotations
 
 import argparse
@@ -11,33 +11,68 @@ import threading
 
 def _up(args: argparse.Namespace) -> int:
     from zpath import logs
-    from zpath.launcher import LocalCluster
+    from zpath import state as cluster_state
 
     logs.setup("launcher")
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    print(f"starting {args.islands} island(s) x {args.hosts_per_island} host(s) x "
-          f"{args.devices_per_host} device(s)...", file=sys.stderr, flush=True)
-    cluster = LocalCluster(args.islands, args.hosts_per_island, args.devices_per_host,
-                           log_dir=args.log_dir, bind_host=args.bind_host,
-                           dcn_latency_ms=args.dcn_latency_ms, dcn_gbps=args.dcn_gbps,
-                           dcn_encrypt=args.dcn_encrypt)
+    state_path = args.state or cluster_state.default_path()
+    if os.path.exists(state_path):
+        try:
+            old = cluster_state.read_state(state_path)
+        except Exception:
+            old = {}
+        if old.get("launcher_pid") and cluster_state.alive(old["launcher_pid"], old.get("launcher_create_time")):
+            print(f"zpath up: a cluster started by pid {old['launcher_pid']} is running with state file "
+                  f"{state_path}; stop it with `zpath down` or pass --state", file=sys.stderr)
+            return 1
+    dcn = dict(dcn_latency_ms=args.dcn_latency_ms, dcn_gbps=args.dcn_gbps, dcn_encrypt=args.dcn_encrypt)
+    if args.hostfile:
+        import shlex
+
+        from zpath.ssh import SSHCluster, read_hostfile
+        hosts = read_hostfile(args.hostfile)
+        print(f"starting {len(hosts)} host(s) over ssh...", file=sys.stderr, flush=True)
+        cluster = SSHCluster(hosts, bind_host=args.bind_host, controller_port=args.controller_port,
+                             coordinator_port=args.coordinator_port, remote_python=args.remote_python,
+                             ssh_options=shlex.split(args.ssh_options or os.environ.get("ZPATH_SSH_OPTIONS", "")),
+                             connect_timeout=args.connect_timeout, log_dir=args.log_dir,
+                             start_timeout=args.start_timeout, **dcn)
+    else:
+        from zpath.launcher import LocalCluster
+        print(f"starting {args.islands} island(s) x {args.hosts_per_island} host(s) x "
+              f"{args.devices_per_host} device(s)...", file=sys.stderr, flush=True)
+        cluster = LocalCluster(args.islands, args.hosts_per_island, args.devices_per_host,
+                               log_dir=args.log_dir, bind_host=args.bind_host or "127.0.0.1",
+                               start_timeout=args.start_timeout, **dcn)
     try:
+        cluster_state.write_state(state_path, cluster_state.cluster_state(cluster))
         print(f"zpath cluster up: {cluster.address}", flush=True)
         print(f"  key file: {cluster.key_file}", flush=True)
         print(f"  logs:     {cluster.dir}", flush=True)
+        print(f"  state:    {state_path}  (`zpath down --state {state_path}` stops it)", flush=True)
         print(f"connect with: ZPATH_KEY_FILE={cluster.key_file} and "
               f"zp.connect({cluster.address!r})  (Ctrl-C stops the cluster)", flush=True)
         while not stop.wait(0.5):
             for name, p in cluster.procs:
                 if p.poll() is not None:
-                    print(f"{name} exited with code {p.returncode}; stopping the cluster\n"
-                          f"{cluster.log_tail(name)}", file=sys.stderr, flush=True)
+                    print(f"{cluster._describe_exit(name, p).replace('during start-up', 'while running')}\n"
+                          "stopping the cluster", file=sys.stderr, flush=True)
                     return 1
     finally:
         cluster.stop()
+        cluster_state.remove_state(state_path, os.getpid())
         print("zpath cluster stopped", file=sys.stderr, flush=True)
+    return 0
+
+
+def _down(args: argparse.Namespace) -> int:
+    from zpath import state as cluster_state
+
+    path = args.state or cluster_state.default_path()
+    for line in cluster_state.down(path, timeout=args.timeout):
+        print(line)
     return 0
 
 
@@ -76,11 +111,27 @@ def main(argv: list[str] | None = None) -> int:
     shape = default_shape()
     p = argparse.ArgumentParser(prog="zpath", description="zpath: a single-controller runtime for JAX")
     sub = p.add_subparsers(dest="command", required=True)
-    up = sub.add_parser("up", help="run a local cluster in the foreground")
+    up = sub.add_parser("up", help="run a cluster (local, or over ssh with --hostfile) in the foreground")
     up.add_argument("--islands", type=int, default=shape["islands"])
     up.add_argument("--hosts-per-island", type=int, default=shape["hosts_per_island"])
     up.add_argument("--devices-per-host", type=int, default=shape["devices_per_host"])
-    up.add_argument("--bind-host", default="127.0.0.1", help="address every process listens on")
+    up.add_argument("--hostfile", help="start one worker per line over ssh (see README: SSH clusters); "
+                    "--islands/--hosts-per-island/--devices-per-host are then ignored")
+    up.add_argument("--bind-host", help="address the controller (and local workers) listen on "
+                    "(default 127.0.0.1; with --hostfile this machine's address on the route to the first host)")
+    up.add_argument("--controller-port", type=int, default=0, help="controller port (default: a free one)")
+    up.add_argument("--coordinator-port", type=int, default=0,
+                    help="with --hostfile: base port of multi-host islands' jax.distributed coordinators "
+                         "(island i uses base+i; default: free/random)")
+    up.add_argument("--remote-python", default="python3",
+                    help="with --hostfile: python on the hosts, unless a line has python=")
+    up.add_argument("--ssh-options", help="with --hostfile: extra ssh arguments, e.g. \"-i KEY\" "
+                    "(default $ZPATH_SSH_OPTIONS)")
+    up.add_argument("--connect-timeout", type=int, default=10, help="ssh ConnectTimeout (s)")
+    up.add_argument("--start-timeout", type=float,
+                    default=float(os.environ.get("ZPATH_START_TIMEOUT", "120")),
+                    help="seconds for every worker to register")
+    up.add_argument("--state", help="state file for `zpath down` (default $ZPATH_STATE or ~/.zpath/cluster.json)")
     up.add_argument("--log-dir", help="where process logs and the key file go (default: a temp dir)")
     up.add_argument("--dcn-latency-ms", type=float, default=0.0,
                     help="emulated one-way latency of traffic between islands (ms)")
@@ -89,6 +140,10 @@ def main(argv: list[str] | None = None) -> int:
     up.add_argument("--dcn-encrypt", action="store_true",
                     help="encrypt traffic between islands with CURVE")
     up.set_defaults(fn=_up)
+    dn = sub.add_parser("down", help="stop the cluster a `zpath up` started")
+    dn.add_argument("--state", help="its state file (default $ZPATH_STATE or ~/.zpath/cluster.json)")
+    dn.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for zpath up to stop")
+    dn.set_defaults(fn=_down)
     st = sub.add_parser("status", help="show a running cluster")
     st.add_argument("address", nargs="?", help="controller address (default $ZPATH_CONTROLLER)")
     st.add_argument("--timeout", type=float, default=10.0)
