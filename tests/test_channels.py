@@ -179,6 +179,15 @@ def test_shaper_arithmetic():
     t2 = s.due(0, 100.5)                        # queued behind the first
     assert t2 == pytest.approx(101.01)
     assert not channels.Shaper().active
+
+
+def test_shaper_chunks():
+    s = channels.Shaper(latency_ms=10, gbps=1, chunk_bytes=1000)
+    plan = s.chunks(2500, 100.0)                # 8 us per 1000 bytes at 1 Gbit/s
+    assert [(o, n) for o, n, _ in plan] == [(0, 1000), (1000, 1000), (2000, 500)]
+    assert [d for _, _, d in plan] == pytest.approx([100.010008, 100.010016, 100.01002])
+    assert s.chunks(10, 100.0) == [(0, 10, pytest.approx(100.0100201))]   # behind them, one chunk
+    assert channels.Shaper(latency_ms=10, chunk_bytes=1000).chunks(2500, 5.0) == [(0, 2500, 5.01)]
     with pytest.raises(ValueError):
         channels.Shaper(-1, 0)
 
@@ -205,8 +214,13 @@ def test_dcn_bandwidth_cap():
         with _Conn(c):
             a, b = pair()
             t = min(_timed_moves(a, b, np.zeros(4 << 20, np.float32), 2))   # 16 MiB
-        s = channel_stats(c)[a[0].host]
-        assert s.sent_dcn >= 3 and s.sent_shm == 0
+            # a piece of several chunks and a ragged end comes back whole
+            x = np.arange((5 << 20) // 8 + 3, dtype=np.float64)
+            np.testing.assert_array_equal(move(a, b, x), (x + 1) * 2)
+        stats = channel_stats(c)
+        s = stats[a[0].host]
+        assert s.sent_dcn >= 4 and s.sent_shm == 0
+        assert stats[b[0].host].recv_tcp >= 4
     assert_gone(pids)
     assert t >= 0.13, t               # 16 MiB at 1 Gbit/s is 0.134 s
     assert t < 3.0, t

@@ -223,16 +223,29 @@ class ShmReceiver:
         self._maps.clear()
 
 
+# a shaped DCN piece larger than this goes out as chunks of this size, each
+# handed to TCP at its paced time, so pacing and the real transfer overlap
+CHUNK_BYTES = 1 << 20
+
+
 class Shaper:
     """Emulated DCN link of one sending host: a piece of N bytes leaves the link
     N*8/rate seconds after the link is free (or now), and arrives ``latency``
-    later. Returns the monotonic time at which to hand the piece to TCP."""
+    later. :meth:`due` gives the monotonic time at which to hand a whole piece
+    to TCP; :meth:`chunks` paces a capped piece as chunks, like a NIC's queue
+    discipline shapes frames, so the real transfer of one chunk overlaps the
+    pacing of the next and the piece arrives about when the emulated link
+    would deliver it (not that plus the real transfer time)."""
 
-    def __init__(self, latency_ms: float = 0.0, gbps: float = 0.0) -> None:
+    def __init__(self, latency_ms: float = 0.0, gbps: float = 0.0,
+                 chunk_bytes: int = CHUNK_BYTES) -> None:
         if latency_ms < 0 or gbps < 0:
             raise ValueError("DCN latency and bandwidth must be >= 0")
+        if chunk_bytes <= 0:
+            raise ValueError("chunk size must be > 0")
         self.latency = latency_ms / 1e3
         self.rate = gbps * 1e9 / 8 if gbps else 0.0    # bytes per second; 0 = no cap
+        self.chunk_bytes = chunk_bytes
         self._free_at = 0.0
 
     @property
@@ -244,6 +257,15 @@ class Shaper:
         end = start + (nbytes / self.rate if self.rate else 0.0)
         self._free_at = end
         return end + self.latency
+
+    def chunks(self, nbytes: int, now: float) -> list[tuple[int, int, float]]:
+        """(offset, size, due) of each chunk of a piece of ``nbytes``: one chunk
+        (the whole piece) when there is no cap or it fits in one chunk."""
+        if not self.rate or nbytes <= self.chunk_bytes:
+            return [(0, nbytes, self.due(nbytes, now))]
+        return [(off, min(self.chunk_bytes, nbytes - off),
+                 self.due(min(self.chunk_bytes, nbytes - off), now))
+                for off in range(0, nbytes, self.chunk_bytes)]
 
 
 def piece_nbytes(buffers: Any) -> int:

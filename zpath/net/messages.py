@@ -471,3 +471,14 @@ class ChannelStats(Record):
     segments: int
     sent_at: list[list[float]]   # recent pieces sent: [piece_id, wall time the send began]
     received_at: list[list[float]]   # recent pieces received: [piece_id, wall time it was stored]
+
+
+@message(58)
+class PieceChunk(Record):
+    """Worker -> worker (shaped DCN): part of piece ``piece_id``, whose bytes (C
+    order) total ``nbytes``. One buffer: the bytes at ``offset``. The receiver
+    has the piece once chunks covering all ``nbytes`` have come."""
+    piece_id: int
+    aval: Aval
+    offset: int
+    nbytes: int

@@ -28,7 +28,7 @@ from zpath.errors import ZpathError
 from zpath.net import channels
 from zpath.net import messages as m
 from zpath.net.codec import PROTOCOL_VERSION, Record
-from zpath.net.transport import BadMessage, Endpoint, Outbox, backoff, make_context
+from zpath.net.transport import BadMessage, Endpoint, Outbox, backoff, make_context, raw
 from zpath.worker.executor import Executor
 from zpath.worker.store import Entry, Store, shard_key
 
@@ -95,6 +95,9 @@ class Worker:
         self.received_at: collections.deque = collections.deque(maxlen=256)
         self.shaped: list[tuple[float, int, int, Record, Any]] = []   # heap of DCN sends
         self._shaped_seq = 0
+        # shaped DCN pieces arriving as PieceChunks: piece id -> [array, its bytes,
+        # bytes received], or None once refused (later chunks are dropped)
+        self.partial: dict[int, list | None] = {}
         self.poller = zmq.Poller()
         self.peer_socks: dict[int, zmq.Socket] = {}
         self.peer_addrs: dict[int, tuple[str, str]] = {}   # rank -> (address, CURVE key)
@@ -200,16 +203,33 @@ class Worker:
                 elif kind == "data":
                     self.ep.send(self.data, msg, to=target, buffers=buffers, parent=parent, block=False)
                 elif kind == "dcn" and self.shaper.active:
-                    # emulated DCN link: hand it to TCP when the link would deliver it
-                    due = self.shaper.due(channels.piece_nbytes(buffers), time.monotonic())
-                    self._shaped_seq += 1
-                    heapq.heappush(self.shaped, (due, self._shaped_seq, target, msg, buffers))
+                    self._shape(target, msg, buffers)
                 else:
                     self.ep.send(self._peer(target), msg, buffers=buffers, block=False)
             except zmq.Again:
                 log.error("%s %s is not reading (queue full): dropped %s", kind, target, type(msg).__name__)
             except Exception as e:   # one bad message must not stop the I/O thread
                 log.error("cannot send %s: %s", type(msg).__name__, e)
+
+    def _shape(self, rank: int, msg: Record, buffers: Any) -> None:
+        """Emulated DCN link: queue the piece to be handed to TCP when the link
+        would deliver it; a capped piece larger than a chunk goes as PieceChunks
+        paced at the cap, so the real transfer overlaps the pacing."""
+        nbytes = channels.piece_nbytes(buffers)
+        now = time.monotonic()
+        if not (isinstance(msg, m.Piece) and len(buffers) == 1):
+            sends = [(self.shaper.due(nbytes, now), msg, buffers)]
+        else:
+            plan = self.shaper.chunks(nbytes, now)
+            if len(plan) == 1:
+                sends = [(plan[0][2], msg, buffers)]
+            else:
+                flat = raw(buffers[0])          # C-contiguous (sharding.cut): a view
+                sends = [(due, m.PieceChunk(msg.piece_id, msg.aval, off, nbytes), [flat[off:off + size]])
+                         for off, size, due in plan]
+        for due, msg, buffers in sends:
+            self._shaped_seq += 1
+            heapq.heappush(self.shaped, (due, self._shaped_seq, rank, msg, buffers))
 
     def _send_shaped(self) -> float:
         """Send the shaped DCN messages that are due; returns seconds to the next."""
@@ -307,6 +327,7 @@ class Worker:
                 self.executor.free_after_earlier(msg.buffers)
             case m.FailPieces():
                 for piece_id in msg.piece_ids:
+                    self.partial.pop(piece_id, None)
                     self.store.set(("p", piece_id), error=msg.error)
             case m.Shutdown():
                 log.info("controller asked us to exit: %s", msg.reason)
@@ -373,6 +394,20 @@ class Worker:
                 self.store.set(key, arr)
             case m.Piece():
                 self.store.set(("p", msg.piece_id), error=msg.error)
+            case m.PieceChunk():
+                key = ("p", msg.piece_id)
+                try:
+                    arr = self._take_chunk(msg, buffers)
+                except (ValueError, TypeError) as e:
+                    self.partial[msg.piece_id] = None
+                    self.post_data(ident, m.Error("bad_request", str(e)), parent=msg_id)
+                    self.store.set(key, error=m.ErrorInfo("RemoteError", f"bad PieceChunk: {e}",
+                                                          self.rank, "", ""))
+                    return
+                if arr is not None:
+                    self.stats["recv_tcp"] += 1
+                    self.received_at.append([msg.piece_id, time.time()])
+                    self.store.set(key, arr)
             case m.ShmPiece():
                 key = ("p", msg.piece_id)
                 try:
@@ -413,6 +448,31 @@ class Worker:
             case _:
                 self.post_data(ident, m.Error("bad_request", f"{type(msg).__name__} is not "
                                               "accepted on the data port"), parent=msg_id)
+
+    def _take_chunk(self, msg: m.PieceChunk, buffers: list) -> np.ndarray | None:
+        """Copy a chunk into its piece; the piece's array once it is complete."""
+        if msg.piece_id in self.partial and self.partial[msg.piece_id] is None:
+            if msg.offset + (buffers[0].nbytes if buffers else 0) >= msg.nbytes:
+                del self.partial[msg.piece_id]      # the refused piece's last chunk
+            return None
+        if len(buffers) != 1:
+            raise ValueError(f"expected one data buffer, got {len(buffers)}")
+        part = self.partial.get(msg.piece_id)
+        if part is None:
+            flat = np.empty(max(msg.nbytes, 0), np.uint8)
+            part = self.partial[msg.piece_id] = [_array(msg.aval, [flat]), flat, 0]
+        arr, flat, got = part
+        size = buffers[0].nbytes
+        if msg.nbytes != flat.nbytes or msg.offset < 0 or msg.offset + size > flat.nbytes \
+                or got + size > flat.nbytes:
+            raise ValueError(f"chunk [{msg.offset}, {msg.offset + size}) does not fit piece "
+                             f"{msg.piece_id} of {flat.nbytes} bytes ({got} received)")
+        flat[msg.offset:msg.offset + size] = np.frombuffer(buffers[0], np.uint8)
+        part[2] = got + size
+        if part[2] < flat.nbytes:
+            return None
+        del self.partial[msg.piece_id]
+        return arr
 
     def _reply_fetch(self, p: "_PendingFetch", e: Entry) -> None:
         if not p.claim():
