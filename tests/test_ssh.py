@@ -237,3 +237,41 @@ def test_killed_launcher_leaves_nothing(sshd, tmp_path):
             up.kill()
             up.wait(10)
         up.stdout.close()
+
+
+def test_down_stops_remote_workers_by_pid_over_ssh(sshd):
+    """The fallback of `zpath down` when its `zpath up` is gone: the remote
+    zpath.remote is stopped over ssh by pid, and its worker with it."""
+    from zpath.ssh import SSHCluster
+    from zpath.state import kill_remote
+    port, opts, sshd_pid = sshd
+    c = SSHCluster(_hosts(port), ssh_options=opts, connect_timeout=5, start_timeout=60)
+    try:
+        (name, p), = [(n, p) for n, p in c.procs if n in c.host_of]
+        remote_pid = c.remote_pids[name]
+        worker = [q for q in sessions(sshd_pid) if "zpath.worker" in " ".join(q.cmdline())]
+        assert psutil.Process(remote_pid).parent().pid in [q.pid for q in sessions(sshd_pid)]
+        assert kill_remote(c.ssh_argv(c.host_of[name], "")[:-1], remote_pid)
+        p.wait(20)                                 # the session ends with it
+        assert_gone([remote_pid] + [q.pid for q in worker])
+        assert not kill_remote(c.ssh_argv(c.host_of[name], "")[:-1], remote_pid)   # gone: no-op
+    finally:
+        c.stop()
+    wait_no_sessions(sshd_pid)
+
+
+def test_hostfile_parsing():
+    from zpath.ssh import HostfileError, parse_hostfile
+    hosts = parse_hostfile("# comment\n\n10.0.0.1 user=ml port=2222 island=1 devices=4 python=/v/py name=a"
+                           "  # trailing\n10.0.0.2 island=0 devices=1\n")
+    assert [(h.address, h.user, h.port, h.island, h.devices, h.python, h.name, h.line) for h in hosts] == [
+        ("10.0.0.1", "ml", 2222, 1, 4, "/v/py", "a", 3), ("10.0.0.2", "", 22, 0, 1, "", "", 4)]
+    assert hosts[0].where == "ml@10.0.0.1:2222 (hostfile line 3)"
+    for bad, msg in [("h devices=1", "line 1: island= is required"),
+                     ("h island=0 devices=x", "must be integers"),
+                     ("h island=0 devices=1 colour=red", "bad field 'colour=red'"),
+                     ("h island=0 devices=0", "devices >= 1"),
+                     ("# nothing\n", "no hosts"),
+                     ("a island=0 devices=1 name=x\nb island=0 devices=1 name=x", "unique")]:
+        with pytest.raises(HostfileError, match=re.escape(msg)):
+            parse_hostfile(bad)
