@@ -133,7 +133,7 @@ def test_ssh_cluster_two_islands_compute_and_down(sshd, tmp_path):
         assert key not in " ".join(" ".join(p.cmdline()) for p in everything), "key on a command line"
         remote = [p for p in sessions(sshd_pid) if "zpath.worker" in " ".join(p.cmdline())]
         assert len(remote) == 2
-        conn = zp.connect(address, key)
+        zp.connect(address, key)
         try:
             d0 = zp.make_virtual_device_set().add_slice(devices=2, island=0).devices
             d1 = zp.make_virtual_device_set().add_slice(devices=2, island=1).devices

@@ -117,14 +117,32 @@ def kill_host(cluster: Any, host: int | str, sig: int = signal.SIGKILL) -> int:
     return p.pid
 
 
-def pause_host(cluster: Any, host: int | str) -> int:
-    """Freeze one worker (SIGSTOP): it stops answering, as a hung machine would."""
-    return kill_host(cluster, host, signal.SIGSTOP)
+def pause_host(cluster: Any, host: int | str, timeout: float = 10.0) -> int:
+    """Freeze one worker (SIGSTOP): it stops answering, as a hung machine would.
+    Returns once the process is stopped (signals are delivered asynchronously)."""
+    pid = kill_host(cluster, host, signal.SIGSTOP)
+    _wait_status(pid, lambda st: st == psutil.STATUS_STOPPED, timeout, "stop")
+    return pid
 
 
-def resume_host(cluster: Any, host: int | str) -> int:
-    """Let a paused worker go on (SIGCONT)."""
-    return kill_host(cluster, host, signal.SIGCONT)
+def resume_host(cluster: Any, host: int | str, timeout: float = 10.0) -> int:
+    """Let a paused worker go on (SIGCONT); returns once it is no longer stopped."""
+    pid = kill_host(cluster, host, signal.SIGCONT)
+    _wait_status(pid, lambda st: st != psutil.STATUS_STOPPED, timeout, "resume")
+    return pid
+
+
+def _wait_status(pid: int, ok: Callable[[str], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if ok(psutil.Process(pid).status()):
+                return
+        except psutil.NoSuchProcess:
+            raise ZpathError(f"process {pid} is gone (cannot {what} it)") from None
+        if time.monotonic() > deadline:
+            raise ZpathError(f"process {pid} did not {what} within {timeout:.0f}s")
+        time.sleep(0.01)
 
 
 @pytest.fixture
