@@ -109,6 +109,7 @@ class Worker:
         self.running = True
         self.last_controller = time.monotonic()
         self.fetch_deadlines: list[tuple[float, int, _PendingFetch]] = []   # heap
+        self.fetch_heap_limit = 1024
 
     # ---- start-up ------------------------------------------------------------
     def register(self) -> None:
@@ -443,6 +444,13 @@ class Worker:
                 timeout = msg.timeout_s if msg.timeout_s == msg.timeout_s else 0.0   # NaN
                 timeout = min(max(timeout, 0.0), MAX_FETCH_TIMEOUT_S)
                 pending = _PendingFetch(ident, msg)
+                if len(self.fetch_deadlines) > self.fetch_heap_limit:
+                    # answered fetches stay in the heap until their deadline; drop
+                    # them now and then (amortised: the limit doubles with what is
+                    # really pending) so a busy client cannot grow it for long
+                    self.fetch_deadlines = [e for e in self.fetch_deadlines if not e[2].answered]
+                    heapq.heapify(self.fetch_deadlines)
+                    self.fetch_heap_limit = max(1024, 2 * len(self.fetch_deadlines))
                 heapq.heappush(self.fetch_deadlines, (time.monotonic() + timeout, id(pending), pending))
                 self.store.when_done(key, lambda e, p=pending: self.pool.submit(self._reply_fetch, p, e))
             case _:
@@ -503,6 +511,10 @@ class _PendingFetch:
         self.ident, self.msg = ident, msg
         self._lock = threading.Lock()
         self._answered = False
+
+    @property
+    def answered(self) -> bool:
+        return self._answered
 
     def claim(self) -> bool:
         with self._lock:
