@@ -3,12 +3,16 @@ freed (it does not crash); one that can never fit fails at once, clearly."""
 from __future__ import annotations
 
 import gc
+import os
+import subprocess
+import sys
 import time
 
 import numpy as np
 import pytest
 
 import zpath as zp
+from zpath.net import messages as m
 from tests.conftest import connected, running_cluster
 
 pytestmark = pytest.mark.timeout(180)
@@ -36,6 +40,13 @@ def test_calls_wait_for_memory_and_never_fitting_ones_fail(limited):
         with pytest.raises(zp.DeadlineExceeded):
             c.result(timeout=0.5)
         assert not d2.done()
+        st = zp.api.current_client().request(m.StatusRequest(False))
+        assert st.queued == 2 and st.running == 0
+        assert [u.nbytes for u in st.devices if u.id == d[0].id] == [80_000]
+        out = subprocess.run([sys.executable, "-m", "zpath", "status", limited.address], capture_output=True,
+                             text=True, timeout=60, env=dict(os.environ, ZPATH_KEY=limited.key.hex()))
+        assert "queued 2" in out.stdout and f"device {d[0].id} (host 0): 80000 bytes in use" in out.stdout, \
+            out.stdout + out.stderr
         del a
         gc.collect()                   # frees 40 kB: c fits now
         np.testing.assert_array_equal(c.result(timeout=30)[:2], [4., 4.])

@@ -91,13 +91,17 @@ def _status(args: argparse.Namespace) -> int:
     finally:
         c.close()
     print(f"controller {address}: {len(st.hosts)} host(s), {st.programs} program(s), "
-          f"{st.buffers} buffer(s), {st.calls} call(s)")
+          f"{st.buffers} buffer(s), {st.calls} call(s); computations running {st.running}, "
+          f"queued {st.queued}")
     stores = {s.rank: s for s in st.stores}
     for h in st.hosts:
         s = stores.get(h.rank)
         held = f", {s.shards} shard(s) {s.nbytes} bytes" if s else ""
         print(f"  island {h.island} host {h.rank} {h.name} devices {[d.id for d in h.devices]} "
               f"data {h.data_address}{held}")
+    for d in st.devices:
+        if d.nbytes:
+            print(f"  device {d.id} (host {d.host}): {d.nbytes} bytes in use")
     for h in st.lost:
         print(f"  island {h.island} host {h.rank} {h.name} LOST")
     for cl in st.clients:

@@ -250,7 +250,9 @@ class Controller:
                 self.send(ident, m.Status(self._host_infos(), stores,
                                           [f"{p.id}:{p.name}" for p in self.peers.values() if p.role == "client"],
                                           len(self.directory.buffers), len(self.programs), self.calls,
-                                          lost), parent)
+                                          lost, len(self.in_flight), self._queued(),
+                                          [m.DeviceUsage(d.id, d.host, self.directory.device_bytes[d.id])
+                                           for d in self.rm.devices.values()]), parent)
             case m.Pong() if peer is not None:
                 if peer.role == "worker":
                     self.host_stores[peer.id] = (msg.shards, msg.nbytes)
@@ -289,6 +291,10 @@ class Controller:
             case _:
                 self.reply_error(ident, parent, "bad_request",
                                  f"{type(msg).__name__} is not accepted from a {peer.role}")
+
+    def _queued(self) -> int:
+        held = {id(h) for waiting in self.waiters.values() for h in waiting}
+        return len(held) + sum(len(s.calls) - s.next for s in self.memory_waiting)
 
     def _register_worker(self, ident: bytes, parent: int, msg: m.RegisterWorker) -> None:
         if msg.protocol != PROTOCOL_VERSION:

@@ -196,6 +196,13 @@ class HostStatus(Record):
     nbytes: int              # bytes they take
 
 
+@record
+class DeviceUsage(Record):
+    id: int                  # global device id
+    host: int
+    nbytes: int              # bytes of buffers the controller placed on it
+
+
 @message(23)
 class Status(Record):
     hosts: list[HostInfo]
@@ -205,6 +212,9 @@ class Status(Record):
     programs: int
     calls: int
     lost: list[HostInfo]     # hosts that stopped answering
+    running: int             # computations dispatched and not finished on every host
+    queued: int              # computations held back (waiting for other nodes or memory)
+    devices: list[DeviceUsage]
 
 
 # ---- programs and calls -----------------------------------------------------
