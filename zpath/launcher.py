@@ -155,11 +155,11 @@ class ClusterLauncher:
         if time.monotonic() > deadline:
             raise DeadlineExceeded(f"{self.kind} did not start in time{missing}; logs in {self.dir}")
 
-    def _wait_registered(self, deadline: float, extra: int = 0, watch: list | None = None) -> None:
+    def _wait_registered(self, deadline: float, watch: list | None = None) -> None:
         from zpath.client import Client
         from zpath.net import messages as m
 
-        want = len(self.expected)       # ``extra``: kept for callers; added workers are in it
+        want = len(self.expected)       # workers added later are in it too
         c = Client(self.address, self.key, name="launcher")
         try:
             while True:
@@ -273,7 +273,7 @@ class LocalCluster(ClusterLauncher):
                              "island's JAX runtime has a fixed size)")
         n = sum(1 for name, _ in self.procs if name.startswith(f"worker-i{island}-"))
         name, p = self._spawn_worker(island, n, [])
-        self._wait_registered(time.monotonic() + timeout, extra=1, watch=[(name, p)])
+        self._wait_registered(time.monotonic() + timeout, watch=[(name, p)])
         return name
 
     def __enter__(self) -> "LocalCluster":

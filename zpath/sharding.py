@@ -11,7 +11,6 @@ import math
 from typing import Any, Iterable, Sequence
 
 Region = tuple[tuple[int, int], ...]
-SpecEntry = None | str | tuple[str, ...]
 
 
 def normalize_spec(spec: Any, ndim: int, axis_names: Sequence[str]) -> list[None | str | list[str]]:

@@ -12,7 +12,6 @@ import logging
 import os
 import random
 import threading
-import time
 from typing import Any, Sequence
 
 import zmq
@@ -142,14 +141,6 @@ class Outbox:
 def backoff(attempt: int, base: float = 0.05, cap: float = 2.0) -> float:
     """Capped, jittered exponential backoff in seconds."""
     return random.uniform(0.5, 1.0) * min(cap, base * (2 ** attempt))
-
-
-def deadline_in(seconds: float | None) -> float | None:
-    return None if seconds is None else time.monotonic() + seconds
-
-
-def remaining(deadline: float | None) -> float | None:
-    return None if deadline is None else max(0.0, deadline - time.monotonic())
 
 
 def make_context() -> zmq.Context:

@@ -72,9 +72,6 @@ class Executor:
                                                            thread_name_prefix="exec")
         self._stopped = False
 
-    def start(self) -> None:
-        pass
-
     def stop(self) -> None:
         with self._lock:
             self._stopped = True

@@ -131,7 +131,6 @@ class Worker:
                         self.executor = Executor(self.store, devices, self._exec_done,
                                                  jax_devices={d.id: d for d in self.jax.devices()})
                         self.executor.rank = reply.rank
-                        self.executor.start()
                         log.info("registered as host %d with devices %s", reply.rank,
                                  sorted(devices))
                         return
