@@ -188,7 +188,7 @@ class Controller:
             if not self.running:
                 return
             try:
-                ident, header, msg, buffers = self.ep.recv(self.sock, router=True)
+                ident, header, msg, buffers = self.ep.recv(self.sock, router=True, block=False)
             except zmq.Again:
                 return
             except BadMessage as e:

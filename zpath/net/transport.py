@@ -69,11 +69,12 @@ class Endpoint:
         sock.send_multipart(frames, copy=not big, flags=0 if block else zmq.NOBLOCK)
         return msg_id
 
-    def recv(self, sock: zmq.Socket, *, router: bool = False
+    def recv(self, sock: zmq.Socket, *, router: bool = False, block: bool = True
              ) -> tuple[bytes | None, Header, Record, list[memoryview]]:
         """Receive one message. On a bad message raises :class:`BadMessage`
-        carrying what is known about its sender, so the caller can answer."""
-        frames = sock.recv_multipart(copy=False)
+        carrying what is known about its sender, so the caller can answer. With
+        ``block=False`` an empty queue raises zmq.Again instead of waiting."""
+        frames = sock.recv_multipart(copy=False, flags=0 if block else zmq.NOBLOCK)
         ident = None
         if router:
             ident = frames[0].bytes

@@ -268,7 +268,7 @@ class Worker:
         """Answers from a peer's data port: ShmAck, or errors."""
         for _ in range(1000):
             try:
-                _, _, msg, _ = self.ep.recv(sock)
+                _, _, msg, _ = self.ep.recv(sock, block=False)
             except zmq.Again:
                 return
             except BadMessage as e:
@@ -288,7 +288,7 @@ class Worker:
     def _drain(self, sock: zmq.Socket, router: bool) -> None:
         for _ in range(1000):
             try:
-                ident, header, msg, buffers = self.ep.recv(sock, router=router)
+                ident, header, msg, buffers = self.ep.recv(sock, router=router, block=False)
             except zmq.Again:
                 return
             except BadMessage as e:
