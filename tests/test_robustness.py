@@ -145,6 +145,11 @@ def test_clients_cannot_use_each_others_buffers(cluster, client):
     finally:
         other.close()
     np.testing.assert_array_equal(np.asarray(inc(theirs)), [2.])
+    # the refused id was not claimed either: its owner can still create it
+    later = theirs.buffer + 99
+    fut = inc.future(later, traced.out_avals[0], traced.out_specs[0])
+    client.client.post(inc.call_message(traced, [m.CallInput(theirs.buffer, av, spec, False)], [later]))
+    np.testing.assert_array_equal(fut.result(timeout=30), [2.])
 
 
 def test_numpy_integers_as_slice_arguments(client):

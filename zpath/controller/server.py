@@ -198,12 +198,9 @@ class Controller:
                 self.handle(ident, header, msg, buffers)
             except Exception:  # a handler bug must not take the controller down
                 log.exception("error handling %s from %s", type(msg).__name__, header.sender)
-                if isinstance(msg, m.Call):   # fail its futures rather than leave them waiting
-                    outs = [o.buffer for o in msg.outputs]
-                    err = m.ErrorInfo("RemoteError", "the controller failed planning this call "
-                                      "(see its log)", None, "", "")
-                    self.directory.poison(outs, self.peers[ident].id, err)
-                    self.send(ident, m.CallFailed(msg.call_id, outs, err))
+                if isinstance(msg, m.Call) and ident in self.peers:   # fail its futures, don't leave them waiting
+                    self._fail_call(ident, self.peers[ident].id, msg, m.ErrorInfo(
+                        "RemoteError", "the controller failed planning this call (see its log)", None, "", ""))
                 else:
                     self.reply_error(ident, header.msg_id, "internal",
                                      f"controller failed handling {type(msg).__name__}")
@@ -358,16 +355,22 @@ class Controller:
                 raise
             err = e.error or m.ErrorInfo("CallFailed", f"call rejected: {e}", None,
                                          prog[0] if prog else "", "")
-            # poison only outputs that are new: never an existing (valid) buffer
-            outs = [o.buffer for o in call.outputs if o.buffer not in self.directory.buffers]
-            self.directory.poison(outs, peer.id, err)
-            self.send(ident, m.CallFailed(call.call_id, outs, err))
+            self._fail_call(ident, peer.id, call, err)
             # shards the client already put for it: free them where they went
             puts = [i.buffer for i in call.inputs if i.put and i.buffer not in self.directory.buffers]
             hosts = {self.rm.devices[d].host for d in call.devices if d in self.rm.devices}
             if puts:
                 self._free({h: puts for h in hosts})
             return None
+
+    def _fail_call(self, ident: bytes, client: int, call: m.Call, err: m.ErrorInfo) -> None:
+        """Fail a call that will not run: its outputs are poisoned (so consumers fail
+        with the same cause) and the client is told. Only outputs that are new and
+        in the sender's own id range: never an existing buffer, nor one another
+        client may still create."""
+        outs = [o.buffer for o in call.outputs if o.buffer not in self.directory.buffers]
+        self.directory.poison([b for b in outs if b >> 32 == client], client, err)
+        self.send(ident, m.CallFailed(call.call_id, outs, err))
 
     def _dispatch(self, peer: Peer, call: m.Call, plan: Plan, name: str) -> int:
         """Send a planned call to its hosts in gang order; returns its exec id."""
@@ -398,11 +401,9 @@ class Controller:
         """A traced program: plan every node now; send them all at once
         (parallel) or each once the nodes it reads have finished (sequential)."""
         if prog.dispatch not in ("parallel", "sequential"):
+            err = m.ErrorInfo("CallFailed", f"unknown dispatch mode {prog.dispatch!r}", None, prog.name, "")
             for call in prog.calls:
-                outs = [o.buffer for o in call.outputs]
-                err = m.ErrorInfo("CallFailed", f"unknown dispatch mode {prog.dispatch!r}", None, prog.name, "")
-                self.directory.poison(outs, peer.id, err)
-                self.send(ident, m.CallFailed(call.call_id, outs, err))
+                self._fail_call(ident, peer.id, call, err)
             return
         self._submit(ident, peer, prog.calls, prog.dispatch, prog.release)
 
@@ -430,9 +431,7 @@ class Controller:
             if n > self.memory_limit:
                 err = m.ErrorInfo("ResourceError", f"call needs {n} bytes on device {d}, more than "
                                   f"the per-device limit of {self.memory_limit} bytes", None, "", "")
-                outs = [o.buffer for o in call.outputs if o.buffer not in self.directory.buffers]
-                self.directory.poison(outs, sub.peer.id, err)
-                self.send(sub.ident, m.CallFailed(call.call_id, outs, err))
+                self._fail_call(sub.ident, sub.peer.id, call, err)
                 return "failed"
             if self.directory.device_bytes[d] + n > self.memory_limit:
                 return "wait"
