@@ -53,7 +53,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from island_dispatch import (LOOP, McBench, _check, _cpu, _summary,  # noqa: E402
-                             _timeline_stats, expected)
+                             _timeline_stats, cpu_line, expected, on_sigterm, timeline_line)
 
 NODES = LOOP         # chained nodes per program (128, as in the paper)
 X0 = 0.0             # x_k = 2^k - 1: exact and finite for k < 1024 computations per run
@@ -184,18 +184,10 @@ def _table(z: dict[str, Any], mc: dict[str, Any]) -> str:
 
 
 def _breakdown(z: dict[str, Any], mc: dict[str, Any]) -> str:
-    out = []
-    for v in VARIANTS:
-        zc = z[v]["cpu_us_per_comp"]
-        out.append(f"  zpath -{v:<5} CPU us/comp: " + ", ".join(f"{k} {t:,.1f}" for k, t in zc.items())
-                   + f"; total {sum(zc.values()):,.1f} (wall {z[v]['us_per_comp']:,.1f})")
-    mcc = mc["cpu_us_per_comp"]
-    out.append("  MC           CPU us/comp: " + ", ".join(f"{k} {t:,.1f}" for k, t in mcc.items())
-               + f"; total {sum(mcc.values()):,.1f} (wall {mc['us_per_comp']:,.1f})")
+    out = [cpu_line(f"zpath -{v:<5}", z[v]) for v in VARIANTS]
+    out.append(cpu_line("MC          ", mc))
     for host, t in z["C"].get("timeline", {}).items():
-        out.append(f"  zpath -C worker {host}: execute {t['exec_us_median']:,.1f} us/comp, "
-                   f"start-to-start {t['start_to_start_us_median']:,.1f} us/comp, idle between "
-                   f"{t['idle_between_us_median']:,.1f} us (median over {t['records']} computations)")
+        out.append(timeline_line("zpath -C", host, t, "comp"))
     return "\n".join(out)
 
 
@@ -203,10 +195,6 @@ def _spread(z: dict[str, Any], mc: dict[str, Any]) -> str:
     out = [f"  zpath -{v:<5} runs (s): " + " ".join(f"{t:.4f}" for t in z[v]["times_s"]) for v in VARIANTS]
     out.append("  MC           runs (s): " + " ".join(f"{t:.4f}" for t in mc["times_s"]))
     return "\n".join(out)
-
-
-def _on_sigterm(signum: int, frame: Any) -> None:
-    raise SystemExit(128 + signum)     # unwind through the finally blocks that stop everything
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -231,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     comps = args.programs * NODES
     warm = 1
 
-    signal.signal(signal.SIGTERM, _on_sigterm)
+    signal.signal(signal.SIGTERM, on_sigterm)
     print(f"chained dispatch (-C) of `psum(x) + 1.` (float64 scalar per device), 1 island x 2 hosts x "
           f"1 device: {args.programs} programs x {NODES} chained nodes = {comps} computations per run, "
           f"median of {args.repeats} runs after a warm-up", flush=True)

@@ -406,20 +406,28 @@ def _table(z: dict[str, Any], mc: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def cpu_line(label: str, result: dict[str, Any]) -> str:
+    """One line of the CPU breakdown: per-process CPU per computation, and wall."""
+    cpu = result["cpu_us_per_comp"]
+    return (f"  {label} CPU us/comp: " + ", ".join(f"{k} {t:,.1f}" for k, t in cpu.items())
+            + f"; total {sum(cpu.values()):,.1f} (wall {result['us_per_comp']:,.1f})")
+
+
+def timeline_line(label: str, host: str, t: dict[str, Any], unit: str, of: str = "") -> str:
+    """One line of a worker's timeline medians (``unit``: what one record is)."""
+    return (f"  {label} worker {host}: execute {t['exec_us_median']:,.1f} us/{unit}, "
+            f"start-to-start {t['start_to_start_us_median']:,.1f} us/{unit}, idle between "
+            f"{t['idle_between_us_median']:,.1f} us (median over {t['records']} {unit}s{of})")
+
+
 def _breakdown(z: dict[str, Any], mc: dict[str, Any]) -> str:
     out = []
     for v in ("O", "F"):
-        zc, mcc = z[v]["cpu_us_per_comp"], mc[v]["cpu_us_per_comp"]
-        out.append(f"  -{v} zpath CPU us/comp: " + ", ".join(f"{k} {t:,.1f}" for k, t in zc.items())
-                   + f"; total {sum(zc.values()):,.1f} (wall {z[v]['us_per_comp']:,.1f})")
-        out.append(f"  -{v} MC    CPU us/comp: " + ", ".join(f"{k} {t:,.1f}" for k, t in mcc.items())
-                   + f"; total {sum(mcc.values()):,.1f} (wall {mc[v]['us_per_comp']:,.1f})")
+        out.append(cpu_line(f"-{v} zpath", z[v]))
+        out.append(cpu_line(f"-{v} MC   ", mc[v]))
         for host, t in z[v]["timeline"].items():
-            per = LOOP if v == "F" else 1
-            out.append(f"  -{v} zpath worker {host}: execute {t['exec_us_median']:,.1f} us/call, "
-                       f"start-to-start {t['start_to_start_us_median']:,.1f} us/call, idle between "
-                       f"{t['idle_between_us_median']:,.1f} us (median over {t['records']} calls"
-                       + (f" of {per} computations" if per > 1 else "") + ")")
+            out.append(timeline_line(f"-{v} zpath", host, t, "call",
+                                     f" of {LOOP} computations" if v == "F" else ""))
     return "\n".join(out)
 
 
@@ -431,7 +439,7 @@ def _spread(z: dict[str, Any], mc: dict[str, Any]) -> str:
     return "\n".join(out)
 
 
-def _on_sigterm(signum: int, frame: Any) -> None:
+def on_sigterm(signum: int, frame: Any) -> None:
     raise SystemExit(128 + signum)     # unwind through the finally blocks that stop everything
 
 
@@ -455,7 +463,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--calls-o must be below 1024 (the -O check value 2^n - 1 overflows float64)")
     warm_o, warm_f = min(args.calls_o, 200), min(args.calls_f, 5)
 
-    signal.signal(signal.SIGTERM, _on_sigterm)
+    signal.signal(signal.SIGTERM, on_sigterm)
     print(f"island dispatch of `psum(x) + 1.` (float64 scalar per device), 1 island x 2 hosts x "
           f"1 device: -O {args.calls_o} calls/run, -F {args.calls_f} calls x {LOOP}/run, "
           f"median of {args.repeats} runs after a warm-up", flush=True)
