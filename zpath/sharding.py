@@ -18,22 +18,29 @@ def normalize_spec(spec: Any, ndim: int, axis_names: Sequence[str]) -> list[None
     entries = list(spec) if spec is not None else []
     if len(entries) > ndim:
         raise ValueError(f"spec {spec} has {len(entries)} entries for an array of rank {ndim}")
-    out: list[None | str | list[str]] = []
-    used: set[str] = set()
-    for e in entries + [None] * (ndim - len(entries)):
-        names = [] if e is None else [e] if isinstance(e, str) else list(e)
-        for n in names:
-            if n not in axis_names:
-                raise ValueError(f"spec {spec} names axis {n!r}; mesh axes are {tuple(axis_names)}")
-            if n in used:
-                raise ValueError(f"spec {spec} uses axis {n!r} twice")
-            used.add(n)
-        out.append(None if not names else names[0] if len(names) == 1 and isinstance(e, str) else names)
-    return out
+    entries += [None] * (ndim - len(entries))
+    return [None if not names else names[0] if len(names) == 1 and isinstance(e, str) else names
+            for e, names in zip(entries, _spec_axes(entries, axis_names), strict=True)]
 
 
 def _axes(entry: None | str | Sequence[str]) -> list[str]:
     return [] if entry is None else [entry] if isinstance(entry, str) else list(entry)
+
+
+def _spec_axes(spec: Sequence[Any], axis_names: Sequence[str]) -> list[list[str]]:
+    """The mesh axes of each spec entry; every axis must exist and be used once."""
+    out: list[list[str]] = []
+    used: set[str] = set()
+    for entry in spec:
+        axes = _axes(entry)
+        for a in axes:
+            if a not in axis_names:
+                raise ValueError(f"spec {list(spec)} names axis {a!r}; mesh axes are {tuple(axis_names)}")
+            if a in used:
+                raise ValueError(f"spec {list(spec)} uses axis {a!r} twice")
+            used.add(a)
+        out.append(axes)
+    return out
 
 
 def regions(shape: Sequence[int], mesh_shape: Sequence[int], axis_names: Sequence[str],
@@ -45,15 +52,7 @@ def regions(shape: Sequence[int], mesh_shape: Sequence[int], axis_names: Sequenc
     if len(spec) > len(shape):
         raise ValueError(f"spec {list(spec)} has {len(spec)} entries for an array of rank {len(shape)}")
     parts = []
-    used: set[str] = set()
-    for d, entry in enumerate(spec):
-        axes = _axes(entry)
-        for a in axes:
-            if a not in sizes:
-                raise ValueError(f"spec {list(spec)} names axis {a!r}; mesh axes are {tuple(axis_names)}")
-            if a in used:
-                raise ValueError(f"spec {list(spec)} uses axis {a!r} twice")
-            used.add(a)
+    for d, axes in enumerate(_spec_axes(spec, axis_names)):
         n = math.prod(sizes[a] for a in axes)
         if shape[d] % n:
             raise ValueError(f"dimension {d} of size {shape[d]} is not divisible by "

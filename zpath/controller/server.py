@@ -97,9 +97,6 @@ def _buffers(call: m.Call) -> list[int]:
     return [i.buffer for i in call.inputs] + [o.buffer for o in call.outputs]
 
 
-_nbytes = sharding.nbytes
-
-
 class Controller:
     def __init__(self, key: bytes, bind: str = "tcp://127.0.0.1:0") -> None:
         self.ep = Endpoint(key, "controller")
@@ -544,7 +541,7 @@ class Controller:
             for src, piece in plan.sends:
                 same = self.rm.hosts[src].island == self.rm.hosts[piece.dst_host].island
                 transfers.append(m.TransferInfo(piece.buffer, src, piece.dst_host,
-                                                _nbytes(piece.sub, scratch.buffers[piece.buffer].dtype),
+                                                sharding.nbytes(piece.sub, scratch.buffers[piece.buffer].dtype),
                                                 "ICI" if same else "DCN"))
             for h, ex in plan.executes.items():
                 for inp in ex.inputs:
@@ -552,7 +549,7 @@ class Controller:
                         for p in shard.pieces:
                             if p.piece_id == 0:
                                 transfers.append(m.TransferInfo(inp.buffer, h, h,
-                                                                _nbytes(p.sub, inp.aval.dtype), "local"))
+                                                                sharding.nbytes(p.sub, inp.aval.dtype), "local"))
             hosts = sorted(plan.executes)
             nodes.append(m.NodePlan(call.call_id, name, self.rm.hosts[hosts[0]].island, hosts,
                                     call.devices, transfers))
