@@ -223,7 +223,7 @@ def test_signature_is_hmac_sha256_over_length_prefixed_parts():
 
 
 def test_wrong_key_is_rejected():
-    frames = enc(m.Hello("c", 1), key=OTHER_KEY)
+    frames = enc(m.Hello("c", 1, 1.0), key=OTHER_KEY)
     err = rejects(frames, "bad signature")
     assert "wrong cluster key" in str(err)
     assert isinstance(err, ZpathError)
@@ -331,8 +331,8 @@ def _set(value: list, path: tuple, new: Any) -> list:
     (m.Ping, [True], "Ping.seq: expected int, got bool"),
     (m.Ping, [1.0], "Ping.seq: expected int, got float"),
     (m.Ping, [None], "Ping.seq: expected int, got NoneType"),
-    (m.Hello, [5, 1], "Hello.name: expected str, got int"),
-    (m.Hello, [b"c", 1], "Hello.name: expected str, got bytes"),
+    (m.Hello, [5, 1, 1.0], "Hello.name: expected str, got int"),
+    (m.Hello, [b"c", 1, 1.0], "Hello.name: expected str, got bytes"),
     (m.StatusRequest, [1], "StatusRequest.verbose: expected bool, got int"),
     (m.Fetch, [1, 2, 3, [[0, 1]], True], "Fetch.timeout_s: expected float, got bool"),
     (m.Fetch, [1, 2, 3, [[0, 1]], "5"], "Fetch.timeout_s: expected float, got str"),
@@ -382,12 +382,12 @@ def test_oversized_body():
 
 def test_body_at_the_limit_passes_the_size_check():
     # a valid string field padded up to exactly MAX_BODY_BYTES
-    overhead = len(body(["", 1]))
+    overhead = len(body(["", 1, 1.0]))
     name = "a" * (codec.MAX_BODY_BYTES - overhead - 4)
-    raw = body([name, 1])
+    raw = body([name, 1, 1.0])
     assert len(raw) == codec.MAX_BODY_BYTES
     _, msg, _ = codec.decode(KEY, signed(hdr(1, m.Hello.TYPE, 1, 0, "s"), raw))
-    assert msg == m.Hello(name, 1)
+    assert msg == m.Hello(name, 1, 1.0)
 
 
 def test_too_many_buffers():

@@ -108,7 +108,7 @@ def templates(rng: random.Random, devices: list[int], garbage_digest: str) -> di
         (m.ExecDone(1, err, 0.0, 1.0), ()), (m.FailPieces([ids[4]], err), ()),
     ]
     controller = common + [
-        (m.Hello("fuzz", codec.PROTOCOL_VERSION), ()),
+        (m.Hello("fuzz", codec.PROTOCOL_VERSION, 1.0), ()),
         (m.RegisterWorker("fuzz", 0, "tcp://127.0.0.1:1", 1, "cpu", 1, codec.PROTOCOL_VERSION + 1,
                           [0], "", 0, 1, "", "", ""), ()),
         (m.AllocSlice(1, None, None), ()), (m.AllocSlice(1, 0, 0), ()),
@@ -180,7 +180,7 @@ def semantic(rng: random.Random, target: str, devices: list[int], garbage_digest
             (m.ExplainRequest([call] * rng.choice([0, 1, 5])), ()),
             (m.TimelineRequest(rng.choice([huge, neg, 0, 2 ** 63 - 1])), ()),
             (m.Release([bid, neg, huge] * 10), ()),
-            (m.Hello("fuzz", rng.choice([0, 2, neg, huge])), ()),
+            (m.Hello("fuzz", rng.choice([0, 2, neg, huge]), 1.0), ()),
             (m.Ping(huge), ()), (m.Pong(neg, huge, neg), ()),
         ]
     return rng.choice(msgs)
@@ -304,7 +304,7 @@ class Fuzzer(threading.Thread):
                     socks.append((target, s))
                     if target == "controller" and n < 2:
                         # a registered client: its signed messages reach the handlers
-                        self._send(s, target, "semantic", *self._signed(m.Hello(f"fuzz{n}", 1)))
+                        self._send(s, target, "semantic", *self._signed(m.Hello(f"fuzz{n}", 1, 1.0)))
                         self._send(s, target, "semantic",
                                    *self._signed(m.RegisterProgram(self.garbage_digest, "garbage"),
                                                  [self.garbage_blob]))

@@ -75,7 +75,7 @@ def test_controller_keeps_serving_a_client_that_never_reads(cluster, client):
     s.setsockopt(zmq.RCVBUF, 4096)
     s.connect(cluster.address)
     try:
-        s.send_multipart(codec.encode(cluster.key, m.Hello("flood", PROTOCOL_VERSION), msg_id=1, sender="x"))
+        s.send_multipart(codec.encode(cluster.key, m.Hello("flood", PROTOCOL_VERSION, 1.0), msg_id=1, sender="x"))
         for i in range(5000):
             s.send_multipart(codec.encode(cluster.key, m.StatusRequest(True), msg_id=i + 2, sender="x"))
         time.sleep(1.0)

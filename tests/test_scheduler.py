@@ -76,3 +76,156 @@ def test_broken_order_gives_hosts_different_orders():
     # single-host computations are not reordered
     single = s.dispatch(0, execs([1]))
     assert [h for h, _ in single] == [1]
+
+
+# ---- TenantScheduler ------------------------------------------------------------
+
+from zpath.controller.scheduler import Ready, TenantScheduler  # noqa: E402
+
+
+def _run_backlogged(sched: TenantScheduler, weights: dict[int, float], cost: dict[int, float],
+                    steps: int, devices: tuple[int, ...] = (0,)) -> dict[int, float]:
+    """Every client always has work waiting; the device runs what the scheduler
+    sends, one at a time in the order sent. Returns device-seconds per client."""
+    for c, w in weights.items():
+        sched.add_client(c, w)
+        for _ in range(3):
+            sched.add(Ready(c, 0, devices, ("p", c), c))
+    ticket = 0
+    at_device: list[tuple[int, int]] = []
+    used = {c: 0.0 for c in weights}
+    for _ in range(steps):
+        while (r := sched.pick(0)) is not None:
+            ticket += 1
+            sched.sent(ticket, r)
+            at_device.append((ticket, r.client))
+            sched.add(Ready(r.client, 0, devices, ("p", r.client), r.client))   # keep it backlogged
+        t, c = at_device.pop(0)
+        sched.host_done(t, cost[c], len(devices))
+        sched.finished(t)
+        used[c] += cost[c] * len(devices)
+    return used
+
+
+def test_share_gives_device_time_in_proportion_to_weight():
+    weights = {1: 1, 2: 2, 3: 4, 4: 8}
+    cost = {1: 0.004, 2: 0.001, 3: 0.003, 4: 0.002}    # unequal computation sizes
+    used = _run_backlogged(TenantScheduler("share"), weights, cost, steps=4000)
+    total = sum(used.values())
+    for c, w in weights.items():
+        assert used[c] / total == pytest.approx(w / 15, rel=0.05), (c, used)
+
+
+def test_fifo_takes_computations_in_arrival_order():
+    s = TenantScheduler("fifo", window_s=1.0, min_window=1, default_cost_s=1.0)   # one at a time
+    s.add_client(1, 1)
+    s.add_client(2, 100)
+    order = [1, 2, 2, 1, 2]
+    for k, c in enumerate(order):
+        s.add(Ready(c, 0, (0,), "p", k))
+    got = []
+    for t in range(len(order)):
+        r = s.pick(0)
+        got.append(r.item)
+        s.sent(t, r)
+        assert s.pick(0) is None           # the window holds one computation
+        s.finished(t)
+    assert got == [0, 1, 2, 3, 4]
+
+
+def test_each_client_keeps_its_own_order_and_idle_time_earns_no_credit():
+    s = TenantScheduler("share", window_s=1.0, min_window=1, default_cost_s=1.0)
+    s.add_client(1, 1)
+    s.add_client(2, 1)
+    # client 1 runs alone for a long time
+    for t in range(50):
+        s.add(Ready(1, 0, (0,), "p", ("a", t)))
+        r = s.pick(0)
+        assert r.item == ("a", t)
+        s.sent(t, r)
+        s.host_done(t, 1.0, 1)
+        s.finished(t)
+    # then both are backlogged: client 2 must not get 50 turns in a row
+    for k in range(10):
+        s.add(Ready(1, 0, (0,), "p", ("a", 100 + k)))
+        s.add(Ready(2, 0, (0,), "p", ("b", k)))
+    got = []
+    for t in range(100, 120):
+        r = s.pick(0)
+        got.append(r.item)
+        s.sent(t, r)
+        s.host_done(t, 1.0, 1)
+        s.finished(t)
+    assert [x for x in got if x[0] == "a"] == [("a", 100 + k) for k in range(10)]
+    assert [x for x in got if x[0] == "b"] == [("b", k) for k in range(10)]
+    first_ten = [x[0] for x in got[:10]]
+    assert 4 <= first_ten.count("a") <= 6, got
+
+
+def test_window_bounds_work_at_the_device_and_disjoint_devices_proceed():
+    s = TenantScheduler("share", window_s=0.010, min_window=2, default_cost_s=0.004)
+    s.add_client(1, 1)
+    for k in range(10):
+        s.add(Ready(1, 0, (0,), "p", k))
+    sent = []
+    while (r := s.pick(0)) is not None:
+        sent.append(r)
+        s.sent(len(sent), r)
+    assert len(sent) == 2                      # 2 x 4 ms fit in 10 ms, a third does not
+    s.add_client(2, 1)
+    s.add(Ready(2, 0, (1,), "q", "other device"))
+    r = s.pick(0)
+    assert r is not None and r.item == "other device"
+    s.finished(1)                              # room frees on device 0
+    assert s.pick(0).item == 2
+
+
+def test_a_large_computation_is_not_starved_by_small_ones():
+    s = TenantScheduler("share", window_s=0.010, min_window=2, default_cost_s=0.001)
+    s.add_client(1, 1)
+    s.add_client(2, 1)
+    s._cost["big"] = 0.050                    # learnt: does not fit the window
+    s.add(Ready(2, 0, (0,), "big", "big"))
+    for k in range(200):
+        s.add(Ready(1, 0, (0,), "small", k))
+    sent, t = [], 0
+    running = []
+    while len(sent) < 60:
+        while (r := s.pick(0)) is not None:
+            t += 1
+            s.sent(t, r)
+            running.append(t)
+            sent.append(r.item)
+        done = running.pop(0)
+        s.host_done(done, 0.001, 1)
+        s.finished(done)
+    assert "big" in sent[:10], sent[:10]
+
+
+def test_remove_client_returns_its_queued_work_and_stops_charging():
+    s = TenantScheduler("share", window_s=0.001, min_window=1)
+    s.add_client(1, 1)
+    s.add_client(2, 1)
+    s.add(Ready(1, 0, (0,), "p", "a0"))
+    r = s.pick(0)
+    s.sent(1, r)
+    for k in range(3):
+        s.add(Ready(1, 0, (0,), "p", f"a{k + 1}"))
+    s.add(Ready(2, 0, (0,), "p", "b0"))
+    assert s.queued(1) == 3 and s.queued() == 4
+    dropped = s.remove_client(1)
+    assert [d.item for d in dropped] == ["a1", "a2", "a3"]
+    assert s.queued() == 1
+    s.host_done(1, 0.5, 1)
+    assert s.finished(1) == (0, 1)            # a running one still finishes and is accounted
+    assert s.used[1] == pytest.approx(0.5)
+    assert s.pick(0).item == "b0"
+
+
+def test_bad_policy_and_weight():
+    with pytest.raises(ValueError, match="unknown scheduling policy"):
+        TenantScheduler("lottery")
+    s = TenantScheduler()
+    for w in (0, -1, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="positive"):
+            s.add_client(1, w)

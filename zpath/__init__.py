@@ -58,15 +58,17 @@ _cluster: dict[str, Cluster | None] = {"current": None}
 
 
 def init(islands: int | None = None, hosts_per_island: int | None = None,
-         devices_per_host: int | None = None, **kwargs: Any) -> Cluster:
+         devices_per_host: int | None = None, *, weight: float = 1.0, **kwargs: Any) -> Cluster:
     """Start a local cluster (controller + one worker process per host) and
-    connect to it. With ``ZPATH_CONTROLLER`` set, connect to that cluster instead."""
+    connect to it with a proportional-share ``weight``. With ``ZPATH_CONTROLLER``
+    set, connect to that cluster instead. Other keyword arguments go to
+    :class:`zpath.launcher.LocalCluster` (e.g. ``policy``, ``dcn_gbps``)."""
     from zpath.launcher import LocalCluster, default_shape
 
     if _cluster["current"] is not None:
         raise ZpathError("already initialised: call zp.shutdown() first")
     if os.environ.get("ZPATH_CONTROLLER"):
-        return connect(os.environ["ZPATH_CONTROLLER"])
+        return connect(os.environ["ZPATH_CONTROLLER"], weight=weight)
     shape = default_shape()
     for k, v in (("islands", islands), ("hosts_per_island", hosts_per_island),
                  ("devices_per_host", devices_per_host)):
@@ -74,16 +76,18 @@ def init(islands: int | None = None, hosts_per_island: int | None = None,
             shape[k] = v
     local = LocalCluster(**shape, **kwargs)
     try:
-        return _attach(local.address, local.key, local)
+        return _attach(local.address, local.key, local, weight=weight)
     except BaseException:
         local.stop()
         raise
 
 
 def connect(address: str, key: bytes | str | None = None, *, name: str = "client",
-            timeout: float | None = None) -> Cluster:
+            timeout: float | None = None, weight: float = 1.0) -> Cluster:
     """Connect to a running cluster. The key comes from ``key`` (bytes or hex),
-    ``ZPATH_KEY`` or ``ZPATH_KEY_FILE``."""
+    ``ZPATH_KEY`` or ``ZPATH_KEY_FILE``. ``weight`` is this client's share of
+    the devices under the proportional-share policy (its device time relative
+    to the other clients' that keep the same devices busy)."""
     from zpath.keys import key_from_env
 
     if _cluster["current"] is not None:
@@ -92,14 +96,16 @@ def connect(address: str, key: bytes | str | None = None, *, name: str = "client
         key = key_from_env()
     elif isinstance(key, str):
         key = bytes.fromhex(key)
-    return _attach(address, key, None, name=name, timeout=timeout)
+    return _attach(address, key, None, name=name, timeout=timeout, weight=weight)
 
 
 def _attach(address: str, key: bytes, local: Any, *, name: str = "client",
-            timeout: float | None = None) -> Cluster:
+            timeout: float | None = None, weight: float = 1.0) -> Cluster:
     from zpath.client import CONNECT_TIMEOUT_S, Client
 
-    client = Client(address, key, name=name, timeout=timeout or CONNECT_TIMEOUT_S)
+    if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not 0 < weight <= 1e6:
+        raise ValueError(f"weight must be a number > 0 and <= 1e6, not {weight!r}")
+    client = Client(address, key, name=name, timeout=timeout or CONNECT_TIMEOUT_S, weight=float(weight))
     cluster = Cluster(client, local)
     _cluster["current"] = cluster
     _current["client"] = client

@@ -27,7 +27,8 @@ def _up(args: argparse.Namespace) -> int:
             print(f"zpath up: a cluster started by pid {old['launcher_pid']} is running with state file "
                   f"{state_path}; stop it with `zpath down` or pass --state", file=sys.stderr)
             return 1
-    dcn = dict(dcn_latency_ms=args.dcn_latency_ms, dcn_gbps=args.dcn_gbps, dcn_encrypt=args.dcn_encrypt)
+    dcn = dict(dcn_latency_ms=args.dcn_latency_ms, dcn_gbps=args.dcn_gbps, dcn_encrypt=args.dcn_encrypt,
+               policy=args.policy)
     if args.hostfile:
         import shlex
 
@@ -104,8 +105,10 @@ def _status(args: argparse.Namespace) -> int:
             print(f"  device {d.id} (host {d.host}): {d.nbytes} bytes in use")
     for h in st.lost:
         print(f"  island {h.island} host {h.rank} {h.name} LOST")
+    print(f"  scheduling policy: {st.policy}")
     for cl in st.clients:
-        print(f"  client {cl}")
+        print(f"  client {cl.id} {cl.name}: weight {cl.weight:g}, device time {cl.device_seconds:.3f}s, "
+              f"running {cl.running}, queued {cl.queued}")
     return 0
 
 
@@ -143,6 +146,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="emulated bandwidth cap of each host's link between islands (Gbit/s; 0: none)")
     up.add_argument("--dcn-encrypt", action="store_true",
                     help="encrypt traffic between islands with CURVE")
+    up.add_argument("--policy", choices=("share", "fifo"), default=None,
+                    help="multi-tenant scheduling policy: proportional share by client weight "
+                         "(default; $ZPATH_SCHEDULER_POLICY) or fifo")
     up.set_defaults(fn=_up)
     dn = sub.add_parser("down", help="stop the cluster a `zpath up` started")
     dn.add_argument("--state", help="its state file (default $ZPATH_STATE or ~/.zpath/cluster.json)")

@@ -59,7 +59,7 @@ class _Fetch:
 
 class Client:
     def __init__(self, address: str, key: bytes, *, name: str = "client",
-                 timeout: float = CONNECT_TIMEOUT_S) -> None:
+                 timeout: float = CONNECT_TIMEOUT_S, weight: float = 1.0) -> None:
         self.address = address
         self.ctx = make_context()
         self.ep = Endpoint(key, f"client:{name}:{os.getpid()}")
@@ -67,7 +67,7 @@ class Client:
         self.ctl.connect(address)
         self._closed = False
         try:
-            welcome = self._handshake(name, timeout)
+            welcome = self._handshake(name, timeout, weight)
         except BaseException:
             self.ctl.close(0)
             self.ctx.term()
@@ -86,8 +86,8 @@ class Client:
         self._thread = threading.Thread(target=self._loop, name="zpath-client-io", daemon=True)
         self._thread.start()
 
-    def _handshake(self, name: str, timeout: float) -> m.Welcome:
-        msg_id = self.ep.send(self.ctl, m.Hello(name, PROTOCOL_VERSION))
+    def _handshake(self, name: str, timeout: float, weight: float) -> m.Welcome:
+        msg_id = self.ep.send(self.ctl, m.Hello(name, PROTOCOL_VERSION, weight))
         deadline = time.monotonic() + timeout
         while True:
             left = deadline - time.monotonic()

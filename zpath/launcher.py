@@ -88,7 +88,13 @@ class ClusterLauncher:
 
     kind = "cluster"
 
-    def __init__(self, *, log_dir: str | None = None, env: dict[str, str] | None = None) -> None:
+    def __init__(self, *, log_dir: str | None = None, env: dict[str, str] | None = None,
+                 policy: str | None = None) -> None:
+        """``policy``: the controller's multi-tenant scheduling policy, "share"
+        (proportional share, the default) or "fifo"."""
+        from zpath.controller.scheduler import POLICIES
+        if policy is not None and policy not in POLICIES:
+            raise ValueError(f"unknown scheduling policy {policy!r} (choose from {', '.join(POLICIES)})")
         self.key = new_key()
         from zpath.net.channels import shm_prefix
         self.shm_prefix = shm_prefix(self.key)    # names of its shared-memory segments
@@ -104,6 +110,8 @@ class ClusterLauncher:
         self._env["ZPATH_KEY"] = self.key.hex()
         self._env["ZPATH_PARENT_PID"] = str(os.getpid())
         self._env.pop("ZPATH_CONTROLLER", None)
+        if policy is not None:
+            self._env["ZPATH_SCHEDULER_POLICY"] = policy
 
     def _launch(self, bind_host: str, timeout: float, controller_port: int = 0) -> None:
         """Start the controller and the workers; wait until all registered.
@@ -232,17 +240,19 @@ class LocalCluster(ClusterLauncher):
     def __init__(self, islands: int = 2, hosts_per_island: int = 1, devices_per_host: int = 2, *,
                  log_dir: str | None = None, bind_host: str = "127.0.0.1",
                  start_timeout: float = START_TIMEOUT_S, env: dict[str, str] | None = None,
-                 dcn_latency_ms: float = 0.0, dcn_gbps: float = 0.0, dcn_encrypt: bool = False) -> None:
+                 dcn_latency_ms: float = 0.0, dcn_gbps: float = 0.0, dcn_encrypt: bool = False,
+                 policy: str | None = None) -> None:
         """``dcn_latency_ms``/``dcn_gbps`` emulate a data-centre network between
         islands (added one-way latency, bandwidth cap of each host's link; 0: none);
-        ``dcn_encrypt`` encrypts traffic between islands with CURVE."""
+        ``dcn_encrypt`` encrypts traffic between islands with CURVE; ``policy``
+        is the multi-tenant scheduling policy ("share" or "fifo")."""
         for name, v in (("islands", islands), ("hosts_per_island", hosts_per_island),
                         ("devices_per_host", devices_per_host)):
             if int(v) < 1:
                 raise ValueError(f"{name} must be at least 1, got {v}")
         self.islands, self.hosts_per_island, self.devices_per_host = islands, hosts_per_island, devices_per_host
         self.dcn_flags = dcn_flags(dcn_latency_ms, dcn_gbps, dcn_encrypt)
-        super().__init__(log_dir=log_dir, env=env)
+        super().__init__(log_dir=log_dir, env=env, policy=policy)
         self.bind_host = bind_host
         self._worker_env = dict(self._env, XLA_FLAGS=worker_xla_flags(self._env, devices_per_host))
         self._launch(bind_host, start_timeout)

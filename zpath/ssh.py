@@ -148,7 +148,8 @@ class SSHCluster(ClusterLauncher):
                  remote_python: str = "python3", ssh: str = "ssh", ssh_options: list[str] | None = None,
                  connect_timeout: int = CONNECT_TIMEOUT_S, log_dir: str | None = None,
                  start_timeout: float = START_TIMEOUT_S, env: dict[str, str] | None = None,
-                 dcn_latency_ms: float = 0.0, dcn_gbps: float = 0.0, dcn_encrypt: bool = False) -> None:
+                 dcn_latency_ms: float = 0.0, dcn_gbps: float = 0.0, dcn_encrypt: bool = False,
+                 policy: str | None = None) -> None:
         """``hosts``: parsed hostfile lines or a hostfile path. ``bind_host``: the
         address the controller listens on (default: this machine's address on
         the route to the first host). ``coordinator_port``: base port of the
@@ -167,7 +168,7 @@ class SSHCluster(ClusterLauncher):
         self.islands = len({h.island for h in self.hosts})
         self.host_of: dict[str, HostSpec] = {}     # process name -> host
         self.remote_pids: dict[str, int] = {}      # process name -> pid of zpath.remote there
-        super().__init__(log_dir=log_dir, env=env)
+        super().__init__(log_dir=log_dir, env=env, policy=policy)
         self._launch(self.bind_host, start_timeout, controller_port)
         for name in self.host_of:
             pid = self._remote_pid(name)

@@ -8,8 +8,10 @@ in one consistent order and SPMD collectives cannot wait on each other in a
 cycle. A plain class: events in, actions out."""
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
+from typing import Any
 
 from zpath.net import messages as m
 
@@ -44,3 +46,199 @@ class GangScheduler:
                 continue
             out.append((host, ex))
         return out
+
+
+# ---- multi-tenancy ----------------------------------------------------------
+
+POLICIES = ("fifo", "share")
+
+
+@dataclasses.dataclass
+class Ready:
+    """A computation ready to go to the workers, waiting for its turn."""
+    client: int
+    island: int
+    devices: tuple[int, ...]
+    cost_key: Any                    # computations with one key cost about the same
+    item: Any                        # what the controller dispatches
+    arrival: int = 0
+
+
+@dataclasses.dataclass
+class _Running:
+    client: int
+    island: int
+    devices: tuple[int, ...]
+    cost_key: Any
+    estimate: float                  # device-seconds charged when it was sent
+    wall: float                      # seconds per device estimated when it was sent
+    charged: float = 0.0             # device-seconds measured so far (hosts that finished)
+    longest: float = 0.0             # longest host's seconds
+
+
+class TenantScheduler:
+    """Which client's ready computation goes to an island's workers next.
+
+    Workers run what they were sent in order, so a client that sends a long
+    queue of work would hold the devices for as long as that queue lasts. This
+    scheduler keeps only a short window of work per device at the workers
+    (``window_s`` seconds of estimated run time, always at least ``min_window``
+    computations, so the next one is already there when one ends) and queues the
+    rest per client. When room frees it picks the next computation by policy:
+
+    * ``fifo``: the computation that became ready first.
+    * ``share``: proportional share. Each client has a virtual time, its
+      device-seconds used divided by its weight; the client with the smallest
+      goes next (start-time fair queueing). A client that was idle starts from
+      the smallest virtual time of those waiting, so idling earns no credit.
+
+    Device time is measured by the workers (start and end of every computation
+    on every host, times the devices it used there) and accounted per client;
+    until a computation is measured it is charged an estimate (the running mean
+    of computations with the same cost key). Each client keeps its own order.
+    A plain class: events in, decisions out."""
+
+    def __init__(self, policy: str = "share", window_s: float = 0.02, min_window: int = 2,
+                 default_cost_s: float = 1e-3) -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"unknown scheduling policy {policy!r} (choose from {', '.join(POLICIES)})")
+        self.policy = policy
+        self.window_s = window_s
+        self.min_window = min_window
+        self.default_cost_s = default_cost_s
+        self.weights: dict[int, float] = {}
+        self.used: collections.Counter[int] = collections.Counter()       # device-seconds per client
+        self._vt: dict[tuple[int, int], float] = {}                        # (island, client) -> virtual time
+        self._queues: dict[int, dict[int, collections.deque[Ready]]] = {}  # island -> client -> ready
+        self._cost: dict[Any, float] = {}                                  # cost key -> seconds per device
+        self._running: dict[int, _Running] = {}                            # ticket -> running
+        self._load: collections.Counter[int] = collections.Counter()       # device -> estimated seconds sent
+        self._count: collections.Counter[int] = collections.Counter()      # device -> computations sent
+        self._arrivals = 0
+
+    # ---- clients ---------------------------------------------------------------
+    def add_client(self, client: int, weight: float = 1.0) -> None:
+        if not (0 < weight < float("inf")):
+            raise ValueError(f"a client's weight must be a positive number, not {weight!r}")
+        self.weights[client] = float(weight)
+
+    def remove_client(self, client: int) -> list[Ready]:
+        """The client left: drop and return its queued computations (its running
+        ones finish and are still accounted)."""
+        self.weights.pop(client, None)
+        dropped = []
+        for island, queues in self._queues.items():
+            dropped += queues.pop(client, ())
+            self._vt.pop((island, client), None)
+        return dropped
+
+    # ---- queueing --------------------------------------------------------------
+    def queued(self, client: int | None = None) -> int:
+        return sum(len(q) for qs in self._queues.values() for c, q in qs.items()
+                   if client is None or c == client)
+
+    def can_send_now(self, ready: Ready) -> bool:
+        """Nothing waits on its island and there is room on its devices: it may
+        skip the queue (the common case of one client)."""
+        return not self._queues.get(ready.island) and self._fits(ready)
+
+    def add(self, ready: Ready) -> None:
+        """Queue a ready computation behind the client's earlier ones."""
+        queues = self._queues.setdefault(ready.island, {})
+        ready.arrival = self._arrivals
+        self._arrivals += 1
+        q = queues.get(ready.client)
+        if q is None:
+            q = queues[ready.client] = collections.deque()
+            # a client that starts waiting gets no credit for having been idle
+            floor = min((self._vt.get((ready.island, c), 0.0) for c in queues if c != ready.client),
+                        default=None)
+            key = (ready.island, ready.client)
+            if floor is not None:
+                self._vt[key] = max(self._vt.get(key, 0.0), floor)
+        q.append(ready)
+
+    def pick(self, island: int) -> Ready | None:
+        """Take the next computation to send on an island, or None if nothing
+        waits or nothing fits the window. The caller sends it and calls ``sent``."""
+        queues = self._queues.get(island)
+        if not queues:
+            return None
+        if self.policy == "fifo":
+            order = sorted(queues, key=lambda c: queues[c][0].arrival)
+        else:
+            order = sorted(queues, key=lambda c: (self._vt.get((island, c), 0.0), queues[c][0].arrival))
+        # the first in policy order that fits; one that does not fit keeps its
+        # devices from later ones (so small computations cannot starve it)
+        blocked: set[int] = set()
+        chosen = None
+        for client in order:
+            head = queues[client][0]
+            if blocked.isdisjoint(head.devices) and self._fits(head):
+                chosen = client
+                break
+            blocked.update(head.devices)
+        if chosen is None:
+            return None
+        q = queues[chosen]
+        ready = q.popleft()
+        if not q:
+            del queues[chosen]
+            if not queues:
+                del self._queues[island]
+        return ready
+
+    def _fits(self, ready: Ready) -> bool:
+        est = self._cost.get(ready.cost_key, self.default_cost_s)
+        return all(self._count[d] < self.min_window or self._load[d] + est <= self.window_s
+                   for d in ready.devices)
+
+    # ---- accounting ------------------------------------------------------------
+    def sent(self, ticket: int, ready: Ready) -> None:
+        """A computation went to the workers: charge its estimate."""
+        wall = self._cost.get(ready.cost_key, self.default_cost_s)
+        estimate = wall * len(ready.devices)
+        self._running[ticket] = _Running(ready.client, ready.island, ready.devices, ready.cost_key,
+                                         estimate, wall)
+        for d in ready.devices:
+            self._load[d] += wall
+            self._count[d] += 1
+        self._charge(ready.island, ready.client, estimate)
+
+    def host_done(self, ticket: int, seconds: float, devices: int) -> None:
+        """One host finished its part: ``seconds`` of run time on ``devices``
+        devices."""
+        run = self._running.get(ticket)
+        if run is None:
+            return
+        seconds = max(0.0, seconds)
+        run.charged += seconds * devices
+        run.longest = max(run.longest, seconds)
+
+    def finished(self, ticket: int) -> tuple[int, int] | None:
+        """Every host finished (or the computation was abandoned): replace the
+        estimate by what was measured and free its room. Returns its (island,
+        client), or None for an unknown ticket."""
+        run = self._running.pop(ticket, None)
+        if run is None:
+            return None
+        for d in run.devices:
+            self._load[d] -= run.wall
+            self._count[d] -= 1
+            if self._count[d] <= 0:
+                del self._count[d]
+                self._load.pop(d, None)
+        self.used[run.client] += run.charged
+        self._charge(run.island, run.client, run.charged - run.estimate)
+        if run.longest > 0:
+            old = self._cost.get(run.cost_key)
+            self._cost[run.cost_key] = run.longest if old is None else 0.8 * old + 0.2 * run.longest
+        return run.island, run.client
+
+    def _charge(self, island: int, client: int, device_seconds: float) -> None:
+        if client in self.weights:
+            key = (island, client)
+            self._vt[key] = self._vt.get(key, 0.0) + device_seconds / self.weights[client]
+
+    def running(self, client: int) -> int:
+        return sum(1 for r in self._running.values() if r.client == client)

@@ -19,7 +19,7 @@ import zmq
 from zpath import sharding
 from zpath.controller.directory import Directory, Plan, PlanError
 from zpath.controller.resources import ResourceManager
-from zpath.controller.scheduler import GangScheduler
+from zpath.controller.scheduler import POLICIES, GangScheduler, Ready, TenantScheduler
 from zpath.errors import ResourceError
 from zpath.net import messages as m
 from zpath.net.codec import PROTOCOL_VERSION, Header, Record
@@ -33,6 +33,10 @@ HOST_TIMEOUT_S = float(os.environ.get("ZPATH_HOST_TIMEOUT", "10"))
 CLIENT_TIMEOUT_S = float(os.environ.get("ZPATH_CLIENT_TIMEOUT", "15"))
 # bytes a device may hold (0: no limit); calls that would exceed it wait
 DEVICE_MEMORY_LIMIT = int(float(os.environ.get("ZPATH_DEVICE_MEMORY_LIMIT", "0")))
+# multi-tenant scheduling: policy, and estimated seconds of work kept queued at a device
+POLICY = os.environ.get("ZPATH_SCHEDULER_POLICY", "share")
+WINDOW_MS = float(os.environ.get("ZPATH_SCHEDULER_WINDOW_MS", "20"))
+MAX_WEIGHT = 1e6
 MAX_PROGRAM_BYTES = 256 << 20
 TIMELINE_RECORDS = 100_000
 
@@ -44,6 +48,8 @@ class Peer:
     name: str
     last_seen: float
     ident: bytes = b""
+    weight: float = 1.0
+    gone: bool = False
 
 
 @dataclasses.dataclass
@@ -67,6 +73,7 @@ class _ProgramRun:
     release: list[int]
     total: int
     sent: int = 0
+    released: bool = False
 
 
 @dataclasses.dataclass
@@ -86,11 +93,14 @@ class _Submission:
 @dataclasses.dataclass
 class _HeldNode:
     """A node waiting to be sent: for computations it reads to finish
-    (sequential programs) or for held producers to be sent."""
+    (sequential programs), for held producers to be sent, or for its turn in
+    the multi-tenant scheduler."""
     run: _ProgramRun
     call: m.Call
     planned: tuple[Plan, str]
     waits: set
+    exec_id: int
+    island: int
 
 
 def _buffers(call: m.Call) -> list[int]:
@@ -98,7 +108,8 @@ def _buffers(call: m.Call) -> list[int]:
 
 
 class Controller:
-    def __init__(self, key: bytes, bind: str = "tcp://127.0.0.1:0") -> None:
+    def __init__(self, key: bytes, bind: str = "tcp://127.0.0.1:0", policy: str | None = None,
+                 window_ms: float | None = None) -> None:
         self.ep = Endpoint(key, "controller")
         self.ctx = make_context()
         self.sock = self.ctx.socket(zmq.ROUTER)
@@ -115,6 +126,7 @@ class Controller:
                                    lambda d: self.rm.devices[d].jax_id, self.rm.route)
         self.scheduler = GangScheduler(
             break_order=os.environ.get("ZPATH_DEBUG_BREAK_GANG_ORDER") == "1")
+        self.tenants = TenantScheduler(policy or POLICY, window_s=(window_ms or WINDOW_MS) / 1000)
         # exec_id -> (client, name, island, seq, devices), until every host reported
         self.in_flight: dict[int, InFlight] = {}
         self.timeline: collections.deque[m.ExecRecord] = collections.deque(maxlen=TIMELINE_RECORDS)
@@ -155,7 +167,11 @@ class Controller:
         self.send(ident, m.Error(code, text), parent)
 
     def to_host(self, rank: int, msg: Record, buffers: Any = ()) -> None:
-        self.send(self.worker_ident[rank], msg, buffers=buffers)
+        ident = self.worker_ident.get(rank)
+        if ident is None:
+            log.warning("host %d is gone: %s not sent", rank, type(msg).__name__)
+            return
+        self.send(ident, msg, buffers=buffers)
 
     # ---- loop ----------------------------------------------------------------
     def serve_forever(self) -> None:
@@ -232,21 +248,30 @@ class Controller:
                     self.reply_error(ident, parent, "protocol",
                                      f"client speaks protocol {msg.protocol}, controller {PROTOCOL_VERSION}")
                     return
+                if not 0 < msg.weight <= MAX_WEIGHT:
+                    self.reply_error(ident, parent, "bad_request",
+                                     f"weight must be > 0 and <= {MAX_WEIGHT:g}, not {msg.weight!r}")
+                    return
+                if ident in self.peers:
+                    self.reply_error(ident, parent, "bad_request", "already connected")
+                    return
                 self.client_ids += 1
-                self.peers[ident] = Peer("client", self.client_ids, msg.name, time.monotonic(), ident)
-                log.info("client %d (%s) connected", self.client_ids, msg.name)
+                self.peers[ident] = Peer("client", self.client_ids, msg.name, time.monotonic(), ident,
+                                         msg.weight)
+                self.tenants.add_client(self.client_ids, msg.weight)
+                log.info("client %d (%s, weight %g) connected", self.client_ids, msg.name, msg.weight)
                 self.send(ident, m.Welcome(self.client_ids, self._host_infos()), parent)
             case m.StatusRequest():
                 stores = [m.HostStatus(r, *self.host_stores.get(r, (0, 0))) for r in self.rm.hosts]
                 lost = [m.HostInfo(h.rank, h.island, h.name, h.data_address,
                                    [self._device_info(d) for d in h.devices])
                         for h in self.rm.hosts.values() if not h.alive]
-                self.send(ident, m.Status(self._host_infos(), stores,
-                                          [f"{p.id}:{p.name}" for p in self.peers.values() if p.role == "client"],
+                self.send(ident, m.Status(self._host_infos(), stores, self._client_status(),
                                           len(self.directory.buffers), len(self.programs), self.calls,
                                           lost, len(self.in_flight), self._queued(),
                                           [m.DeviceUsage(d.id, d.host, self.directory.device_bytes[d.id])
-                                           for d in self.rm.devices.values()]), parent)
+                                           for d in self.rm.devices.values()],
+                                          self.tenants.policy), parent)
             case m.Pong() if peer is not None:
                 if peer.role == "worker":
                     self.host_stores[peer.id] = (msg.shards, msg.nbytes)
@@ -286,9 +311,17 @@ class Controller:
                 self.reply_error(ident, parent, "bad_request",
                                  f"{type(msg).__name__} is not accepted from a {peer.role}")
 
-    def _queued(self) -> int:
-        held = {id(h) for waiting in self.waiters.values() for h in waiting}
-        return len(held) + sum(len(s.calls) - s.next for s in self.memory_waiting)
+    def _queued(self, client: int | None = None) -> int:
+        held = {id(h) for waiting in self.waiters.values() for h in waiting
+                if client is None or h.run.peer.id == client}
+        return len(held) + self.tenants.queued(client) + sum(
+            len(s.calls) - s.next for s in self.memory_waiting if client is None or s.peer.id == client)
+
+    def _client_status(self) -> list[m.ClientStatus]:
+        running = collections.Counter(inf.client for inf in self.in_flight.values())
+        return [m.ClientStatus(p.id, p.name, p.weight, self.tenants.used[p.id], running[p.id],
+                               self._queued(p.id))
+                for p in self.peers.values() if p.role == "client"]
 
     def _register_worker(self, ident: bytes, parent: int, msg: m.RegisterWorker) -> None:
         if msg.protocol != PROTOCOL_VERSION:
@@ -353,12 +386,16 @@ class Controller:
             err = e.error or m.ErrorInfo("CallFailed", f"call rejected: {e}", None,
                                          prog[0] if prog else "", "")
             self._fail_call(ident, peer.id, call, err)
-            # shards the client already put for it: free them where they went
-            puts = [i.buffer for i in call.inputs if i.put and i.buffer not in self.directory.buffers]
-            hosts = {self.rm.devices[d].host for d in call.devices if d in self.rm.devices}
-            if puts:
-                self._free({h: puts for h in hosts})
+            self._free_puts(call)
             return None
+
+    def _free_puts(self, call: m.Call) -> None:
+        """Shards the client already put for a call that will not run: free them
+        where they went."""
+        puts = [i.buffer for i in call.inputs if i.put and i.buffer not in self.directory.buffers]
+        hosts = {self.rm.devices[d].host for d in call.devices if d in self.rm.devices}
+        if puts:
+            self._free({h: puts for h in hosts})
 
     def _fail_call(self, ident: bytes, client: int, call: m.Call, err: m.ErrorInfo) -> None:
         """Fail a call that will not run: its outputs are poisoned (so consumers fail
@@ -465,32 +502,26 @@ class Controller:
                 # finished predecessors (none can have finished yet: completions
                 # are handled after this message)
                 waits |= {exec_ids[p] for p in preds if p in exec_ids}
+            plan = planned[0]
+            held = _HeldNode(run, call, planned, waits, exec_ids[k],
+                             self.rm.hosts[next(iter(plan.executes))].island)
             if not waits:
-                self._dispatch(peer, call, *planned)
-                run.sent += 1
+                self._ready(held, holding=False)
                 continue
-            held = _HeldNode(run, call, planned, waits)
             for w in waits:
                 self.waiters.setdefault(w, []).append(held)
-            self.pinned.update(_buffers(call))
-            for o in call.outputs:
-                self.held_outputs[o.buffer] = exec_ids[k]
+            self._hold(held)
         self._maybe_release(run)
         return True
 
-    def _exec_finished(self, exec_id: int) -> None:
-        """Every host finished a computation: send the held nodes waiting on it."""
-        self._trigger(exec_id)
+    def _hold(self, held: "_HeldNode") -> None:
+        """A node is not sent yet: buffers it reads or writes are not freed, and
+        nodes that read its outputs wait until it is sent."""
+        self.pinned.update(_buffers(held.call))
+        for o in held.call.outputs:
+            self.held_outputs[o.buffer] = held.exec_id
 
-    def _trigger(self, key: Any) -> None:
-        for held in self.waiters.pop(key, ()):
-            held.waits.discard(key)
-            if not held.waits:
-                self._send_held(held)
-
-    def _send_held(self, held: "_HeldNode") -> None:
-        exec_id = self._dispatch(held.run.peer, held.call, *held.planned)
-        held.run.sent += 1
+    def _unhold(self, held: "_HeldNode") -> None:
         for o in held.call.outputs:
             self.held_outputs.pop(o.buffer, None)
         self.pinned.subtract(_buffers(held.call))
@@ -502,13 +533,103 @@ class Controller:
                     ready.append(b)
         for b in ready:
             self._release([b], self.deferred.pop(b))
-        self._maybe_release(held.run)
-        self._trigger(("sent", exec_id))      # nodes that waited for this one to be sent
+
+    def _ready(self, held: "_HeldNode", holding: bool) -> None:
+        """A node may go once the multi-tenant scheduler gives it its turn: at
+        once when nothing waits on its island and its devices have room, else
+        it queues (held) behind its client's earlier nodes."""
+        call = held.call
+        ready = Ready(held.run.peer.id, held.island, tuple(call.devices),
+                      (call.program, tuple(call.devices)), held)
+        if self.tenants.can_send_now(ready):
+            self._send(ready, holding)
+            return
+        if not holding:
+            self._hold(held)
+        self.tenants.add(ready)
+        self._pump(held.island)
+
+    def _pump(self, island: int) -> None:
+        """Send what the multi-tenant scheduler lets go on an island."""
+        while (ready := self.tenants.pick(island)) is not None:
+            self._send(ready, holding=True)
+
+    def _send(self, ready: Ready, holding: bool) -> None:
+        """Dispatch a node whose turn it is (or fail it, if a host it needs was
+        lost while it waited)."""
+        held = ready.item
+        run = held.run
+        err = self._unsendable(held)
+        if err is not None:
+            self._abandon(held, holding, err)
+            return
+        exec_id = self._dispatch(run.peer, held.call, *held.planned)
+        self.tenants.sent(exec_id, ready)
+        run.sent += 1
+        if holding:
+            self._unhold(held)
+            self._maybe_release(run)
+            self._trigger(("sent", exec_id))      # nodes that waited for this one to be sent
+
+    def _unsendable(self, held: "_HeldNode") -> m.ErrorInfo | None:
+        """Why a node that waited can no longer run: an input failed meanwhile, or
+        a host it runs on or reads from was lost."""
+        for i in held.call.inputs:
+            buf = self.directory.buffers.get(i.buffer)
+            if buf is not None and buf.error is not None:
+                return buf.error
+        plan = held.planned[0]
+        for h in [*plan.executes, *(src for src, _ in plan.sends)]:
+            host = self.rm.hosts[h]
+            if not host.alive:
+                return m.ErrorInfo("HostLost", f"host {h} ({host.name}, island {host.island}) was lost "
+                                   "before this computation could run", h, held.planned[1], "")
+        return None
+
+    def _abandon(self, held: "_HeldNode", holding: bool, err: m.ErrorInfo | None = None) -> None:
+        """A node that will never be sent: its client left, or it cannot run
+        (``err``: its outputs fail with it, so their consumers fail too)."""
+        run = held.run
+        if err is not None:
+            outs = [o.buffer for o in held.call.outputs]
+            self.directory.poison(outs, run.peer.id, err)
+            # its plan recorded copies it will never make: inputs it would have
+            # read from a lost host fail too (rather than be read from nowhere)
+            gone = [p.buffer for src, p in held.planned[0].sends if not self.rm.hosts[src].alive]
+            self.directory.poison(gone, run.peer.id, err)
+            if not run.peer.gone:
+                self.send(run.peer.ident, m.CallFailed(held.call.call_id, outs, err))
+        run.sent += 1
+        if holding:
+            self._unhold(held)
+        self._maybe_release(run)
+        self._trigger(("sent", held.exec_id))
+
+    def _exec_finished(self, exec_id: int) -> None:
+        """Every host finished a computation: send the held nodes waiting on it,
+        and what the multi-tenant scheduler now has room for."""
+        self._trigger(exec_id)
+        done = self.tenants.finished(exec_id)
+        if done is not None:
+            self._pump(done[0])
+
+    def _trigger(self, key: Any) -> None:
+        for held in self.waiters.pop(key, ()):
+            held.waits.discard(key)
+            if not held.waits:
+                self._send_held(held)
+
+    def _send_held(self, held: "_HeldNode") -> None:
+        if held.run.peer.gone:
+            self._abandon(held, holding=True)
+        else:
+            self._ready(held, holding=True)
 
     def _maybe_release(self, run: "_ProgramRun") -> None:
         """Once every node of a program was sent, free its intermediates and the
         values the client put for it (workers free after the nodes ran)."""
-        if run.sent == run.total:
+        if run.sent == run.total and not run.released:
+            run.released = True
             self._release(run.release, run.peer.id)
 
     def _release(self, buffers: list[int], owner: int) -> None:
@@ -567,9 +688,33 @@ class Controller:
                 self._client_left(peer)
 
     def _client_left(self, peer: Peer) -> None:
-        """A client left (Goodbye) or vanished: everything it holds is freed."""
+        """A client left (Goodbye) or vanished: its queued work is cancelled and
+        everything it holds is freed (computations already at the workers finish)."""
         self.peers.pop(peer.ident, None)
+        peer.gone = True
+        cancelled = {id(r.item): r.item for r in self.tenants.remove_client(peer.id)}
+        for key, waiting in list(self.waiters.items()):
+            mine = [h for h in waiting if h.run.peer is peer]
+            if mine:
+                cancelled.update((id(h), h) for h in mine)
+                rest = [h for h in waiting if h.run.peer is not peer]
+                if rest:
+                    self.waiters[key] = rest
+                else:
+                    del self.waiters[key]
+        for held in cancelled.values():
+            self._abandon(held, holding=True)
+        for sub in [s for s in self.memory_waiting if s.peer is peer]:
+            self.memory_waiting.remove(sub)
+            for call in sub.calls[sub.next:]:
+                self._free_puts(call)
+            sub.run.sent = sub.run.total
+            self._maybe_release(sub.run)
+        if cancelled:
+            log.info("client %d left: %d queued computations cancelled", peer.id, len(cancelled))
         self._release(self.directory.owned(peer.id), peer.id)
+        if self.memory_waiting:
+            self._resume_waiting()
 
     def _host_lost(self, rank: int, why: str) -> None:
         """A worker stopped answering: fail what depended on it, keep serving."""
@@ -623,6 +768,8 @@ class Controller:
         self.timeline.append(m.ExecRecord(msg.exec_id, info.seq, info.island, host, info.client,
                                           info.name, info.devices, msg.start, msg.end,
                                           msg.error is None))
+        ndev = sum(1 for d in info.devices if self.rm.devices[d].host == host)
+        self.tenants.host_done(msg.exec_id, msg.end - msg.start, ndev)
         info.hosts.discard(host)
         if not info.hosts:
             del self.in_flight[msg.exec_id]
@@ -648,12 +795,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--bind", default="tcp://127.0.0.1:0",
                    help="ZeroMQ address to listen on (port 0: pick a free one)")
     p.add_argument("--address-file", help="write the address here once listening")
+    p.add_argument("--policy", choices=POLICIES, default=None,
+                   help=f"multi-tenant scheduling policy (default: $ZPATH_SCHEDULER_POLICY or {POLICY})")
     args = p.parse_args(argv)
     from zpath.launcher import die_with_parent
     die_with_parent()
     faulthandler.register(signal.SIGUSR1)  # `kill -USR1 <pid>` dumps every thread's stack
     logs.setup("controller")
-    ctl = Controller(key_from_env(), args.bind)
+    ctl = Controller(key_from_env(), args.bind, policy=args.policy)
     signal.signal(signal.SIGTERM, ctl.stop)
     signal.signal(signal.SIGINT, ctl.stop)
     if args.address_file:

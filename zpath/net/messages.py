@@ -108,6 +108,7 @@ class Hello(Record):
     """Client -> controller, first message on a connection."""
     name: str
     protocol: int
+    weight: float            # proportional-share weight (> 0)
 
 
 @message(3)
@@ -203,11 +204,21 @@ class DeviceUsage(Record):
     nbytes: int              # bytes of buffers the controller placed on it
 
 
+@record
+class ClientStatus(Record):
+    id: int
+    name: str
+    weight: float
+    device_seconds: float    # device time its computations used (measured by the workers)
+    running: int             # its computations at the workers
+    queued: int              # its computations waiting for their turn or for inputs
+
+
 @message(23)
 class Status(Record):
     hosts: list[HostInfo]
     stores: list[HostStatus]
-    clients: list[str]
+    clients: list[ClientStatus]
     buffers: int
     programs: int
     calls: int
@@ -215,6 +226,7 @@ class Status(Record):
     running: int             # computations dispatched and not finished on every host
     queued: int              # computations held back (waiting for other nodes or memory)
     devices: list[DeviceUsage]
+    policy: str              # multi-tenant scheduling policy: "fifo" or "share"
 
 
 # ---- programs and calls -----------------------------------------------------
