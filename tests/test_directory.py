@@ -515,3 +515,285 @@ def test_device_bytes_follow_puts_outputs_copies_and_releases():
     assert dict(d.device_bytes) == {0: 20, 1: 16, 2: 4}
     d.release([10, 12], owner=1)
     assert all(v == 0 for v in d.device_bytes.values())
+
+
+# ---- plan cache -----------------------------------------------------------------
+
+def snapshot(d: Directory) -> tuple:
+    """Everything observable about a directory's state (zero byte counts too)."""
+    return ({b: (x.id, x.shape, x.dtype, x.owner, x.layouts, x.error) for b, x in d.buffers.items()},
+            dict(d.device_bytes))
+
+
+def outcome(d: Directory, c: m.Call, owner: int = 1, name: str = "fn") -> tuple:
+    try:
+        p = d.plan(c, owner, name)
+        return ("ok", p.executes, p.sends)
+    except PlanError as e:
+        return ("error", e.code, str(e), e.error)
+
+
+def lockstep(c: m.Call, *dirs: Directory, owner: int = 1, name: str = "fn") -> tuple:
+    """Plan one call with every directory; plans, errors and states must agree.
+    Both draw exec and piece ids in the same order, so even the ids match."""
+    got = [(outcome(d, c, owner, name), snapshot(d)) for d in dirs]
+    for g in got[1:]:
+        assert g == got[0], f"cached and uncached plans differ for {c}"
+    return got[0][0]
+
+
+def ids_of(result: tuple) -> list[tuple[str, int]]:
+    if result[0] != "ok":
+        return []
+    _, executes, sends = result
+    return [("piece", sp.piece_id) for _, sp in sends] + [("exec", next(iter(executes.values())).exec_id)]
+
+
+def cached_pair() -> tuple[Directory, Directory]:
+    return (Directory(HOST_OF.__getitem__, address, plan_cache_size=0),
+            Directory(HOST_OF.__getitem__, address))
+
+
+def test_cached_plans_equal_uncached_plans():
+    plain, cached = cached_pair()
+    seen_ids: list[tuple[str, int]] = []
+    b = iter(range(1, 1 << 20))
+    # each scenario twice on fresh buffers: the second round is planned from the
+    # first round's templates
+    for _ in range(3):
+        x, y, z, w = next(b), next(b), next(b), next(b)
+        steps = [
+            # puts, sharded and replicated, output on the same devices
+            call([0, 1], [inp(x, [8, 4], ["x", None], put=True), inp(y, [3], [], put=True)],
+                 [out(z, [8], ["x"])]),
+            # local input, same layout: no pieces
+            call([0, 1], [inp(z, [8], ["x"]), inp(y, [3], [])], [out(w, [8, 4], [None, "x"])]),
+            # other devices of the same host: local pieces
+            call([2, 3], [inp(x, [8, 4], ["x", None])]),
+            # resharding across hosts (rows to columns), then read back replicated
+            call([4, 5], [inp(w, [8, 4], ["x", None])]),
+            call([8], [inp(w, [8, 4], [None, None])]),
+            # 1-D to a 2-D mesh on another host, and a 2-D blocked layout at home
+            call([4, 5, 6, 7], [inp(x, [8, 4], [None, ["a", "b"]])],
+                 mesh_shape=[2, 2], axis_names=["a", "b"]),
+            call([0, 1, 2, 3], [inp(x, [8, 4], ["b", "a"])], [out(next(b), [4, 4], ["a", "b"])],
+                 mesh_shape=[2, 2], axis_names=["a", "b"]),
+            # the same buffer twice: the second read is tiled from the first's copy
+            call([9, 10], [inp(z, [8], ["x"]), inp(z, [8], [None])]),
+            # a mesh spanning hosts
+            call([3, 4], [inp(z, [8], [None])], [out(next(b), [2], ["x"])]),
+        ]
+        for c in steps:
+            result = lockstep(c, plain, cached)
+            assert result[0] == "ok", result
+            seen_ids += ids_of(result)
+    assert cached.cache_hits >= 9 * 2 and plain.cache_hits == plain.cache_misses == 0
+    assert len(seen_ids) == len(set(seen_ids)), "exec and piece ids are fresh"
+    assert sum(kind == "piece" for kind, _ in seen_ids) > 20
+
+
+def test_cached_plans_equal_uncached_plans_random():
+    """Random chains with failures, releases, poisoning and lost devices mixed in."""
+    rng = random.Random(7)
+    plain, cached = cached_pair()
+    slices = [([0, 1], [2], ["x"]), ([4, 5], [2], ["x"]), ([0, 4], [2], ["x"]), ([8], [1], ["x"]),
+              ([4, 5, 6, 7], [2, 2], ["x", "y"])]
+    live: list[tuple[int, list[int]]] = []
+    next_buf = 1
+    ok = 0
+    for step in range(1200):
+        devs, mesh, names = rng.choice(slices)
+        specs = [[names[0], None]] * 3 + [[None, names[-1]]]
+        inputs, outputs = [], []
+        if not live or rng.random() < 0.2:
+            inputs.append(inp(next_buf, [8, 8], rng.choice(specs), put=True))
+            live.append((next_buf, [8, 8]))
+            next_buf += 1
+        # mostly the latest value (a chain); sometimes an older one (more layouts)
+        readable = [x for x in live[-4:] if x[0] not in {i.buffer for i in inputs}]
+        for _ in range(rng.choice([1, 1, 1, 2]) if readable else 0):
+            buf, shape = readable[-1] if rng.random() < 0.7 else rng.choice(readable)
+            dtype = "float64" if rng.random() < 0.02 else "float32"             # sometimes wrong
+            inputs.append(inp(buf, shape, rng.choice(specs), dtype=dtype))
+        if rng.random() < 0.02:
+            inputs.append(inp(10 ** 9, [8, 8], [None, None]))                # unknown
+        if rng.random() < 0.8:
+            target = rng.choice(live)[0] if rng.random() < 0.02 else next_buf     # sometimes exists
+            outputs.append(out(target, [8, 8], rng.choice(specs)))
+            if target == next_buf:
+                live.append((next_buf, [8, 8]))
+                next_buf += 1
+        owner = 2 if rng.random() < 0.02 else 1
+        result = lockstep(call(devs, inputs, outputs, mesh, names), plain, cached,
+                          owner=owner, name="g" if rng.random() < 0.1 else "f")
+        ok += result[0] == "ok"
+        if result[0] != "ok":           # its new buffers do not exist
+            new = {i.buffer for i in inputs if i.put} | {o.buffer for o in outputs}
+            live = [x for x in live if x[0] not in new or x[0] in plain.buffers] or live[:1]
+        r = rng.random()
+        if r < 0.03:
+            buf = rng.choice(live)[0]
+            for d in (plain, cached):
+                d.release([buf], 1)
+            live = [x for x in live if x[0] != buf] or live[:1]
+        elif r < 0.04:
+            buf = rng.choice(live)[0]
+            for d in (plain, cached):
+                d.poison([buf], 1, m.ErrorInfo("RemoteError", "boom", None, "f", ""))
+        elif r < 0.045:
+            dev = rng.randrange(HOSTS * DEVICES_PER_HOST)
+            for d in (plain, cached):
+                d.drop_devices({dev}, m.ErrorInfo("HostLost", "lost", dev // DEVICES_PER_HOST, "", ""))
+    assert ok > 900
+    assert cached.cache_hits > 300, cached.cache_info()
+
+
+def pmap_call(k: int, devices: list[int] = [0, 4]) -> m.Call:
+    """Call k of a chain of pmap-like calls (a scalar per device): reads k, writes k + 1."""
+    return call(devices, [inp(k, [len(devices)], ["x"], put=k == 1)], [out(k + 1, [len(devices)], ["x"])])
+
+
+def test_a_chain_hits_the_cache():
+    d = new_directory()
+    plans = [d.plan(pmap_call(k), 1, "fn") for k in range(1, 33)]
+    # the first call puts its input, the second reads a computed one: then all the same
+    assert (d.cache_hits, d.cache_misses) == (30, 2)
+    assert d.cache_info() == {"hits": 30, "misses": 2, "entries": 2, "weight": d.cache_info()["weight"]}
+    assert [next(iter(p.executes.values())).inputs[0].buffer for p in plans] == list(range(1, 33))
+    assert len({ex.exec_id for p in plans for ex in p.executes.values()}) == 32
+    assert d.buffers[33].layouts == [{((0, 1),): [0], ((1, 2),): [4]}]
+    # a different computation name is a different plan
+    d.plan(pmap_call(33), 1, "other")
+    assert d.cache_misses == 3
+    # with the cache off nothing is counted
+    off = Directory(HOST_OF.__getitem__, address, plan_cache_size=0)
+    for k in range(1, 5):
+        off.plan(pmap_call(k), 1, "fn")
+    assert off.cache_info() == {"hits": 0, "misses": 0, "entries": 0, "weight": 0}
+
+
+def test_a_changed_input_layout_gives_another_plan():
+    d = new_directory()
+    d.plan(call([0, 1], [inp(1, [8], ["x"], put=True), inp(2, [8], ["x"], put=True)]), 1, "fn")
+    d.plan(call([4, 5], [inp(2, [8], ["x"])]), 1, "fn")        # buffer 2 now also on host 1
+    far = d.plan(call([6, 7], [inp(1, [8], ["x"])]), 1, "fn")
+    near = d.plan(call([6, 7], [inp(2, [8], ["x"])]), 1, "fn")
+    assert d.cache_hits == 0
+    assert len(far.sends) == 2 and near.sends == []
+    assert [p.device for s in shards_of(near, 1) for p in s.pieces] == [4, 5]
+    # reading buffer 1 there again: it was copied, so no pieces now (another key again)
+    again = d.plan(call([6, 7], [inp(1, [8], ["x"])]), 1, "fn")
+    assert d.cache_hits == 0 and again.sends == [] and all(not s.pieces for s in shards_of(again, 1))
+
+
+def test_state_errors_are_raised_on_cache_hits():
+    d = new_directory()
+    av64 = m.Aval([2], "float64")
+    d.plan(pmap_call(1), 1, "fn")
+    d.plan(pmap_call(2), 1, "fn")
+    d.plan(pmap_call(3), 1, "fn")
+    assert d.cache_hits == 1
+    # same key as pmap_call(3) but the output exists
+    e = plan_error(d, call([0, 4], [inp(3, [2], ["x"])], [out(2, [2], ["x"])]))
+    assert e.code == "bad_request" and "output buffer 2 already exists" in str(e)
+    # same key as pmap_call(1) but the put buffer exists
+    e = plan_error(d, call([0, 4], [inp(4, [2], ["x"], put=True)], [out(50, [2], ["x"])]))
+    assert e.code == "bad_request" and "buffer 4 already exists" in str(e)
+    assert d.cache_hits == 3
+    # another owner's buffer with the very same layout
+    with pytest.raises(PlanError) as info:
+        d.plan(call([0, 4], [inp(4, [2], ["x"])], [out(51, [2], ["x"])]), 2, "fn")
+    assert info.value.code == "not_found" and d.cache_hits == 4
+    # a float64 buffer whose layout matches the float32 ones: the call's key hits,
+    # the buffer's dtype does not match
+    d.plan(m.Call(9, PROGRAM, [2], ["x"], [0, 4], [m.CallInput(60, av64, ["x"], True)], []), 1, "fn")
+    hits = d.cache_hits
+    e = plan_error(d, call([0, 4], [inp(60, [2], ["x"])], [out(61, [2], ["x"])]))
+    assert d.cache_hits == hits + 1
+    assert e.code == "bad_request" and "input buffer 60 is float64[2]" in str(e)
+    # a poisoned input fails with its root cause (not looked up: it has no layout to key on)
+    err = m.ErrorInfo("RemoteError", "boom", 0, "fn", "")
+    d.poison([4], 1, err)
+    assert plan_error(d, pmap_call(4)).error is err
+    # a released one is unknown
+    d.release([4], 1)
+    assert plan_error(d, pmap_call(4)).code == "not_found"
+    assert 61 not in d.buffers and 51 not in d.buffers and 50 not in d.buffers
+
+
+def test_mapping_version_change_replans():
+    """A template holds hosts, routes and JAX ids: a new mapping version must not
+    reuse it even where the call's key is otherwise the same."""
+    host_of = dict(HOST_OF)
+    version = [0]
+    d = Directory(host_of.__getitem__, address, mapping_version=lambda: version[0])
+    d.plan(call([0, 1], [inp(1, [8], ["x"], put=True), inp(2, [8], ["x"], put=True)]), 1, "fn")
+    first = d.plan(call([4, 5], [inp(1, [8], ["x"])]), 1, "fn")
+    assert {sp.dst_host for _, sp in first.sends} == {1} and set(first.executes) == {1}
+    # devices 4 and 5 now belong to host 2 (and the version says so)
+    host_of[4] = host_of[5] = 2
+    version[0] += 1
+    moved = d.plan(call([4, 5], [inp(2, [8], ["x"])]), 1, "fn")
+    assert (d.cache_hits, d.cache_info()["entries"]) == (0, 1)
+    assert {sp.dst_host for _, sp in moved.sends} == {2} and set(moved.executes) == {2}
+    assert all(sp.dst_address == address(2) for _, sp in moved.sends)
+
+
+def test_lost_host_invalidates_cached_plans():
+    from zpath.controller.resources import ResourceManager
+    rm = ResourceManager()
+    for h in range(3):
+        rm.add_host(name=f"h{h}", island=0, data_address=address(h), pid=1, platform="cpu", num_devices=4)
+    d = Directory(lambda x: rm.devices[x].host, lambda h: rm.hosts[h].data_address,
+                  lambda x: rm.devices[x].jax_id, rm.route, mapping_version=lambda: rm.version)
+    err = m.ErrorInfo("HostLost", "host 0 was lost", 0, "", "")
+    for b in (1, 2):
+        # a buffer on host 0, copied to host 1, then read replicated on host 2
+        d.plan(call([0, 1], [inp(b, [8], ["x"], put=True)]), 1, "fn")
+        d.plan(call([4, 5], [inp(b, [8], ["x"])]), 1, "fn")
+    before = d.plan(call([8, 9], [inp(1, [8], [None])]), 1, "fn")
+    assert {src for src, _ in before.sends} == {0}          # from the lowest device ids
+    assert d.cache_hits == 2                                # buffer 2's put and copy hit
+    # host 0 is lost: the version changes and its devices are forgotten
+    version = rm.version
+    rm.lose_host(0)
+    assert rm.version == version + 1
+    d.drop_devices(set(rm.hosts[0].devices), err)
+    after = d.plan(call([8, 9], [inp(2, [8], [None])]), 1, "fn")
+    assert d.cache_hits == 2 and d.cache_info()["entries"] == 1
+    assert {src for src, _ in after.sends} == {1}
+    assert all(p.device in (4, 5) for s in shards_of(after, 2) for p in s.pieces)
+    # even with the layouts unchanged, the old version's templates are gone
+    d2 = Directory(lambda x: rm.devices[x].host, mapping_version=lambda: rm.version)
+    d2.plan(call([4, 5], [inp(1, [8], ["x"], put=True)]), 1, "fn")
+    d2.plan(call([4, 5], [inp(2, [8], ["x"], put=True)]), 1, "fn")
+    rm.lose_host(2)
+    d2.plan(call([4, 5], [inp(3, [8], ["x"], put=True)]), 1, "fn")
+    assert (d2.cache_hits, d2.cache_misses) == (1, 2)
+
+
+def test_plan_cache_is_bounded():
+    d = Directory(HOST_OF.__getitem__, address, plan_cache_size=3)
+    names = [f"f{k}" for k in range(10)]
+    for k, name in enumerate(names):
+        d.plan(call([0, 1], [inp(k + 1, [8], ["x"], put=True)]), 1, name)
+    assert d.cache_info()["entries"] == 3 and d.cache_misses == 10
+    # the three most recent are kept; using one keeps it longest
+    d.plan(call([0, 1], [inp(100, [8], ["x"], put=True)]), 1, "f7")
+    assert d.cache_hits == 1
+    d.plan(call([0, 1], [inp(101, [8], ["x"], put=True)]), 1, "f0")        # evicts f8
+    assert d.cache_misses == 11
+    d.plan(call([0, 1], [inp(102, [8], ["x"], put=True)]), 1, "f7")
+    d.plan(call([0, 1], [inp(103, [8], ["x"], put=True)]), 1, "f9")
+    assert d.cache_hits == 3
+    d.plan(call([0, 1], [inp(104, [8], ["x"], put=True)]), 1, "f8")
+    assert d.cache_misses == 12 and d.cache_info()["entries"] == 3
+    # and by size: a plan bigger than the whole budget is not kept, smaller ones
+    # push older ones out
+    small = Directory(HOST_OF.__getitem__, address, plan_cache_weight=12)
+    small.plan(call(list(range(12)), [inp(1, [12], ["x"], put=True)]), 1, "big")
+    assert small.cache_info()["entries"] == 0
+    for k in range(5):
+        small.plan(call([0, 1], [inp(10 + k, [8], ["x"], put=True)]), 1, f"f{k}")
+        assert 0 < small.cache_info()["weight"] <= 12
+    assert small.cache_info()["entries"] == 2

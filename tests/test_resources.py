@@ -187,3 +187,28 @@ def test_multi_host_slices_spread_load():
     first = rm.alloc_slice(3)[1]
     second = rm.alloc_slice(3)[1]
     assert {rm.devices[d].island for d in first} != {rm.devices[d].island for d in second}
+
+
+def test_version_changes_with_the_mapping():
+    rm = ResourceManager()
+    assert rm.version == 0
+    add(rm, n=2, name="a")
+    add(rm, n=2, name="b")
+    assert rm.version == 2                      # every host added
+    rm.alloc_slice(2)
+    rm.check_spmd([0, 1])
+    rm.route(0, 1)
+    assert rm.version == 2                      # placing and asking change nothing
+    with pytest.raises(ResourceError):
+        add(rm, n=0)
+    assert rm.version == 2                      # a rejected host is no change
+    assert rm.lose_host(0) is rm.hosts[0]
+    assert not rm.hosts[0].alive and rm.hosts[1].alive
+    assert rm.version == 3
+    assert rm.islands() == {0: [1]}
+    assert hosts_of(rm, rm.alloc_slice(2)[1]) == {1}
+    with pytest.raises(ResourceError, match="lost"):
+        rm.check_spmd([0])
+    with pytest.raises(KeyError):
+        rm.lose_host(7)
+    assert rm.version == 3

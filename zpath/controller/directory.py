@@ -6,7 +6,10 @@ sharded); each layout maps regions to the devices holding a copy.
 
 :meth:`Directory.plan` turns one call into actions: for every host it touches an
 ``Execute`` with that host's part, and ``SendPiece`` orders for the shards that
-must move between hosts. It is pure: no sockets."""
+must move between hosts. It is pure: no sockets. What it lowers a call to
+depends on shapes, devices and where the inputs live, not on buffer ids, so the
+lowered plan is cached per (call shape, input layouts, mapping version) and each
+call only fills in its ids."""
 from __future__ import annotations
 
 import collections
@@ -18,6 +21,10 @@ from typing import Callable
 from zpath import sharding
 from zpath.net import messages as m
 from zpath.sharding import Region
+
+
+PLAN_CACHE_SIZE = 4096      # lowered plans kept (least recently used first out)
+PLAN_CACHE_WEIGHT = 1 << 20  # and their total size, in shards, pieces and layout regions
 
 
 class PlanError(Exception):
@@ -47,11 +54,20 @@ class Directory:
     def __init__(self, host_of: Callable[[int], int],
                  address_of: Callable[[int], str] = lambda h: "",
                  jax_id_of: Callable[[int], int] = lambda d: d,
-                 route_of: Callable[[int, int], tuple[str, str, str, str]] | None = None) -> None:
+                 route_of: Callable[[int, int], tuple[str, str, str, str]] | None = None,
+                 mapping_version: Callable[[], int] = lambda: 0,
+                 plan_cache_size: int = PLAN_CACHE_SIZE,
+                 plan_cache_weight: int = PLAN_CACHE_WEIGHT) -> None:
         """``host_of`` maps a global device id to its host rank, ``address_of`` a
         host rank to its data address, ``route_of`` (source host, destination
         host) to (channel, data address, destination machine id, CURVE key); without
-        it every transfer is plain ICI to ``address_of``."""
+        it every transfer is plain ICI to ``address_of``.
+
+        Lowered plans are cached (at most ``plan_cache_size`` of them and
+        ``plan_cache_weight`` shards, pieces and layout regions in all, least
+        recently used first out; 0: no cache) per ``mapping_version()``, which
+        must change whenever what ``host_of``, ``jax_id_of`` or ``route_of`` answer
+        may have changed (ResourceManager.version)."""
         self.buffers: dict[int, Buffer] = {}
         self.host_of = host_of
         self.address_of = address_of
@@ -61,6 +77,14 @@ class Directory:
         self.route_of = route_of or (lambda src, dst: ("ICI", self.address_of(dst), "", ""))
         self._piece_ids = itertools.count(1)
         self._exec_ids = itertools.count(1)
+        self.mapping_version = mapping_version
+        self._cache: collections.OrderedDict[tuple, _Template] = collections.OrderedDict()
+        self._cache_max = max(0, plan_cache_size)
+        self._cache_max_weight = plan_cache_weight
+        self._cache_weight = 0
+        self._cache_version: int | None = None
+        self.cache_hits = 0
+        self.cache_misses = 0
 
     def poison(self, buffer_ids: list[int], owner: int, error: m.ErrorInfo) -> None:
         """Record buffers whose producing call failed, so consumers fail with the
@@ -133,6 +157,80 @@ class Directory:
         return [b for b, buf in self.buffers.items() if buf.owner == owner]
 
     def plan(self, call: m.Call, owner: int, name: str) -> Plan:
+        """Plan one call: per host an ``Execute``, and the ``SendPiece`` orders
+        for the shards that move. Checks everything before changing any state.
+
+        The lowered plan (computations, device assignments, transfers) depends on
+        the call's shapes and on where its inputs live, not on buffer ids: it is
+        lowered once per key (see :meth:`_key`) into a :class:`_Template`, and each
+        call only fills in its ids and applies the state changes. Checks that
+        depend on the buffers' current state run on every call."""
+        key = self._key(call, name) if self._cache_max else None
+        if key is not None:
+            t = self._cache.get(key)
+            if t is not None:
+                self._cache.move_to_end(key)
+                self.cache_hits += 1
+                self._check_state(call, owner)
+                return self._apply(t, call, owner, name)
+            self.cache_misses += 1
+        hosts = self._check_mesh(call)
+        self._check_state(call, owner)
+        t = self._lower(call, hosts)
+        if key is not None:
+            self._store(key, t)
+        return self._apply(t, call, owner, name)
+
+    # ---- plan cache -------------------------------------------------------------
+
+    def _key(self, call: m.Call, name: str) -> tuple | None:
+        """Everything a plan depends on except buffer ids: program, name, devices,
+        mesh, each input's aval, spec, put flag and (not a put) its buffer's
+        layouts, each output's aval and spec, which slots name the same buffer,
+        and the mapping version. None (not cached) when an input cannot be read:
+        the call fails."""
+        version = self.mapping_version()
+        if version != self._cache_version:
+            self._cache.clear()
+            self._cache_weight = 0
+            self._cache_version = version
+        ins = []
+        for i in call.inputs:
+            if i.put:
+                ins.append((tuple(i.aval.shape), i.aval.dtype, _spec_key(i.spec)))
+                continue
+            buf = self.buffers.get(i.buffer)
+            if buf is None or buf.error is not None:
+                return None
+            ins.append((tuple(i.aval.shape), i.aval.dtype, _spec_key(i.spec), _layouts_key(buf)))
+        outs = tuple((tuple(o.aval.shape), o.aval.dtype, _spec_key(o.spec)) for o in call.outputs)
+        ids = [i.buffer for i in call.inputs] + [o.buffer for o in call.outputs]
+        # which slots name one buffer: duplicates change the plan (a second read
+        # sees the first one's copy; a second create replaces the first)
+        aliases = None if len(set(ids)) == len(ids) else tuple(ids.index(b) for b in ids)
+        return (call.program, name, tuple(call.devices), tuple(call.mesh_shape),
+                tuple(call.axis_names), tuple(ins), outs, aliases, version)
+
+    def _store(self, key: tuple, t: "_Template") -> None:
+        weight = t.weight + sum(len(lay) for k in key[5] if len(k) == 4 for lay in k[3])
+        if weight > self._cache_max_weight:
+            return
+        self._cache[key] = t
+        self._cache_weight += weight
+        t.cached_weight = weight
+        while len(self._cache) > self._cache_max or self._cache_weight > self._cache_max_weight:
+            _, old = self._cache.popitem(last=False)
+            self._cache_weight -= old.cached_weight
+
+    def cache_info(self) -> dict[str, int]:
+        """Plan cache counters: hits, misses, entries, weight."""
+        return {"hits": self.cache_hits, "misses": self.cache_misses,
+                "entries": len(self._cache), "weight": self._cache_weight}
+
+    # ---- checks ---------------------------------------------------------------------
+
+    def _check_mesh(self, call: m.Call) -> list[int]:
+        """Check the mesh and devices; returns each device's host."""
         ndev = math.prod(call.mesh_shape)
         if any(n < 1 for n in call.mesh_shape) or ndev != len(call.devices) \
                 or len(call.axis_names) != len(call.mesh_shape):
@@ -141,14 +239,16 @@ class Directory:
         if len(set(call.devices)) != len(call.devices):
             raise PlanError("bad_request", "a device appears twice in the mesh")
         try:
-            hosts = [self.host_of(d) for d in call.devices]
+            return [self.host_of(d) for d in call.devices]
         except KeyError as e:
             raise PlanError("bad_request", f"unknown device {e}") from None
-        mesh = (call.mesh_shape, call.axis_names)
+
+    def _check_state(self, call: m.Call, owner: int) -> None:
+        """Checks against the buffers' current state (run on every call, cached or
+        not, before any state changes)."""
         for o in call.outputs:
             if o.buffer in self.buffers:
                 raise PlanError("bad_request", f"output buffer {o.buffer} already exists")
-        # Check every input before changing any state.
         for i in call.inputs:
             buf = self.buffers.get(i.buffer)
             if i.put:
@@ -163,106 +263,181 @@ class Directory:
             if list(buf.shape) != i.aval.shape or buf.dtype != i.aval.dtype:
                 raise PlanError("bad_request", f"input buffer {i.buffer} is {buf.dtype}"
                                 f"{list(buf.shape)}, the call expects {i.aval.dtype}{i.aval.shape}")
+
+    # ---- lowering ---------------------------------------------------------------------
+
+    def _lower(self, call: m.Call, hosts: list[int]) -> "_Template":
+        """The call's plan with buffers as slots (inputs, then outputs), from the
+        current state, changing nothing. The call has passed every check."""
+        mesh = (call.mesh_shape, call.axis_names)
         try:
             in_regs = [sharding.regions(i.aval.shape, *mesh, i.spec) for i in call.inputs]
             out_regs = [sharding.regions(o.aval.shape, *mesh, o.spec) for o in call.outputs]
         except (ValueError, KeyError) as e:
             raise PlanError("bad_request", f"bad sharding: {e}") from None
-
-        shards: dict[int, list[list[m.ShardInput]]] = {h: [] for h in hosts}
-        sends: list[tuple[int, m.SendPiece]] = []
-        for i, regs in zip(call.inputs, in_regs, strict=True):
+        shards: dict[int, list[list]] = {h: [] for h in hosts}
+        sends: list[tuple] = []
+        ops: list[tuple] = []
+        # the layouts each input buffer will have once the earlier inputs are read
+        layouts_of: dict[int, list[dict[Region, list[int]]]] = {}
+        pieces_n = 0
+        for k, (i, regs) in enumerate(zip(call.inputs, in_regs, strict=True)):
             for h in shards:
                 shards[h].append([])
             if i.put:
                 layout: dict[Region, list[int]] = {}
                 for d, r in zip(call.devices, regs, strict=True):
                     layout.setdefault(r, []).append(d)
-                self.buffers[i.buffer] = buf = Buffer(i.buffer, tuple(i.aval.shape), i.aval.dtype,
-                                                      owner, [layout])
-                self.device_bytes.update(_footprint(buf))
+                ops.append((_NEW, k, tuple(i.aval.shape), i.aval.dtype, layout,
+                            _footprint_of([layout], i.aval.dtype)))
                 for d, h, r in zip(call.devices, hosts, regs, strict=True):
                     shards[h][-1].append(m.ShardInput(d, sharding.to_wire(r), []))
                 continue
             buf = self.buffers[i.buffer]
+            lays = layouts_of.setdefault(i.buffer, list(buf.layouts))
             new: dict[Region, list[int]] = {}
             copied = False
             for d, h, r in zip(call.devices, hosts, regs, strict=True):
-                if any(d in lay.get(r, ()) for lay in buf.layouts):
-                    pieces = []
+                if any(d in lay.get(r, ()) for lay in lays):
+                    shard = m.ShardInput(d, sharding.to_wire(r), [])
                 else:
-                    pieces = self._pieces(buf, r, h, sends)
+                    pieces = self._pieces(lays, buf.id, k, r, h, sends)
+                    pieces_n += len(pieces)
+                    shard = (d, sharding.to_wire(r), pieces)
                     copied = True
                 # Every device, not only the copies: _pieces tiles a region from
                 # one layout, so each layout must cover the whole array.
                 new.setdefault(r, []).append(d)
-                shards[h][-1].append(m.ShardInput(d, sharding.to_wire(r), pieces))
+                shards[h][-1].append(shard)
             if copied:
-                before = _footprint(buf)
-                buf.layouts.append(new)
-                self.device_bytes.subtract(before)
-                self.device_bytes.update(_footprint(buf))
-        for o, regs in zip(call.outputs, out_regs, strict=True):
+                before = _footprint_of(lays, buf.dtype)
+                lays.append(new)
+                after = _footprint_of(lays, buf.dtype)
+                ops.append((_ADD, k, new, {d: n - before.get(d, 0) for d, n in after.items()}))
+        for k, (o, regs) in enumerate(zip(call.outputs, out_regs, strict=True), len(call.inputs)):
             layout = {}
             for d, r in zip(call.devices, regs, strict=True):
                 layout.setdefault(r, []).append(d)
-            self.buffers[o.buffer] = buf = Buffer(o.buffer, tuple(o.aval.shape), o.aval.dtype,
-                                                  owner, [layout])
-            self.device_bytes.update(_footprint(buf))
-        exec_id = next(self._exec_ids)
+            ops.append((_NEW, k, tuple(o.aval.shape), o.aval.dtype, layout,
+                        _footprint_of([layout], o.aval.dtype)))
         jax_ids = [self.jax_id_of(d) for d in call.devices]
+        weight = 1 + len(call.devices) * (len(call.inputs) + len(call.outputs) + 1) + pieces_n + len(sends)
+        return _Template(list(shards), [shards[h] for h in shards], sends, ops, jax_ids, weight)
+
+    def _apply(self, t: "_Template", call: m.Call, owner: int, name: str) -> Plan:
+        """Fill a template in with the call's buffer ids and fresh exec and piece
+        ids, and apply its state changes."""
+        ids = [i.buffer for i in call.inputs] + [o.buffer for o in call.outputs]
+        pids = [next(self._piece_ids) for _ in t.sends]
+        sends = [(src, m.SendPiece(pid, ids[k], dev, reg, sub, dst, address, channel, machine, key))
+                 for pid, (src, k, dev, reg, sub, dst, address, channel, machine, key)
+                 in zip(pids, t.sends)]
+        for op in t.ops:
+            if op[0] == _NEW:
+                _, k, shape, dtype, layout, footprint = op
+                self.buffers[ids[k]] = Buffer(ids[k], shape, dtype, owner,
+                                              [{r: list(devs) for r, devs in layout.items()}])
+                self.device_bytes.update(footprint)
+            else:
+                _, k, layout, delta = op
+                self.buffers[ids[k]].layouts.append({r: list(devs) for r, devs in layout.items()})
+                self.device_bytes.update(delta)
+        exec_id = next(self._exec_ids)
         outputs = [m.ExecOutput(o.buffer, o.aval, o.spec) for o in call.outputs]
         executes = {}
-        for h, per_input in shards.items():
-            inputs = [m.ExecInput(i.buffer, i.aval, i.spec, s)
-                      for i, s in zip(call.inputs, per_input, strict=True)]
+        for h, per_input in zip(t.hosts, t.shards):
+            inputs = []
+            for i, tshards in zip(call.inputs, per_input):
+                inputs.append(m.ExecInput(i.buffer, i.aval, i.spec, [
+                    s if type(s) is m.ShardInput else
+                    m.ShardInput(s[0], s[1], [m.PieceSource(0 if n < 0 else pids[n], dev, reg, sub)
+                                              for n, dev, reg, sub in s[2]])
+                    for s in tshards]))
             executes[h] = m.Execute(exec_id, 0, call.program, name, call.mesh_shape, call.axis_names,
-                                    call.devices, jax_ids, inputs, outputs)
+                                    call.devices, t.jax_ids, inputs, outputs)
         return Plan(executes, sends)
 
-    def _pieces(self, buf: Buffer, want: Region, host: int,
-                sends: list[tuple[int, m.SendPiece]]) -> list[m.PieceSource]:
+    def _pieces(self, layouts: list[dict[Region, list[int]]], buffer: int, slot: int,
+                want: Region, host: int, sends: list[tuple]) -> list[tuple]:
         """Pieces that assemble region ``want`` on ``host``, preferring copies on
-        the same host, then one copy that covers it whole."""
+        the same host, then one copy that covers it whole. A piece is (index into
+        ``sends`` or -1 if local, device, region, sub)."""
         def rank(dev: int) -> int:
             return 0 if self.host_of(dev) == host else 1
 
-        covering = [(rank(d), d, r) for lay in buf.layouts for r, devs in lay.items()
+        covering = [(rank(d), d, r) for lay in layouts for r, devs in lay.items()
                     if sharding.contains(r, want) for d in devs]
         if covering:
             _, dev, reg = min(covering)
-            return [self._piece(buf, dev, reg, want, host, sends)]
+            return [self._piece(slot, dev, reg, want, host, sends)]
         # Otherwise the layout with the most copies on this host, tiled.
-        lay = min(buf.layouts, key=lambda lay: sum(rank(d) for devs in lay.values() for d in devs))
+        lay = min(layouts, key=lambda lay: sum(rank(d) for devs in lay.values() for d in devs))
         pieces = []
         for reg, devs in lay.items():
             sub = sharding.intersect(reg, want)
             if sub is not None:
-                pieces.append(self._piece(buf, min(devs, key=rank), reg, sub, host, sends))
-        if sum(math.prod(sharding.region_shape(sharding.from_wire(p.sub))) for p in pieces) \
+                pieces.append(self._piece(slot, min(devs, key=rank), reg, sub, host, sends))
+        if sum(math.prod(sharding.region_shape(sharding.from_wire(p[3]))) for p in pieces) \
                 != math.prod(sharding.region_shape(want)):
-            raise PlanError("internal", f"buffer {buf.id}: layout does not cover {want}")
+            raise PlanError("internal", f"buffer {buffer}: layout does not cover {want}")
         return pieces
 
-    def _piece(self, buf: Buffer, dev: int, reg: Region, sub: Region, host: int,
-               sends: list[tuple[int, m.SendPiece]]) -> m.PieceSource:
+    def _piece(self, slot: int, dev: int, reg: Region, sub: Region, host: int,
+               sends: list[tuple]) -> tuple:
+        reg_w, sub_w = sharding.to_wire(reg), sharding.to_wire(sub)
         if self.host_of(dev) == host:
-            pid = 0
-        else:
-            pid = next(self._piece_ids)
-            src = self.host_of(dev)
-            channel, address, machine, key = self.route_of(src, host)
-            sends.append((src, m.SendPiece(
-                pid, buf.id, dev, sharding.to_wire(reg), sharding.to_wire(sub), host,
-                address, channel, machine, key)))
-        return m.PieceSource(pid, dev, sharding.to_wire(reg), sharding.to_wire(sub))
+            return (-1, dev, reg_w, sub_w)
+        src = self.host_of(dev)
+        channel, address, machine, key = self.route_of(src, host)
+        sends.append((src, slot, dev, reg_w, sub_w, host, address, channel, machine, key))
+        return (len(sends) - 1, dev, reg_w, sub_w)
+
+
+_NEW, _ADD = 0, 1
+
+
+@dataclasses.dataclass(eq=False)
+class _Template:
+    """A lowered call with buffers as slots (inputs, then outputs).
+
+    ``shards[n][k]``: host ``hosts[n]``'s shards of input ``k``, each a ready
+    ``ShardInput`` (no pieces: shared by every plan made from the template;
+    messages are never modified) or (device, region, pieces), a piece being
+    (index into ``sends``, or -1 for a copy on the host, device, region, sub).
+    ``sends``: (source host, slot, device, region, sub, destination host,
+    address, channel, machine, key). ``ops``: the state changes in order,
+    (_NEW, slot, shape, dtype, layout, bytes per device) or (_ADD, slot,
+    layout, change of bytes per device)."""
+    hosts: list[int]
+    shards: list[list[list]]
+    sends: list[tuple]
+    ops: list[tuple]
+    jax_ids: list[int]
+    weight: int
+    cached_weight: int = 0
+
+
+def _spec_key(spec: m.Spec) -> tuple:
+    for e in spec:
+        if e is not None and type(e) is not str:
+            return tuple([e if e is None or type(e) is str else tuple(e) for e in spec])
+    return tuple(spec)
+
+
+def _layouts_key(buf: Buffer) -> tuple:
+    """Which regions live on which devices, in order (the order picks the sources)."""
+    return tuple(tuple((r, tuple(devs)) for r, devs in lay.items()) for lay in buf.layouts)
 
 
 def _footprint(buf: Buffer) -> dict[int, int]:
     """Bytes a buffer holds per device: each region once per device."""
+    return _footprint_of(buf.layouts, buf.dtype)
+
+
+def _footprint_of(layouts: list[dict[Region, list[int]]], dtype: str) -> dict[int, int]:
     seen: dict[int, set] = {}
-    for lay in buf.layouts:
+    for lay in layouts:
         for r, devs in lay.items():
             for d in devs:
                 seen.setdefault(d, set()).add(r)
-    return {d: sum(sharding.nbytes(r, buf.dtype) for r in regs) for d, regs in seen.items()}
+    return {d: sum(sharding.nbytes(r, dtype) for r in regs) for d, regs in seen.items()}

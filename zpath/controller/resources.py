@@ -44,6 +44,9 @@ class ResourceManager:
         self._ranks = itertools.count()
         self._device_ids = itertools.count()
         self._slice_ids = itertools.count(1)
+        # bumped whenever the virtual->physical mapping changes (a host added or
+        # lost): what was planned against an older version must be planned again
+        self.version = 0
 
     def add_host(self, *, name: str, island: int, data_address: str, pid: int,
                  platform: str, num_devices: int, jax_ids: list[int] | None = None,
@@ -70,6 +73,14 @@ class ResourceManager:
         host = Host(rank, island, name, data_address, pid, platform, ids, runtime,
                     machine=machine, public_key=public_key, dcn_address=dcn_address)
         self.hosts[rank] = host
+        self.version += 1
+        return host
+
+    def lose_host(self, rank: int) -> Host:
+        """Mark a host lost (it gets no new work) and bump :attr:`version`."""
+        host = self.hosts[rank]
+        host.alive = False
+        self.version += 1
         return host
 
     def route(self, src: int, dst: int) -> tuple[str, str, str, str]:
