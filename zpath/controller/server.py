@@ -123,7 +123,8 @@ class Controller:
         self.rm = ResourceManager()
         self.directory = Directory(lambda d: self.rm.devices[d].host,
                                    lambda h: self.rm.hosts[h].data_address,
-                                   lambda d: self.rm.devices[d].jax_id, self.rm.route)
+                                   lambda d: self.rm.devices[d].jax_id, self.rm.route,
+                                   mapping_version=lambda: self.rm.version)
         self.scheduler = GangScheduler(
             break_order=os.environ.get("ZPATH_DEBUG_BREAK_GANG_ORDER") == "1")
         self.tenants = TenantScheduler(policy or POLICY, window_s=(window_ms or WINDOW_MS) / 1000)
@@ -718,8 +719,7 @@ class Controller:
 
     def _host_lost(self, rank: int, why: str) -> None:
         """A worker stopped answering: fail what depended on it, keep serving."""
-        host = self.rm.hosts[rank]
-        host.alive = False
+        host = self.rm.lose_host(rank)
         ident = self.worker_ident.pop(rank, None)
         if ident is not None:
             self.peers.pop(ident, None)
