@@ -50,7 +50,8 @@ def work(x):
 
 f = zp.pmap(work, devices=dev)
 x = np.full((len(dev), int(size), int(size)), 0.01, np.float32)
-f(x).result(timeout=120)                   # compiled and warm
+x = f(x)                                   # compiled and warm; x stays on the devices
+x.result(timeout=120)
 print("id", conn.client.client_id, flush=True)
 sys.stdin.readline()                       # every client starts together
 out, n, end = [], 0, time.monotonic() + float(seconds)
@@ -111,10 +112,9 @@ def run_clients(cluster: Any, weights: list[float], seconds: float, depth: int, 
 def busy_interval(ids: dict[int, float], recs: list[Any], go: float, trim: float = 0.15
                   ) -> tuple[float, float]:
     """From the start signal to the first client's last end, less ``trim`` of it
-    at each side: every client had work waiting throughout. (The first
-    computation of each client, which compiled, ran before the signal: it is
-    charged to the client, so right after the signal the scheduler evens that
-    out; the trim leaves that out of the measurement.)"""
+    at each side: every client had work waiting throughout. (Each client's
+    first computation ran before the signal and is charged to it; right after
+    the signal the scheduler evens that out, which the trim leaves out.)"""
     first = go
     last = min(max(r.end for r in recs if r.client == c) for c in ids)
     if last <= first:
@@ -133,6 +133,9 @@ def device_time(recs: list[Any], lo: float, hi: float) -> dict[int, float]:
 
 
 def shares(cluster: Any, weights: list[float], seconds: float, depth: int, size: int) -> dict[str, Any]:
+    # one client first compiles the program on the worker (clients share its
+    # compiled form), so no measured client is charged the compilation
+    run_clients(cluster, [1.0], 0, depth, size)
     ids, recs, go = run_clients(cluster, weights, seconds, depth, size)
     lo, hi = busy_interval(ids, recs, go)
     used = device_time(recs, lo, hi)

@@ -37,7 +37,8 @@ def work(x):
 
 f = zp.pmap(work, devices=dev)
 x = np.full((1, 384, 384), 0.01, np.float32)
-f(x).result(timeout=60)                     # compiled and warm
+x = f(x)                                   # compiled and warm; x stays on the devices
+x.result(timeout=60)
 print("id", conn.client.client_id, flush=True)
 if os.environ.get("SUBMIT_ONLY"):
     futs = [f(x) for _ in range(int(os.environ["SUBMIT_ONLY"]))]
@@ -83,6 +84,16 @@ def _client_id(p: subprocess.Popen) -> int:
 def _shares(cluster, weights: list[float], seconds: float) -> dict[float, float]:
     """Run one client process per weight, all backlogged at once; return each
     weight's share of the device time measured while all of them were busy."""
+    # a first client compiles the program on the worker, so no measured client
+    # is charged the compilation (the clients share the compiled program)
+    warm = _spawn(cluster, 1.0, 0)
+    try:
+        _client_id(warm)
+        warm.stdin.write("go\n")
+        warm.stdin.flush()
+        assert warm.wait(60) == 0
+    finally:
+        _stop([warm])
     procs = [_spawn(cluster, w, seconds) for w in weights]
     try:
         ids = {_client_id(p): w for p, w in zip(procs, weights)}
@@ -168,7 +179,7 @@ def test_bad_weights_are_refused(one_device):
 def test_killed_client_has_its_queued_work_cancelled(zpath_cluster):
     cluster = zpath_cluster(islands=1, hosts_per_island=1, devices_per_host=1,
                             env={"ZPATH_CLIENT_TIMEOUT": "2"})
-    p = _spawn(cluster, 1.0, 0, env={"SUBMIT_ONLY": "300"})
+    p = _spawn(cluster, 1.0, 0, env={"SUBMIT_ONLY": "2000"})
     try:
         cid = _client_id(p)
         assert p.stdout.readline().strip() == "submitted"
@@ -182,7 +193,7 @@ def test_killed_client_has_its_queued_work_cancelled(zpath_cluster):
             wait_until(lambda: ask().running == 0 and ask().queued == 0, timeout=30)
             ran = [r for r in conn.client.request(m.TimelineRequest(100_000)).records
                    if r.client == cid]
-            assert 1 <= len(ran) < 300, len(ran)           # the queued ones never ran
+            assert 1 <= len(ran) < 2000, len(ran)          # the queued ones never ran
             wait_until(lambda: all(s.shards == 0 for s in ask().stores), timeout=30)
             assert ask().buffers == 0
             # the device still serves others
