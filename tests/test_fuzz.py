@@ -102,7 +102,7 @@ def templates(rng: random.Random, devices: list[int], garbage_digest: str) -> di
                         [m.ExecInput(ids[0], aval([4]), [None], [m.ShardInput(dev, [[0, 4]], [])])],
                         [m.ExecOutput(ids[1], aval([4]), [None])])
     common = [
-        (m.Ping(1), ()), (m.Pong(1, 0, 0), ()), (m.Error("protocol", "fuzz"), ()),
+        (m.Ping(1), ()), (m.Pong(1, 0, 0, []), ()), (m.Error("protocol", "fuzz"), ()),
         (m.StatusRequest(True), ()), (execute, ()), (m.Free([ids[3]]), ()),
         (m.SendPiece(ids[4], ids[0], dev, [[0, 4]], [[0, 2]], 0, "tcp://127.0.0.1:1", "ICI", "", ""), ()),
         (m.ExecDone(1, err, 0.0, 1.0), ()), (m.FailPieces([ids[4]], err), ()),
@@ -181,7 +181,7 @@ def semantic(rng: random.Random, target: str, devices: list[int], garbage_digest
             (m.TimelineRequest(rng.choice([huge, neg, 0, 2 ** 63 - 1])), ()),
             (m.Release([bid, neg, huge] * 10), ()),
             (m.Hello("fuzz", rng.choice([0, 2, neg, huge]), 1.0), ()),
-            (m.Ping(huge), ()), (m.Pong(neg, huge, neg), ()),
+            (m.Ping(huge), ()), (m.Pong(neg, huge, neg, [neg, huge]), ()),
         ]
     return rng.choice(msgs)
 

@@ -58,6 +58,32 @@ def test_dropped_futures_and_intermediates_are_freed(client):
     wait_for(conn, empty)
 
 
+def test_workers_report_bytes_per_device(client):
+    conn = client
+    wait_for(conn, empty)
+    devs = zp.make_virtual_device_set().add_slice(devices=2, host=1).devices
+    f = zp.pmap(lambda x: x * 3., devices=devs)
+    y = f(np.ones((2, 500)))                   # one 4000-byte shard on each device
+    np.testing.assert_array_equal(np.asarray(y), np.full((2, 500), 3.))
+
+    def held() -> dict[int, tuple[int, int]]:
+        st = conn.client.request(m.StatusRequest(False))
+        return {d.id: (d.held, d.nbytes) for d in st.devices}
+
+    ids = [d.id for d in devs]
+    deadline = time.monotonic() + 20
+    while any(held()[d] != (4000, 4000) for d in ids):
+        assert time.monotonic() < deadline, held()
+        time.sleep(0.2)
+    assert all(v == (0, 0) for d, v in held().items() if d not in ids), held()
+    del y
+    gc.collect()
+    deadline = time.monotonic() + 20
+    while any(v != (0, 0) for v in held().values()):
+        assert time.monotonic() < deadline, held()
+        time.sleep(0.2)
+
+
 def test_a_client_that_leaves_has_its_buffers_freed(cluster, client):
     wait_for(client, empty)
     code = ("import numpy as np, zpath as zp, sys\n"

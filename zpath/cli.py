@@ -101,8 +101,9 @@ def _status(args: argparse.Namespace) -> int:
         print(f"  island {h.island} host {h.rank} {h.name} devices {[d.id for d in h.devices]} "
               f"data {h.data_address}{held}")
     for d in st.devices:
-        if d.nbytes:
-            print(f"  device {d.id} (host {d.host}): {d.nbytes} bytes in use")
+        if d.nbytes or d.held:
+            print(f"  device {d.id} (host {d.host}): {d.held} bytes held (worker), "
+                  f"{d.nbytes} bytes placed (controller)")
     for h in st.lost:
         print(f"  island {h.island} host {h.rank} {h.name} LOST")
     print(f"  scheduling policy: {st.policy}")

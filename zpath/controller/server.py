@@ -148,6 +148,7 @@ class Controller:
         self.worker_ident: dict[int, bytes] = {}
         self.client_ids = 0
         self.host_stores: dict[int, tuple[int, int]] = {}   # rank -> (shards, bytes) from Pong
+        self.device_held: dict[int, int] = {}               # device -> bytes its worker holds (Pong)
         self.calls = 0
         self.running = True
 
@@ -270,14 +271,18 @@ class Controller:
                 self.send(ident, m.Status(self._host_infos(), stores, self._client_status(),
                                           len(self.directory.buffers), len(self.programs), self.calls,
                                           lost, len(self.in_flight), self._queued(),
-                                          [m.DeviceUsage(d.id, d.host, self.directory.device_bytes[d.id])
+                                          [m.DeviceUsage(d.id, d.host, self.directory.device_bytes[d.id],
+                                                         self.device_held.get(d.id, 0))
                                            for d in self.rm.devices.values()],
                                           self.tenants.policy), parent)
             case m.Pong() if peer is not None:
                 if peer.role == "worker":
                     self.host_stores[peer.id] = (msg.shards, msg.nbytes)
+                    devices = self.rm.hosts[peer.id].devices
+                    if len(msg.device_bytes) == len(devices):
+                        self.device_held.update(zip(devices, msg.device_bytes))
             case m.Ping() if peer is not None:
-                self.send(ident, m.Pong(msg.seq, 0, 0), parent)
+                self.send(ident, m.Pong(msg.seq, 0, 0, []), parent)
             case _ if peer is None:
                 self.reply_error(ident, parent, "not_registered",
                                  f"{type(msg).__name__} before Hello/RegisterWorker")
@@ -811,5 +816,13 @@ def main(argv: list[str] | None = None) -> int:
             f.write(ctl.address + "\n")
         os.replace(tmp, args.address_file)
     print(f"zpath controller listening on {ctl.address}", flush=True)
-    ctl.serve_forever()
+    profile_dir = os.environ.get("ZPATH_PROFILE", "")
+    if profile_dir:      # for finding where the controller's time goes; it slows it down
+        import cProfile
+        prof = cProfile.Profile()
+        prof.runcall(ctl.serve_forever)
+        os.makedirs(profile_dir, exist_ok=True)
+        prof.dump_stats(os.path.join(profile_dir, "controller.prof"))
+    else:
+        ctl.serve_forever()
     return 0

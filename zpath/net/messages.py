@@ -161,6 +161,7 @@ class Pong(Record):
     seq: int
     shards: int
     nbytes: int
+    device_bytes: list[int]  # from a worker: bytes held per local device, in Registered.devices order
 
 
 @message(9)
@@ -202,6 +203,7 @@ class DeviceUsage(Record):
     id: int                  # global device id
     host: int
     nbytes: int              # bytes of buffers the controller placed on it
+    held: int                # bytes its worker reported holding for it (last Pong)
 
 
 @record

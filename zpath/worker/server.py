@@ -106,6 +106,7 @@ class Worker:
         self.pool = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="send")
         self.rank: int | None = None
         self.executor: Executor | None = None
+        self.device_ids: list[int] = []
         self.running = True
         self.last_controller = time.monotonic()
         self.fetch_deadlines: list[tuple[float, int, _PendingFetch]] = []   # heap
@@ -128,6 +129,7 @@ class Worker:
                     case m.Registered():
                         self.rank = reply.rank
                         devices = {d.id: self.local[d.local_index] for d in reply.devices}
+                        self.device_ids = [d.id for d in reply.devices]   # Pong reports in this order
                         self.executor = Executor(self.store, devices, self._exec_done,
                                                  jax_devices={d.id: d for d in self.jax.devices()})
                         self.executor.rank = reply.rank
@@ -322,7 +324,7 @@ class Worker:
                 if len(buffers) == 1:
                     self.executor.add_program(msg.digest, bytes(buffers[0]))
             case m.Ping():
-                self.post_ctl(m.Pong(msg.seq, *self.store.stats()))
+                self.post_ctl(m.Pong(msg.seq, *self.store.stats(self.device_ids)))
             case m.Free():
                 self.executor.free_after_earlier(msg.buffers)
             case m.FailPieces():

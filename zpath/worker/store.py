@@ -74,12 +74,17 @@ class Store:
                         n += 1
         return n
 
-    def stats(self) -> tuple[int, int]:
-        """(number of shards, bytes held by done shards)."""
+    def stats(self, devices: list[int] = ()) -> tuple[int, int, list[int]]:
+        """(number of shards, bytes held by done shards, those bytes per device
+        of ``devices``)."""
         with self._lock:
-            shards = [e for k, e in self._entries.items() if k[0] == "s"]
-        nbytes = sum(getattr(e.value, "nbytes", 0) for e in shards if e.done)
-        return len(shards), nbytes
+            shards = [(k[2], e) for k, e in self._entries.items() if k[0] == "s"]
+        per = dict.fromkeys(devices, 0)
+        for d, e in shards:
+            if e.done and d in per:
+                per[d] += getattr(e.value, "nbytes", 0)
+        nbytes = sum(getattr(e.value, "nbytes", 0) for _, e in shards if e.done)
+        return len(shards), nbytes, [per[d] for d in devices]
 
 
 def shard_key(buffer: int, device: int, region: Any) -> tuple:
