@@ -229,3 +229,32 @@ def test_bad_policy_and_weight():
     for w in (0, -1, float("inf"), float("nan")):
         with pytest.raises(ValueError, match="positive"):
             s.add_client(1, w)
+
+
+def test_a_newcomer_does_not_get_credit_while_the_other_client_is_between_computations():
+    """Client 1 ran alone for a long time and is momentarily not waiting when
+    client 2 starts: client 2 must not run alone until it has caught up."""
+    s = TenantScheduler("share", window_s=1.0, min_window=1, default_cost_s=1.0)
+    s.add_client(1, 1)
+    s.add_client(2, 1)
+    t = 0
+    for _ in range(50):                       # client 1 alone, straight through
+        t += 1
+        r = Ready(1, 0, (0,), "p", "a")
+        assert s.can_send_now(r)
+        s.sent(t, r)
+        s.host_done(t, 1.0, 1)
+        s.finished(t)
+    for k in range(10):                       # client 2 starts waiting first
+        s.add(Ready(2, 0, (0,), "p", "b"))
+    for k in range(10):
+        s.add(Ready(1, 0, (0,), "p", "a"))
+    got = []
+    for _ in range(10):
+        r = s.pick(0)
+        t += 1
+        s.sent(t, r)
+        s.host_done(t, 1.0, 1)
+        s.finished(t)
+        got.append(r.item)
+    assert 4 <= got.count("a") <= 6, got

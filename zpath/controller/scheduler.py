@@ -89,8 +89,9 @@ class TenantScheduler:
     * ``fifo``: the computation that became ready first.
     * ``share``: proportional share. Each client has a virtual time, its
       device-seconds used divided by its weight; the client with the smallest
-      goes next (start-time fair queueing). A client that was idle starts from
-      the smallest virtual time of those waiting, so idling earns no credit.
+      goes next (start-time fair queueing). A client that was idle starts no
+      earlier than the virtual time of the latest computation sent, so idling
+      earns no credit.
 
     Device time is measured by the workers (start and end of every computation
     on every host, times the devices it used there) and accounted per client;
@@ -109,6 +110,7 @@ class TenantScheduler:
         self.weights: dict[int, float] = {}
         self.used: collections.Counter[int] = collections.Counter()       # device-seconds per client
         self._vt: dict[tuple[int, int], float] = {}                        # (island, client) -> virtual time
+        self._clock: dict[int, float] = {}         # island -> virtual time of the latest computation sent
         self._queues: dict[int, dict[int, collections.deque[Ready]]] = {}  # island -> client -> ready
         self._cost: dict[Any, float] = {}                                  # cost key -> seconds per device
         self._running: dict[int, _Running] = {}                            # ticket -> running
@@ -150,12 +152,10 @@ class TenantScheduler:
         q = queues.get(ready.client)
         if q is None:
             q = queues[ready.client] = collections.deque()
-            # a client that starts waiting gets no credit for having been idle
-            floor = min((self._vt.get((ready.island, c), 0.0) for c in queues if c != ready.client),
-                        default=None)
+            # a client that starts waiting gets no credit for having been idle:
+            # it starts no earlier than the latest computation sent
             key = (ready.island, ready.client)
-            if floor is not None:
-                self._vt[key] = max(self._vt.get(key, 0.0), floor)
+            self._vt[key] = max(self._vt.get(key, 0.0), self._clock.get(ready.island, 0.0))
         q.append(ready)
 
     def pick(self, island: int) -> Ready | None:
@@ -203,6 +203,8 @@ class TenantScheduler:
         for d in ready.devices:
             self._load[d] += wall
             self._count[d] += 1
+        clock = self._clock.get(ready.island, 0.0)
+        self._clock[ready.island] = max(clock, self._vt.get((ready.island, ready.client), clock))
         self._charge(ready.island, ready.client, estimate)
 
     def host_done(self, ticket: int, seconds: float, devices: int) -> None:
