@@ -152,7 +152,10 @@ def test_status_lists_clients_with_weight_and_device_time(one_device):
         for _ in range(5):
             x = f(x)
         np.testing.assert_array_equal(np.asarray(x), np.full((1, 1000), 32.))
-        st = conn.client.request(m.StatusRequest(False))
+        ask = lambda: conn.client.request(m.StatusRequest(False))    # noqa: E731
+        # the value can be fetched before the worker's ExecDone reached the controller
+        wait_until(lambda: ask().running == 0, timeout=10)
+        st = ask()
         assert st.policy == "share"
         me = [c for c in st.clients if c.id == conn.client.client_id]
         assert len(me) == 1 and me[0].name == "weighted" and me[0].weight == 2.5
