@@ -12,8 +12,8 @@ failed input poisons the outputs with the same root cause instead of running."""
 from __future__ import annotations
 
 import collections
-import concurrent.futures
 import logging
+import queue
 import threading
 import time
 import traceback
@@ -45,6 +45,7 @@ class Executor:
         import jax
 
         self.jax = jax
+        self.array_impl = _array_impl()
         self.store = store
         self.devices = local_devices
         self.jax_devices = jax_devices or {d.id: d for d in local_devices.values()}
@@ -54,6 +55,7 @@ class Executor:
         self.rank: int | None = None
         self.programs: dict[str, Any] = {}          # digest -> jax.export.Exported
         self.compiled: dict[tuple, _Prepared] = {}  # (digest, devices, specs) -> prepared
+        self._by_program: dict[str, list[_Prepared]] = {}   # digest -> its prepared variants
         self._lock = threading.Lock()
         # per local device, the computations dispatched to it and not yet started,
         # in dispatch order; an entry is (Execute, its local devices)
@@ -67,17 +69,22 @@ class Executor:
         self._unfinished: collections.deque[int] = collections.deque()
         self._finished: set[int] = set()
         self._frees: collections.deque[tuple[int, list[int]]] = collections.deque()
-        # at most one computation per device runs at a time
-        self._pool = concurrent.futures.ThreadPoolExecutor(max(1, len(local_devices)),
-                                                           thread_name_prefix="exec")
+        # computations ready to start, taken by the executor threads; at most
+        # one computation per device runs at a time, so one thread per device
+        self._ready: queue.SimpleQueue[tuple[m.Execute, frozenset[int], int] | None] = queue.SimpleQueue()
+        self._threads = [threading.Thread(target=self._loop, name=f"exec_{i}", daemon=True)
+                         for i in range(max(1, len(local_devices)))]
         self._stopped = False
+        for t in self._threads:
+            t.start()
 
     def stop(self) -> None:
         with self._lock:
             self._stopped = True
             for q in self._queues.values():
                 q.clear()
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        for _ in self._threads:
+            self._ready.put(None)
 
     def add_program(self, digest: str, blob: bytes) -> None:
         if digest not in self.programs:
@@ -112,19 +119,39 @@ class Executor:
         while self._frees and self._frees[0][0] <= oldest:
             self.store.free_buffers(self._frees.popleft()[1])
 
-    def _try_start(self, entry: tuple[m.Execute, frozenset[int], int]) -> None:
+    def _try_start(self, entry: tuple[m.Execute, frozenset[int], int],
+                   started: list | None = None) -> None:
         """With the lock held: start ``entry`` if it is first in the queue of
-        every one of its devices and none of them is busy."""
+        every one of its devices and none of them is busy: hand it to an
+        executor thread, or append it to ``started`` for the caller (an
+        executor thread) to run itself."""
         ex, devs, index = entry
         if self._stopped or devs & self._busy or any(self._queues[d][0] is not entry for d in devs):
             return
         for d in devs:
             self._queues[d].popleft()
         self._busy |= devs
-        self._pool.submit(self._run, ex, devs, index)
+        if started is None:
+            self._ready.put(entry)
+        else:
+            started.append(entry)
 
     # ---- executor threads ----------------------------------------------------
-    def _run(self, ex: m.Execute, devs: frozenset[int], index: int) -> None:
+    def _loop(self) -> None:
+        """An executor thread: run computations handed over, and those that the
+        one it finished lets start (without a hand-off)."""
+        while not self._stopped:
+            entry = self._ready.get()
+            while entry is not None and not self._stopped:
+                try:
+                    entry = self._run(*entry)
+                except Exception:      # a bug: keep the thread for the other computations
+                    log.exception("executor thread: computation %d", entry[0].exec_id)
+                    entry = None
+
+    def _run(self, ex: m.Execute, devs: frozenset[int], index: int
+             ) -> tuple[m.Execute, frozenset[int], int] | None:
+        """Run one computation; returns the next one this thread runs, if any."""
         start = time.time()
         error = None
         try:
@@ -146,14 +173,22 @@ class Executor:
                         if p.piece_id:
                             self.store.pop(("p", p.piece_id))
         end = time.time()
+        started: list[tuple[m.Execute, frozenset[int], int]] = []
         with self._lock:
             self._busy -= devs
             self._finished.add(index)
             self._run_frees()
             for d in devs:
-                if self._queues[d]:
-                    self._try_start(self._queues[d][0])
-        self.on_done(ex.exec_id, error, start, end)
+                q = self._queues[d]
+                if q:
+                    self._try_start(q[0], started)
+            for entry in started[1:]:      # others go to other threads
+                self._ready.put(entry)
+        try:
+            self.on_done(ex.exec_id, error, start, end)
+        except Exception:     # the next computation must still run
+            log.exception("reporting computation %d", ex.exec_id)
+        return started[0] if started else None
 
     def _poison_output(self, ex: m.Execute, o: m.ExecOutput, error: m.ErrorInfo) -> None:
         regs = sharding.regions(o.aval.shape, ex.mesh_shape, ex.axis_names, o.spec)
@@ -162,10 +197,9 @@ class Executor:
                 self.store.set(shard_key(o.buffer, d, r), error=error)
 
     def _execute(self, ex: m.Execute) -> None:
-        jax = self.jax
         prepared = self._prepare(ex)
         args, first_error = [], None
-        for inp, in_sharding in zip(ex.inputs, prepared.in_shardings, strict=True):
+        for k, inp in enumerate(ex.inputs):
             shards = []
             for s in inp.shards:
                 try:
@@ -173,27 +207,30 @@ class Executor:
                 except InputError as e:   # keep going: every promised shard gets settled
                     first_error = first_error or e
             if first_error is None:
-                args.append(jax.make_array_from_single_device_arrays(
-                    tuple(inp.aval.shape), in_sharding, shards))
+                args.append(prepared.input_array(k, inp, shards))
         if first_error is not None:
             raise first_error
         outs = prepared.fn(*args)
         # Run to completion before the next computation: a failure is reported
         # against the computation that caused it, and XLA:CPU collectives never
         # overlap on the same devices (see ARCHITECTURE.md, section 2).
-        jax.block_until_ready(outs)
-        for o, out in zip(ex.outputs, outs, strict=True):
-            shape = tuple(o.aval.shape)
-            for sh in out.addressable_shards:
-                region = sharding.region_from_index(sh.index, shape)
-                data = sh.data
-                if data.size == 0:     # JAX gives empty shards the global shape
-                    data = jax.device_put(np.empty(sharding.region_shape(region), out.dtype), sh.device)
-                self.store.set(shard_key(o.buffer, self.gid[sh.device], region), data)
+        if len(outs) == 1:
+            outs[0].block_until_ready()
+        else:
+            self.jax.block_until_ready(outs)
+        store_set = self.store.set
+        for k, (o, out) in enumerate(zip(ex.outputs, outs, strict=True)):
+            for gid, region, data in prepared.output_shards(k, o, out):
+                store_set(("s", o.buffer, gid, region), data)
 
     def _prepare(self, ex: m.Execute) -> "_Prepared":
         """The compiled function and input shardings for this program on these
         devices with these specs, built once."""
+        # found by comparing the message's lists as they are: building the
+        # hashable key costs more than the few comparisons of a program's variants
+        for prepared in self._by_program.get(ex.program, ()):
+            if prepared.matches(ex):
+                return prepared
         key = (ex.program, tuple(ex.jax_ids), tuple(ex.mesh_shape), tuple(ex.axis_names),
                tuple(_freeze(i.spec) for i in ex.inputs), tuple(_freeze(o.spec) for o in ex.outputs))
         prepared = self.compiled.get(key)
@@ -213,14 +250,17 @@ class Executor:
         call = exported.call
         leaves = self.jax.tree_util.tree_leaves
         fn = self.jax.jit(lambda *a: tuple(leaves(call(*a))), in_shardings=ins, out_shardings=outs)
-        prepared = self.compiled[key] = _Prepared(fn, ins)
+        prepared = self.compiled[key] = _Prepared(self, fn, ins, ex)
+        self._by_program.setdefault(ex.program, []).append(prepared)
         log.debug("prepared %s for devices %s", ex.name, ex.devices)
         return prepared
 
     def _input_shard(self, inp: m.ExecInput, s: m.ShardInput) -> Any:
         """The input shard for one local device: already stored, or assembled
         from pieces (and then stored, so later calls reuse it)."""
-        key = shard_key(inp.buffer, s.device, s.region)
+        key = ("s", inp.buffer, s.device, tuple(tuple(x) for x in s.region))    # shard_key
+        if not s.pieces and all(a != b for a, b in s.region):    # the common case: stored
+            return self._wait(key, inp.buffer)
         region = sharding.from_wire(s.region)
         if 0 in sharding.region_shape(region):    # nothing to wait for or move
             value = self.jax.device_put(np.empty(sharding.region_shape(region),
@@ -256,8 +296,8 @@ class Executor:
         return value
 
     def _wait(self, key: tuple, buffer: int) -> Any:
-        e = self.store.entry(key)
-        if not e.event.wait(self.input_timeout_s):
+        e = self.store.wait(key, self.input_timeout_s)
+        if not e.done:
             err = m.ErrorInfo("DeadlineExceeded", f"input buffer {buffer} did not arrive within "
                               f"{self.input_timeout_s:.0f}s", self.rank, "", "")
             self.store.set(key, error=err)
@@ -267,11 +307,96 @@ class Executor:
 
 
 class _Prepared:
-    __slots__ = ("fn", "in_shardings")
+    """A program compiled for one device assignment and specs, and what it
+    learnt on its first calls to make its input arrays and take its output
+    shards apart cheaply (the layouts are the same on every call)."""
 
-    def __init__(self, fn: Callable, in_shardings: tuple) -> None:
+    __slots__ = ("executor", "fn", "in_shardings", "in_fast", "out_fast", "variant")
+
+    def __init__(self, executor: Executor, fn: Callable, in_shardings: tuple, ex: m.Execute) -> None:
+        self.executor = executor
         self.fn = fn
         self.in_shardings = in_shardings
+        # what it was built for, as the Execute messages carry it
+        self.variant = (list(ex.jax_ids), list(ex.mesh_shape), list(ex.axis_names),
+                        [i.spec for i in ex.inputs], [o.spec for o in ex.outputs])
+        n_outputs = len(ex.outputs)
+        # per input: (shape, dtype, shard shape, device set of each shard in
+        # order, global aval) once seen, to build the array without re-checking
+        self.in_fast: list[tuple | None] = [None] * len(in_shardings)
+        # per output: (shape, [(global device id, region, empty shard's shape or None)])
+        # in the order of the array's addressable shards
+        self.out_fast: list[tuple | None] = [None] * n_outputs
+
+    def matches(self, ex: m.Execute) -> bool:
+        """Whether ``ex`` runs this program with the same devices and specs."""
+        jax_ids, mesh_shape, axis_names, in_specs, out_specs = self.variant
+        return ex.jax_ids == jax_ids and ex.mesh_shape == mesh_shape and \
+            ex.axis_names == axis_names and len(ex.inputs) == len(in_specs) and \
+            len(ex.outputs) == len(out_specs) and \
+            all(i.spec == s for i, s in zip(ex.inputs, in_specs)) and \
+            all(o.spec == s for o, s in zip(ex.outputs, out_specs))
+
+    def input_array(self, k: int, inp: m.ExecInput, shards: list) -> Any:
+        """The global jax.Array of input ``k`` from this host's shards (in
+        the order of ``inp.shards``)."""
+        shape = tuple(inp.aval.shape)
+        fast = self.in_fast[k]
+        if fast is not None and fast[0] == shape and len(shards) == len(fast[3]):
+            _, dtype, shard_shape, device_sets, aval = fast
+            for a, devs in zip(shards, device_sets):
+                if a.dtype != dtype or a.shape != shard_shape or a.sharding.device_set != devs:
+                    break
+            else:   # what make_array_from_single_device_arrays checks holds
+                return self.executor.array_impl(aval, self.in_shardings[k], shards, committed=True,
+                                                _skip_checks=True)
+        jax, array_impl = self.executor.jax, self.executor.array_impl
+        arr = jax.make_array_from_single_device_arrays(shape, self.in_shardings[k], shards)
+        if array_impl is not None and type(arr) is array_impl and shards:
+            # the shards were in the order of the array's (it rearranges them)
+            device_sets = tuple(frozenset((sh.device,)) for sh in arr.addressable_shards)
+            if device_sets == tuple(a.sharding.device_set for a in shards):
+                self.in_fast[k] = (shape, arr.dtype, shards[0].shape, device_sets, arr.aval)
+        return arr
+
+    def output_shards(self, k: int, o: m.ExecOutput, out: Any) -> list[tuple[int, tuple, Any]]:
+        """(global device id, region, shard data) of every local shard of output ``k``."""
+        shape = tuple(o.aval.shape)
+        fast = self.out_fast[k]
+        arrays = getattr(out, "_arrays", None)
+        if fast is not None and fast[0] == shape and arrays is not None and len(arrays) == len(fast[1]):
+            if not fast[2]:
+                return [(gid, region, a) for (gid, region, _), a in zip(fast[1], arrays)]
+            return [(gid, region, a if empty is None else self._empty(empty, out.dtype, gid))
+                    for (gid, region, empty), a in zip(fast[1], arrays)]
+        gid = self.executor.gid
+        plan, result = [], []
+        for sh in out.addressable_shards:
+            region = sharding.region_from_index(sh.index, shape)
+            data, empty = sh.data, None
+            if data.size == 0:     # JAX gives empty shards the global shape
+                empty = sharding.region_shape(region)
+                data = self._empty(empty, out.dtype, gid[sh.device])
+            plan.append((gid[sh.device], region, empty))
+            result.append((gid[sh.device], region, data))
+        if arrays is not None and len(arrays) == len(plan) and \
+                all(a is sh.data for a, sh in zip(arrays, out.addressable_shards)):
+            self.out_fast[k] = (shape, plan, any(e is not None for _, _, e in plan))
+        return result
+
+    def _empty(self, shape: tuple, dtype: Any, gid: int) -> Any:
+        ex = self.executor
+        return ex.jax.device_put(np.empty(shape, dtype), ex.devices[gid])
+
+
+def _array_impl() -> Any:
+    """JAX's array class, whose constructor can skip the checks that
+    make_array_from_single_device_arrays does (None if this JAX lacks it)."""
+    try:
+        from jax._src.array import ArrayImpl
+    except ImportError:
+        return None
+    return ArrayImpl
 
 
 def _freeze(spec: list) -> tuple:

@@ -111,6 +111,7 @@ class Worker:
         self.last_controller = time.monotonic()
         self.fetch_deadlines: list[tuple[float, int, _PendingFetch]] = []   # heap
         self.fetch_heap_limit = 1024
+        self.profiler: _Profiler | None = None
 
     # ---- start-up ------------------------------------------------------------
     def register(self) -> None:
@@ -180,6 +181,8 @@ class Worker:
             if time.monotonic() - self.last_controller > CONTROLLER_SILENCE_S:
                 log.error("no word from the controller for %.0fs: exiting", CONTROLLER_SILENCE_S)
                 self.running = False
+        if self.profiler is not None:
+            self.profiler.dump()
         self.close()
 
     def close(self) -> None:
@@ -542,6 +545,85 @@ def _array(aval: m.Aval, buffers: list) -> np.ndarray:
     return np.frombuffer(buffers[0], dtype=dtype).reshape(shape)
 
 
+class _Profiler:
+    """``ZPATH_PROFILE=<dir>``: profile every thread of this worker with cProfile
+    (one profile per thread, timed by the thread's CPU clock, so waits do not
+    count) and write ``<dir>/<name>.prof`` (all threads merged) and
+    ``<dir>/<name>.threads`` (CPU seconds per OS thread) at exit. For finding
+    where the worker's CPU time goes; it slows the worker down
+    (``ZPATH_PROFILE_CALLS=0``: the CPU per thread only, which does not)."""
+
+    def __init__(self, out_dir: str, name: str) -> None:
+        self.out_dir, self.name = out_dir, name
+        self.profiles: list[Any] = []
+        self.cpu_at_start = _thread_cpu()
+        self.lock = threading.Lock()
+
+    @classmethod
+    def start(cls, out_dir: str, name: str) -> "_Profiler | None":
+        if not out_dir:
+            return None
+        import cProfile
+
+        self = cls(out_dir, name)
+        if os.environ.get("ZPATH_PROFILE_CALLS", "1") == "0":
+            return self                   # the CPU per thread only
+
+        def begin(*_: Any) -> None:       # first profile event of a new thread
+            prof = cProfile.Profile(time.thread_time_ns, 1e-9)
+            with self.lock:
+                self.profiles.append(prof)
+            prof.enable()                 # replaces this hook for the thread
+
+        threading.setprofile(begin)
+        begin()
+        return self
+
+    def dump(self) -> None:
+        import pstats
+
+        name = self.name
+        threading.setprofile(None)
+        with self.lock:
+            profiles = list(self.profiles)
+        for prof in profiles:
+            prof.disable()
+        os.makedirs(self.out_dir, exist_ok=True)
+        stats = None
+        for prof in profiles:
+            try:
+                stats = pstats.Stats(prof) if stats is None else stats.add(prof)
+            except TypeError:             # a thread that never recorded anything
+                pass
+        if stats is not None:
+            stats.dump_stats(os.path.join(self.out_dir, f"{name}.prof"))
+        before = self.cpu_at_start
+        with open(os.path.join(self.out_dir, f"{name}.threads"), "w") as f:
+            for tid, (tname, cpu) in sorted(_thread_cpu().items()):
+                f.write(f"{tid}\t{tname}\t{cpu - before.get(tid, ('', 0.0))[1]:.3f}\n")
+
+
+def _thread_cpu() -> dict[int, tuple[str, float]]:
+    """CPU seconds of each thread of this process: OS thread id -> (name, seconds)."""
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict[int, tuple[str, float]] = {}
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:                       # not Linux
+        return out
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as st:
+                text = st.read()
+        except OSError:
+            continue
+        fields = text[text.rindex(")") + 2:].split()
+        out[int(tid)] = (names.get(int(tid), text[text.index("(") + 1:text.rindex(")")]),
+                         (int(fields[11]) + int(fields[12])) / tick)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
@@ -591,6 +673,7 @@ def main(argv: list[str] | None = None) -> int:
         w.close()
         return 1
     logs.setup(f"worker[host {w.rank}]")
+    w.profiler = _Profiler.start(os.environ.get("ZPATH_PROFILE", ""), f"worker-{w.rank}")
     w.serve_forever()
     logging.shutdown()
     # Threads may still wait on shards (fetches, inputs); do not let the

@@ -12,17 +12,14 @@ from zpath.net import messages as m
 
 
 class Entry:
-    __slots__ = ("value", "error", "event", "callbacks")
+    __slots__ = ("value", "error", "done", "event", "callbacks")
 
     def __init__(self) -> None:
         self.value: Any = None
         self.error: m.ErrorInfo | None = None
-        self.event = threading.Event()
+        self.done = False                          # has a value or an error
+        self.event: threading.Event | None = None  # made for the first waiter only
         self.callbacks: list[Callable[["Entry"], None]] = []
-
-    @property
-    def done(self) -> bool:
-        return self.event.is_set()
 
 
 class Store:
@@ -33,28 +30,48 @@ class Store:
 
     def entry(self, key: Hashable) -> Entry:
         with self._lock:
-            e = self._entries.get(key)
-            if e is None:
-                e = self._entries[key] = Entry()
-                if key[0] == "s":
-                    self._by_buffer.setdefault(key[1], set()).add(key)
-            return e
+            return self._entry(key)
+
+    def _entry(self, key: Hashable) -> Entry:
+        """With the lock held: the entry, made if new."""
+        e = self._entries.get(key)
+        if e is None:
+            e = self._entries[key] = Entry()
+            if key[0] == "s":
+                self._by_buffer.setdefault(key[1], set()).add(key)
+        return e
 
     def set(self, key: Hashable, value: Any = None, error: m.ErrorInfo | None = None) -> None:
-        e = self.entry(key)
         with self._lock:
+            e = self._entry(key)
             if e.done:
                 return
-            e.value, e.error = value, error
-            e.event.set()
-            callbacks, e.callbacks = e.callbacks, []
+            e.value, e.error, e.done = value, error, True
+            event, callbacks = e.event, e.callbacks
+            if callbacks:
+                e.callbacks = []
+        if event is not None:
+            event.set()
         for cb in callbacks:
             cb(e)
 
+    def wait(self, key: Hashable, timeout: float) -> Entry:
+        """The entry once it is done, or when ``timeout`` seconds have passed
+        (check ``done``)."""
+        with self._lock:
+            e = self._entry(key)
+            if e.done:
+                return e
+            if e.event is None:
+                e.event = threading.Event()
+            event = e.event
+        event.wait(timeout)
+        return e
+
     def when_done(self, key: Hashable, cb: Callable[[Entry], None]) -> None:
         """Call ``cb(entry)`` once the entry is done (now, if it already is)."""
-        e = self.entry(key)
         with self._lock:
+            e = self._entry(key)
             if not e.done:
                 e.callbacks.append(cb)
                 return

@@ -1,0 +1,189 @@
+"""The worker's executor and store in one process, without sockets.
+
+The executor learns, on a program's first calls, how to build its input arrays
+and take its outputs apart without JAX's checks; these tests check that later
+calls give the same results, and that an input that no longer fits what it
+learnt gets the same error as on a fresh executor. JAX runs in a subprocess
+with 4 emulated CPU devices (XLA_FLAGS set here would not work once another
+test has imported jax)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+
+import pytest
+
+from zpath.worker.store import Store
+
+pytestmark = pytest.mark.timeout(120)
+
+_SCRIPT = textwrap.dedent("""
+    import hashlib, json, queue
+    import numpy as np
+    import jax
+    jax.config.update("jax_enable_x64", True)
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    from zpath import sharding
+    from zpath.net import messages as m
+    from zpath.worker.executor import Executor
+    from zpath.worker.store import Store, shard_key
+
+    devs = jax.devices()
+    assert len(devs) >= 4, devs
+    made = [0]
+    make = jax.make_array_from_single_device_arrays
+    def counting_make(*a, **k):
+        made[0] += 1
+        return make(*a, **k)
+    jax.make_array_from_single_device_arrays = counting_make
+
+    def export(fn, shape, dtype, mesh_devs, in_spec, out_spec):
+        mesh = Mesh(np.array(mesh_devs), ("i",))
+        f = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=in_spec, out_specs=out_spec))
+        arg = jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, in_spec))
+        blob = jax.export.export(f)(arg).serialize()
+        return hashlib.sha256(blob).hexdigest(), bytes(blob)
+
+    def wire(spec):
+        return [list(e) if isinstance(e, tuple) else e for e in spec]
+
+    class Host:
+        def __init__(self):
+            self.store = Store()
+            self.done = queue.Queue()
+            self.ex = Executor(self.store, {d.id: d for d in devs},
+                               lambda i, err, s, e: self.done.put((i, err)))
+            self.ids = iter(range(1, 10**6))
+
+        def put(self, buffer, value, mesh_devs, spec):
+            regs = sharding.regions(value.shape, [len(mesh_devs)], ["i"], wire(spec))
+            for d, r in zip(mesh_devs, regs):
+                self.store.set(shard_key(buffer, d.id, r), jax.device_put(sharding.cut(value, r), d))
+
+        def run(self, digest, blob, mesh_devs, inp, out, shape, dtype, in_spec, out_spec, out_shape):
+            self.ex.add_program(digest, blob)
+            n = len(mesh_devs)
+            regs = sharding.regions(shape, [n], ["i"], wire(in_spec))
+            shards = [m.ShardInput(d.id, sharding.to_wire(r), []) for d, r in zip(mesh_devs, regs)]
+            i = next(self.ids)
+            ids = [d.id for d in mesh_devs]
+            self.ex.submit(m.Execute(i, i, digest, "f", [n], ["i"], ids, ids,
+                                     [m.ExecInput(inp, m.Aval(list(shape), dtype), wire(in_spec), shards)],
+                                     [m.ExecOutput(out, m.Aval(list(out_shape), dtype), wire(out_spec))]))
+            got, err = self.done.get(timeout=60)
+            assert got == i
+            return err
+
+        def fetch(self, buffer, mesh_devs, shape, spec):
+            regs = sharding.regions(shape, [len(mesh_devs)], ["i"], wire(spec))
+            out = []
+            for d, r in zip(mesh_devs, regs):
+                e = self.store.entry(shard_key(buffer, d.id, r))
+                assert e.done and e.error is None, e.error
+                assert e.value.sharding.device_set == {d}, (e.value.sharding, d)
+                out.append(np.asarray(e.value).tolist())
+            return out
+
+    res = {}
+    two = devs[:2]
+
+    # a chain on 2 devices: psum + 1, sharded in and out
+    digest, blob = export(lambda x: jax.lax.psum(x, "i") + 1., (2,), np.float64, two, P("i"), P("i"))
+    h = Host()
+    h.put(0, np.zeros(2), two, P("i"))
+    for k in range(5):
+        assert h.run(digest, blob, two, k, k + 1, (2,), "float64", P("i"), P("i"), (2,)) is None
+    res["chain"] = h.fetch(5, two, (2,), P("i"))
+    res["chain_makes"] = made[0]
+
+    # the same program, then an input of the wrong dtype and one of the wrong
+    # shard shape: the same error as on an executor that learnt nothing
+    def bad(host, buffer, shard):
+        # every shard of the (2,) input is ``shard``
+        for d, r in zip(two, ([[0, 1]], [[1, 2]])):
+            host.store.set(shard_key(buffer, d.id, r), jax.device_put(shard, d))
+        err = host.run(digest, blob, two, buffer, buffer + 1, (2,), "float64", P("i"), P("i"), (2,))
+        return None if err is None else [err.kind, err.message.splitlines()[0]]
+    fresh = Host()
+    res["bad_dtype"] = [bad(h, 100, np.zeros(1, np.float32)), bad(fresh, 100, np.zeros(1, np.float32))]
+    fresh = Host()
+    res["bad_shape"] = [bad(h, 200, np.zeros(2)), bad(fresh, 200, np.zeros(2))]
+    h.put(300, np.full(2, 3.), two, P("i"))
+    assert h.run(digest, blob, two, 300, 301, (2,), "float64", P("i"), P("i"), (2,)) is None
+    res["after_errors"] = h.fetch(301, two, (2,), P("i"))
+
+    # a replicated output on 4 devices, and a single-device mesh
+    four = devs[:4]
+    d4, b4 = export(lambda x: jax.lax.psum(x.sum(keepdims=True), "i"), (4,), np.float64, four, P("i"), P())
+    h = Host()
+    h.put(0, np.arange(4.), four, P("i"))
+    for k in range(3):
+        assert h.run(d4, b4, four, 0, k + 1, (4,), "float64", P("i"), P(), (1,)) is None
+    res["replicated"] = h.fetch(3, four, (1,), P())
+    one = devs[2:3]
+    d1, b1 = export(lambda x: x * 2., (3,), np.float64, one, P("i"), P("i"))
+    h.put(10, np.arange(3.), one, P("i"))
+    for k in range(3):
+        assert h.run(d1, b1, one, 10 + k, 11 + k, (3,), "float64", P("i"), P("i"), (3,)) is None
+    res["single"] = h.fetch(13, one, (3,), P("i"))
+
+    # empty arrays: every shard is empty
+    d0, b0 = export(lambda x: x + 1., (0, 2), np.float64, two, P("i"), P("i"))
+    for k in range(3):
+        assert h.run(d0, b0, two, 400 + k, 401 + k, (0, 2), "float64", P("i"), P("i"), (0, 2)) is None
+    res["empty"] = [np.asarray(h.store.entry(shard_key(403, d.id, ((0, 0), (0, 2)))).value).shape
+                    for d in two]
+    print(json.dumps(res))
+""")
+
+
+@pytest.fixture(scope="module")
+def results():
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, "-c", _SCRIPT], capture_output=True, text=True, env=env,
+                          timeout=110, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_chain_builds_inputs_without_jax_checks_after_the_first_call(results):
+    want = 0.0
+    for _ in range(5):
+        want = 2 * want + 1
+    assert results["chain"] == [[want], [want]]
+    assert results["chain_makes"] == 1      # later calls reuse what the first learnt
+
+
+def test_inputs_that_do_not_fit_get_the_error_of_a_fresh_executor(results):
+    for case in ("bad_dtype", "bad_shape"):
+        learnt, fresh = results[case]
+        assert learnt is not None and learnt == fresh, case
+    assert results["after_errors"] == [[7.0], [7.0]]
+
+
+def test_replicated_single_device_and_empty_outputs(results):
+    assert results["replicated"] == [[6.0]] * 4
+    assert results["single"] == [[0.0, 8.0, 16.0]]
+    assert results["empty"] == [[0, 2], [0, 2]]
+
+
+def test_store_wait_set_and_callbacks():
+    store = Store()
+    key = ("s", 1, 0, ((0, 1),))
+    assert not store.wait(key, 0.01).done          # times out
+    seen = []
+    store.when_done(key, lambda e: seen.append(e.value))
+    t = threading.Timer(0.05, store.set, (key, "v"))
+    t.start()
+    e = store.wait(key, 10)
+    t.join()
+    assert e.done and e.value == "v" and seen == ["v"]
+    store.set(key, "other")                         # done once: later sets are ignored
+    assert store.entry(key).value == "v"
+    store.when_done(key, lambda e: seen.append(e.value))   # already done: called now
+    assert seen == ["v", "v"]
+    assert store.free_buffers([1]) == 1 and not store.entry(key).done
