@@ -41,7 +41,15 @@ x = f(x)                                   # compiled and warm; x stays on the d
 x.result(timeout=60)
 print("id", conn.client.client_id, flush=True)
 if os.environ.get("SUBMIT_ONLY"):
-    futs = [f(x) for _ in range(int(os.environ["SUBMIT_ONLY"]))]
+    n = int(os.environ["SUBMIT_ONLY"])
+    if os.environ.get("PROGRAM"):               # one program of n nodes, each waiting for the last
+        def chain(y):
+            for _ in range(n):
+                y = f(y)
+            return y
+        futs = zp.program(chain, dispatch=os.environ["PROGRAM"])(x)
+    else:
+        futs = [f(x) for _ in range(n)]
     print("submitted", flush=True)
     time.sleep(600)
 sys.stdin.readline()                        # all clients start together
@@ -179,17 +187,20 @@ def test_bad_weights_are_refused(one_device):
         Client(one_device.address, one_device.key, weight=-1.0, timeout=10)
 
 
-def test_killed_client_has_its_queued_work_cancelled(zpath_cluster):
+@pytest.mark.parametrize("program", ["", "parallel", "sequential"])
+def test_killed_client_has_its_queued_work_cancelled(zpath_cluster, program):
+    """Calls, or the nodes of one program (held for their turn, or in sequential
+    mode for their predecessors), of a client killed meanwhile never run."""
     cluster = zpath_cluster(islands=1, hosts_per_island=1, devices_per_host=1,
                             env={"ZPATH_CLIENT_TIMEOUT": "2"})
-    p = _spawn(cluster, 1.0, 0, env={"SUBMIT_ONLY": "2000"})
+    p = _spawn(cluster, 1.0, 0, env={"SUBMIT_ONLY": "2000", "PROGRAM": program})
     try:
         cid = _client_id(p)
         assert p.stdout.readline().strip() == "submitted"
         with connected(cluster) as conn:
             ask = lambda: conn.client.request(m.StatusRequest(False))   # noqa: E731
-            mine = [c for c in ask().clients if c.id == cid]
-            assert mine and mine[0].queued > 0, mine       # most wait at the controller
+            # most wait at the controller (once its I/O thread has sent them)
+            wait_until(lambda: any(c.id == cid and c.queued > 0 for c in ask().clients), timeout=30)
             os.kill(p.pid, signal.SIGKILL)
             p.wait(10)
             wait_until(lambda: not any(c.id == cid for c in ask().clients), timeout=30)
