@@ -61,3 +61,142 @@ def test_backoff_is_capped_and_jittered():
     values = [backoff(a, base=0.1, cap=1.0) for a in range(20)]
     assert all(0 < v <= 1.0 for v in values)
     assert len(set(values)) > 1
+
+
+# ---- Endpoint over real sockets ------------------------------------------------------
+
+KEY = bytes(range(32))
+
+
+@pytest.fixture
+def pair():
+    """A ROUTER and a DEALER (identity b"d1") connected over inproc."""
+    zmq = pytest.importorskip("zmq")
+    ctx = zmq.Context()
+    router, dealer = ctx.socket(zmq.ROUTER), ctx.socket(zmq.DEALER)
+    for s in (router, dealer):
+        s.setsockopt(zmq.LINGER, 0)
+    dealer.setsockopt(zmq.IDENTITY, b"d1")
+    router.bind("inproc://transport-test")
+    dealer.connect("inproc://transport-test")
+    yield router, dealer
+    router.close()
+    dealer.close()
+    ctx.term()
+
+
+def _poll(sock, timeout_ms: int = 5000) -> None:
+    assert sock.poll(timeout_ms), "nothing arrived"
+
+
+def test_endpoint_frames_are_the_codec_frames(pair):
+    import numpy as np
+
+    from zpath.net import codec
+    from zpath.net import messages as m
+
+    router, dealer = pair
+    a, b = transport.Endpoint(KEY, "worker:a"), transport.Endpoint(KEY, "controller")
+    msg = m.ExecDone(3, None, 1.5, 2.5)
+    assert a.send(dealer, msg, msg_id=5, parent=2) == 5
+    _poll(router)
+    got = router.recv_multipart()
+    assert got == [b"d1", *codec.encode(KEY, msg, msg_id=5, sender="worker:a", parent=2)]
+
+    small = np.arange(6, dtype=np.float32).reshape(2, 3)
+    big = np.arange(1 << 15, dtype=np.float64)          # 256 KiB: sent without a copy
+    put = m.Put(1, 0, [[0, 2], [0, 3]], m.Aval([2, 3], "float32"))
+    msg_id = b.send(router, put, to=b"d1", buffers=[small, b"xyz", big])
+    assert msg_id == 1
+    _poll(dealer)
+    got = dealer.recv_multipart()
+    want = codec.encode(KEY, put, msg_id=1, sender="controller",
+                        buffers=[small.tobytes(), b"xyz", big.tobytes()])
+    assert got == want
+
+
+def test_endpoint_round_trip_and_router_identity(pair):
+    import numpy as np
+
+    from zpath.net import messages as m
+
+    router, dealer = pair
+    a, b = transport.Endpoint(KEY, "worker:a"), transport.Endpoint(KEY, "controller")
+    big = np.arange(1 << 15, dtype=np.float64)
+    a.send(dealer, m.Pong(7, 1, 2, [3]), buffers=[big, b"ab"], parent=9)
+    _poll(router)
+    ident, header, msg, buffers = b.recv(router, router=True)
+    assert ident == b"d1" and type(ident) is bytes
+    assert (header.type_id, header.msg_id, header.parent, header.sender) == (m.Pong.TYPE, 1, 9, "worker:a")
+    assert msg == m.Pong(7, 1, 2, [3])
+    assert [type(x) for x in buffers] == [memoryview, memoryview]
+    np.testing.assert_array_equal(np.frombuffer(buffers[0], dtype=np.float64), big)
+    assert bytes(buffers[1]) == b"ab"
+
+    b.send(router, m.Ping(4), to=ident, parent=header.msg_id)
+    _poll(dealer)
+    ident, header, msg, buffers = a.recv(dealer)
+    assert ident is None and msg == m.Ping(4) and buffers == [] and header.parent == 1
+
+
+def test_endpoint_nonblocking(pair):
+    zmq = pytest.importorskip("zmq")
+    from zpath.net import messages as m
+
+    router, dealer = pair
+    a = transport.Endpoint(KEY, "worker:a")
+    with pytest.raises(zmq.Again):
+        a.recv(dealer, block=False)
+    lonely = dealer.context.socket(zmq.DEALER)       # no peer: a send would block
+    try:
+        with pytest.raises(zmq.Again):
+            a.send(lonely, m.Ping(1), block=False)
+    finally:
+        lonely.close()
+
+
+def test_endpoint_bad_message_says_who_sent_it(pair):
+    from zpath.net import codec
+    from zpath.net import messages as m
+
+    router, dealer = pair
+    b = transport.Endpoint(KEY, "controller")
+    dealer.send_multipart(codec.encode(b"x" * 32, m.Ping(1), msg_id=77, sender="client:z"))
+    _poll(router)
+    with pytest.raises(transport.BadMessage, match="bad signature") as info:
+        b.recv(router, router=True)
+    assert info.value.ident == b"d1"
+    assert info.value.header == codec.Header(1, m.Ping.TYPE, 77, 0, "client:z")
+    dealer.send_multipart([b"one", b"two"])
+    _poll(router)
+    with pytest.raises(transport.BadMessage, match="expected at least 3 frames, got 2"):
+        b.recv(router, router=True)
+
+
+def test_endpoint_uses_a_socket_subclass_send_and_copies_small_frames_only(pair):
+    zmq = pytest.importorskip("zmq")
+    import numpy as np
+
+    from zpath.net import messages as m
+
+    calls = []
+
+    class Recording(zmq.Socket):
+        def send(self, data, flags=0, copy=True, track=False, **kw):
+            calls.append((memoryview(data).nbytes, int(flags), copy))
+            return super().send(data, flags, copy=copy, track=track, **kw)
+
+    router, _ = pair
+    sock = Recording(router.context, zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect("inproc://transport-test")
+    try:
+        big = np.zeros(transport.ZERO_COPY_BYTES, dtype=np.uint8)
+        transport.Endpoint(KEY, "w").send(sock, m.Ping(1), buffers=[b"small", big])
+        more = int(zmq.SNDMORE)
+        assert [(f, c) for _, f, c in calls] == [(more, True)] * 4 + [(0, False)]
+        assert [n for n, _, _ in calls][3:] == [5, transport.ZERO_COPY_BYTES]
+        _poll(router)
+        assert len(router.recv_multipart()) == 6
+    finally:
+        sock.close()

@@ -9,13 +9,31 @@ A message on the wire is a list of ZeroMQ frames::
 prefixed by its length), under the cluster key. The header is
 ``[protocol_version, type_id, message_id, parent_id, sender]``. The body is the
 record's fields in declaration order, checked against their annotations on decode.
+
+Every message crosses this module twice, so its common path is kept cheap
+(without changing a byte on the wire or what is accepted):
+
+* encoding packs the record itself: msgpack calls :func:`_pack_default` for each
+  record it meets, which returns the record's fields as a tuple (one C
+  ``attrgetter`` call), so no intermediate lists are built;
+* signing copies SHA-256 states already fed the padded key (:class:`_Signer`)
+  instead of setting up an HMAC object per message;
+* decoding runs a checker generated once per record class from its annotations
+  (:func:`_gen_decoder`): straight-line code testing exact msgpack types
+  (``type(v) is int``) and building the record without its ``__init__``. It
+  carries no field paths; when it refuses a value, the checks compiled by
+  :func:`_compile` run again with paths, so the error names the field (and they
+  are the definition of what is accepted: the generated checker accepts a subset
+  of it, with equal results).
 """
 from __future__ import annotations
 
 import dataclasses
 import hashlib
 import hmac
+import operator
 import struct
+import threading
 import types
 import typing
 from typing import Any, Callable, ClassVar, Sequence
@@ -44,20 +62,27 @@ class Record:
     def to_wire(self) -> list[Any]:
         return [_to_wire(getattr(self, name)) for name, _ in self._checks]
 
+    @staticmethod
+    def _decode(value: Any) -> "Record":
+        """The generated checker (set per class by :func:`_finish`): a record
+        from a decoded msgpack value, or an empty ProtocolError."""
+        raise ProtocolError("")
+
     @classmethod
     def from_wire(cls, value: Any, where: str | None = "") -> "Record":
         """Check and build a record. ``where`` names it in error messages; with
-        ``where=None`` the checks build no paths (the fast path), and a failure
-        is retried with paths to produce the precise message."""
+        ``where=None`` the checks build no paths and a failure raises an empty
+        ProtocolError. The generated checker is tried first; whatever it refuses
+        is checked again by the annotation checks, with paths."""
+        try:
+            return cls._decode(value)
+        except Exception:
+            pass
         checks = cls._checks
         if where is None:
             if type(value) is not list or len(value) != len(checks):
                 raise ProtocolError("")
             return cls(*[check(v, None) for (_, check), v in zip(checks, value)])
-        try:
-            return cls.from_wire(value, None)
-        except ProtocolError:
-            pass
         where = where or cls.__name__
         if not isinstance(value, list) or len(value) != len(checks):
             n = len(value) if isinstance(value, list) else type(value).__name__
@@ -74,6 +99,299 @@ def _to_wire(v: Any) -> Any:
     if isinstance(v, dict):
         return {k: _to_wire(x) for k, x in v.items()}
     return v
+
+
+# ---- encoding: records packed by msgpack itself ------------------------------------
+
+# record class -> a function returning its field values in declaration order
+_FIELDS_OF: dict[type, Callable[[Any], tuple]] = {}
+
+
+def _pack_default(obj: Any) -> Any:
+    """msgpack's hook for objects it cannot pack: a record becomes the tuple of
+    its fields (packed as an array, as :meth:`Record.to_wire`'s list would be)."""
+    fields = _FIELDS_OF.get(type(obj))
+    if fields is not None:
+        return fields(obj)
+    if isinstance(obj, Record):
+        return obj.to_wire()
+    raise TypeError(f"can not serialize {type(obj).__name__!r} object")
+
+
+def _field_getter(names: Sequence[str]) -> Callable[[Any], tuple]:
+    if len(names) > 1:
+        return operator.attrgetter(*names)       # returns a tuple
+    if len(names) == 1:
+        get = operator.attrgetter(names[0])
+        return lambda obj: (get(obj),)
+    return lambda obj: ()
+
+
+_local = threading.local()
+
+
+def _packer() -> msgpack.Packer:
+    """This thread's packer (a Packer must not be shared between threads: its
+    ``default`` hook runs Python code in the middle of a pack)."""
+    try:
+        return _local.packer
+    except AttributeError:
+        _local.packer = msgpack.Packer(default=_pack_default, use_bin_type=True, autoreset=True)
+        return _local.packer
+
+
+# ---- decoding: one generated checker per record class -----------------------------
+
+_FAIL = 'raise _Error("")'
+_NONE = type(None)
+
+
+def _top_types(tp: Any) -> frozenset | None:
+    """The Python types of the msgpack values ``tp`` can accept (None: any)."""
+    if tp is float:
+        return frozenset((float, int))
+    if tp in (_NONE, bool, int, str, bytes):
+        return frozenset((tp,))
+    if isinstance(tp, type) and issubclass(tp, Record):
+        return frozenset((list,))
+    origin = typing.get_origin(tp)
+    if origin in (list, tuple):
+        return frozenset((list,))
+    if origin is dict:
+        return frozenset((dict,))
+    if origin in (typing.Union, types.UnionType):
+        out: frozenset = frozenset()
+        for a in typing.get_args(tp):
+            top = _top_types(a)
+            if top is None:
+                return None
+            out |= top
+        return out
+    return None                               # Any
+
+
+class _Gen:
+    """Writes Python source that checks msgpack values against annotations.
+
+    :meth:`check` emits statements that check the local variable ``var`` and
+    returns an expression for the checked value; an expression equal to ``var``
+    means the value is used as it is (the decoded lists are fresh, so a list
+    whose items need no conversion is kept instead of copied)."""
+
+    def __init__(self) -> None:
+        self.ns: dict[str, Any] = {"_Error": ProtocolError, "_new": object.__new__}
+        self.blocks: list[list[str]] = []
+        self.lines: list[str] = []
+        self.count = 0
+
+    def name(self, prefix: str) -> str:
+        self.count += 1
+        return f"{prefix}{self.count}"
+
+    def bind(self, obj: Any, prefix: str) -> str:
+        name = self.name(prefix)
+        self.ns[name] = obj
+        return name
+
+    def emit(self, indent: int, text: str) -> None:
+        self.lines.append("    " * indent + text)
+
+    def nested(self, tp: Any, var: str, indent: int, typed: bool = False) -> tuple[list[str], str]:
+        """The statements and expression of :meth:`check`, not yet emitted."""
+        saved, self.lines = self.lines, []
+        try:
+            expr = self.check(tp, var, indent, typed)
+            return self.lines, expr
+        finally:
+            self.lines = saved
+
+    def function(self, tp: Any) -> str:
+        """A separate function ``name(v)`` checking one value; returns its name."""
+        name = self.name("_check")
+        saved, self.lines = self.lines, []
+        self.emit(0, f"def {name}(v):")
+        self.emit(1, f"return {self.check(tp, 'v', 1)}")
+        self.blocks.append(self.lines)
+        self.lines = saved
+        return name
+
+    def construct(self, cls: type, exprs: list[str], indent: int) -> str:
+        """Build a ``cls`` from field expressions; returns the expression."""
+        setters = _slot_setters(cls)
+        if setters is None:
+            return f"{self.bind(cls, '_cls')}({', '.join(exprs)})"
+        obj = self.name("o")
+        self.emit(indent, f"{obj} = _new({self.bind(cls, '_cls')})")
+        for setter, expr in zip(setters, exprs):
+            self.emit(indent, f"{self.bind(setter, '_set')}({obj}, {expr})")
+        return obj
+
+    def check(self, tp: Any, var: str, indent: int, typed: bool = False) -> str:
+        """``typed``: the caller has already tested ``type(var)`` against
+        :func:`_top_types` of ``tp``."""
+        emit = self.emit
+        if tp is Any:
+            return var
+        if tp is _NONE:
+            emit(indent, f"if {var} is not None: {_FAIL}")
+            return var
+        if tp in (bool, int, str, bytes):
+            if not typed:
+                emit(indent, f"if type({var}) is not {tp.__name__}: {_FAIL}")
+            return var
+        if tp is float:
+            if typed:
+                return f"float({var})"
+            out = self.name("f")
+            emit(indent, f"if type({var}) is float: {out} = {var}")
+            emit(indent, f"elif type({var}) is int: {out} = float({var})")
+            emit(indent, f"else: {_FAIL}")
+            return out
+        if isinstance(tp, type) and issubclass(tp, Record):
+            decode = tp.__dict__.get("_decode")
+            fn = decode.__func__ if isinstance(decode, staticmethod) else (
+                lambda v, tp=tp: tp.from_wire(v, None))
+            return f"{self.bind(fn, '_' + tp.__name__)}({var})"
+        origin, args = typing.get_origin(tp), typing.get_args(tp)
+        if origin in (typing.Union, types.UnionType):
+            return self._union(args, var, indent)
+        if origin is tuple and not (len(args) == 2 and args[1] is Ellipsis):
+            emit(indent, (f"if len({var}) != {len(args)}: " if typed else
+                          f"if type({var}) is not list or len({var}) != {len(args)}: ") + _FAIL)
+            items = []
+            for i, a in enumerate(args):
+                x = self.name("x")
+                emit(indent, f"{x} = {var}[{i}]")
+                items.append(self.check(a, x, indent))
+            return "(" + "".join(f"{e}, " for e in items) + ")"
+        if origin in (list, tuple):
+            if not typed:
+                emit(indent, f"if type({var}) is not list: {_FAIL}")
+            x = self.name("x")
+            body, expr = self.nested(args[0], x, indent + 1)
+            if not body:
+                out = var if expr == x else f"[{expr} for {x} in {var}]"
+            elif expr == x:
+                emit(indent, f"for {x} in {var}:")
+                self.lines += body
+                out = var
+            else:
+                out = self.name("l")
+                emit(indent, f"{out} = []")
+                emit(indent, f"for {x} in {var}:")
+                self.lines += body
+                emit(indent + 1, f"{out}.append({expr})")
+            return f"tuple({out})" if origin is tuple else out
+        if origin is dict:
+            if not typed:
+                emit(indent, f"if type({var}) is not dict: {_FAIL}")
+            k, x = self.name("k"), self.name("x")
+            kbody, kexpr = self.nested(args[0], k, indent + 1)
+            vbody, vexpr = self.nested(args[1], x, indent + 1)
+            if kexpr == k and vexpr == x:
+                if kbody or vbody:
+                    emit(indent, f"for {k}, {x} in {var}.items():")
+                    self.lines += kbody + vbody
+                return var
+            out = self.name("d")
+            emit(indent, f"{out} = {{}}")
+            emit(indent, f"for {k}, {x} in {var}.items():")
+            self.lines += kbody + vbody
+            emit(indent + 1, f"{out}[{kexpr}] = {vexpr}")
+            return out
+        raise TypeError(f"unsupported field type {tp!r}")
+
+    def _union(self, args: tuple, var: str, indent: int) -> str:
+        optional = _NONE in args
+        alts = [a for a in args if a is not _NONE]
+        tops = [_top_types(a) for a in alts]
+        disjoint = all(t is not None for t in tops) and \
+            sum(len(t) for t in tops) == len(frozenset().union(*tops))
+        if not disjoint:
+            # a value two alternatives could take: try them in order
+            checks = [self.function(a) for a in alts]
+            name = self.name("_union")
+            saved, self.lines = self.lines, []
+            self.emit(0, f"def {name}(v):")
+            if optional:
+                self.emit(1, "if v is None: return None")
+            for c in checks:
+                self.emit(1, "try:")
+                self.emit(2, f"return {c}(v)")
+                self.emit(1, "except _Error:")
+                self.emit(2, "pass")
+            self.emit(1, _FAIL)
+            self.blocks.append(self.lines)
+            self.lines = saved
+            return f"{name}({var})"
+        # Each msgpack type fits one alternative at most, so dispatching on the
+        # type is the same as trying the alternatives in order.
+        branches = []
+        for a, top in zip(alts, tops):
+            cond = " or ".join(f"type({var}) is {t.__name__}" for t in sorted(top, key=lambda t: t.__name__))
+            branches.append((cond, *self.nested(a, var, indent + 1, typed=True)))
+        keep = all(expr == var for _, _, expr in branches)
+        out = var if keep else self.name("u")
+        word = "if"
+        if optional:
+            self.emit(indent, f"if {var} is None: " + ("pass" if keep else f"{out} = None"))
+            word = "elif"
+        for cond, body, expr in branches:
+            self.emit(indent, f"{word} {cond}:")
+            self.lines += body
+            if not keep:
+                self.emit(indent + 1, f"{out} = {expr}")
+            elif not body:
+                self.emit(indent + 1, "pass")
+            word = "elif"
+        self.emit(indent, f"else: {_FAIL}")
+        return out
+
+    def compile(self, name: str, filename: str) -> Callable:
+        source = "\n".join("\n".join(block) for block in [*self.blocks, self.lines]) + "\n"
+        exec(compile(source, filename, "exec"), self.ns)
+        fn = self.ns[name]
+        fn.source = source
+        return fn
+
+
+def _slot_setters(cls: type) -> list[Callable[[Any, Any], None]] | None:
+    """The ``__set__`` of each field's slot, to build an instance of a frozen
+    slots dataclass without its ``__init__`` (which sets each field through
+    ``object.__setattr__`` and does nothing else); None if the class has its
+    own ``__init__`` or a ``__post_init__``."""
+    if cls.__dict__.get("_custom_init", False) or hasattr(cls, "__post_init__"):
+        return None
+    setters = []
+    for f in dataclasses.fields(cls):
+        slot = next((k.__dict__[f.name] for k in cls.__mro__ if f.name in k.__dict__), None)
+        if type(slot) is not types.MemberDescriptorType:
+            return None
+        setters.append(slot.__set__)
+    return setters
+
+
+def _gen_decoder(cls: type, hints: dict[str, Any]) -> Callable[[Any], Record]:
+    """The generated checker of one record class (see the module docstring)."""
+    g = _Gen()
+    fields = dataclasses.fields(cls)
+    names = [f"v_{f.name}" for f in fields]
+    g.emit(0, "def decode(v):")
+    g.emit(1, f"if type(v) is not list or len(v) != {len(fields)}: {_FAIL}")
+    if fields:
+        g.emit(1, "".join(f"{n}, " for n in names) + "= v")
+    exprs = [g.check(hints[f.name], n, 1) for f, n in zip(fields, names)]
+    g.emit(1, f"return {g.construct(cls, exprs, 1)}")
+    return g.compile("decode", f"<zpath decoder of {cls.__qualname__}>")
+
+
+def _fast_init(cls: type) -> Callable[..., Any]:
+    """``cls(*fields)`` for a frozen slots dataclass, without its ``__init__``."""
+    g = _Gen()
+    names = [f"v_{f.name}" for f in dataclasses.fields(cls)]
+    g.emit(0, f"def init({', '.join(names)}):")
+    g.emit(1, f"return {g.construct(cls, names, 1)}")
+    return g.compile("init", f"<zpath constructor of {cls.__qualname__}>")
 
 
 def _compile(tp: Any) -> _Check:
@@ -161,9 +479,13 @@ def _compile(tp: Any) -> _Check:
 
 
 def _finish(cls: type) -> type:
+    custom_init = "__init__" in cls.__dict__
     cls = dataclasses.dataclass(frozen=True, slots=True)(cls)
+    cls._custom_init = custom_init
     hints = typing.get_type_hints(cls)
     cls._checks = tuple((f.name, _compile(hints[f.name])) for f in dataclasses.fields(cls))
+    cls._decode = staticmethod(_gen_decoder(cls, hints))
+    _FIELDS_OF[cls] = _field_getter([f.name for f in dataclasses.fields(cls)])
     return cls
 
 
@@ -197,13 +519,63 @@ class Header:
     sender: str
 
 
-def _sign(key: bytes, parts: Sequence[Any]) -> bytes:
-    mac = hmac.new(key, digestmod=hashlib.sha256)
-    for p in parts:
-        mac.update(struct.pack("<Q", memoryview(p).nbytes))
-        mac.update(p)
-    return mac.digest()
+_header = _fast_init(Header)
 
+
+# ---- signature ------------------------------------------------------------------------
+
+_U64 = struct.Struct("<Q").pack
+_BLOCK = 64                                   # SHA-256 block size
+_IPAD = bytes(x ^ 0x36 for x in range(256))
+_OPAD = bytes(x ^ 0x5C for x in range(256))
+
+
+class _Signer:
+    """HMAC-SHA256 under one key (RFC 2104, as :func:`hmac.new`), with the key
+    schedule done once: the inner and outer SHA-256 states after the padded key
+    are copied for each message."""
+
+    __slots__ = ("_inner", "_outer")
+
+    def __init__(self, key: bytes) -> None:
+        key = bytes(key)
+        if len(key) > _BLOCK:
+            key = hashlib.sha256(key).digest()
+        key = key.ljust(_BLOCK, b"\0")
+        self._inner = hashlib.sha256(key.translate(_IPAD))
+        self._outer = hashlib.sha256(key.translate(_OPAD))
+
+    def sign(self, parts: Sequence[Any]) -> bytes:
+        inner = self._inner.copy()
+        update = inner.update
+        for p in parts:
+            update(_U64(len(p) if type(p) is bytes else memoryview(p).nbytes))
+            update(p)
+        outer = self._outer.copy()
+        outer.update(inner.digest())
+        return outer.digest()
+
+
+_SIGNERS: dict[bytes, _Signer] = {}
+
+
+def _signer(key: bytes) -> _Signer:
+    try:
+        return _SIGNERS[key]
+    except (KeyError, TypeError):             # TypeError: an unhashable key (bytearray)
+        signer = _Signer(key)
+        if type(key) is bytes:
+            if len(_SIGNERS) >= 64:
+                _SIGNERS.clear()
+            _SIGNERS[key] = signer
+        return signer
+
+
+def _sign(key: bytes, parts: Sequence[Any]) -> bytes:
+    return _signer(key).sign(parts)
+
+
+# ---- the envelope ---------------------------------------------------------------------
 
 def encode(key: bytes, msg: Record, *, msg_id: int, sender: str, parent: int = 0,
            buffers: Sequence[Any] = ()) -> list[Any]:
@@ -211,10 +583,11 @@ def encode(key: bytes, msg: Record, *, msg_id: int, sender: str, parent: int = 0
     numpy arrays) sent as raw frames."""
     if msg.TYPE < 0:
         raise TypeError(f"{type(msg).__name__} is not a top-level message")
-    header = msgpack.packb([PROTOCOL_VERSION, msg.TYPE, msg_id, parent, sender])
-    body = msgpack.packb(msg.to_wire(), use_bin_type=True)
+    pack = _packer().pack
+    header = pack((PROTOCOL_VERSION, msg.TYPE, msg_id, parent, sender))
+    body = pack(msg)
     parts = [header, body, *buffers]
-    return [_sign(key, parts), *parts]
+    return [_signer(key).sign(parts), *parts]
 
 
 def decode_header(frames: Sequence[Any]) -> Header | None:
@@ -230,36 +603,52 @@ def _bytes(frame: Any) -> Any:
     return frame.buffer if hasattr(frame, "buffer") else frame
 
 
+def _nbytes(b: Any) -> int:
+    return len(b) if type(b) is bytes else memoryview(b).nbytes
+
+
+_unpackb = msgpack.unpackb
+_BAD_HEADER = "header must be [version, type, id, parent, sender]"
+
+
 def decode(key: bytes, frames: Sequence[Any]) -> tuple[Header, Record, list[Any]]:
     """Check and decode one message. Raises ProtocolError on anything wrong.
     Returned buffers are memoryviews (zero-copy for zmq.Frame input)."""
     if len(frames) < 3:
         raise ProtocolError(f"expected at least 3 frames, got {len(frames)}")
-    parts = [_bytes(f) for f in frames]
-    sig, header_b, body_b, *buffers = parts
-    if len(buffers) > MAX_BUFFERS:
-        raise ProtocolError(f"too many buffers ({len(buffers)} > {MAX_BUFFERS})")
-    if memoryview(body_b).nbytes > MAX_BODY_BYTES:
-        raise ProtocolError(f"body too large ({memoryview(body_b).nbytes} bytes)")
-    if memoryview(sig).nbytes != SIG_BYTES or not hmac.compare_digest(
-            bytes(sig), _sign(key, [header_b, body_b, *buffers])):
+    parts = [f if type(f) is bytes else _bytes(f) for f in frames]
+    sig, header_b, body_b = parts[0], parts[1], parts[2]
+    if len(parts) - 3 > MAX_BUFFERS:
+        raise ProtocolError(f"too many buffers ({len(parts) - 3} > {MAX_BUFFERS})")
+    if _nbytes(body_b) > MAX_BODY_BYTES:
+        raise ProtocolError(f"body too large ({_nbytes(body_b)} bytes)")
+    if _nbytes(sig) != SIG_BYTES or not hmac.compare_digest(
+            sig if type(sig) is bytes else bytes(sig), _signer(key).sign(parts[1:])):
         raise ProtocolError("bad signature (wrong cluster key or corrupted message)")
     try:
-        h = msgpack.unpackb(header_b, raw=False)
+        h = _unpackb(header_b, raw=False)
     except Exception as e:
         raise ProtocolError(f"header is not msgpack: {e}") from None
-    if (not isinstance(h, list) or len(h) != 5 or not all(isinstance(x, int) and not isinstance(x, bool) for x in h[:4])
-            or not isinstance(h[4], str)):
-        raise ProtocolError("header must be [version, type, id, parent, sender]")
-    header = Header(*h)
-    if header.version != PROTOCOL_VERSION:
-        raise ProtocolError(f"protocol version {header.version} not supported "
+    # msgpack gives exact types: type(x) is int refuses booleans as isinstance would not
+    if type(h) is not list or len(h) != 5:
+        raise ProtocolError(_BAD_HEADER)
+    version, type_id, msg_id, parent, sender = h
+    if not (type(version) is int and type(type_id) is int and type(msg_id) is int
+            and type(parent) is int and type(sender) is str):
+        raise ProtocolError(_BAD_HEADER)
+    if version != PROTOCOL_VERSION:
+        raise ProtocolError(f"protocol version {version} not supported "
                             f"(this side speaks {PROTOCOL_VERSION})")
-    cls = _REGISTRY.get(header.type_id)
+    cls = _REGISTRY.get(type_id)
     if cls is None:
-        raise ProtocolError(f"unknown message type {header.type_id}")
+        raise ProtocolError(f"unknown message type {type_id}")
     try:
-        body = msgpack.unpackb(body_b, raw=False, strict_map_key=False)
+        body = _unpackb(body_b, raw=False, strict_map_key=False)
     except Exception as e:
         raise ProtocolError(f"body of {cls.__name__} is not msgpack: {e}") from None
-    return header, cls.from_wire(body), [memoryview(b) for b in buffers]
+    try:
+        msg = cls._decode(body)
+    except Exception:
+        msg = cls.from_wire(body)         # the precise error (or what it accepts)
+    buffers = [memoryview(b) for b in parts[3:]] if len(parts) > 3 else []
+    return _header(version, type_id, msg_id, parent, sender), msg, buffers

@@ -28,6 +28,14 @@ ZERO_COPY_BYTES = 64 << 10
 # not reading, and processes that must not block drop messages to it instead
 SEND_HWM = 100_000
 
+# plain ints: pyzmq's enum flags are slow to combine and convert per frame
+_NOBLOCK = int(zmq.NOBLOCK)
+_SNDMORE = int(zmq.SNDMORE)
+_RCVMORE = int(zmq.RCVMORE)
+# the send of pyzmq's compiled socket class, under zmq.Socket.send (a Python
+# wrapper that only adds the DRAFT routing_id/group arguments)
+_SEND = zmq.backend.Socket.send
+
 
 def raw(buffer: Any) -> Any:
     """A buffer as plain bytes for a frame: numpy arrays of any dtype (bfloat16
@@ -60,13 +68,29 @@ class Endpoint:
         """Send one message. With ``block=False`` a full queue raises zmq.Again
         instead of waiting for the peer."""
         msg_id = msg_id or self.next_id()
-        buffers = [raw(b) for b in buffers]
+        if buffers:
+            buffers = [raw(b) for b in buffers]
         frames = codec.encode(self.key, msg, msg_id=msg_id, sender=self.sender,
                               parent=parent, buffers=buffers)
+        flags = 0 if block else _NOBLOCK
+        # Frame by frame, as send_multipart does (ZeroMQ queues a multipart
+        # message whole or not at all), with plain int flags (pyzmq's enum
+        # flags cost more than the send) and no copy for big buffers only.
+        send = _SEND if type(sock) is zmq.Socket else type(sock).send
+        more = flags | _SNDMORE
         if to is not None:
-            frames.insert(0, to)
-        big = any(memoryview(b).nbytes >= ZERO_COPY_BYTES for b in buffers)
-        sock.send_multipart(frames, copy=not big, flags=0 if block else zmq.NOBLOCK)
+            send(sock, to, more)
+        if not buffers:
+            send(sock, frames[0], more)
+            send(sock, frames[1], more)
+            send(sock, frames[2], flags)
+            return msg_id
+        last = len(frames) - 1
+        for i, frame in enumerate(frames):
+            if i < 3 or memoryview(frame).nbytes < ZERO_COPY_BYTES:
+                send(sock, frame, more if i < last else flags)
+            else:
+                send(sock, frame, more if i < last else flags, copy=False)
         return msg_id
 
     def recv(self, sock: zmq.Socket, *, router: bool = False, block: bool = True
@@ -74,10 +98,17 @@ class Endpoint:
         """Receive one message. On a bad message raises :class:`BadMessage`
         carrying what is known about its sender, so the caller can answer. With
         ``block=False`` an empty queue raises zmq.Again instead of waiting."""
-        frames = sock.recv_multipart(copy=False, flags=0 if block else zmq.NOBLOCK)
+        flags = 0 if block else _NOBLOCK
+        recv, more = sock.recv, sock.get
+        # the routing identity, signature, header and body come as bytes (a
+        # copy is cheaper than a zmq.Frame for small frames); buffers as Frames
+        small = 4 if router else 3
+        frames = [recv(flags)]
+        while more(_RCVMORE):
+            frames.append(recv(flags) if len(frames) < small else recv(flags, copy=False))
         ident = None
         if router:
-            ident = frames[0].bytes
+            ident = frames[0]
             frames = frames[1:]
         try:
             header, msg, buffers = codec.decode(self.key, frames)
