@@ -219,7 +219,9 @@ def test_broken_gang_order_deadlocks(tmp_path):
     try:
         zp.connect(c.address, c.key)
         a, b = _two_collectives()
-        with pytest.raises((zp.DeadlineExceeded, zp.RemoteError)) as info:
+        # hung (deadline), aborted inside gloo (RemoteError), or hung so hard
+        # under load that the host stopped answering pings (HostLost)
+        with pytest.raises((zp.DeadlineExceeded, zp.RemoteError, zp.HostLost)) as info:
             a.result(timeout=15)
             b.result(timeout=15)
         if isinstance(info.value, zp.RemoteError):   # aborted rather than hung
