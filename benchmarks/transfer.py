@@ -10,13 +10,16 @@ then a trivial consumer on host B (``v[..., :1] * 2``) reads it, which makes A
 send the whole value to B as one piece. Each worker stamps the wall clock (one
 machine, one clock) when its channel begins a send (before the bytes are cut
 out of the shard and copied into shared memory or handed to TCP) and when the
-receiver has the piece as an array (after copying it out of shared memory, or
-once the whole TCP frame is in); the transfer time is the median over repeats
-of the difference, asked from the workers with ChannelStatsRequest. The wall
-time of the consumer call (median, minus that of a 4-byte value) is shown too:
-it adds what lies outside the channel (scheduling, the consumer's device_put).
-memcpy is ``np.copyto`` into a preallocated (warm) array and ``a.copy()``
-(fresh pages), medians of repeats in the same process.
+receiver has the piece as an array (after copying it out of shared memory into
+the array XLA then takes over as the consumer's input, or once the whole TCP
+frame is in); the transfer time is the median over repeats of the difference,
+asked from the workers with ChannelStatsRequest. The wall time of the consumer
+call (median, minus that of a 4-byte value) is shown too: it adds what lies
+outside the channel (scheduling, building the consumer's input). memcpy is
+measured in this process while the shm cluster is up, right after the ICI
+repeats of the same size: ``np.copyto`` into a preallocated array (warm pages)
+and ``a.copy()`` (a new array from the allocator, as the receiver makes one:
+fresh pages where the allocator maps new ones, its free not timed), medians.
 """
 from __future__ import annotations
 
@@ -73,12 +76,20 @@ def median_time(fn, repeats: int) -> float:
 
 
 def memcpy(nbytes: int, repeats: int) -> tuple[float, float]:
+    """(warm, new) median seconds: np.copyto into a preallocated, already
+    written array; a.copy() into a new one, kept until after its timing so
+    that freeing it (an munmap for large arrays) is not counted."""
     a = np.ones(nbytes, np.uint8)
     b = np.empty_like(a)
     b[:] = 0
     warm = median_time(lambda: np.copyto(b, a), repeats)
-    fresh = median_time(lambda: a.copy(), repeats)
-    return warm, fresh
+    ts = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        c = a.copy()
+        ts.append(time.perf_counter() - t)
+        del c
+    return warm, statistics.median(ts)
 
 
 class Mover:
@@ -92,6 +103,8 @@ class Mover:
         """(median channel time, median wall time of the consumer call)."""
         x = np.zeros((1, max(1, nbytes // 4)), np.float32)
         self.consume(self.produce(x)).result()    # compile for this shape, warm the path
+        for rank in (self.src, self.dst):         # the warm-up's stamps are not samples
+            self.stats.get(rank, reset=True)
         ts, chan = [], []
         for _ in range(repeats):
             src = self.produce(x)
@@ -132,21 +145,28 @@ def ici(quick: bool) -> None:
                 for n in sizes(quick):
                     chan, wall = mv.time(n, repeats_for(n))
                     rows.setdefault(n, {})[label] = chan
-                    rows[n][label + " wall"] = max(wall - base, 1e-9)
+                    rows[n][label + " wall"] = wall - base
+                    if label == "shm":    # same conditions as the transfers just timed
+                        rows[n]["memcpy"] = memcpy(n, max(5, repeats_for(n)))
                 mv.stats.close()
             finally:
                 zp.shutdown()
     print("ICI, host 0 -> host 1 of one island on this machine: channel time (worker stamps)")
     print(f"{'size':>9} | {'shm us':>9} {'shm GB/s':>9} {'tcp GB/s':>9} | {'memcpy warm':>11} "
-          f"{'memcpy fresh':>12} | {'shm/warm':>8} {'shm/fresh':>9} | {'call wall-base shm/tcp GB/s':>27}")
+          f"{'memcpy new':>10} | {'shm/warm':>8} {'shm/new':>7} | {'call wall-base shm/tcp GB/s':>27}")
     for n in sizes(quick):
-        warm, fresh = memcpy(n, max(5, repeats_for(n)))
+        warm, fresh = rows[n]["memcpy"]
         r = rows[n]
         shm, tcp = n / r["shm"] / 1e9, n / r["tcp"] / 1e9
         mw, mf = n / warm / 1e9, n / fresh / 1e9
-        print(f"{_size(n):>9} | {r['shm'] * 1e6:9.0f} {shm:9.2f} {tcp:9.2f} | {mw:11.2f} {mf:12.2f} | "
-              f"{shm / mw:8.0%} {shm / mf:9.0%} | {n / r['shm wall'] / 1e9:13.2f} / "
-              f"{n / r['tcp wall'] / 1e9:.2f}")
+        print(f"{_size(n):>9} | {r['shm'] * 1e6:9.0f} {shm:9.2f} {tcp:9.2f} | {mw:11.2f} {mf:10.2f} | "
+              f"{shm / mw:8.0%} {shm / mf:7.0%} | {_rate(n, r['shm wall']):>13} / "
+              f"{_rate(n, r['tcp wall'])}")
+    print("(call wall-base: '-' where the call took no longer than the 4-byte one, within noise)")
+
+
+def _rate(nbytes: int, seconds: float) -> str:
+    return f"{nbytes / seconds / 1e9:.2f}" if seconds > 0 else "-"
 
 
 # a cap far above what loopback TCP carries: measures the link itself through

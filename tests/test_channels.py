@@ -160,6 +160,78 @@ def test_segments_gone_after_shutdown_and_after_sigkill():
     assert channels.segments(c.shm_prefix) == []
 
 
+def test_shm_piece_strided_one_copy_each_side():
+    """The sender copies a strided view straight into the segment; the receiver
+    copies it out into an XLA-aligned array that later writes into the reused
+    segment do not touch."""
+    prefix = f"zpath-t{os.getpid()}"
+    snd = channels.ShmSender(prefix)
+    rcv = channels.ShmReceiver(channels.RecvBuffers(min_bytes=1))
+    try:
+        full = np.arange(64 * 64, dtype=np.float32).reshape(64, 64)
+        view = full[:, 16:48]                          # not C-contiguous
+        name, offset, drop = snd.write(1, view)
+        raw = rcv.take(name, offset, view.nbytes, drop)
+        assert raw.ctypes.data % channels.XLA_ALIGN == 0
+        got = np.frombuffer(raw, np.float32).reshape(view.shape)
+        np.testing.assert_array_equal(got, view)
+        snd.release(name)
+        again, _, _ = snd.write(1, -view)              # the pool reuses the segment...
+        assert again == name
+        np.testing.assert_array_equal(got, view)       # ...and the piece taken is intact
+        snd.release(again)
+    finally:
+        snd.close()
+        rcv.close()
+    assert channels.segments(prefix) == []
+
+
+def _until(pred, timeout: float = 5.0) -> bool:
+    import gc
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > deadline:
+            return False
+        gc.collect()      # JAX lets an adopted host array go at its next call, or at a collection
+        time.sleep(0.01)
+    return True
+
+
+def test_recv_buffer_reused_only_once_xla_drops_it():
+    import gc
+    import jax
+    dev = jax.devices()[0]
+    pool = channels.RecvBuffers(min_bytes=1)
+    raw = pool.get(1 << 20)
+    piece = np.frombuffer(raw, np.float32).reshape(1, -1)   # as a worker makes a piece's array
+    piece[:] = 1.5
+    del raw
+    x = jax.device_put(piece, dev)
+    assert x.unsafe_buffer_pointer() == piece.ctypes.data  # XLA took the array over: no copy
+    del piece
+    gc.collect()
+    assert pool.free() == 0                                # the device buffer still holds it
+    other = pool.get(1 << 20)
+    assert other.ctypes.data != x.unsafe_buffer_pointer()  # so this is other memory
+    other[:] = 0
+    seen = np.array(x)                                     # a copy: holds nothing of x
+    assert (seen == 1.5).all()
+    del x
+    assert _until(lambda: pool.free() == 1)                # back once XLA let it go
+    view = other[100:200]                                  # a view keeps its array in use
+    del other
+    gc.collect()
+    assert pool.free() == 1
+    del view
+    assert _until(lambda: pool.free() == 2)
+    pool.get(1 << 20)
+    assert (pool.made, pool.reused) == (2, 1)
+    small = channels.RecvBuffers(max_arrays=2, min_bytes=1)
+    got = [small.get(4096) for _ in range(3)]
+    del got
+    assert _until(lambda: small.free() == 2)               # the oldest beyond the limit is dropped
+
+
 class _Conn:
     def __init__(self, c: LocalCluster) -> None:
         self.c = c

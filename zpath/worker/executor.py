@@ -22,6 +22,7 @@ from typing import Any, Callable
 import numpy as np
 
 from zpath import sharding
+from zpath.net import channels
 from zpath.net import messages as m
 from zpath.worker.store import Store, shard_key
 
@@ -277,8 +278,14 @@ class Executor:
                 p = s.pieces[0]        # same region on another local device
                 value = self.jax.device_put(
                     self._wait(shard_key(inp.buffer, p.device, p.region), inp.buffer), dev)
+            elif (whole := self._whole_piece(inp, s, region)) is not None:
+                # one piece that is the whole shard, as the channel left it (an
+                # XLA-aligned array from channels.recv_buffers for shared
+                # memory): XLA:CPU takes it over as the device buffer, no copy
+                value = self.jax.device_put(whole, dev)
             else:
-                out = np.empty(sharding.region_shape(region), dtype=np.dtype(inp.aval.dtype))
+                # assembled in an aligned (pooled) array, which device_put takes over
+                out = channels.recv_buffers.get(sharding.region_shape(region), np.dtype(inp.aval.dtype))
                 for p in s.pieces:
                     sub = sharding.from_wire(p.sub)
                     if p.piece_id == 0:
@@ -294,6 +301,20 @@ class Executor:
             raise
         self.store.set(key, value)
         return value
+
+    def _whole_piece(self, inp: m.ExecInput, s: m.ShardInput, region: tuple) -> np.ndarray | None:
+        """The array of the shard's only piece when that piece, received from
+        another host, is the whole shard with its dtype (else None: assemble)."""
+        if len(s.pieces) != 1 or s.pieces[0].piece_id == 0 or \
+                sharding.from_wire(s.pieces[0].sub) != region:
+            return None
+        p = s.pieces[0]
+        data = self._wait(("p", p.piece_id), inp.buffer)
+        if not isinstance(data, np.ndarray) or data.shape != sharding.region_shape(region) or \
+                data.dtype != np.dtype(inp.aval.dtype):
+            return None     # left in the store for the assembly below, which copies or fails
+        self.store.pop(("p", p.piece_id))
+        return data
 
     def _wait(self, key: tuple, buffer: int) -> Any:
         e = self.store.wait(key, self.input_timeout_s)

@@ -229,7 +229,7 @@ class Worker:
             if len(plan) == 1:
                 sends = [(plan[0][2], msg, buffers)]
             else:
-                flat = raw(buffers[0])          # C-contiguous (sharding.cut): a view
+                flat = raw(buffers[0])          # C-contiguous (see _send_piece): a view
                 sends = [(due, m.PieceChunk(msg.piece_id, msg.aval, off, nbytes), [flat[off:off + size]])
                          for off, size, due in plan]
         for due, msg, buffers in sends:
@@ -351,20 +351,23 @@ class Worker:
             self.post_peer(msg.dst_host, m.Piece(msg.piece_id, m.Aval([], ""), e.error), dcn=dcn)
             return
         region = sharding.from_wire(msg.region)
-        local = tuple((a.start, a.stop) for a in sharding.local_slices(sharding.from_wire(msg.sub), region))
-        data = sharding.cut(e.value, local)
-        aval = m.Aval(list(data.shape), data.dtype.name)
-        if not dcn and self.use_shm and msg.dst_machine == self.machine and data.nbytes > 0:
+        local = sharding.local_slices(sharding.from_wire(msg.sub), region)
+        # a view on the shard's buffer (no copy on CPU): shared memory copies
+        # from it straight into the segment; TCP needs it C-contiguous
+        view = np.asarray(e.value)[local + (Ellipsis,)]
+        aval = m.Aval(list(view.shape), view.dtype.name)
+        if not dcn and self.use_shm and msg.dst_machine == self.machine and view.nbytes > 0:
             # ICI on one machine: the bytes go through shared memory
             try:
-                name, offset, drop = self.shm_out.write(msg.dst_host, data)
+                name, offset, drop = self.shm_out.write(msg.dst_host, view)
             except OSError as err:     # /dev/shm full or gone: fall back to TCP
                 log.warning("shared memory failed (%s); sending piece %d over TCP", err, msg.piece_id)
             else:
-                self._count("shm", data.nbytes)
-                self.post_peer(msg.dst_host, m.ShmPiece(msg.piece_id, aval, name, offset, data.nbytes,
+                self._count("shm", view.nbytes)
+                self.post_peer(msg.dst_host, m.ShmPiece(msg.piece_id, aval, name, offset, view.nbytes,
                                                         drop))
                 return
+        data = view if view.flags.c_contiguous else view.copy(order="C")
         self._count("dcn" if dcn else "ici_tcp", data.nbytes)
         self.post_peer(msg.dst_host, m.Piece(msg.piece_id, aval, None), [data], dcn=dcn)
 
@@ -471,7 +474,7 @@ class Worker:
             raise ValueError(f"expected one data buffer, got {len(buffers)}")
         part = self.partial.get(msg.piece_id)
         if part is None:
-            flat = np.empty(max(msg.nbytes, 0), np.uint8)
+            flat = channels.recv_buffers.get(max(msg.nbytes, 0))     # device_put takes it over
             part = self.partial[msg.piece_id] = [_array(msg.aval, [flat]), flat, 0]
         arr, flat, got = part
         size = buffers[0].nbytes
