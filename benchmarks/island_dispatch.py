@@ -259,17 +259,8 @@ jax.distributed.shutdown()
 
 
 def _stop(procs: list[subprocess.Popen], grace: float = 5.0) -> None:
-    """SIGTERM every still-running process, then SIGKILL those that ignore it."""
-    for p in procs:
-        if p.poll() is None:
-            p.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + grace
-    for p in procs:
-        try:
-            p.wait(max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait(10)
+    from zpath.launcher import stop_processes
+    stop_processes(procs, grace)
 
 
 class McBench:

@@ -73,6 +73,7 @@ def run_clients(cluster: Any, weights: list[float], seconds: float, depth: int, 
     """Start one client process per weight, let them all run ``seconds``;
     returns {client id: weight}, the controller's timeline records of them and
     the time they were told to start (after each compiled and ran once)."""
+    from zpath.launcher import stop_processes
     from zpath.net import messages as m
     from zpath.testing import connected
 
@@ -95,15 +96,7 @@ def run_clients(cluster: Any, weights: list[float], seconds: float, depth: int, 
             if not line or line[0] != "done" or p.wait(120) != 0:
                 raise RuntimeError(f"a client process failed (exit {p.poll()})")
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.terminate()
-        for p in procs:
-            try:
-                p.wait(10)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        stop_processes(procs, grace=10)
     with connected(cluster) as conn:
         recs = [r for r in conn.client.request(m.TimelineRequest(1_000_000)).records if r.client in ids]
     return ids, recs, go

@@ -15,6 +15,7 @@ import pytest
 import zpath as zp
 from zpath.client import Client
 from zpath.errors import ProtocolError
+from zpath.launcher import stop_processes
 from zpath.net import messages as m
 from zpath.testing import connected, wait_until
 
@@ -72,15 +73,7 @@ def _spawn(cluster, weight: float, seconds: float, depth: int = 32, env: dict | 
 
 
 def _stop(procs: list[subprocess.Popen]) -> None:
-    for p in procs:
-        if p.poll() is None:
-            p.terminate()
-    for p in procs:
-        try:
-            p.wait(10)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait(10)
+    stop_processes(procs, grace=10)
 
 
 def _client_id(p: subprocess.Popen) -> int:

@@ -44,6 +44,21 @@ def die_with_parent() -> None:
         os._exit(1)
 
 
+def stop_processes(procs: list[subprocess.Popen], grace: float = 5.0) -> None:
+    """SIGTERM every still-running process, then SIGKILL those still running
+    after ``grace`` seconds (a process stuck in XLA may ignore SIGTERM)."""
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    for p in procs:
+        try:
+            p.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait(10)
+
+
 def free_port(host: str) -> int:
     """A TCP port that is free now (the OS picks it)."""
     with socket.socket() as s:
