@@ -258,3 +258,37 @@ def test_a_newcomer_does_not_get_credit_while_the_other_client_is_between_comput
         s.finished(t)
         got.append(r.item)
     assert 4 <= got.count("a") <= 6, got
+
+
+def test_the_first_run_of_a_program_does_not_set_its_estimate():
+    """The first run compiled: its time is charged but not used as an estimate."""
+    s = TenantScheduler("share", default_cost_s=0.001)
+    s.add_client(1, 1)
+    r = Ready(1, 0, (0,), "p", None)
+    s.sent(1, r)
+    s.host_done(1, 5.0, 1)                    # compiling took 5 s
+    s.finished(1)
+    assert s.used[1] == pytest.approx(5.0)
+    for t in (2, 3):
+        s.sent(t, r)
+        s.host_done(t, 0.01, 1)
+        s.finished(t)
+    assert 0.009 < s._cost["p"] < 0.011
+
+
+def test_an_idle_client_catches_up_only_with_its_own_devices():
+    """Work on device 0 does not move the starting point of a client that
+    waits for device 1."""
+    s = TenantScheduler("share", window_s=1.0, min_window=1, default_cost_s=1.0)
+    for c in (1, 2):
+        s.add_client(c, 1)
+    for t in range(10):                       # client 1 alone on device 0
+        r = Ready(1, 0, (0,), "p", None)
+        s.sent(t, r)
+        s.host_done(t, 1.0, 1)
+        s.finished(t)
+    s.add(Ready(2, 0, (1,), "p", None))
+    assert s._vt[(0, 2)] == 0.0
+    s.add(Ready(1, 0, (0,), "p", None))
+    s.add(Ready(2, 0, (0,), "p", None))       # client 2 now also waits for device 0
+    assert s.pick(0).devices == (1,)          # its device-1 head goes first (nothing else wants it)

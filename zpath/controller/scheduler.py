@@ -90,13 +90,14 @@ class TenantScheduler:
     * ``share``: proportional share. Each client has a virtual time, its
       device-seconds used divided by its weight; the client with the smallest
       goes next (start-time fair queueing). A client that was idle starts no
-      earlier than the virtual time of the latest computation sent, so idling
-      earns no credit.
+      earlier than the virtual times at which computations already sent to its
+      devices started, so idling earns no credit.
 
     Device time is measured by the workers (start and end of every computation
     on every host, times the devices it used there) and accounted per client;
     until a computation is measured it is charged an estimate (the running mean
-    of computations with the same cost key). Each client keeps its own order.
+    of computations with the same cost key, leaving out the first, which
+    compiled). Each client keeps its own order.
     A plain class: events in, decisions out."""
 
     def __init__(self, policy: str = "share", window_s: float = 0.02, min_window: int = 2,
@@ -110,7 +111,9 @@ class TenantScheduler:
         self.weights: dict[int, float] = {}
         self.used: collections.Counter[int] = collections.Counter()       # device-seconds per client
         self._vt: dict[tuple[int, int], float] = {}                        # (island, client) -> virtual time
-        self._clock: dict[int, float] = {}         # island -> virtual time of the latest computation sent
+        # (island, device) -> the largest virtual time a computation sent to it started at
+        self._clock: dict[tuple[int, int], float] = {}
+        self._measured: set[Any] = set()           # cost keys measured once (that run compiled)
         self._queues: dict[int, dict[int, collections.deque[Ready]]] = {}  # island -> client -> ready
         self._cost: dict[Any, float] = {}                                  # cost key -> seconds per device
         self._running: dict[int, _Running] = {}                            # ticket -> running
@@ -135,6 +138,10 @@ class TenantScheduler:
         return dropped
 
     # ---- queueing --------------------------------------------------------------
+    def islands(self) -> list[int]:
+        """Islands with computations waiting."""
+        return list(self._queues)
+
     def queued(self, client: int | None = None) -> int:
         return sum(len(q) for qs in self._queues.values() for c, q in qs.items()
                    if client is None or c == client)
@@ -146,6 +153,8 @@ class TenantScheduler:
 
     def add(self, ready: Ready) -> None:
         """Queue a ready computation behind the client's earlier ones."""
+        if ready.client not in self.weights:
+            raise KeyError(f"unknown client {ready.client} (not added, or removed)")
         queues = self._queues.setdefault(ready.island, {})
         ready.arrival = self._arrivals
         self._arrivals += 1
@@ -153,9 +162,10 @@ class TenantScheduler:
         if q is None:
             q = queues[ready.client] = collections.deque()
             # a client that starts waiting gets no credit for having been idle:
-            # it starts no earlier than the latest computation sent
+            # it starts no earlier than the computations already sent to its devices
             key = (ready.island, ready.client)
-            self._vt[key] = max(self._vt.get(key, 0.0), self._clock.get(ready.island, 0.0))
+            floor = max(self._clock.get((ready.island, d), 0.0) for d in ready.devices) if ready.devices else 0.0
+            self._vt[key] = max(self._vt.get(key, 0.0), floor)
         q.append(ready)
 
     def pick(self, island: int) -> Ready | None:
@@ -203,8 +213,10 @@ class TenantScheduler:
         for d in ready.devices:
             self._load[d] += wall
             self._count[d] += 1
-        clock = self._clock.get(ready.island, 0.0)
-        self._clock[ready.island] = max(clock, self._vt.get((ready.island, ready.client), clock))
+        vt = self._vt.get((ready.island, ready.client), 0.0)
+        for d in ready.devices:
+            key = (ready.island, d)
+            self._clock[key] = max(self._clock.get(key, 0.0), vt)
         self._charge(ready.island, ready.client, estimate)
 
     def host_done(self, ticket: int, seconds: float, devices: int) -> None:
@@ -233,8 +245,12 @@ class TenantScheduler:
         self.used[run.client] += run.charged
         self._charge(run.island, run.client, run.charged - run.estimate)
         if run.longest > 0:
-            old = self._cost.get(run.cost_key)
-            self._cost[run.cost_key] = run.longest if old is None else 0.8 * old + 0.2 * run.longest
+            if run.cost_key not in self._measured:
+                # the first run of a program on its devices compiled it: not an estimate
+                self._measured.add(run.cost_key)
+            else:
+                old = self._cost.get(run.cost_key)
+                self._cost[run.cost_key] = run.longest if old is None else 0.8 * old + 0.2 * run.longest
         return run.island, run.client
 
     def _charge(self, island: int, client: int, device_seconds: float) -> None:

@@ -127,7 +127,8 @@ class Controller:
                                    mapping_version=lambda: self.rm.version)
         self.scheduler = GangScheduler(
             break_order=os.environ.get("ZPATH_DEBUG_BREAK_GANG_ORDER") == "1")
-        self.tenants = TenantScheduler(policy or POLICY, window_s=(window_ms or WINDOW_MS) / 1000)
+        self.tenants = TenantScheduler(POLICY if policy is None else policy,
+                                       window_s=(WINDOW_MS if window_ms is None else window_ms) / 1000)
         # exec_id -> (client, name, island, seq, devices), until every host reported
         self.in_flight: dict[int, InFlight] = {}
         self.timeline: collections.deque[m.ExecRecord] = collections.deque(maxlen=TIMELINE_RECORDS)
@@ -139,6 +140,11 @@ class Controller:
         # its first unplanned node); while any waits, new ones queue behind it
         self.memory_waiting: collections.deque[_Submission] = collections.deque()
         self.memory_limit = DEVICE_MEMORY_LIMIT
+        self._resuming = False
+        # held nodes whose waits are over, sent by one loop (never by recursion:
+        # a chain of thousands of held nodes would overflow the stack)
+        self._released: collections.deque[_HeldNode] = collections.deque()
+        self._releasing = False
         # buffers read or written by held nodes: their release waits until the node is sent
         self.pinned: collections.Counter[int] = collections.Counter()
         self.deferred: dict[int, int] = {}               # pinned buffer -> owner that released it
@@ -189,7 +195,10 @@ class Controller:
                 for rank, ident in self.worker_ident.items():
                     self.send(ident, m.Ping(seq))
                 next_ping = now + PING_INTERVAL_S
-                self._check_liveness(now)
+                try:
+                    self._check_liveness(now)
+                except Exception:  # a bug here must not take the controller down
+                    log.exception("error while checking hosts and clients")
             for _ in dict(poller.poll(timeout=max(1, int((next_ping - now) * 1000)))):
                 self._recv_all()
         self._stop_workers("controller shutting down")
@@ -456,11 +465,21 @@ class Controller:
             self.memory_waiting.append(sub)
 
     def _resume_waiting(self) -> None:
-        """Memory was freed: continue waiting submissions, oldest first."""
-        while self.memory_waiting:
-            if not self._advance(self.memory_waiting[0]):
-                return
-            self.memory_waiting.popleft()
+        """Memory was freed: continue waiting submissions, oldest first. Not
+        re-entered: frees made while a submission advances are seen by the
+        outer call (it checks memory again for every node)."""
+        if self._resuming:
+            return
+        self._resuming = True
+        try:
+            while self.memory_waiting:
+                sub = self.memory_waiting[0]
+                if not sub.peer.gone and not self._advance(sub):
+                    return
+                if self.memory_waiting and self.memory_waiting[0] is sub:
+                    self.memory_waiting.popleft()
+        finally:
+            self._resuming = False
 
     def _fits(self, sub: "_Submission", call: m.Call) -> str:
         """"ok", "wait" (for memory to be freed), or "failed": a call that can
@@ -544,6 +563,9 @@ class Controller:
         """A node may go once the multi-tenant scheduler gives it its turn: at
         once when nothing waits on its island and its devices have room, else
         it queues (held) behind its client's earlier nodes."""
+        if held.run.peer.gone:            # its client left meanwhile
+            self._abandon(held, holding)
+            return
         call = held.call
         ready = Ready(held.run.peer.id, held.island, tuple(call.devices),
                       (call.program, tuple(call.devices)), held)
@@ -609,7 +631,10 @@ class Controller:
         if holding:
             self._unhold(held)
         self._maybe_release(run)
+        # nodes waiting for it to be sent, or (sequential) to finish: they go on,
+        # and fail with its error when they read its outputs
         self._trigger(("sent", held.exec_id))
+        self._trigger(held.exec_id)
 
     def _exec_finished(self, exec_id: int) -> None:
         """Every host finished a computation: send the held nodes waiting on it,
@@ -623,7 +648,15 @@ class Controller:
         for held in self.waiters.pop(key, ()):
             held.waits.discard(key)
             if not held.waits:
-                self._send_held(held)
+                self._released.append(held)
+        if self._releasing:
+            return                        # the loop below, further up the stack, sends it
+        self._releasing = True
+        try:
+            while self._released:
+                self._send_held(self._released.popleft())
+        finally:
+            self._releasing = False
 
     def _send_held(self, held: "_HeldNode") -> None:
         if held.run.peer.gone:
@@ -698,6 +731,13 @@ class Controller:
         everything it holds is freed (computations already at the workers finish)."""
         self.peers.pop(peer.ident, None)
         peer.gone = True
+        for sub in [s for s in self.memory_waiting if s.peer is peer]:
+            self.memory_waiting.remove(sub)
+            for call in sub.calls[sub.next:]:
+                self._free_puts(call)
+            sub.run.sent = sub.run.total
+            self._maybe_release(sub.run)
+        islands = set(self.tenants.islands())
         cancelled = {id(r.item): r.item for r in self.tenants.remove_client(peer.id)}
         for key, waiting in list(self.waiters.items()):
             mine = [h for h in waiting if h.run.peer is peer]
@@ -710,12 +750,8 @@ class Controller:
                     del self.waiters[key]
         for held in cancelled.values():
             self._abandon(held, holding=True)
-        for sub in [s for s in self.memory_waiting if s.peer is peer]:
-            self.memory_waiting.remove(sub)
-            for call in sub.calls[sub.next:]:
-                self._free_puts(call)
-            sub.run.sent = sub.run.total
-            self._maybe_release(sub.run)
+        for island in islands:            # heads its queue held back may go now
+            self._pump(island)
         if cancelled:
             log.info("client %d left: %d queued computations cancelled", peer.id, len(cancelled))
         self._release(self.directory.owned(peer.id), peer.id)

@@ -1,0 +1,228 @@
+"""The controller's dispatch path under multi-tenancy, in process: a Controller
+driven by hand with fake workers and clients (messages go through ``handle``
+and are recorded instead of sent). Covers held nodes released in long chains,
+nodes abandoned while they wait, memory-limit waiting, and clients that leave."""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import itertools
+
+import pytest
+
+from zpath.controller.server import Controller
+from zpath.net import messages as m
+from zpath.net.codec import PROTOCOL_VERSION, Header
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class Blob(bytes):
+    @property
+    def nbytes(self) -> int:
+        return len(self)
+
+
+class Rig:
+    def __init__(self, hosts=((0, 1),), window_ms: float = 20.0) -> None:
+        """``hosts``: (island, devices) per host."""
+        self.c = Controller(b"k" * 32, policy="share", window_ms=window_ms)
+        self.log: list[tuple[bytes, m.Record]] = []
+        self.c.send = lambda ident, msg, parent=0, buffers=(): self.log.append((ident, msg))
+        self.ids = itertools.count(1)
+        for n, (island, ndev) in enumerate(hosts):
+            self.handle(f"w{n}".encode(), m.RegisterWorker(
+                f"h{n}", island, f"tcp://x:{n}", 1, "cpu", ndev, PROTOCOL_VERSION, list(range(ndev)),
+                "", 0, 1, f"machine{n}", "", ""))
+        self.programs = {}
+        for name in ("f", "g"):
+            blob = Blob(name.encode())
+            self.programs[name] = (hashlib.sha256(blob).hexdigest(), blob)
+
+    def handle(self, ident: bytes, msg: m.Record, buffers=()) -> None:
+        self.c.handle(ident, Header(1, 0, next(self.ids), 0, "x"), msg, list(buffers))
+
+    def client(self, name: str) -> tuple[bytes, int]:
+        ident = name.encode()
+        self.handle(ident, m.Hello(name, PROTOCOL_VERSION, 1.0))
+        for digest, blob in self.programs.values():
+            self.handle(ident, m.RegisterProgram(digest, "p"), [blob])
+        return ident, self.c.peers[ident].id
+
+    def new_id(self, ident: bytes) -> int:
+        return self.c.peers[ident].id << 32 | next(self.ids)
+
+    def call(self, ident: bytes, device: int, inp: int | None = None, program: str = "f",
+             width: int = 4) -> tuple[m.Call, int]:
+        """A one-device call of float32[1, width] reading ``inp`` (None: a new put value)."""
+        av = m.Aval([1, width], "float32")
+        put = inp is None
+        inp = self.new_id(ident) if put else inp
+        out = self.new_id(ident)
+        return m.Call(next(self.ids), self.programs[program][0], [1], ["i"], [device],
+                      [m.CallInput(inp, av, [None, None], put)], [m.CallOutput(out, av, [None, None])]), out
+
+    def executes(self, since: int = 0) -> list[m.Execute]:
+        return [x for _, x in self.log[since:] if isinstance(x, m.Execute)]
+
+    def failed(self, ident: bytes) -> set[int]:
+        return {b for i, x in self.log if i == ident and isinstance(x, m.CallFailed) for b in x.buffers}
+
+    def finish(self, exec_id: int, seconds: float = 0.001) -> None:
+        for h in list(self.c.in_flight[exec_id].hosts):
+            self.handle(self.c.worker_ident[h], m.ExecDone(exec_id, None, 1000.0, 1000.0 + seconds))
+
+    def drain(self) -> None:
+        while self.c.in_flight:
+            self.finish(next(iter(self.c.in_flight)))
+
+    def close(self) -> None:
+        self.c.sock.close(0)
+        self.c.ctx.term()
+
+    def idle(self) -> bool:
+        c = self.c
+        return not (c.in_flight or c.waiters or c.tenants.queued() or c.pinned or c.deferred
+                    or c.memory_waiting or c.held_outputs)
+
+
+@pytest.fixture
+def make_rig():
+    rigs: list[Rig] = []
+
+    def make(**kw) -> Rig:
+        rigs.append(Rig(**kw))
+        return rigs[-1]
+
+    yield make
+    for r in rigs:
+        r.close()
+
+
+def _fill_window(rig: Rig, device: int) -> bytes:
+    """Another client's long computations take device ``device``'s window."""
+    b, _ = rig.client("busy")
+    rig.c.tenants._cost[(rig.programs["g"][0], (device,))] = 1.0
+    for _ in range(2):
+        rig.handle(b, rig.call(b, device, program="g")[0])
+    return b
+
+
+def test_a_long_held_chain_is_released_without_recursion(make_rig):
+    rig = make_rig()
+    _fill_window(rig, 0)
+    a, ca = rig.client("a")
+    rig.c.tenants._cost[(rig.programs["f"][0], (0,))] = 1e-6
+    calls, prev = [], None
+    for _ in range(3000):                 # each node reads the last: all held behind the first
+        call, prev = rig.call(a, 0, prev)
+        calls.append(call)
+    rig.handle(a, m.Program(1, "chain", "parallel", calls, []))
+    assert rig.c._queued(ca) == 3000
+    mark = len(rig.log)
+    rig.drain()
+    assert [x.outputs[0].buffer for x in rig.executes(mark)] == [c.outputs[0].buffer for c in calls]
+    assert rig.c._queued(ca) == 0 and not rig.failed(a)
+
+
+def test_nodes_of_a_lost_host_fail_in_a_long_cascade(make_rig):
+    rig = make_rig(hosts=((0, 1), (1, 1)))
+    a, ca = rig.client("a")
+    call, x = rig.call(a, 1)                  # x lives on host 1 (island 1)
+    rig.handle(a, call)
+    rig.drain()
+    _fill_window(rig, 0)
+    calls, prev = [], x
+    for _ in range(2000):
+        call, prev = rig.call(a, 0, prev)
+        calls.append(call)
+    rig.handle(a, m.Program(1, "chain", "parallel", calls, []))
+    rig.c._host_lost(1, "test")
+    rig.drain()
+    assert {c.outputs[0].buffer for c in calls} <= rig.failed(a)
+    assert rig.c._queued(ca) == 0
+    assert all(x.outputs[0].buffer not in {c.outputs[0].buffer for c in calls} for x in rig.executes())
+
+
+def test_a_sequential_node_after_an_abandoned_one_fails_instead_of_hanging(make_rig):
+    rig = make_rig(hosts=((0, 1), (1, 1)))
+    a, ca = rig.client("a")
+    call, x = rig.call(a, 1)
+    rig.handle(a, call)
+    rig.drain()
+    _fill_window(rig, 0)
+    n1, o1 = rig.call(a, 0, x)                # reads x from host 1
+    n2, o2 = rig.call(a, 0, o1)
+    rig.handle(a, m.Program(1, "seq", "sequential", [n1, n2], [o1]))
+    rig.c._host_lost(1, "test")
+    rig.drain()
+    assert {o1, o2} <= rig.failed(a)
+    err = rig.c.directory.buffers[o2].error
+    assert err is not None and err.kind == "HostLost"
+    assert rig.c._queued(ca) == 0 and not rig.c.waiters and not rig.c.pinned
+
+
+def test_memory_waiting_submissions_resume_in_order_while_the_tenant_queue_moves(make_rig):
+    rig = make_rig(hosts=((0, 2),), window_ms=1e-6)      # window: 2 computations per device
+    rig.c.memory_limit = 64
+    a, ca = rig.client("a")
+    held = []
+    for _ in range(3):                                # a holds 3 x 16 bytes on device 0
+        call, out = rig.call(a, 0)
+        rig.handle(a, call)
+        rig.drain()
+        held.append(out)
+    b, _ = rig.client("b")
+    for _ in range(3):                                # b: 2 at the worker, 1 queued, on device 1
+        rig.handle(b, rig.call(b, 1)[0])
+    s1, o1 = rig.call(a, 0)                           # needs 32 bytes: waits
+    s2, o2 = rig.call(a, 0, width=8)                  # needs 64: waits behind it
+    rig.handle(a, s1)
+    rig.handle(a, s2)
+    assert len(rig.c.memory_waiting) == 2
+    rig.handle(a, m.Release(held[:2]))                # 32 bytes free: s1 fits, then s2 does not
+    assert rig.c.directory.device_bytes[0] == 32       # held[2] and s1's output (its put is freed)
+    assert o1 in rig.c.directory.buffers and o2 not in rig.c.directory.buffers
+    assert len(rig.c.memory_waiting) == 1 and rig.c.memory_waiting[0].calls[0] is s2
+    rig.handle(a, m.Release([held[2], o1]))
+    assert o2 in rig.c.directory.buffers and not rig.c.memory_waiting
+    rig.drain()
+    assert not rig.failed(a)
+
+
+def test_a_client_that_leaves_has_nothing_run_afterwards(make_rig):
+    rig = make_rig(window_ms=1e-6)
+    a, ca = rig.client("a")
+    call, x = rig.call(a, 0)
+    rig.handle(a, call)
+    rig.drain()
+    b, _ = rig.client("b")
+    for _ in range(3):
+        rig.handle(b, rig.call(b, 0)[0])
+    queued, o1 = rig.call(a, 0)                     # waits for its turn
+    rig.handle(a, queued)
+    rig.c.memory_limit = rig.c.directory.device_bytes[0] + 8
+    waiting, o2 = rig.call(a, 0, x)                  # waits for memory
+    rig.handle(a, waiting)
+    held_call, o3 = rig.call(a, 0, o1)               # held: reads a queued node's output
+    rig.handle(a, held_call)
+    mark = len(rig.log)
+    rig.handle(a, m.Goodbye("bye"))
+    rig.drain()
+    ran = {x.outputs[0].buffer for x in rig.executes(mark)}
+    assert not ran & {o1, o2, o3}
+    assert not any(buf.owner == ca for buf in rig.c.directory.buffers.values())
+    assert rig.idle()
+
+
+def test_bad_inputs_to_the_tenant_scheduler():
+    from zpath.controller.scheduler import Ready, TenantScheduler
+    s = TenantScheduler()
+    with pytest.raises(KeyError, match="unknown client"):
+        s.add(Ready(7, 0, (0,), "p", None))
+    s.add_client(7, 1.0)
+    s.add(Ready(7, 0, (0,), "p", None))
+    s.remove_client(7)
+    with pytest.raises(KeyError, match="unknown client"):
+        s.add(Ready(7, 0, (0,), "p", None))
+    assert dataclasses.is_dataclass(Ready)
