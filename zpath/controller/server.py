@@ -62,6 +62,7 @@ class InFlight:
     seq: int
     devices: list[int]
     hosts: set[int]                        # hosts still running it
+    host_devices: dict[int, int]           # host -> how many of its devices it uses
     outputs: list[int]
     pieces: list[tuple[int, int, int]]     # (piece id, source host, destination host)
 
@@ -435,7 +436,8 @@ class Controller:
         exec_id = next(iter(plan.executes.values())).exec_id
         self.in_flight[exec_id] = InFlight(
             peer.id, peer.ident, name, island, self.scheduler.next_seq[island] - 1, call.devices,
-            set(plan.executes), [o.buffer for o in call.outputs],
+            set(plan.executes), collections.Counter(self.rm.devices[d].host for d in call.devices),
+            [o.buffer for o in call.outputs],
             [(piece.piece_id, src, piece.dst_host) for src, piece in plan.sends])
         for rank, ex in ordered:
             self.to_host(rank, ex)
@@ -809,8 +811,7 @@ class Controller:
         self.timeline.append(m.ExecRecord(msg.exec_id, info.seq, info.island, host, info.client,
                                           info.name, info.devices, msg.start, msg.end,
                                           msg.error is None))
-        ndev = sum(1 for d in info.devices if self.rm.devices[d].host == host)
-        self.tenants.host_done(msg.exec_id, msg.end - msg.start, ndev)
+        self.tenants.host_done(msg.exec_id, msg.end - msg.start, info.host_devices[host])
         info.hosts.discard(host)
         if not info.hosts:
             del self.in_flight[msg.exec_id]
