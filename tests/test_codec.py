@@ -60,7 +60,8 @@ def sample_record(cls: type, rng: random.Random, choice: int = 0) -> Any:
     return cls(*[sample(hints[f.name], rng, choice) for f in dataclasses.fields(cls)])
 
 
-MESSAGES = sorted(codec.registry().items())
+# a Batch decodes to its messages (codec.Batched); it has tests of its own below
+MESSAGES = sorted((t, c) for t, c in codec.registry().items() if t != codec.BATCH_TYPE)
 
 
 def enc(msg: codec.Record, key: bytes = KEY, **kw: Any) -> list[Any]:
@@ -474,9 +475,15 @@ def test_random_input_raises_only_protocol_error():
         except Exception as e:  # pragma: no cover - this is the failure we look for
             pytest.fail(f"case {i}: {type(e).__name__}: {e!r} for frames {frames!r}")
         else:
-            assert type(msg) is codec.registry()[header.type_id]
-            # whatever decodes re-encodes to the same record
-            assert codec.decode(KEY, enc(msg))[1] == msg
+            if header.type_id == codec.BATCH_TYPE:
+                assert type(msg) is codec.Batched
+                msgs = [x for _, x in msg.messages]
+                assert _batched(codec.decode(KEY, enc(m.Batch(
+                    [(x.TYPE, 1, 0, codec.pack_body(x)) for x in msgs])))[1]) == msgs
+            else:
+                assert type(msg) is codec.registry()[header.type_id]
+                # whatever decodes re-encodes to the same record
+                assert codec.decode(KEY, enc(msg))[1] == msg
             outcomes["ok"] += 1
     assert outcomes["rejected"] > 1500
     # the fuzzing reached the deep checks, not only the signature check
@@ -514,7 +521,7 @@ def test_decode_header_random_bytes_never_raise():
 
 def test_protocol_doc_lists_every_message_and_the_version():
     doc = (Path(__file__).resolve().parents[1] / "docs" / "protocol.md").read_text()
-    for tid, cls in MESSAGES:
+    for tid, cls in sorted(codec.registry().items()):
         row = re.search(rf"^\|\s*{tid}\s*\|\s*`?{cls.__name__}`?\s*\|", doc, re.M)
         assert row, f"docs/protocol.md has no table row for {tid} {cls.__name__}"
         for f in dataclasses.fields(cls):
@@ -927,3 +934,59 @@ def test_generated_checker_of_other_annotations():
     assert _Checked._decode([4]) == _Checked(4)
     with pytest.raises(ProtocolError, match="x must not be negative"):
         _Checked._decode([-1])
+
+
+# ---- batches ----------------------------------------------------------------------------
+
+def _batched(out: Any) -> list[codec.Record]:
+    assert type(out) is codec.Batched
+    return [msg for _, msg in out.messages]
+
+
+def _batch(*msgs: codec.Record, ids: list[int] | None = None, parents: list[int] | None = None) -> m.Batch:
+    ids = ids or list(range(100, 100 + len(msgs)))
+    parents = parents or [0] * len(msgs)
+    return m.Batch([(x.TYPE, i, p, codec.pack_body(x)) for x, i, p in zip(msgs, ids, parents)])
+
+
+def test_batch_items_are_the_messages_own_bodies():
+    msg = m.ExecDone(3, None, 1.5, 2.5)
+    assert codec.pack_body(msg) == enc(msg)[2]
+
+
+def test_batch_round_trips_every_message_type_with_its_own_header():
+    rng = random.Random(5)
+    msgs = [sample_record(cls, rng, i % 3) for i, (_, cls) in enumerate(MESSAGES)]
+    ids = [7 + i for i in range(len(msgs))]
+    parents = [i % 4 for i in range(len(msgs))]
+    frames = enc(_batch(*msgs, ids=ids, parents=parents), msg_id=99, sender="controller")
+    assert len(frames) == 3
+    header, out, buffers = codec.decode(KEY, frames)
+    assert header.type_id == codec.BATCH_TYPE == m.Batch.TYPE and header.msg_id == 99
+    assert buffers == []
+    assert _batched(out) == msgs
+    for (h, x), want, i, p in zip(out.messages, msgs, ids, parents, strict=True):
+        assert type(x) is type(want)
+        assert h == codec.Header(codec.PROTOCOL_VERSION, want.TYPE, i, p, "controller")
+
+
+def test_batch_refuses_what_a_message_alone_would_be_refused_for():
+    good = codec.pack_body(m.Ping(1))
+    cases = {
+        "nested batch": [(m.Batch.TYPE, 1, 0, codec.pack_body(m.Batch([])))],
+        "unknown message type": [(9999, 1, 0, good)],
+        "is not msgpack": [(m.Ping.TYPE, 1, 0, b"\xc1")],
+        "Batch.items[1].Ping.seq: expected int": [(m.Ping.TYPE, 1, 0, good),
+                                                   (m.Ping.TYPE, 2, 0, msgpack.packb(["x"]))],
+    }
+    for text, items in cases.items():
+        with pytest.raises(ProtocolError, match=re.escape(text)):
+            codec.decode(KEY, enc(m.Batch(items)))
+    # the item list itself is checked like any record field
+    with pytest.raises(ProtocolError, match="Batch.items"):
+        codec.decode(KEY, signed(hdr(1, m.Batch.TYPE, 1, 0, "x"), body([[[1, 2, 3]]])))
+    # and a batch carries no buffers
+    with pytest.raises(ProtocolError, match="no buffers"):
+        codec.decode(KEY, enc(m.Batch([(m.Ping.TYPE, 1, 0, good)]), buffers=[b"x"]))
+    # an empty batch is harmless
+    assert _batched(codec.decode(KEY, enc(m.Batch([])))[1]) == []

@@ -200,3 +200,53 @@ def test_endpoint_uses_a_socket_subclass_send_and_copies_small_frames_only(pair)
         assert len(router.recv_multipart()) == 6
     finally:
         sock.close()
+
+
+def test_send_batch_one_message_goes_as_itself(pair):
+    from zpath.net import codec
+    from zpath.net import messages as m
+
+    router, dealer = pair
+    a = transport.Endpoint(KEY, "worker:a")
+    a.send_batch(dealer, [(m.ExecDone(3, None, 1.5, 2.5), 4, 8)])
+    _poll(router)
+    assert router.recv_multipart() == [b"d1", *codec.encode(KEY, m.ExecDone(3, None, 1.5, 2.5), msg_id=8,
+                                                            sender="worker:a", parent=4)]
+
+
+def test_send_batch_many_messages_are_one_zmq_message_in_order(pair):
+    from zpath.net import codec
+    from zpath.net import messages as m
+
+    router, dealer = pair
+    a, b = transport.Endpoint(KEY, "controller"), transport.Endpoint(KEY, "worker:a")
+    msgs = [m.Ping(1), m.Free([5, 6]), m.ExecDone(2, None, 0.0, 1.0), m.Ping(2)]
+    a.send_batch(router, [(x, i, 0) for i, x in enumerate(msgs)], to=b"d1")
+    _poll(dealer)
+    ident, header, out, buffers = b.recv(dealer)
+    assert header.type_id == m.Batch.TYPE and type(out) is codec.Batched
+    assert not dealer.poll(50), "a batch is one ZeroMQ message"
+    got = transport.unbatched(header, out, buffers)
+    assert [x for _, x, _ in got] == msgs
+    assert [h.parent for h, _, _ in got] == [0, 1, 2, 3]
+    assert len({h.msg_id for h, _, _ in got}) == 4 and all(h.sender == "controller" for h, _, _ in got)
+    # a plain message passes through unbatched() as itself
+    assert transport.unbatched(header, msgs[0], []) == ((header, msgs[0], []),)
+
+
+def test_send_batch_splits_at_the_body_limit(pair, monkeypatch):
+    from zpath.net import messages as m
+
+    router, dealer = pair
+    monkeypatch.setattr(transport, "BATCH_BODY_BYTES", 40)
+    a, b = transport.Endpoint(KEY, "controller"), transport.Endpoint(KEY, "worker:a")
+    msgs = [m.Free(list(range(i * 10, i * 10 + 10))) for i in range(9)]   # 12 bytes or more each
+    a.send_batch(router, [(x, 0, 0) for x in msgs], to=b"d1")
+    got, sizes = [], []
+    while dealer.poll(200):
+        _, header, out, buffers = b.recv(dealer)
+        parts = transport.unbatched(header, out, buffers)
+        sizes.append(len(parts))
+        got += [x for _, x, _ in parts]
+    assert got == msgs
+    assert len(sizes) >= 2 and max(sizes) > 1 and sum(sizes) == 9

@@ -24,7 +24,7 @@ from zpath.errors import (Broken, Closed, DeadlineExceeded, HostLost, ProtocolEr
                           RemoteError, ResourceError, ZpathError)
 from zpath.net import messages as m
 from zpath.net.codec import PROTOCOL_VERSION, Record
-from zpath.net.transport import BadMessage, Endpoint, Outbox, make_context
+from zpath.net.transport import BadMessage, Endpoint, Outbox, make_context, unbatched
 
 log = logging.getLogger(__name__)
 
@@ -240,21 +240,42 @@ class Client:
         self.outbox.close()
 
     def _flush(self) -> bool:
+        """Send what the outbox holds, in order; messages to the controller that
+        follow one another go as one Batch (calls made in a burst, with the
+        releases between them)."""
+        to_ctl: list[tuple[Record, int, int]] = []
         released: list[int] = []
         for kind, target, msg, buffers, msg_id in self.outbox.drain():
             if kind == "rel":           # batched into one Release, sent in order
                 released.append(msg)
                 continue
             if released:
-                self._send(self.ctl, m.Release(released), (), 0)
+                to_ctl.append((m.Release(released), 0, 0))
                 released = []
+            if kind == "ctl" and not buffers:
+                to_ctl.append((msg, 0, msg_id))
+                continue
+            self._send_ctl(to_ctl)
+            to_ctl = []
             if kind == "stop":
                 return True
-            sock = self.ctl if kind == "ctl" else self._data_sock(target)
-            self._send(sock, msg, buffers, msg_id)
+            self._send(self.ctl if kind == "ctl" else self._data_sock(target), msg, buffers, msg_id)
         if released:
-            self._send(self.ctl, m.Release(released), (), 0)
+            to_ctl.append((m.Release(released), 0, 0))
+        self._send_ctl(to_ctl)
         return False
+
+    def _send_ctl(self, msgs: list[tuple[Record, int, int]]) -> None:
+        """Send messages without buffers to the controller, as one Batch; if
+        they cannot be sent, fail whatever waits on them."""
+        if not msgs:
+            return
+        try:
+            self.ep.send_batch(self.ctl, msgs)
+        except Exception as e:
+            log.error("cannot send %d messages to the controller: %s", len(msgs), e)
+            for msg, _, msg_id in msgs:
+                self._failed(msg, msg_id, e)
 
     def _send(self, sock: zmq.Socket, msg: Record, buffers: Any, msg_id: int) -> None:
         """Send one message; if it cannot be sent, fail whatever waits on it
@@ -263,19 +284,22 @@ class Client:
             self.ep.send(sock, msg, buffers=buffers, msg_id=msg_id)
         except Exception as e:
             log.error("cannot send %s: %s", type(msg).__name__, e)
-            err = Broken(f"could not send {type(msg).__name__}: {e}")
-            pending = self._pending.get(msg_id)
-            if pending is not None and not pending.done():
-                pending.set_exception(err)
-            fetch = self._fetches.get(msg_id)
-            if fetch is not None:
-                self._forget(fetch)
-                fetch.future._fetched(fetch, None, err)
-            if isinstance(msg, m.Call):
-                for o in msg.outputs:
-                    fut = self._futures.get(o.buffer)
-                    if fut is not None:
-                        fut._fail(err)
+            self._failed(msg, msg_id, e)
+
+    def _failed(self, msg: Record, msg_id: int, e: Exception) -> None:
+        err = Broken(f"could not send {type(msg).__name__}: {e}")
+        pending = self._pending.get(msg_id)
+        if pending is not None and not pending.done():
+            pending.set_exception(err)
+        fetch = self._fetches.get(msg_id)
+        if fetch is not None:
+            self._forget(fetch)
+            fetch.future._fetched(fetch, None, err)
+        if isinstance(msg, m.Call):
+            for o in msg.outputs:
+                fut = self._futures.get(o.buffer)
+                if fut is not None:
+                    fut._fail(err)
 
     def _recv(self, sock: zmq.Socket) -> None:
         while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
@@ -284,10 +308,11 @@ class Client:
             except BadMessage as e:
                 log.warning("dropped a bad message: %s", e)
                 continue
-            try:
-                self._handle(header.parent, msg, buffers)
-            except Exception:
-                log.exception("error handling %s", type(msg).__name__)
+            for header, msg, buffers in unbatched(header, msg, buffers):
+                try:
+                    self._handle(header.parent, msg, buffers)
+                except Exception:
+                    log.exception("error handling %s", type(msg).__name__)
 
     def _handle(self, parent: int, msg: Record, buffers: list) -> None:
         match msg:

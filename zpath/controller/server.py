@@ -23,7 +23,7 @@ from zpath.controller.scheduler import POLICIES, GangScheduler, Ready, TenantSch
 from zpath.errors import ResourceError
 from zpath.net import messages as m
 from zpath.net.codec import PROTOCOL_VERSION, Header, Record
-from zpath.net.transport import BadMessage, Endpoint, make_context
+from zpath.net.transport import BadMessage, Endpoint, make_context, unbatched
 
 log = logging.getLogger(__name__)
 
@@ -158,19 +158,58 @@ class Controller:
         self.device_held: dict[int, int] = {}               # device -> bytes its worker holds (Pong)
         self.calls = 0
         self.running = True
+        # messages held while one received message is handled (see send)
+        self._out: dict[bytes, list[tuple[Record, int, int]]] | None = None
 
     # ---- sending -------------------------------------------------------------
     def send(self, ident: bytes, msg: Record, parent: int = 0, buffers: Any = ()) -> None:
         """Send without ever blocking the controller: a peer that has stopped
-        reading (its queue is full) or is gone loses the message, with a log line."""
+        reading (its queue is full) or is gone loses the message, with a log line.
+
+        While a received message is handled (``self._out`` is a dict), messages
+        without buffers are held and go out when it is done, one Batch per peer
+        in the order they were sent: a program's nodes reach a host as one
+        message, and an ExecDone's frees and next Execute as one."""
+        out = self._out
+        if out is not None:
+            if not buffers:
+                pending = out.get(ident)
+                if pending is None:
+                    out[ident] = [(msg, parent, 0)]
+                else:
+                    pending.append((msg, parent, 0))
+                return
+            pending = out.pop(ident, None)      # keep this peer's order
+            if pending:
+                self._send_now(ident, pending)
         try:
             self.ep.send(self.sock, msg, to=ident, parent=parent, buffers=buffers, block=False)
         except zmq.Again:
-            peer = self.peers.get(ident)
-            log.error("%s %s is not reading its messages (queue full): dropped %s",
-                      peer.role if peer else "peer", peer.id if peer else repr(ident), type(msg).__name__)
+            self._dropped(ident, type(msg).__name__)
         except zmq.ZMQError as e:
             log.warning("cannot send %s to %r: %s", type(msg).__name__, ident, e)
+
+    def _send_now(self, ident: bytes, msgs: list[tuple[Record, int, int]]) -> None:
+        try:
+            self.ep.send_batch(self.sock, msgs, to=ident, block=False)
+        except zmq.Again:
+            self._dropped(ident, ", ".join(sorted({type(x[0]).__name__ for x in msgs})))
+        except zmq.ZMQError as e:
+            log.warning("cannot send %d messages to %r: %s", len(msgs), ident, e)
+        except Exception:     # an unencodable message is a bug: lose it, not the loop
+            log.exception("cannot send %d messages to %r", len(msgs), ident)
+
+    def _flush_out(self) -> None:
+        """Send what ``send`` held, and stop holding."""
+        out, self._out = self._out, None
+        if out:
+            for ident, msgs in out.items():
+                self._send_now(ident, msgs)
+
+    def _dropped(self, ident: bytes, what: str) -> None:
+        peer = self.peers.get(ident)
+        log.error("%s %s is not reading its messages (queue full): dropped %s",
+                  peer.role if peer else "peer", peer.id if peer else repr(ident), what)
 
     def reply_error(self, ident: bytes, parent: int, code: str, text: str) -> None:
         self.send(ident, m.Error(code, text), parent)
@@ -196,10 +235,13 @@ class Controller:
                 for rank, ident in self.worker_ident.items():
                     self.send(ident, m.Ping(seq))
                 next_ping = now + PING_INTERVAL_S
+                self._out = {}
                 try:
                     self._check_liveness(now)
                 except Exception:  # a bug here must not take the controller down
                     log.exception("error while checking hosts and clients")
+                finally:
+                    self._flush_out()
             for _ in dict(poller.poll(timeout=max(1, int((next_ping - now) * 1000)))):
                 self._recv_all()
         self._stop_workers("controller shutting down")
@@ -219,18 +261,28 @@ class Controller:
             except BadMessage as e:
                 self._bad(e)
                 continue
+            # what handling this message (or batch) sends goes out coalesced:
+            # one Batch per peer (see send)
+            self._out = {}
             try:
-                self.handle(ident, header, msg, buffers)
-            except Exception:  # a handler bug must not take the controller down
-                log.exception("error handling %s from %s", type(msg).__name__, header.sender)
-                if isinstance(msg, m.Call) and ident in self.peers:   # fail its futures, don't leave them waiting
-                    self._fail_call(ident, self.peers[ident].id, msg, m.ErrorInfo(
-                        "RemoteError", "the controller failed planning this call (see its log)", None, "", ""))
-                else:
-                    self.reply_error(ident, header.msg_id, "internal",
-                                     f"controller failed handling {type(msg).__name__}")
+                for header, msg, buffers in unbatched(header, msg, buffers):
+                    self._handle_safely(ident, header, msg, buffers)
+            finally:
+                self._flush_out()
             if not self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
                 return
+
+    def _handle_safely(self, ident: bytes, header: Header, msg: Record, buffers: list) -> None:
+        try:
+            self.handle(ident, header, msg, buffers)
+        except Exception:  # a handler bug must not take the controller down
+            log.exception("error handling %s from %s", type(msg).__name__, header.sender)
+            if isinstance(msg, m.Call) and ident in self.peers:   # fail its futures, don't leave them waiting
+                self._fail_call(ident, self.peers[ident].id, msg, m.ErrorInfo(
+                    "RemoteError", "the controller failed planning this call (see its log)", None, "", ""))
+            else:
+                self.reply_error(ident, header.msg_id, "internal",
+                                 f"controller failed handling {type(msg).__name__}")
 
     def _bad(self, e: BadMessage) -> None:
         who = self.peers.get(e.ident) if e.ident else None

@@ -590,6 +590,49 @@ def encode(key: bytes, msg: Record, *, msg_id: int, sender: str, parent: int = 0
     return [_signer(key).sign(parts), *parts]
 
 
+# ---- batches ----------------------------------------------------------------------------
+# Several messages without buffers to one peer may travel under one signature as
+# a Batch (zpath.net.messages.Batch, type BATCH_TYPE): its body is a list of
+# [type_id, msg_id, parent, body bytes], each body exactly what the message
+# alone would carry. The receiver gets them back as a Batched, in order, each
+# with a header of its own (the batch's version and sender).
+
+BATCH_TYPE = 60
+
+
+def pack_body(msg: Record) -> bytes:
+    """A message's body, as :func:`encode` would put it in its frame."""
+    return _packer().pack(msg)
+
+
+class Batched:
+    """What :func:`decode` returns for a Batch: its messages, checked, in order."""
+
+    __slots__ = ("messages",)
+
+    def __init__(self, messages: list[tuple["Header", Record]]) -> None:
+        self.messages = messages
+
+
+def _unbatch(header: "Header", items: list) -> Batched:
+    out = []
+    for i, (type_id, msg_id, parent, body_b) in enumerate(items):
+        cls = _REGISTRY.get(type_id)
+        if cls is None or type_id == BATCH_TYPE:
+            raise ProtocolError(f"Batch.items[{i}]: {'nested batch' if cls else 'unknown message type'} "
+                                f"{type_id}")
+        try:
+            body = _unpackb(body_b, raw=False, strict_map_key=False)
+        except Exception as e:
+            raise ProtocolError(f"Batch.items[{i}]: body of {cls.__name__} is not msgpack: {e}") from None
+        try:
+            msg = cls._decode(body)
+        except Exception:
+            msg = cls.from_wire(body, f"Batch.items[{i}].{cls.__name__}")
+        out.append((_header(header.version, type_id, msg_id, parent, header.sender), msg))
+    return Batched(out)
+
+
 def decode_header(frames: Sequence[Any]) -> Header | None:
     """Best-effort header parse used to address an error reply; never raises."""
     try:
@@ -611,9 +654,10 @@ _unpackb = msgpack.unpackb
 _BAD_HEADER = "header must be [version, type, id, parent, sender]"
 
 
-def decode(key: bytes, frames: Sequence[Any]) -> tuple[Header, Record, list[Any]]:
+def decode(key: bytes, frames: Sequence[Any]) -> tuple[Header, Any, list[Any]]:
     """Check and decode one message. Raises ProtocolError on anything wrong.
-    Returned buffers are memoryviews (zero-copy for zmq.Frame input)."""
+    Returned buffers are memoryviews (zero-copy for zmq.Frame input). A Batch
+    comes back as a :class:`Batched` holding its messages."""
     if len(frames) < 3:
         raise ProtocolError(f"expected at least 3 frames, got {len(frames)}")
     parts = [f if type(f) is bytes else _bytes(f) for f in frames]
@@ -651,4 +695,9 @@ def decode(key: bytes, frames: Sequence[Any]) -> tuple[Header, Record, list[Any]
     except Exception:
         msg = cls.from_wire(body)         # the precise error (or what it accepts)
     buffers = [memoryview(b) for b in parts[3:]] if len(parts) > 3 else []
-    return _header(version, type_id, msg_id, parent, sender), msg, buffers
+    header = _header(version, type_id, msg_id, parent, sender)
+    if type_id == BATCH_TYPE:
+        if buffers:
+            raise ProtocolError("a Batch carries no buffers")
+        return header, _unbatch(header, msg.items), []
+    return header, msg, buffers

@@ -506,3 +506,13 @@ class PieceChunk(Record):
     aval: Aval
     offset: int
     nbytes: int
+
+
+@message(60)     # codec.BATCH_TYPE
+class Batch(Record):
+    """Any -> one peer: several messages without buffers under one signature,
+    in order; each item is ``[type_id, msg_id, parent, body]`` with ``body`` the
+    message's own msgpack body. Received as ``codec.Batched`` (its messages,
+    each checked as if it came alone); a nested Batch or an unknown type
+    refuses the whole batch."""
+    items: list[tuple[int, int, int, bytes]]

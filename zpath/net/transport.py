@@ -27,6 +27,8 @@ ZERO_COPY_BYTES = 64 << 10
 # messages queued per peer before a send would block; a peer this far behind is
 # not reading, and processes that must not block drop messages to it instead
 SEND_HWM = 100_000
+# bytes of message bodies per Batch; more messages start another batch
+BATCH_BODY_BYTES = 1 << 20
 
 # plain ints: pyzmq's enum flags are slow to combine and convert per frame
 _NOBLOCK = int(zmq.NOBLOCK)
@@ -93,11 +95,44 @@ class Endpoint:
                 send(sock, frame, more if i < last else flags, copy=False)
         return msg_id
 
+    def send_batch(self, sock: zmq.Socket, msgs: Sequence[tuple[Record, int, int]], *,
+                   to: bytes | None = None, block: bool = True) -> None:
+        """Send messages without buffers, given as (message, parent, msg_id or
+        0), in order: one as itself, more as Batches (one signature, one
+        ZeroMQ message, one wake-up of the receiver for all of them)."""
+        if len(msgs) == 1:
+            msg, parent, msg_id = msgs[0]
+            self.send(sock, msg, to=to, parent=parent, msg_id=msg_id, block=block)
+            return
+        from zpath.net.messages import Batch     # messages imports this module's codec only
+
+        items: list[tuple[int, int, int, bytes]] = []
+        first: tuple[Record, int] | None = None     # the batch's first message and parent
+        size = 0
+
+        def flush() -> None:
+            if len(items) == 1:        # alone, as itself (a batch would only add bytes)
+                self.send(sock, first[0], to=to, parent=first[1], msg_id=items[0][1], block=block)
+            elif items:
+                self.send(sock, Batch(items), to=to, block=block)
+
+        for msg, parent, msg_id in msgs:
+            body = codec.pack_body(msg)
+            if items and size + len(body) > BATCH_BODY_BYTES:
+                flush()
+                items, size = [], 0
+            if not items:
+                first = (msg, parent)
+            items.append((msg.TYPE, msg_id or self.next_id(), parent, body))
+            size += len(body)
+        flush()
+
     def recv(self, sock: zmq.Socket, *, router: bool = False, block: bool = True
-             ) -> tuple[bytes | None, Header, Record, list[memoryview]]:
+             ) -> tuple[bytes | None, Header, Any, list[memoryview]]:
         """Receive one message. On a bad message raises :class:`BadMessage`
         carrying what is known about its sender, so the caller can answer. With
-        ``block=False`` an empty queue raises zmq.Again instead of waiting."""
+        ``block=False`` an empty queue raises zmq.Again instead of waiting. A
+        Batch comes as a ``codec.Batched``: pass the result to :func:`unbatched`."""
         flags = 0 if block else _NOBLOCK
         recv, more = sock.recv, sock.get
         # the routing identity, signature, header and body come as bytes (a
@@ -115,6 +150,13 @@ class Endpoint:
         except ProtocolError as e:
             raise BadMessage(str(e), ident, codec.decode_header(frames)) from None
         return ident, header, msg, buffers
+
+
+def unbatched(header: Header, msg: Any, buffers: list) -> Sequence[tuple[Header, Record, list]]:
+    """The (header, message, buffers) a receive gave: itself, or each of a batch's."""
+    if type(msg) is codec.Batched:
+        return [(h, sub, []) for h, sub in msg.messages]
+    return ((header, msg, buffers),)
 
 
 class BadMessage(ProtocolError):

@@ -28,7 +28,7 @@ from zpath.errors import ZpathError
 from zpath.net import channels
 from zpath.net import messages as m
 from zpath.net.codec import PROTOCOL_VERSION, Record
-from zpath.net.transport import BadMessage, Endpoint, Outbox, backoff, make_context, raw
+from zpath.net.transport import BadMessage, Endpoint, Outbox, backoff, make_context, raw, unbatched
 from zpath.worker.executor import Executor
 from zpath.worker.store import Entry, Store, shard_key
 
@@ -201,10 +201,13 @@ class Worker:
         self.running = False
 
     def _flush(self) -> None:
+        # messages to the controller go out together, in order, as one Batch
+        # (ExecDones of computations that finished while this thread was busy)
+        to_ctl: list[tuple[Record, int, int]] = []
         for kind, target, msg, buffers, parent in self.outbox.drain():
             try:
                 if kind == "ctl":
-                    self.ep.send(self.ctl, msg, block=False)
+                    to_ctl.append((msg, 0, 0))
                 elif kind == "data":
                     self.ep.send(self.data, msg, to=target, buffers=buffers, parent=parent, block=False)
                 elif kind == "dcn" and self.shaper.active:
@@ -215,6 +218,13 @@ class Worker:
                 log.error("%s %s is not reading (queue full): dropped %s", kind, target, type(msg).__name__)
             except Exception as e:   # one bad message must not stop the I/O thread
                 log.error("cannot send %s: %s", type(msg).__name__, e)
+        if to_ctl:
+            try:
+                self.ep.send_batch(self.ctl, to_ctl, block=False)
+            except zmq.Again:
+                log.error("the controller is not reading (queue full): dropped %d messages", len(to_ctl))
+            except Exception as e:
+                log.error("cannot send %d messages to the controller: %s", len(to_ctl), e)
 
     def _shape(self, rank: int, msg: Record, buffers: Any) -> None:
         """Emulated DCN link: queue the piece to be handed to TCP when the link
@@ -302,14 +312,16 @@ class Worker:
                     self.ep.send(self.data, m.Error("protocol", str(e)), to=e.ident,
                                  parent=e.header.msg_id if e.header else 0)
                 continue
-            try:
-                if router:
-                    self._handle_data(ident, header.msg_id, msg, buffers)
-                else:
-                    self.last_controller = time.monotonic()
-                    self._handle_ctl(msg, buffers)
-            except Exception:
-                log.exception("error handling %s", type(msg).__name__)
+            if not router:
+                self.last_controller = time.monotonic()
+            for header, msg, buffers in unbatched(header, msg, buffers):
+                try:
+                    if router:
+                        self._handle_data(ident, header.msg_id, msg, buffers)
+                    else:
+                        self._handle_ctl(msg, buffers)
+                except Exception:
+                    log.exception("error handling %s", type(msg).__name__)
             if not sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
                 return
 
