@@ -226,3 +226,40 @@ def test_bad_inputs_to_the_tenant_scheduler():
     with pytest.raises(KeyError, match="unknown client"):
         s.add(Ready(7, 0, (0,), "p", None))
     assert dataclasses.is_dataclass(Ready)
+
+
+def test_what_one_received_message_makes_the_controller_send_goes_out_as_one_batch_per_peer(make_rig):
+    rig = make_rig(hosts=((0, 2),))
+    del rig.c.send                        # the real send, with the socket calls recorded
+    sent: list[tuple[bytes, list[m.Record]]] = []
+    rig.c.ep.send_batch = lambda sock, msgs, to=None, block=True: sent.append((to, [x for x, _, _ in msgs]))
+    rig.c.ep.send = lambda sock, msg, to=None, parent=0, buffers=(), msg_id=0, block=True: \
+        sent.append((to, [msg, len(buffers)]))
+    a, _ = rig.client("a")
+    sent.clear()
+    rig.c.tenants._cost[(rig.programs["f"][0], (0,))] = 1e-6      # the window takes them all
+    calls, prev = [], None
+    for _ in range(40):
+        call, prev = rig.call(a, 0, prev)
+        calls.append(call)
+    rig.c._out = {}
+    rig.c._handle_safely(a, Header(1, 0, 1, 0, "x"), m.Program(1, "chain", "parallel", calls, []), [])
+    # only the program itself (it has a buffer) went at once; the rest is held
+    assert [(to, type(x[0])) for to, x in sent] == [(b"w0", m.RegisterProgram)]
+    rig.c._flush_out()
+    assert len(sent) == 2 and sent[1][0] == b"w0"
+    execs = [x for x in sent[1][1] if isinstance(x, m.Execute)]
+    assert len(execs) == 40 and [x.seq for x in execs] == sorted(x.seq for x in execs)
+
+    # a message with buffers goes at once, after what was held for that peer
+    sent.clear()
+    rig.c._out = {}
+    rig.c.send(b"w0", m.Ping(1))
+    rig.c.send(a, m.Ping(2))
+    rig.c.send(b"w0", m.Ping(3), buffers=[b"x"])
+    assert sent == [(b"w0", [m.Ping(1)]), (b"w0", [m.Ping(3), 1])]
+    rig.c._flush_out()
+    assert sent[2:] == [(a, [m.Ping(2)])] and rig.c._out is None
+    # outside the handling of a message nothing is held
+    rig.c.send(a, m.Ping(4))
+    assert sent[3] == (a, [m.Ping(4), 0])
