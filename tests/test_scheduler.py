@@ -292,3 +292,28 @@ def test_an_idle_client_catches_up_only_with_its_own_devices():
     s.add(Ready(1, 0, (0,), "p", None))
     s.add(Ready(2, 0, (0,), "p", None))       # client 2 now also waits for device 0
     assert s.pick(0).devices == (1,)          # its device-1 head goes first (nothing else wants it)
+
+
+def test_devices_are_low_once_down_to_half_their_window():
+    s = TenantScheduler("share", window_s=0.0105, min_window=2, default_cost_s=0.001)
+    s.add_client(1, 1)
+    for k in range(30):
+        s.add(Ready(1, 0, (0,), "p", k))
+    tickets = []
+    while (r := s.pick(0)) is not None:
+        tickets.append(len(tickets) + 1)
+        s.sent(tickets[-1], r)
+    assert len(tickets) == 10 and not s.low((0,))      # a full window: 10 x 1 ms
+    lows = []
+    for t in tickets[:6]:
+        s.finished(t)
+        lows.append(s.low((0,)))
+    # 9, 8, 7, 6 ms left: not low; 5 ms (below half the window) and less: low
+    assert lows == [False, False, False, False, True, True]
+    assert s.low((1,))                                  # an idle device is always low
+    # the whole half window is then sent in one go
+    sent = 0
+    while (r := s.pick(0)) is not None:
+        s.sent(100 + sent, r)
+        sent += 1
+    assert sent == 6 and not s.low((0,))

@@ -198,6 +198,15 @@ class TenantScheduler:
                 del self._queues[island]
         return ready
 
+    def low(self, devices: Any) -> bool:
+        """Whether any of these devices is down to half its window (or below
+        the minimum count). The controller tops devices up only then, so what
+        waits goes in groups (one message per host) rather than one
+        computation per finished one, while devices keep half a window of work."""
+        half = self.window_s / 2
+        count, load = self._count, self._load
+        return any(count[d] < self.min_window or load[d] <= half for d in devices)
+
     def _fits(self, ready: Ready) -> bool:
         est = self._cost.get(ready.cost_key, self.default_cost_s)
         return all(self._count[d] < self.min_window or self._load[d] + est <= self.window_s

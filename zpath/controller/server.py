@@ -690,12 +690,13 @@ class Controller:
         self._trigger(("sent", held.exec_id))
         self._trigger(held.exec_id)
 
-    def _exec_finished(self, exec_id: int) -> None:
+    def _exec_finished(self, exec_id: int, devices: Any = None) -> None:
         """Every host finished a computation: send the held nodes waiting on it,
-        and what the multi-tenant scheduler now has room for."""
+        and what the multi-tenant scheduler now has room for (once one of its
+        ``devices`` is down to half a window, when they are given)."""
         self._trigger(exec_id)
         done = self.tenants.finished(exec_id)
-        if done is not None:
+        if done is not None and (devices is None or self.tenants.low(devices)):
             self._pump(done[0])
 
     def _trigger(self, key: Any) -> None:
@@ -867,7 +868,7 @@ class Controller:
         info.hosts.discard(host)
         if not info.hosts:
             del self.in_flight[msg.exec_id]
-            self._exec_finished(msg.exec_id)
+            self._exec_finished(msg.exec_id, info.devices)
 
     def _device_info(self, d: int) -> m.DeviceInfo:
         dev = self.rm.devices[d]
