@@ -261,14 +261,15 @@ class Controller:
             except BadMessage as e:
                 self._bad(e)
                 continue
-            # what handling this message (or batch) sends goes out coalesced:
-            # one Batch per peer (see send)
-            self._out = {}
-            try:
-                for header, msg, buffers in unbatched(header, msg, buffers):
+            # what handling one message sends goes out coalesced, one Batch per
+            # peer (see send); for a batch, after each of its messages, so the
+            # first call of a burst is not held back by the planning of the rest
+            for header, msg, buffers in unbatched(header, msg, buffers):
+                self._out = {}
+                try:
                     self._handle_safely(ident, header, msg, buffers)
-            finally:
-                self._flush_out()
+                finally:
+                    self._flush_out()
             if not self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
                 return
 
