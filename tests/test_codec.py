@@ -477,7 +477,8 @@ def test_random_input_raises_only_protocol_error():
         else:
             if header.type_id == codec.BATCH_TYPE:
                 assert type(msg) is codec.Batched
-                msgs = [x for _, x in msg.messages]
+                msgs = [x for _, x in msg.messages if not isinstance(x, ProtocolError)]
+                assert all(isinstance(x, (ProtocolError, codec.Record)) for _, x in msg.messages)
                 assert _batched(codec.decode(KEY, enc(m.Batch(
                     [(x.TYPE, 1, 0, codec.pack_body(x)) for x in msgs])))[1]) == msgs
             else:
@@ -970,23 +971,36 @@ def test_batch_round_trips_every_message_type_with_its_own_header():
         assert h == codec.Header(codec.PROTOCOL_VERSION, want.TYPE, i, p, "controller")
 
 
-def test_batch_refuses_what_a_message_alone_would_be_refused_for():
+def test_a_bad_item_of_a_batch_is_refused_alone_with_what_a_lone_message_gets():
     good = codec.pack_body(m.Ping(1))
     cases = {
-        "nested batch": [(m.Batch.TYPE, 1, 0, codec.pack_body(m.Batch([])))],
-        "unknown message type": [(9999, 1, 0, good)],
-        "is not msgpack": [(m.Ping.TYPE, 1, 0, b"\xc1")],
-        "Batch.items[1].Ping.seq: expected int": [(m.Ping.TYPE, 1, 0, good),
-                                                   (m.Ping.TYPE, 2, 0, msgpack.packb(["x"]))],
+        "nested batch": (m.Batch.TYPE, codec.pack_body(m.Batch([]))),
+        "unknown message type": (9999, good),
+        "is not msgpack": (m.Ping.TYPE, b"\xc1"),
+        "Batch.items[1].Ping.seq: expected int": (m.Ping.TYPE, msgpack.packb(["x"])),
     }
-    for text, items in cases.items():
-        with pytest.raises(ProtocolError, match=re.escape(text)):
-            codec.decode(KEY, enc(m.Batch(items)))
-    # the item list itself is checked like any record field
+    for text, (tid, bad) in cases.items():
+        items = [(m.Ping.TYPE, 1, 0, good), (tid, 2, 5, bad), (m.Ping.TYPE, 3, 0, codec.pack_body(m.Ping(3)))]
+        header, out, _ = codec.decode(KEY, enc(m.Batch(items)))
+        assert type(out) is codec.Batched and len(out.messages) == 3
+        (h1, a), (h2, bad_item), (h3, c) = out.messages
+        assert a == m.Ping(1) and c == m.Ping(3)          # the good ones still come
+        assert type(bad_item) is ProtocolError and text in str(bad_item)
+        assert (h2.msg_id, h2.parent, h2.type_id) == (2, 5, tid)   # answerable: its own ids
+
+
+def test_a_batch_itself_is_checked_like_any_message():
+    good = codec.pack_body(m.Ping(1))
+    # the item list is checked like any record field
     with pytest.raises(ProtocolError, match="Batch.items"):
         codec.decode(KEY, signed(hdr(1, m.Batch.TYPE, 1, 0, "x"), body([[[1, 2, 3]]])))
-    # and a batch carries no buffers
+    # a batch carries no buffers
     with pytest.raises(ProtocolError, match="no buffers"):
         codec.decode(KEY, enc(m.Batch([(m.Ping.TYPE, 1, 0, good)]), buffers=[b"x"]))
+    # and is signed as a whole
+    frames = enc(m.Batch([(m.Ping.TYPE, 1, 0, good)]))
+    frames[2] = frames[2][:-1] + b"\x02"
+    with pytest.raises(ProtocolError, match="bad signature"):
+        codec.decode(KEY, frames)
     # an empty batch is harmless
     assert _batched(codec.decode(KEY, enc(m.Batch([])))[1]) == []

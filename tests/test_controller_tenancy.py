@@ -232,7 +232,7 @@ def test_what_one_received_message_makes_the_controller_send_goes_out_as_one_bat
     rig = make_rig(hosts=((0, 2),))
     del rig.c.send                        # the real send, with the socket calls recorded
     sent: list[tuple[bytes, list[m.Record]]] = []
-    rig.c.ep.send_batch = lambda sock, msgs, to=None, block=True: sent.append((to, [x for x, _, _ in msgs]))
+    rig.c.ep.send_batch = lambda sock, msgs, to=None, block=True: sent.append((to, [e[0] for e in msgs])) or []
     rig.c.ep.send = lambda sock, msg, to=None, parent=0, buffers=(), msg_id=0, block=True: \
         sent.append((to, [msg, len(buffers)]))
     a, _ = rig.client("a")
@@ -263,3 +263,46 @@ def test_what_one_received_message_makes_the_controller_send_goes_out_as_one_bat
     # outside the handling of a message nothing is held
     rig.c.send(a, m.Ping(4))
     assert sent[3] == (a, [m.Ping(4), 0])
+    # a message that cannot be encoded fails where it is sent, as it would
+    # unbatched; what was held with it still goes
+    rig.c._out = {}
+    rig.c.send(a, m.Ping(5))
+    with pytest.raises(UnicodeEncodeError):
+        rig.c.send(a, m.Error("x", "\udcff"))
+    rig.c._flush_out()
+    assert sent[4:] == [(a, [m.Ping(5)])]
+
+
+def test_a_batch_through_the_controller_socket_each_item_handled_and_a_bad_one_answered(make_rig):
+    import zmq
+
+    from zpath.net import codec
+    from zpath.net.transport import Endpoint, unbatched
+
+    rig = make_rig()
+    del rig.c.send                           # the real send, over the socket
+    ctx = zmq.Context()
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.connect(rig.c.address)
+    try:
+        ep = Endpoint(b"k" * 32, "client:t")
+        hello = codec.pack_body(m.Hello("t", PROTOCOL_VERSION, 1.0))
+        items = [(m.Hello.TYPE, 11, 0, hello),
+                 (m.StatusRequest.TYPE, 12, 0, b"\xc1"),               # does not decode
+                 (m.StatusRequest.TYPE, 13, 0, codec.pack_body(m.StatusRequest(False)))]
+        ep.send(dealer, m.Batch(items))
+        replies = []
+        deadline = 50
+        while len(replies) < 3 and deadline:
+            rig.c._recv_all()
+            while dealer.poll(20):
+                _, header, got, buffers = ep.recv(dealer)
+                replies += [(h.parent, r) for h, r, _ in unbatched(header, got, buffers)]
+            deadline -= 1
+        by_parent = {p: type(r) for p, r in replies}
+        assert by_parent == {11: m.Welcome, 12: m.Error, 13: m.Status}, replies
+        assert [r for p, r in replies if p == 12][0].code == "protocol"
+    finally:
+        dealer.close()
+        ctx.term()

@@ -250,3 +250,47 @@ def test_send_batch_splits_at_the_body_limit(pair, monkeypatch):
         got += [x for _, x, _ in parts]
     assert got == msgs
     assert len(sizes) >= 2 and max(sizes) > 1 and sum(sizes) == 9
+
+
+def test_send_batch_leaves_out_only_what_cannot_be_encoded(pair):
+    from zpath.net import messages as m
+
+    router, dealer = pair
+    a, b = transport.Endpoint(KEY, "controller"), transport.Endpoint(KEY, "worker:a")
+    bad = m.Error("x", "\udcff")            # a lone surrogate: msgpack cannot encode it
+    msgs = [m.Ping(1), bad, m.Ping(2)]
+    failed = a.send_batch(router, [(x, 0, 0) for x in msgs], to=b"d1")
+    assert [(f[0], type(f[2])) for f in failed] == [(bad, UnicodeEncodeError)]
+    _poll(dealer)
+    _, header, out, buffers = b.recv(dealer)
+    assert [x for _, x, _ in transport.unbatched(header, out, buffers)] == [m.Ping(1), m.Ping(2)]
+    # alone, too: reported, not raised
+    failed = a.send_batch(router, [(bad, 0, 7)], to=b"d1")
+    assert [(f[0], f[1]) for f in failed] == [(bad, 7)]
+    assert not dealer.poll(50)
+
+
+def test_client_fails_the_futures_of_every_call_it_could_not_send():
+    from zpath.client import Client
+    from zpath.errors import Broken
+    from zpath.net import messages as m
+
+    class Fut:
+        def __init__(self):
+            self.error = None
+
+        def _fail(self, err):
+            self.error = err
+
+    c = Client.__new__(Client)               # only the bookkeeping _failed uses
+    c._pending, c._fetches = {}, {}
+    futs = {b: Fut() for b in (1, 2, 3)}
+    c._futures = futs
+    av = m.Aval([1], "float32")
+
+    def call(out):
+        return m.Call(1, "p", [1], ["i"], [0], [], [m.CallOutput(out, av, [None])])
+
+    c._failed(m.Program(1, "p", "parallel", [call(1), call(2)], []), 0, RuntimeError("down"))
+    c._failed(call(3), 0, RuntimeError("down"))
+    assert all(isinstance(f.error, Broken) for f in futs.values())

@@ -95,11 +95,15 @@ class Client:
                 raise DeadlineExceeded(f"no answer from a zpath controller at {self.address} "
                                        f"within {timeout:.0f}s (is it running, and is the key right?)")
             try:
-                _, header, reply, _ = self.ep.recv(self.ctl)
+                _, header, got, buffers = self.ep.recv(self.ctl)
             except BadMessage as e:
                 raise ProtocolError(f"controller at {self.address}: {e}") from None
-            if header.parent != msg_id:
+            answers = [(h, r) for h, r, _ in unbatched(header, got, buffers) if h.parent == msg_id]
+            if not answers:
                 continue
+            header, reply = answers[0]
+            if isinstance(reply, ProtocolError):
+                raise ProtocolError(f"controller at {self.address}: {reply}")
             if isinstance(reply, m.Error):
                 raise ProtocolError(f"controller refused connection: {reply.message}")
             if not isinstance(reply, m.Welcome):
@@ -271,11 +275,13 @@ class Client:
         if not msgs:
             return
         try:
-            self.ep.send_batch(self.ctl, msgs)
-        except Exception as e:
+            failed = self.ep.send_batch(self.ctl, msgs)
+        except Exception as e:    # the socket: what went before may have gone, but nothing is known
             log.error("cannot send %d messages to the controller: %s", len(msgs), e)
-            for msg, _, msg_id in msgs:
-                self._failed(msg, msg_id, e)
+            failed = [(msg, msg_id, e) for msg, _, msg_id in msgs]
+        for msg, msg_id, e in failed:
+            log.error("cannot send %s: %s", type(msg).__name__, e)
+            self._failed(msg, msg_id, e)
 
     def _send(self, sock: zmq.Socket, msg: Record, buffers: Any, msg_id: int) -> None:
         """Send one message; if it cannot be sent, fail whatever waits on it
@@ -295,8 +301,9 @@ class Client:
         if fetch is not None:
             self._forget(fetch)
             fetch.future._fetched(fetch, None, err)
-        if isinstance(msg, m.Call):
-            for o in msg.outputs:
+        calls = [msg] if isinstance(msg, m.Call) else msg.calls if isinstance(msg, m.Program) else []
+        for call in calls:
+            for o in call.outputs:
                 fut = self._futures.get(o.buffer)
                 if fut is not None:
                     fut._fail(err)
@@ -309,6 +316,9 @@ class Client:
                 log.warning("dropped a bad message: %s", e)
                 continue
             for header, msg, buffers in unbatched(header, msg, buffers):
+                if isinstance(msg, ProtocolError):
+                    log.warning("dropped a bad message: %s", msg)
+                    continue
                 try:
                     self._handle(header.parent, msg, buffers)
                 except Exception:

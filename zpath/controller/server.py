@@ -20,7 +20,8 @@ from zpath import sharding
 from zpath.controller.directory import Directory, Plan, PlanError
 from zpath.controller.resources import ResourceManager
 from zpath.controller.scheduler import POLICIES, GangScheduler, Ready, TenantScheduler
-from zpath.errors import ResourceError
+from zpath.errors import ProtocolError, ResourceError
+from zpath.net import codec
 from zpath.net import messages as m
 from zpath.net.codec import PROTOCOL_VERSION, Header, Record
 from zpath.net.transport import BadMessage, Endpoint, make_context, unbatched
@@ -158,8 +159,9 @@ class Controller:
         self.device_held: dict[int, int] = {}               # device -> bytes its worker holds (Pong)
         self.calls = 0
         self.running = True
-        # messages held while one received message is handled (see send)
-        self._out: dict[bytes, list[tuple[Record, int, int]]] | None = None
+        # messages held while one received message is handled (see send):
+        # (message, parent, 0, body) per peer
+        self._out: dict[bytes, list[tuple]] | None = None
 
     # ---- sending -------------------------------------------------------------
     def send(self, ident: bytes, msg: Record, parent: int = 0, buffers: Any = ()) -> None:
@@ -173,11 +175,13 @@ class Controller:
         out = self._out
         if out is not None:
             if not buffers:
+                # encoded now, so a message that cannot be fails here, alone
+                item = (msg, parent, 0, codec.pack_body(msg))
                 pending = out.get(ident)
                 if pending is None:
-                    out[ident] = [(msg, parent, 0)]
+                    out[ident] = [item]
                 else:
-                    pending.append((msg, parent, 0))
+                    pending.append(item)
                 return
             pending = out.pop(ident, None)      # keep this peer's order
             if pending:
@@ -189,9 +193,10 @@ class Controller:
         except zmq.ZMQError as e:
             log.warning("cannot send %s to %r: %s", type(msg).__name__, ident, e)
 
-    def _send_now(self, ident: bytes, msgs: list[tuple[Record, int, int]]) -> None:
+    def _send_now(self, ident: bytes, msgs: list[tuple]) -> None:
         try:
-            self.ep.send_batch(self.sock, msgs, to=ident, block=False)
+            for msg, _, e in self.ep.send_batch(self.sock, msgs, to=ident, block=False):
+                log.error("cannot send %s to %r: %s", type(msg).__name__, ident, e)
         except zmq.Again:
             self._dropped(ident, ", ".join(sorted({type(x[0]).__name__ for x in msgs})))
         except zmq.ZMQError as e:
@@ -251,7 +256,7 @@ class Controller:
     def _recv_all(self, budget: int = 1000) -> None:
         """Handle waiting messages, at most ``budget`` of them, so the loop gets
         back to its timers (pings) even under a flood."""
-        for _ in range(budget):
+        while budget > 0:
             if not self.running:
                 return
             try:
@@ -260,16 +265,26 @@ class Controller:
                 return
             except BadMessage as e:
                 self._bad(e)
+                budget -= 1
                 continue
-            # what handling one message sends goes out coalesced, one Batch per
-            # peer (see send); for a batch, after each of its messages, so the
-            # first call of a burst is not held back by the planning of the rest
-            for header, msg, buffers in unbatched(header, msg, buffers):
-                self._out = {}
-                try:
+            # What handling a message sends goes out coalesced, one Batch per
+            # peer (see send): for a batch, when it is done, except after a
+            # Call or Program, whose work is sent before the next is planned
+            # (the first call of a burst is not held back by the rest).
+            msgs = unbatched(header, msg, buffers)
+            budget -= len(msgs)
+            self._out = {}
+            try:
+                for header, msg, buffers in msgs:
+                    if isinstance(msg, ProtocolError):      # one bad item of a batch
+                        self._bad(BadMessage(str(msg), ident, header))
+                        continue
                     self._handle_safely(ident, header, msg, buffers)
-                finally:
-                    self._flush_out()
+                    if type(msg) is m.Call or type(msg) is m.Program:
+                        self._flush_out()
+                        self._out = {}
+            finally:
+                self._flush_out()
             if not self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
                 return
 

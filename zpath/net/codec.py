@@ -606,7 +606,9 @@ def pack_body(msg: Record) -> bytes:
 
 
 class Batched:
-    """What :func:`decode` returns for a Batch: its messages, checked, in order."""
+    """What :func:`decode` returns for a Batch: its messages, checked, in order,
+    as (header, message); an item that did not decode has a ProtocolError in
+    place of its message."""
 
     __slots__ = ("messages",)
 
@@ -615,22 +617,31 @@ class Batched:
 
 
 def _unbatch(header: "Header", items: list) -> Batched:
-    out = []
+    """Each item checked as if it came alone; one that does not decode becomes
+    a ProtocolError in its place (the others are still good)."""
+    out: list[tuple[Header, Any]] = []
     for i, (type_id, msg_id, parent, body_b) in enumerate(items):
-        cls = _REGISTRY.get(type_id)
-        if cls is None or type_id == BATCH_TYPE:
-            raise ProtocolError(f"Batch.items[{i}]: {'nested batch' if cls else 'unknown message type'} "
-                                f"{type_id}")
         try:
-            body = _unpackb(body_b, raw=False, strict_map_key=False)
-        except Exception as e:
-            raise ProtocolError(f"Batch.items[{i}]: body of {cls.__name__} is not msgpack: {e}") from None
-        try:
-            msg = cls._decode(body)
-        except Exception:
-            msg = cls.from_wire(body, f"Batch.items[{i}].{cls.__name__}")
-        out.append((_header(header.version, type_id, msg_id, parent, header.sender), msg))
+            out.append((_header(header.version, type_id, msg_id, parent, header.sender),
+                        _unbatch_item(i, type_id, body_b)))
+        except ProtocolError as e:
+            out.append((_header(header.version, type_id, msg_id, parent, header.sender), e))
     return Batched(out)
+
+
+def _unbatch_item(i: int, type_id: int, body_b: bytes) -> Record:
+    cls = _REGISTRY.get(type_id)
+    if cls is None or type_id == BATCH_TYPE:
+        raise ProtocolError(f"Batch.items[{i}]: {'nested batch' if cls else 'unknown message type'} "
+                            f"{type_id}")
+    try:
+        body = _unpackb(body_b, raw=False, strict_map_key=False)
+    except Exception as e:
+        raise ProtocolError(f"Batch.items[{i}]: body of {cls.__name__} is not msgpack: {e}") from None
+    try:
+        return cls._decode(body)
+    except Exception:
+        return cls.from_wire(body, f"Batch.items[{i}].{cls.__name__}")
 
 
 def decode_header(frames: Sequence[Any]) -> Header | None:

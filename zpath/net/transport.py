@@ -95,17 +95,26 @@ class Endpoint:
                 send(sock, frame, more if i < last else flags, copy=False)
         return msg_id
 
-    def send_batch(self, sock: zmq.Socket, msgs: Sequence[tuple[Record, int, int]], *,
-                   to: bytes | None = None, block: bool = True) -> None:
+    def send_batch(self, sock: zmq.Socket, msgs: Sequence[tuple], *,
+                   to: bytes | None = None, block: bool = True) -> list[tuple[Record, int, Exception]]:
         """Send messages without buffers, given as (message, parent, msg_id or
-        0), in order: one as itself, more as Batches (one signature, one
-        ZeroMQ message, one wake-up of the receiver for all of them)."""
+        0[, its body from codec.pack_body]), in order: one as itself, more as
+        Batches (one signature, one ZeroMQ message, one wake-up of the receiver
+        for all of them). A message that cannot be encoded is left out, the
+        others still go; returns those left out as (message, msg_id, error).
+        Errors of the socket itself are raised."""
         if len(msgs) == 1:
-            msg, parent, msg_id = msgs[0]
-            self.send(sock, msg, to=to, parent=parent, msg_id=msg_id, block=block)
-            return
+            msg, parent, msg_id = msgs[0][:3]
+            try:
+                self.send(sock, msg, to=to, parent=parent, msg_id=msg_id, block=block)
+            except (zmq.ZMQError, OSError):
+                raise
+            except Exception as e:
+                return [(msg, msg_id, e)]
+            return []
         from zpath.net.messages import Batch     # messages imports this module's codec only
 
+        failed: list[tuple[Record, int, Exception]] = []
         items: list[tuple[int, int, int, bytes]] = []
         first: tuple[Record, int] | None = None     # the batch's first message and parent
         size = 0
@@ -116,16 +125,23 @@ class Endpoint:
             elif items:
                 self.send(sock, Batch(items), to=to, block=block)
 
-        for msg, parent, msg_id in msgs:
-            body = codec.pack_body(msg)
+        for entry in msgs:
+            msg, parent, msg_id = entry[:3]
+            msg_id = msg_id or self.next_id()
+            try:
+                body = entry[3] if len(entry) > 3 else codec.pack_body(msg)
+            except Exception as e:       # this one only: the others still go
+                failed.append((msg, msg_id, e))
+                continue
             if items and size + len(body) > BATCH_BODY_BYTES:
                 flush()
                 items, size = [], 0
             if not items:
                 first = (msg, parent)
-            items.append((msg.TYPE, msg_id or self.next_id(), parent, body))
+            items.append((msg.TYPE, msg_id, parent, body))
             size += len(body)
         flush()
+        return failed
 
     def recv(self, sock: zmq.Socket, *, router: bool = False, block: bool = True
              ) -> tuple[bytes | None, Header, Any, list[memoryview]]:
@@ -152,8 +168,10 @@ class Endpoint:
         return ident, header, msg, buffers
 
 
-def unbatched(header: Header, msg: Any, buffers: list) -> Sequence[tuple[Header, Record, list]]:
-    """The (header, message, buffers) a receive gave: itself, or each of a batch's."""
+def unbatched(header: Header, msg: Any, buffers: list) -> Sequence[tuple[Header, Any, list]]:
+    """The (header, message, buffers) a receive gave: itself, or each of a
+    batch's. A batch's item that did not decode comes as a ProtocolError in
+    place of its message (with its own header, so it can be answered)."""
     if type(msg) is codec.Batched:
         return [(h, sub, []) for h, sub in msg.messages]
     return ((header, msg, buffers),)

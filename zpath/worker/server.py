@@ -24,7 +24,7 @@ import numpy as np
 import zmq
 
 from zpath import sharding
-from zpath.errors import ZpathError
+from zpath.errors import ProtocolError, ZpathError
 from zpath.net import channels
 from zpath.net import messages as m
 from zpath.net.codec import PROTOCOL_VERSION, Record
@@ -125,7 +125,10 @@ class Worker:
         while time.monotonic() < deadline and self.running:
             self.ep.send(self.ctl, msg)
             if self.ctl.poll(int(min(2.0, 0.5 + backoff(attempt)) * 1000)):
-                _, header, reply, _ = self.ep.recv(self.ctl)
+                _, header, got, buffers = self.ep.recv(self.ctl)
+                replies = [r for _, r, _ in unbatched(header, got, buffers)
+                           if isinstance(r, (m.Registered, m.Error))]
+                reply = replies[0] if replies else None
                 match reply:
                     case m.Registered():
                         self.rank = reply.rank
@@ -220,7 +223,8 @@ class Worker:
                 log.error("cannot send %s: %s", type(msg).__name__, e)
         if to_ctl:
             try:
-                self.ep.send_batch(self.ctl, to_ctl, block=False)
+                for msg, _, e in self.ep.send_batch(self.ctl, to_ctl, block=False):
+                    log.error("cannot send %s: %s", type(msg).__name__, e)
             except zmq.Again:
                 log.error("the controller is not reading (queue full): dropped %d messages", len(to_ctl))
             except Exception as e:
@@ -301,7 +305,8 @@ class Worker:
                 return
 
     def _drain(self, sock: zmq.Socket, router: bool) -> None:
-        for _ in range(1000):
+        budget = 1000                # messages (a batch's count each), then back to the loop
+        while budget > 0:
             try:
                 ident, header, msg, buffers = self.ep.recv(sock, router=router, block=False)
             except zmq.Again:
@@ -311,10 +316,18 @@ class Worker:
                 if router and e.ident is not None:
                     self.ep.send(self.data, m.Error("protocol", str(e)), to=e.ident,
                                  parent=e.header.msg_id if e.header else 0)
+                budget -= 1
                 continue
             if not router:
                 self.last_controller = time.monotonic()
-            for header, msg, buffers in unbatched(header, msg, buffers):
+            msgs = unbatched(header, msg, buffers)
+            budget -= len(msgs)
+            for header, msg, buffers in msgs:
+                if isinstance(msg, ProtocolError):       # one bad item of a batch
+                    log.warning("rejected message on %s socket: %s", "data" if router else "control", msg)
+                    if router:
+                        self.ep.send(self.data, m.Error("protocol", str(msg)), to=ident, parent=header.msg_id)
+                    continue
                 try:
                     if router:
                         self._handle_data(ident, header.msg_id, msg, buffers)
