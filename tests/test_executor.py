@@ -187,3 +187,17 @@ def test_store_wait_set_and_callbacks():
     store.when_done(key, lambda e: seen.append(e.value))   # already done: called now
     assert seen == ["v", "v"]
     assert store.free_buffers([1]) == 1 and not store.entry(key).done
+
+
+def test_error_reports_survive_text_that_utf8_cannot_carry():
+    from zpath.net import codec
+    from zpath.net import messages as m
+    from zpath.worker.executor import _text
+
+    name = b"/data/caf\xe9.npy".decode("utf-8", "surrogateescape")   # a lone surrogate
+    with pytest.raises(UnicodeEncodeError):
+        codec.pack_body(m.ErrorInfo("RemoteError", name, 0, "f", ""))
+    err = m.ErrorInfo("RemoteError", _text(f"FileNotFoundError: {name}"), 0, "f", _text(name))
+    done = m.ExecDone(1, err, 0.0, 1.0)
+    assert codec.decode(b"k" * 32, codec.encode(b"k" * 32, done, msg_id=1, sender="w"))[1] == done
+    assert "\\udce9" in err.message and _text("plain é") == "plain é"

@@ -160,8 +160,10 @@ class Executor:
         except InputError as e:
             error = e.error
         except Exception as e:
-            error = m.ErrorInfo("RemoteError", f"{type(e).__name__}: {e}", self.rank, ex.name,
-                                traceback.format_exc())
+            # as UTF-8 can carry it (an exception's text may hold lone surrogates,
+            # e.g. a file name; the report must not fail to encode and be lost)
+            error = m.ErrorInfo("RemoteError", _text(f"{type(e).__name__}: {e}"), self.rank, ex.name,
+                                _text(traceback.format_exc()))
             log.warning("computation %d (%s) failed: %s", ex.exec_id, ex.name, error.message)
         if error is not None:
             for o in ex.outputs:
@@ -408,6 +410,15 @@ class _Prepared:
     def _empty(self, shape: tuple, dtype: Any, gid: int) -> Any:
         ex = self.executor
         return ex.jax.device_put(np.empty(shape, dtype), ex.devices[gid])
+
+
+def _text(s: str) -> str:
+    """``s`` with anything UTF-8 cannot encode (lone surrogates) escaped."""
+    try:
+        s.encode("utf-8")
+        return s
+    except UnicodeEncodeError:
+        return s.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def _array_impl() -> Any:
