@@ -5,15 +5,16 @@
   carries only a descriptor (``ShmPiece``). Segments are pooled per peer: the
   receiver copies the bytes out and answers ``ShmAck``, and the sender reuses
   the segment (fresh tmpfs pages cost a page fault each; reused ones do not).
-  A piece's bytes are copied twice: by the sender from its device buffer's
-  host view into the segment (one ``np.copyto``, strided or not), and by the
-  receiver out of the segment into a 64-byte-aligned array, which XLA:CPU then
-  adopts as the device buffer without a copy (``jax.device_put`` aliases an
-  aligned numpy array, ``may_alias=False`` or not). The receiver must copy:
-  ``device_put`` of a view on the segment would alias the segment itself,
-  which the sender reuses as soon as it is acknowledged. Receive arrays are
-  pooled too (:class:`RecvBuffers`): one is reused only once nothing refers
-  to it any more, XLA's device buffer included.
+  A piece's bytes are copied once: by the sender from its device buffer's
+  host view into the segment (one ``np.copyto``, strided or not). A piece of
+  at least :data:`ZERO_COPY_RECV` bytes is then lent to the receiver as it
+  lies in the segment (:meth:`ShmReceiver.view`): XLA:CPU adopts the
+  64-byte-aligned array as the device buffer without a copy (``jax.device_put``
+  aliases an aligned numpy array, ``may_alias=False`` or not), so the
+  receiver acknowledges the segment only once nothing refers to the array any
+  more, XLA's device buffer included, and the sender reuses it after that. A
+  smaller piece is copied out into a 64-byte-aligned array from a pool
+  (:class:`RecvBuffers`, reused on the same rule) and acknowledged at once.
   The receiver unlinks a segment's name the first time it maps it, so from then
   on the memory lives only as long as the two mappings; a name that is never
   taken is unlinked by its creator at exit, or by the launcher, which removes
@@ -37,6 +38,9 @@ from typing import Any
 import numpy as np
 
 SHM_DIR = os.environ.get("ZPATH_SHM_DIR", "/dev/shm")
+# pieces at least this big are lent to the receiver in their segment (no copy
+# there); smaller ones are copied out and their segment is free again at once
+ZERO_COPY_RECV = 1 << 20
 # free segments a sender keeps per peer, and the bytes they may hold together
 POOL_SEGMENTS = 4
 POOL_BYTES = 1 << 30
@@ -298,29 +302,27 @@ class ShmSender:
 
 
 class ShmReceiver:
-    """Receiving side: maps segments (unlinking their names), copies pieces out."""
+    """Receiving side: maps segments (unlinking their names); takes pieces out
+    with a copy (:meth:`take`), or lends them without one (:meth:`view`)."""
 
     def __init__(self, buffers: RecvBuffers | None = None) -> None:
         self._maps: dict[str, mmap.mmap] = {}
         self.buffers = buffers if buffers is not None else recv_buffers
 
-    def take(self, name: str, offset: int, size: int, drop: list[str]) -> np.ndarray:
-        """A uint8 array with ``size`` bytes of segment ``name`` at ``offset``,
-        copied (the one copy on this side) into an aligned array from
-        ``buffers`` (:data:`recv_buffers` by default), which XLA can take over
-        as a device buffer. Once it returns, the segment may be released."""
+    def _map(self, name: str, offset: int, size: int, drop: list[str]) -> mmap.mmap:
         for d in drop:
             mm = self._maps.pop(d, None)
             if mm is not None:
-                _close(mm)
+                _close(mm)       # with a lent view alive, it goes when the view does
         if "/" in name or not name.startswith("zpath-"):
             raise ValueError(f"bad segment name {name!r}")
         mm = self._maps.get(name)
         if mm is None:
             path = os.path.join(SHM_DIR, name)
-            fd = os.open(path, os.O_RDONLY)
+            # read-write: a lent piece becomes a device buffer, which XLA may write
+            fd = os.open(path, os.O_RDWR)
             try:
-                mm = mmap.mmap(fd, 0, prot=mmap.PROT_READ)
+                mm = mmap.mmap(fd, 0)
             finally:
                 os.close(fd)
             try:
@@ -330,10 +332,37 @@ class ShmReceiver:
             self._maps[name] = mm
         if offset < 0 or size < 0 or offset + size > len(mm):
             raise ValueError(f"segment {name} has {len(mm)} bytes, not [{offset}, {offset + size})")
+        return mm
+
+    def take(self, name: str, offset: int, size: int, drop: list[str]) -> np.ndarray:
+        """A uint8 array with ``size`` bytes of segment ``name`` at ``offset``,
+        copied (the one copy on this side) into an aligned array from
+        ``buffers`` (:data:`recv_buffers` by default), which XLA can take over
+        as a device buffer. Once it returns, the segment may be released."""
+        mm = self._map(name, offset, size, drop)
         out = self.buffers.get(size)
         src = np.frombuffer(mm, np.uint8, count=size, offset=offset)
         np.copyto(out, src)
         del src
+        return out
+
+    def view(self, name: str, offset: int, size: int, drop: list[str],
+             on_free: Any) -> np.ndarray:
+        """The ``size`` bytes of segment ``name`` at ``offset`` as a uint8
+        array on the mapping itself: no copy on this side. ``offset`` must be
+        :data:`XLA_ALIGN`-aligned, so that XLA:CPU adopts the array (or a typed
+        view of it) as a device buffer, which then lives in the segment. The
+        segment must not be released until nothing refers to the array, XLA's
+        device buffers included: ``on_free()`` is called then (from whatever
+        thread drops the last reference, so it must only do what is safe
+        there, e.g. ``SimpleQueue.put`` or ``os.write``)."""
+        if offset % XLA_ALIGN:
+            raise ValueError(f"offset {offset} is not {XLA_ALIGN}-byte aligned")
+        mm = self._map(name, offset, size, drop)
+        # based on a memoryview, so every view of it, and every device buffer
+        # XLA makes of those, keeps this very array alive (see RecvBuffers)
+        out = np.frombuffer(memoryview(mm)[offset:offset + size], np.uint8)
+        weakref.finalize(out, on_free).atexit = False
         return out
 
     def close(self) -> None:

@@ -193,6 +193,7 @@ class Outbox:
         os.set_blocking(self._r, False)
         os.set_blocking(self._w, False)
         self._armed = threading.Event()
+        self._closed = False
 
     @property
     def fd(self) -> int:
@@ -206,6 +207,16 @@ class Outbox:
                 os.write(self._w, b"x")
             except BlockingIOError:
                 pass
+
+    def wake(self) -> None:
+        """Wake the I/O thread without an item (it then runs its loop once).
+        Takes no lock: safe in a finalizer or a signal handler."""
+        if self._closed:        # the fd number may belong to another file by now
+            return
+        try:
+            os.write(self._w, b"x")
+        except (BlockingIOError, OSError):
+            pass
 
     def drain(self) -> list[tuple]:
         # Order matters: empty the pipe, then disarm, then take the items. An
@@ -223,6 +234,7 @@ class Outbox:
         return out
 
     def close(self) -> None:
+        self._closed = True
         for fd in (self._r, self._w):
             try:
                 os.close(fd)

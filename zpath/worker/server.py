@@ -14,6 +14,7 @@ import faulthandler
 import heapq
 import logging
 import os
+import queue
 import signal
 import socket
 import threading
@@ -89,6 +90,9 @@ class Worker:
         self.use_shm = channels.shm_available() and os.environ.get("ZPATH_SHM", "1") != "0"
         self.shm_out = channels.ShmSender(channels.shm_prefix(key))
         self.shm_in = channels.ShmReceiver()
+        # (peer identity, segment) of pieces lent in their segment that nothing
+        # refers to any more; filled by finalizers, acknowledged by the I/O thread
+        self.freed_segments: queue.SimpleQueue[tuple[bytes, str]] = queue.SimpleQueue()
         self.stats = dict.fromkeys(m.ChannelStats.__dataclass_fields__, 0)
         # recent (piece id, wall time) of sends begun and pieces stored, for benchmarks
         self.sent_at: collections.deque = collections.deque(maxlen=256)
@@ -178,6 +182,8 @@ class Worker:
                 self._drain(self.dcn, router=True)
             if self.outbox.fd in events:
                 self._flush()
+            if not self.freed_segments.empty():
+                self._ack_freed()
             for s in self.peer_socks.values():
                 if s in events:
                     self._drain_peer(s)
@@ -369,6 +375,32 @@ class Worker:
             case _:
                 log.warning("unexpected %s from the controller", type(msg).__name__)
 
+    def _freed_callback(self, ident: bytes, segment: str) -> Any:
+        """For a piece lent in its segment: once nothing refers to it, queue the
+        segment's ShmAck and wake the I/O thread. It runs in whatever thread
+        drops the last reference (a finalizer), so it takes no lock."""
+        acks, wake = self.freed_segments, self.outbox.wake
+
+        def freed() -> None:
+            acks.put((ident, segment))
+            wake()
+        return freed
+
+    def _ack_freed(self) -> None:
+        """I/O thread: acknowledge the lent segments nothing refers to any more."""
+        by_peer: dict[bytes, list[str]] = {}
+        while True:
+            try:
+                ident, segment = self.freed_segments.get_nowait()
+            except queue.Empty:
+                break
+            by_peer.setdefault(ident, []).append(segment)
+        for ident, segments in by_peer.items():
+            try:
+                self.ep.send(self.data, m.ShmAck(segments), to=ident, block=False)
+            except zmq.ZMQError as e:
+                log.warning("cannot acknowledge %d shared-memory segments: %s", len(segments), e)
+
     def _send_piece(self, msg: m.SendPiece, e: Entry) -> None:
         self.sent_at.append([msg.piece_id, time.time()])
         dcn = msg.channel == "DCN"
@@ -443,14 +475,23 @@ class Worker:
                     self.store.set(key, arr)
             case m.ShmPiece():
                 key = ("p", msg.piece_id)
+                lend = msg.size >= channels.ZERO_COPY_RECV and msg.offset % channels.XLA_ALIGN == 0
                 try:
-                    raw = self.shm_in.take(msg.segment, msg.offset, msg.size, msg.drop)
+                    if lend:
+                        # no copy: the piece stays in the segment, acknowledged
+                        # once nothing here refers to it (see _ack_freed)
+                        raw = self.shm_in.view(msg.segment, msg.offset, msg.size, msg.drop,
+                                               self._freed_callback(ident, msg.segment))
+                    else:
+                        raw = self.shm_in.take(msg.segment, msg.offset, msg.size, msg.drop)
                 except (OSError, ValueError) as err:
+                    lend = False
                     self.store.set(key, error=m.ErrorInfo("RemoteError", f"bad ShmPiece: {err}",
                                                           self.rank, "", ""))
                     return
                 finally:
-                    self.post_data(ident, m.ShmAck([msg.segment]), parent=msg_id)
+                    if not lend:
+                        self.post_data(ident, m.ShmAck([msg.segment]), parent=msg_id)
                 try:
                     arr = _array(msg.aval, [raw])
                 except (ValueError, TypeError) as err:
