@@ -369,3 +369,48 @@ def test_dcn_curve():
 def test_bad_dcn_settings():
     with pytest.raises(ValueError):
         LocalCluster(islands=1, hosts_per_island=1, devices_per_host=1, dcn_gbps=-1)
+
+
+def test_a_sender_keeps_reusing_segments_while_one_is_lent_for_long(monkeypatch):
+    """A segment lent to the receiver (busy for as long as the input it holds
+    lives) does not count against the pool's limits on free segments."""
+    monkeypatch.setattr(channels, "POOL_BYTES", 4 << 20)
+    prefix = f"zpath-t{os.getpid()}"
+    snd = channels.ShmSender(prefix)
+    try:
+        held, _, _ = snd.write(1, np.zeros(4 << 20, np.uint8))     # lent, never released
+        names = set()
+        for i in range(5):
+            name, _, _ = snd.write(1, np.full(1 << 20, i, np.uint8))
+            names.add(name)
+            snd.release(name)
+        assert len(names) == 1 and held not in names               # one free segment, reused
+    finally:
+        snd.close()
+    assert channels.segments(prefix) == []
+
+
+def test_a_piece_that_comes_after_its_consumer_failed_is_not_kept():
+    import queue
+
+    import jax
+
+    from zpath.worker.executor import Executor
+    from zpath.worker.store import Store
+
+    store, done = Store(), queue.Queue()
+    dev = jax.devices()[0]
+    ex = Executor(store, {0: dev}, lambda i, err, s, e: done.put((i, err)))
+    try:
+        av = m.Aval([4], "float32")
+        piece = m.PieceSource(77, 1, [[0, 4]], [[0, 4]])
+        ex.submit(m.Execute(1, 1, "0" * 64, "f", [1], ["i"], [0], [dev.id],
+                            [m.ExecInput(5, av, [None], [m.ShardInput(0, [[0, 4]], [piece])])],
+                            [m.ExecOutput(6, av, [None])]))
+        i, err = done.get(timeout=30)
+        assert i == 1 and err is not None and "never sent" in err.message   # no such program
+        store.set(("p", 77), np.zeros(4, np.float32))      # the piece comes late
+        e = store.entry(("p", 77))
+        assert e.error is not None and e.value is None     # refused: nothing keeps it
+    finally:
+        ex.stop()

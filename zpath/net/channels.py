@@ -41,6 +41,8 @@ SHM_DIR = os.environ.get("ZPATH_SHM_DIR", "/dev/shm")
 # pieces at least this big are lent to the receiver in their segment (no copy
 # there); smaller ones are copied out and their segment is free again at once
 ZERO_COPY_RECV = 1 << 20
+# bytes of segments a receiver keeps lent at most; beyond, pieces are copied out
+LEND_MAX_BYTES = 1 << 30
 # free segments a sender keeps per peer, and the bytes they may hold together
 POOL_SEGMENTS = 4
 POOL_BYTES = 1 << 30
@@ -272,8 +274,10 @@ class ShmSender:
         recently used first, and tell the peer to unmap them too."""
         pool = self._pools[peer]
         while True:
+            # busy segments do not count: one lent to the receiver for long (an
+            # input it keeps) must not make every free one go
             free = [s for s in pool if not s.busy]
-            if len(free) <= POOL_SEGMENTS and sum(s.cap for s in pool) <= POOL_BYTES:
+            if len(free) <= POOL_SEGMENTS and sum(s.cap for s in free) <= POOL_BYTES:
                 return
             if not free:
                 return

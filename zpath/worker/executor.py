@@ -174,7 +174,10 @@ class Executor:
                     self.store.set(shard_key(inp.buffer, s.device, s.region), error=error)
                     for p in s.pieces:
                         if p.piece_id:
+                            # dropped if it came; refused if it comes later (an
+                            # error stays), so a late piece is not kept forever
                             self.store.pop(("p", p.piece_id))
+                            self.store.set(("p", p.piece_id), error=error)
         end = time.time()
         started: list[tuple[m.Execute, frozenset[int], int]] = []
         with self._lock:

@@ -92,7 +92,8 @@ class Worker:
         self.shm_in = channels.ShmReceiver()
         # (peer identity, segment) of pieces lent in their segment that nothing
         # refers to any more; filled by finalizers, acknowledged by the I/O thread
-        self.freed_segments: queue.SimpleQueue[tuple[bytes, str]] = queue.SimpleQueue()
+        self.freed_segments: queue.SimpleQueue[tuple[bytes, str, int]] = queue.SimpleQueue()
+        self.lent_bytes = 0       # of pieces lent now (I/O thread only)
         self.stats = dict.fromkeys(m.ChannelStats.__dataclass_fields__, 0)
         # recent (piece id, wall time) of sends begun and pieces stored, for benchmarks
         self.sent_at: collections.deque = collections.deque(maxlen=256)
@@ -375,14 +376,14 @@ class Worker:
             case _:
                 log.warning("unexpected %s from the controller", type(msg).__name__)
 
-    def _freed_callback(self, ident: bytes, segment: str) -> Any:
+    def _freed_callback(self, ident: bytes, segment: str, size: int) -> Any:
         """For a piece lent in its segment: once nothing refers to it, queue the
         segment's ShmAck and wake the I/O thread. It runs in whatever thread
         drops the last reference (a finalizer), so it takes no lock."""
         acks, wake = self.freed_segments, self.outbox.wake
 
         def freed() -> None:
-            acks.put((ident, segment))
+            acks.put((ident, segment, size))
             wake()
         return freed
 
@@ -391,9 +392,10 @@ class Worker:
         by_peer: dict[bytes, list[str]] = {}
         while True:
             try:
-                ident, segment = self.freed_segments.get_nowait()
+                ident, segment, size = self.freed_segments.get_nowait()
             except queue.Empty:
                 break
+            self.lent_bytes -= size
             by_peer.setdefault(ident, []).append(segment)
         for ident, segments in by_peer.items():
             try:
@@ -475,22 +477,24 @@ class Worker:
                     self.store.set(key, arr)
             case m.ShmPiece():
                 key = ("p", msg.piece_id)
-                lend = msg.size >= channels.ZERO_COPY_RECV and msg.offset % channels.XLA_ALIGN == 0
+                lent = False
                 try:
-                    if lend:
+                    if msg.size >= channels.ZERO_COPY_RECV and msg.offset % channels.XLA_ALIGN == 0 \
+                            and self.lent_bytes + msg.size <= channels.LEND_MAX_BYTES:
                         # no copy: the piece stays in the segment, acknowledged
                         # once nothing here refers to it (see _ack_freed)
                         raw = self.shm_in.view(msg.segment, msg.offset, msg.size, msg.drop,
-                                               self._freed_callback(ident, msg.segment))
+                                               self._freed_callback(ident, msg.segment, msg.size))
+                        lent = True
+                        self.lent_bytes += msg.size
                     else:
                         raw = self.shm_in.take(msg.segment, msg.offset, msg.size, msg.drop)
                 except (OSError, ValueError) as err:
-                    lend = False
                     self.store.set(key, error=m.ErrorInfo("RemoteError", f"bad ShmPiece: {err}",
                                                           self.rank, "", ""))
                     return
                 finally:
-                    if not lend:
+                    if not lent:
                         self.post_data(ident, m.ShmAck([msg.segment]), parent=msg_id)
                 try:
                     arr = _array(msg.aval, [raw])
