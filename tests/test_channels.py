@@ -414,3 +414,21 @@ def test_a_piece_that_comes_after_its_consumer_failed_is_not_kept():
         assert e.error is not None and e.value is None     # refused: nothing keeps it
     finally:
         ex.stop()
+
+
+def test_a_sender_lets_go_of_a_lost_peers_segments_lent_ones_included():
+    prefix = f"zpath-t{os.getpid()}"
+    snd = channels.ShmSender(prefix)
+    try:
+        lent, _, _ = snd.write(1, np.zeros(1 << 20, np.uint8))          # never acked
+        free, _, _ = snd.write(1, np.zeros(1 << 16, np.uint8))
+        snd.release(free)
+        other, _, _ = snd.write(2, np.zeros(1 << 16, np.uint8))
+        assert snd.live() == 3
+        assert snd.forget(1) == 2
+        assert snd.live() == 1
+        assert channels.segments(prefix) == [other]                      # peer 2's is kept
+        assert snd.forget(1) == 0
+    finally:
+        snd.close()
+    assert channels.segments(prefix) == []

@@ -142,6 +142,9 @@ def test_nodes_of_a_lost_host_fail_in_a_long_cascade(make_rig):
     assert {c.outputs[0].buffer for c in calls} <= rig.failed(a)
     assert rig.c._queued(ca) == 0
     assert all(x.outputs[0].buffer not in {c.outputs[0].buffer for c in calls} for x in rig.executes())
+    # the client and the other worker hear of it (the worker unmaps what it kept for it)
+    down = {i for i, x in rig.log if isinstance(x, m.HostDown) and x.rank == 1}
+    assert down == {a, b"busy", b"w0"}
 
 
 def test_a_sequential_node_after_an_abandoned_one_fails_instead_of_hanging(make_rig):

@@ -860,8 +860,10 @@ class Controller:
         for ident, buffers in failed.items():
             if ident in self.peers:
                 self.send(ident, m.CallFailed(0, buffers, err))
+        # clients fail their fetches from it; workers let go of what they keep
+        # for it (shared-memory segments it held, their connection to it)
         for peer in list(self.peers.values()):
-            if peer.role == "client":
+            if peer.role in ("client", "worker"):
                 self.send(peer.ident, m.HostDown(rank, err))
 
     def _free(self, frees: dict[int, list[int]]) -> None:

@@ -291,6 +291,22 @@ class ShmSender:
             except OSError:
                 pass
 
+    def forget(self, peer: int) -> int:
+        """The peer is gone: unmap (and unlink, if it never took them) every
+        segment of its pool, lent ones included (nothing of ours reads them, and
+        a mapping the peer may still have keeps its pages). Returns how many."""
+        with self._lock:
+            pool = self._pools.pop(peer, [])
+            self._drops.pop(peer, None)
+            for seg in pool:
+                self._by_name.pop(seg.name, None)
+                _close(seg.mm)
+                try:
+                    os.unlink(os.path.join(SHM_DIR, seg.name))
+                except OSError:
+                    pass
+        return len(pool)
+
     def live(self) -> int:
         with self._lock:
             return len(self._by_name)

@@ -362,6 +362,14 @@ class Worker:
                 self.post_ctl(m.Pong(msg.seq, *self.store.stats(self.device_ids)))
             case m.Free():
                 self.executor.free_after_earlier(msg.buffers)
+            case m.HostDown():
+                n = self.shm_out.forget(msg.rank)
+                self.peer_addrs.pop(msg.rank, None)
+                sock = self.peer_socks.pop(msg.rank, None)
+                if sock is not None:
+                    self.poller.unregister(sock)
+                    sock.close(0)
+                log.info("host %d was lost: let go of %d shared-memory segments for it", msg.rank, n)
             case m.FailPieces():
                 for piece_id in msg.piece_ids:
                     self.partial.pop(piece_id, None)
