@@ -294,3 +294,22 @@ def test_client_fails_the_futures_of_every_call_it_could_not_send():
     c._failed(m.Program(1, "p", "parallel", [call(1), call(2)], []), 0, RuntimeError("down"))
     c._failed(call(3), 0, RuntimeError("down"))
     assert all(isinstance(f.error, Broken) for f in futs.values())
+
+
+def test_send_batch_uses_bodies_packed_beforehand(pair):
+    from zpath.net import codec
+    from zpath.net import messages as m
+
+    router, dealer = pair
+    a, b = transport.Endpoint(KEY, "controller"), transport.Endpoint(KEY, "worker:a")
+    msg = m.ExecDone(3, None, 1.5, 2.5)
+    # a body that differs from the message shows which one went: the body given
+    given = codec.pack_body(m.ExecDone(9, None, 1.5, 2.5))
+    a.send_batch(router, [(msg, 4, 8, given)], to=b"d1")               # alone
+    a.send_batch(router, [(msg, 0, 0, given), (m.Ping(1), 0, 0)], to=b"d1")
+    got = []
+    for _ in range(2):
+        _poll(dealer)
+        _, header, out, buffers = b.recv(dealer)
+        got += [x for _, x, _ in transport.unbatched(header, out, buffers)]
+    assert got == [m.ExecDone(9, None, 1.5, 2.5), m.ExecDone(9, None, 1.5, 2.5), m.Ping(1)]

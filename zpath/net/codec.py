@@ -578,14 +578,16 @@ def _sign(key: bytes, parts: Sequence[Any]) -> bytes:
 # ---- the envelope ---------------------------------------------------------------------
 
 def encode(key: bytes, msg: Record, *, msg_id: int, sender: str, parent: int = 0,
-           buffers: Sequence[Any] = ()) -> list[Any]:
+           buffers: Sequence[Any] = (), body: bytes | None = None) -> list[Any]:
     """Frames for one message. ``buffers`` are bytes-like objects (e.g. contiguous
-    numpy arrays) sent as raw frames."""
+    numpy arrays) sent as raw frames. ``body``: the message's body if it was
+    already packed (:func:`pack_body`)."""
     if msg.TYPE < 0:
         raise TypeError(f"{type(msg).__name__} is not a top-level message")
     pack = _packer().pack
     header = pack((PROTOCOL_VERSION, msg.TYPE, msg_id, parent, sender))
-    body = pack(msg)
+    if body is None:
+        body = pack(msg)
     parts = [header, body, *buffers]
     return [_signer(key).sign(parts), *parts]
 

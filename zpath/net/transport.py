@@ -66,14 +66,15 @@ class Endpoint:
 
     def send(self, sock: zmq.Socket, msg: Record, *, to: bytes | None = None,
              parent: int = 0, buffers: Sequence[Any] = (), msg_id: int = 0,
-             block: bool = True) -> int:
+             block: bool = True, body: bytes | None = None) -> int:
         """Send one message. With ``block=False`` a full queue raises zmq.Again
-        instead of waiting for the peer."""
+        instead of waiting for the peer. ``body``: the message's body, if it was
+        already packed."""
         msg_id = msg_id or self.next_id()
         if buffers:
             buffers = [raw(b) for b in buffers]
         frames = codec.encode(self.key, msg, msg_id=msg_id, sender=self.sender,
-                              parent=parent, buffers=buffers)
+                              parent=parent, buffers=buffers, body=body)
         flags = 0 if block else _NOBLOCK
         # Frame by frame, as send_multipart does (ZeroMQ queues a multipart
         # message whole or not at all), with plain int flags (pyzmq's enum
@@ -106,7 +107,8 @@ class Endpoint:
         if len(msgs) == 1:
             msg, parent, msg_id = msgs[0][:3]
             try:
-                self.send(sock, msg, to=to, parent=parent, msg_id=msg_id, block=block)
+                self.send(sock, msg, to=to, parent=parent, msg_id=msg_id, block=block,
+                          body=msgs[0][3] if len(msgs[0]) > 3 else None)
             except (zmq.ZMQError, OSError):
                 raise
             except Exception as e:
@@ -121,7 +123,8 @@ class Endpoint:
 
         def flush() -> None:
             if len(items) == 1:        # alone, as itself (a batch would only add bytes)
-                self.send(sock, first[0], to=to, parent=first[1], msg_id=items[0][1], block=block)
+                self.send(sock, first[0], to=to, parent=first[1], msg_id=items[0][1], block=block,
+                          body=items[0][3])
             elif items:
                 self.send(sock, Batch(items), to=to, block=block)
 
