@@ -125,8 +125,9 @@ def test_ici_segments_are_reused(island, conn):
         live.append(channel_stats(island)[0].segments)
     # the pool does not grow with the transfers: a 1 MiB piece is lent to the
     # receiver in its segment until XLA lets go of its input, which it does
-    # at its next call or a collection, so a loop alternates between a few
-    assert max(live) <= live[0] + 1, live
+    # at its next call or a collection, so a loop rotates through a few (an
+    # ack may come after the next send; without acks it would grow by 10)
+    assert max(live) <= live[0] + 2, live
     assert channels.segments(island.shm_prefix) == []
 
 
