@@ -829,6 +829,20 @@ def _bodies(rng: random.Random, cls: type, n: int) -> list[Any]:
     return out
 
 
+def _reference_and_generated(cls: type, value: Any) -> tuple[Any, Any]:
+    """What the reference checks and the generated checker make of ``value``:
+    a record each, or Refused."""
+    try:
+        want = ref_check(cls, value)
+    except Refused:
+        want = Refused
+    try:
+        got = cls._decode(value)
+    except ProtocolError:
+        got = Refused
+    return want, got
+
+
 @pytest.mark.parametrize("tid,cls", MESSAGES, ids=[c.__name__ for _, c in MESSAGES])
 def test_generated_checker_agrees_with_the_reference(tid: int, cls: type) -> None:
     """The generated checker accepts exactly what the reference checks accept,
@@ -837,14 +851,7 @@ def test_generated_checker_agrees_with_the_reference(tid: int, cls: type) -> Non
     rng = random.Random(tid)
     accepted = refused = 0
     for value in _bodies(rng, cls, 150):
-        try:
-            want = ref_check(cls, value)
-        except Refused:
-            want = Refused
-        try:
-            got = cls._decode(value)
-        except ProtocolError:
-            got = Refused
+        want, got = _reference_and_generated(cls, value)
         assert got == want, value
         if got is Refused:
             refused += 1
@@ -922,14 +929,7 @@ def test_generated_checker_of_other_annotations():
         value = [_random_value(rng, 2) if rng.random() < 0.3 else msgpack.unpackb(
             msgpack.packb(ref_to_wire(rand_value(hints[f.name], rng))), raw=False, strict_map_key=False)
             for f in dataclasses.fields(_Odd)]
-        try:
-            want = ref_check(_Odd, value)
-        except Refused:
-            want = Refused
-        try:
-            got = _Odd._decode(value)
-        except ProtocolError:
-            got = Refused
+        want, got = _reference_and_generated(_Odd, value)
         assert got == want and repr(got) == repr(want), value
     # a record with a __post_init__ is built through it
     assert _Checked._decode([4]) == _Checked(4)

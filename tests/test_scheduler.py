@@ -162,16 +162,23 @@ def test_each_client_keeps_its_own_order_and_idle_time_earns_no_credit():
     assert 4 <= first_ten.count("a") <= 6, got
 
 
-def test_window_bounds_work_at_the_device_and_disjoint_devices_proceed():
-    s = TenantScheduler("share", window_s=0.010, min_window=2, default_cost_s=0.004)
+def _fill_device_0(window_s: float, cost_s: float, queued: int) -> tuple[TenantScheduler, int]:
+    """Client 1 queues ``queued`` computations on device 0, and what the window
+    takes is sent (ticket k for the k-th); returns the scheduler and how many."""
+    s = TenantScheduler("share", window_s=window_s, min_window=2, default_cost_s=cost_s)
     s.add_client(1, 1)
-    for k in range(10):
+    for k in range(queued):
         s.add(Ready(1, 0, (0,), "p", k))
-    sent = []
+    sent = 0
     while (r := s.pick(0)) is not None:
-        sent.append(r)
-        s.sent(len(sent), r)
-    assert len(sent) == 2                      # 2 x 4 ms fit in 10 ms, a third does not
+        sent += 1
+        s.sent(sent, r)
+    return s, sent
+
+
+def test_window_bounds_work_at_the_device_and_disjoint_devices_proceed():
+    s, sent = _fill_device_0(0.010, 0.004, 10)
+    assert sent == 2                           # 2 x 4 ms fit in 10 ms, a third does not
     s.add_client(2, 1)
     s.add(Ready(2, 0, (1,), "q", "other device"))
     r = s.pick(0)
@@ -295,17 +302,10 @@ def test_an_idle_client_catches_up_only_with_its_own_devices():
 
 
 def test_devices_are_low_once_down_to_half_their_window():
-    s = TenantScheduler("share", window_s=0.0105, min_window=2, default_cost_s=0.001)
-    s.add_client(1, 1)
-    for k in range(30):
-        s.add(Ready(1, 0, (0,), "p", k))
-    tickets = []
-    while (r := s.pick(0)) is not None:
-        tickets.append(len(tickets) + 1)
-        s.sent(tickets[-1], r)
-    assert len(tickets) == 10 and not s.low((0,))      # a full window: 10 x 1 ms
+    s, sent = _fill_device_0(0.0105, 0.001, 30)
+    assert sent == 10 and not s.low((0,))              # a full window: 10 x 1 ms
     lows = []
-    for t in tickets[:6]:
+    for t in range(1, 7):
         s.finished(t)
         lows.append(s.low((0,)))
     # 9, 8, 7, 6 ms left: not low; 5 ms (below half the window) and less: low
