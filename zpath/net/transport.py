@@ -211,6 +211,16 @@ class Outbox:
             except BlockingIOError:
                 pass
 
+    def put_many(self, items: list[tuple]) -> None:
+        """Queue several items with one wake-up."""
+        self._items.extend(items)
+        if items and not self._armed.is_set():
+            self._armed.set()
+            try:
+                os.write(self._w, b"x")
+            except BlockingIOError:
+                pass
+
     def wake(self) -> None:
         """Wake the I/O thread without an item (it then runs its loop once).
         Takes no lock: safe in a finalizer or a signal handler."""

@@ -29,6 +29,12 @@ from zpath.worker.store import Store, shard_key
 log = logging.getLogger(__name__)
 
 INPUT_TIMEOUT_S = 300.0
+# Completions of short computations that an executor thread follows at once
+# with another short one are reported together: at most HOLD_S late, and never
+# while the thread waits (idle, or for an input); see Executor._loop.
+HOLD_S = 0.002
+SHORT_S = 0.001
+HOLD_MAX = 64
 
 
 class InputError(Exception):
@@ -39,9 +45,12 @@ class InputError(Exception):
 
 class Executor:
     def __init__(self, store: Store, local_devices: dict[int, Any],
-                 on_done: Callable[[int, m.ErrorInfo | None, float, float], None],
+                 on_done: Callable[[list[tuple[int, m.ErrorInfo | None, float, float]]], None],
                  input_timeout_s: float = INPUT_TIMEOUT_S, jax_devices: dict[int, Any] | None = None) -> None:
-        """``local_devices`` maps global device id -> jax Device; ``jax_devices``
+        """``on_done`` gets a list of finished computations (exec id, error or
+        None, start, end), in the order they finished; several when a thread
+        held the reports of short ones (see ``_loop``).
+        ``local_devices`` maps global device id -> jax Device; ``jax_devices``
         maps JAX id -> jax Device for every device of this host's island runtime."""
         import jax
 
@@ -76,6 +85,7 @@ class Executor:
         self._threads = [threading.Thread(target=self._loop, name=f"exec_{i}", daemon=True)
                          for i in range(max(1, len(local_devices)))]
         self._stopped = False
+        self._held = threading.local()
         for t in self._threads:
             t.start()
 
@@ -140,19 +150,53 @@ class Executor:
     # ---- executor threads ----------------------------------------------------
     def _loop(self) -> None:
         """An executor thread: run computations handed over, and those that the
-        one it finished lets start (without a hand-off)."""
+        one it finished lets start (without a hand-off).
+
+        A finished computation's report is held while the thread goes straight
+        on to another short one (under SHORT_S last time), so a chain of small
+        computations wakes the I/O thread and the controller once per group.
+        Held reports go out when the thread has nothing to run, before it waits
+        for an input (``_wait``), after an error or a long computation, at
+        HOLD_MAX held, or once the oldest is HOLD_S old."""
+        held = self._held.list = []
         while not self._stopped:
             entry = self._ready.get()
             while entry is not None and not self._stopped:
                 try:
-                    entry = self._run(*entry)
+                    entry, done = self._run(*entry)
                 except Exception:      # a bug: keep the thread for the other computations
                     log.exception("executor thread: computation %d", entry[0].exec_id)
-                    entry = None
+                    entry, done = None, None
+                if done is not None:
+                    held.append(done)
+                if held and (entry is None or done is None or done[1] is not None or
+                             len(held) >= HOLD_MAX or done[3] - held[0][3] > HOLD_S or
+                             done[3] - done[2] > SHORT_S or not self._short(entry[0])):
+                    self._report_held()
+
+    def _short(self, ex: m.Execute) -> bool:
+        """Whether ``ex`` ran for less than SHORT_S last time."""
+        for prepared in self._by_program.get(ex.program, ()):
+            if prepared.matches(ex):
+                return prepared.last_s < SHORT_S
+        return False
+
+    def _report_held(self) -> None:
+        """Report the completions this thread holds (before it may wait)."""
+        held = getattr(self._held, "list", None)
+        if not held:
+            return
+        done = list(held)
+        held.clear()
+        try:
+            self.on_done(done)
+        except Exception:     # the next computation must still run
+            log.exception("reporting computations %s", [d[0] for d in done])
 
     def _run(self, ex: m.Execute, devs: frozenset[int], index: int
-             ) -> tuple[m.Execute, frozenset[int], int] | None:
-        """Run one computation; returns the next one this thread runs, if any."""
+             ) -> tuple[tuple[m.Execute, frozenset[int], int] | None, tuple]:
+        """Run one computation; returns the next one this thread runs, if any,
+        and the report of this one (exec id, error, start, end)."""
         start = time.time()
         error = None
         try:
@@ -190,11 +234,7 @@ class Executor:
                     self._try_start(q[0], started)
             for entry in started[1:]:      # others go to other threads
                 self._ready.put(entry)
-        try:
-            self.on_done(ex.exec_id, error, start, end)
-        except Exception:     # the next computation must still run
-            log.exception("reporting computation %d", ex.exec_id)
-        return started[0] if started else None
+        return (started[0] if started else None), (ex.exec_id, error, start, end)
 
     def _poison_output(self, ex: m.Execute, o: m.ExecOutput, error: m.ErrorInfo) -> None:
         regs = sharding.regions(o.aval.shape, ex.mesh_shape, ex.axis_names, o.spec)
@@ -216,6 +256,7 @@ class Executor:
                 args.append(prepared.input_array(k, inp, shards))
         if first_error is not None:
             raise first_error
+        t0 = time.perf_counter()
         outs = prepared.fn(*args)
         # Run to completion before the next computation: a failure is reported
         # against the computation that caused it, and XLA:CPU collectives never
@@ -224,6 +265,7 @@ class Executor:
             outs[0].block_until_ready()
         else:
             self.jax.block_until_ready(outs)
+        prepared.last_s = time.perf_counter() - t0
         store_set = self.store.set
         for k, (o, out) in enumerate(zip(ex.outputs, outs, strict=True)):
             for gid, region, data in prepared.output_shards(k, o, out):
@@ -322,6 +364,8 @@ class Executor:
         return data
 
     def _wait(self, key: tuple, buffer: int) -> Any:
+        if not self.store.is_done(key):
+            self._report_held()     # before waiting: what waits may need them
         e = self.store.wait(key, self.input_timeout_s)
         if not e.done:
             err = m.ErrorInfo("DeadlineExceeded", f"input buffer {buffer} did not arrive within "
@@ -337,12 +381,13 @@ class _Prepared:
     learnt on its first calls to make its input arrays and take its output
     shards apart cheaply (the layouts are the same on every call)."""
 
-    __slots__ = ("executor", "fn", "in_shardings", "in_fast", "out_fast", "variant")
+    __slots__ = ("executor", "fn", "in_shardings", "in_fast", "out_fast", "variant", "last_s")
 
     def __init__(self, executor: Executor, fn: Callable, in_shardings: tuple, ex: m.Execute) -> None:
         self.executor = executor
         self.fn = fn
         self.in_shardings = in_shardings
+        self.last_s = float("inf")     # how long its last run took
         # what it was built for, as the Execute messages carry it
         self.variant = (list(ex.jax_ids), list(ex.mesh_shape), list(ex.axis_names),
                         [i.spec for i in ex.inputs], [o.spec for o in ex.outputs])

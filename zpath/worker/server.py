@@ -160,8 +160,9 @@ class Worker:
     def post_peer(self, rank: int, msg: Record, buffers: Any = (), dcn: bool = False) -> None:
         self.outbox.put("dcn" if dcn else "peer", rank, msg, buffers, 0)
 
-    def _exec_done(self, exec_id: int, error: m.ErrorInfo | None, start: float, end: float) -> None:
-        self.post_ctl(m.ExecDone(exec_id, error, start, end))
+    def _exec_done(self, done: list[tuple[int, m.ErrorInfo | None, float, float]]) -> None:
+        """Report finished computations (exec id, error, start, end), in order."""
+        self.outbox.put_many([("ctl", None, m.ExecDone(*d), (), 0) for d in done])
 
     # ---- I/O loop ------------------------------------------------------------
     def serve_forever(self) -> None:

@@ -55,6 +55,11 @@ class Store:
         for cb in callbacks:
             cb(e)
 
+    def is_done(self, key: Hashable) -> bool:
+        """Whether the entry has its value or error (without waiting)."""
+        e = self._entries.get(key)      # one dict lookup: atomic, no lock needed
+        return e is not None and e.done
+
     def wait(self, key: Hashable, timeout: float) -> Entry:
         """The entry once it is done, or when ``timeout`` seconds have passed
         (check ``done``)."""
