@@ -56,7 +56,7 @@ _SCRIPT = textwrap.dedent("""
             self.store = Store()
             self.done = queue.Queue()
             self.ex = Executor(self.store, {d.id: d for d in devs},
-                               lambda done: [self.done.put(d[:2]) for d in done])
+                               lambda i, err, s, e, hold: self.done.put((i, err)))
             self.ids = iter(range(1, 10**6))
 
         def put(self, buffer, value, mesh_devs, spec):
@@ -138,34 +138,51 @@ _SCRIPT = textwrap.dedent("""
     res["empty"] = [np.asarray(h.store.entry(shard_key(403, d.id, ((0, 0), (0, 2)))).value).shape
                     for d in two]
 
-    # completions of short computations run back to back are reported together;
-    # held reports go out before the thread waits for an input. The limits are
-    # raised so that a loaded machine cannot make a computation look long.
+    # completions of short computations run back to back are reported with
+    # ``hold`` (but not the last); held reports are released before the thread
+    # waits for an input. SHORT_S is raised so that a loaded machine cannot make
+    # a computation look long.
     import zpath.worker.executor as executor_module
-    executor_module.SHORT_S = executor_module.HOLD_S = 60.0
-    batches = queue.Queue()
-    ex = Executor(h.store, {d.id: d for d in devs}, lambda done: batches.put([(i, e) for i, e, _, _ in done]))
+    executor_module.SHORT_S = 60.0
+    reports = queue.Queue()
+    ex = Executor(h.store, {d.id: d for d in devs}, lambda i, e, s, t, hold: reports.put([i, e, hold]),
+                  release_held=lambda: reports.put("release"))
     ex.add_program(d1, b1)
     reg = [[0, 3]]
     def execute(i, inp, out):
         return m.Execute(i, i, d1, "f", [1], ["i"], [one[0].id], [one[0].id],
                          [m.ExecInput(inp, m.Aval([3], "float64"), ["i"], [m.ShardInput(one[0].id, reg, [])])],
                          [m.ExecOutput(out, m.Aval([3], "float64"), ["i"])])
+    def take(k):
+        return [reports.get(timeout=60) for _ in range(k)]
     # the first run learns that the program is short
     ex.submit(execute(1, 10, 500))
-    res["held_first"] = batches.get(timeout=60)
+    res["held_first"] = take(1)
     # a chain of 11 queued behind a computation that waits for its input
-    for k in range(11):
+    ex.submit(execute(2, 600, 601))
+    res["held_chain_release"] = take(1)
+    for k in range(1, 11):
         ex.submit(execute(2 + k, 600 + k, 601 + k))
     h.store.set(shard_key(600, one[0].id, ((0, 3),)), jax.device_put(np.arange(3.), one[0]))
-    res["held_chain"] = batches.get(timeout=60)
+    res["held_chain"] = take(11)
     res["held_chain_value"] = np.asarray(h.store.entry(shard_key(611, one[0].id, ((0, 3),))).value).tolist()
-    # a computation whose input is missing: the one before it is reported while it waits
-    ex.submit(execute(20, 611, 700))
+    # a computation whose input is missing: the one before is held, then released
+    ex.submit(execute(20, 750, 700))
+    res["held_before_wait"] = take(1)
     ex.submit(execute(21, 800, 801))
-    res["held_before_wait"] = batches.get(timeout=60)
+    h.store.set(shard_key(750, one[0].id, ((0, 3),)), jax.device_put(np.ones(3), one[0]))
+    res["held_before_wait"] += take(2)
     h.store.set(shard_key(800, one[0].id, ((0, 3),)), jax.device_put(np.ones(3), one[0]))
-    res["held_after_wait"] = batches.get(timeout=60)
+    res["held_after_wait"] = take(1)
+    # a failure is never held, even with another computation queued behind it
+    h.store.set(shard_key(12345, one[0].id, ((0, 3),)), error=m.ErrorInfo("RemoteError", "boom", 0, "g", ""))
+    ex.submit(execute(30, 950, 900))        # waits for its input
+    res["held_error"] = take(1)
+    ex.submit(execute(31, 12345, 901))      # its input failed: poisoned
+    ex.submit(execute(32, 801, 902))
+    h.store.set(shard_key(950, one[0].id, ((0, 3),)), jax.device_put(np.ones(3), one[0]))
+    res["held_error"] += [[r[0], r[1] is not None, r[2]] for r in take(3)]
+    res["held_nothing_more"] = reports.empty()
     ex.stop()
     print(json.dumps(res))
 """)
@@ -201,14 +218,18 @@ def test_replicated_single_device_and_empty_outputs(results):
     assert results["empty"] == [[0, 2], [0, 2]]
 
 
-def test_short_computations_run_back_to_back_are_reported_together(results):
-    assert results["held_first"] == [[1, None]]
-    # all 11 ran back to back after the first waited: one report, in order
-    assert results["held_chain"] == [[k, None] for k in range(2, 13)]
+def test_short_computations_run_back_to_back_are_reported_with_hold(results):
+    assert results["held_first"] == [[1, None, False]]        # nothing followed it
+    # the chain's first waited for its input (released, though nothing was held),
+    # then all 11 ran back to back: held but the last, in order
+    assert results["held_chain_release"] == ["release"]
+    assert results["held_chain"] == [[k, None, k < 12] for k in range(2, 13)]
     assert results["held_chain_value"] == [2.0 ** 11 * v for v in (0.0, 1.0, 2.0)]
-    # held while the next computation ran, reported once that one had to wait
-    assert results["held_before_wait"] == [[20, None]]
-    assert results["held_after_wait"] == [[21, None]]
+    # held while the next computation ran, released once that one had to wait
+    assert results["held_before_wait"] == ["release", [20, None, True], "release"]
+    assert results["held_after_wait"] == [[21, None, False]]
+    assert results["held_error"] == ["release", [30, False, True], [31, True, False], [32, False, False]]
+    assert results["held_nothing_more"]
 
 
 def test_store_wait_set_and_callbacks():

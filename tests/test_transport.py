@@ -57,6 +57,68 @@ def test_outbox_never_strands_an_item(slow_pipe_reads):
     box.close()
 
 
+def test_outbox_holds_items_until_released_or_due():
+    box = Outbox()
+    try:
+        box.hold(("a",), 0.2)
+        assert select.select([box.fd], [], [], 0)[0]       # the first held item wakes the consumer
+        assert 0 < box.held_timeout() <= 0.2
+        box.put("x")
+        box.hold(("b",), 0.2)
+        assert box.drain() == [("x",)]                    # held ones are not due yet
+        assert not select.select([box.fd], [], [], 0)[0]  # a later held item does not wake it
+        time.sleep(0.21)
+        assert box.held_timeout() == 0.0
+        box.put("y")
+        assert box.drain() == [("a",), ("b",), ("y",)]    # due: held first, in order
+        assert box.held_timeout() is None and box.drain() == []
+        box.hold(("c",), 60.0)
+        box.drain()
+        box.release()
+        assert select.select([box.fd], [], [], 0)[0] and box.held_timeout() == 0.0
+        assert box.drain() == [("c",)]
+        box.release()                                      # nothing held: no wake-up
+        assert not select.select([box.fd], [], [], 0)[0]
+        box.hold(("d",), 60.0)
+        box.hold(("e",), 60.0, release=True)               # goes now, with those held before it
+        assert box.drain() == [("d",), ("e",)]
+    finally:
+        box.close()
+
+
+def test_outbox_held_items_leave_within_their_bound():
+    """A producer holds items (sometimes releasing) while a consumer sleeps in
+    select() with the outbox's held timeout, as the worker's I/O thread does:
+    every item arrives, none later than its bound (with slack for a busy machine)."""
+    box = Outbox()
+    hold_s, n = 0.003, 400
+    sent: dict[int, float] = {}
+    late: list[float] = []
+    got: list[int] = []
+
+    def produce() -> None:
+        for i in range(n):
+            sent[i] = time.monotonic()
+            box.hold((i,), hold_s, release=(i % 37 == 36))
+            time.sleep(0.0005 if i % 10 else 0.01)
+
+    th = threading.Thread(target=produce)
+    th.start()
+    deadline = time.monotonic() + 60
+    while len(got) < n and time.monotonic() < deadline:
+        held = box.held_timeout()
+        select.select([box.fd], [], [], 0.5 if held is None else held)
+        if box.held_timeout() == 0.0 or select.select([box.fd], [], [], 0)[0]:
+            now = time.monotonic()
+            for (i,) in box.drain():
+                got.append(i)
+                late.append(now - sent[i])
+    th.join()
+    box.close()
+    assert got == list(range(n))
+    assert max(late) < hold_s + 0.5, max(late)
+
+
 def test_backoff_is_capped_and_jittered():
     values = [backoff(a, base=0.1, cap=1.0) for a in range(20)]
     assert all(0 < v <= 1.0 for v in values)

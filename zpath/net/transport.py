@@ -12,6 +12,7 @@ import logging
 import os
 import random
 import threading
+import time
 from typing import Any, Sequence
 
 import zmq
@@ -188,7 +189,12 @@ class BadMessage(ProtocolError):
 
 
 class Outbox:
-    """Thread-safe queue of outgoing messages, drained by the I/O thread."""
+    """Thread-safe queue of outgoing messages, drained by the I/O thread.
+
+    An item may also be *held* (``hold``): it waits, with the items held after
+    it, until ``release`` or until ``hold_s`` after the first of them, whichever
+    comes first, so that several go out together. The I/O thread learns the
+    deadline from ``held_timeout`` and drains when it is due."""
 
     def __init__(self) -> None:
         self._items: collections.deque[tuple] = collections.deque()
@@ -197,6 +203,13 @@ class Outbox:
         os.set_blocking(self._w, False)
         self._armed = threading.Event()
         self._closed = False
+        self._hold_lock = threading.Lock()
+        self._held: list[tuple] = []
+        self._held_due: float | None = None     # time.monotonic() when the held items go
+        # when the consumer's current wait ends at the latest (it sets this
+        # before it reads held_timeout and waits): a held item due later than
+        # that need not wake it
+        self.wait_until = float("inf")
 
     @property
     def fd(self) -> int:
@@ -211,15 +224,33 @@ class Outbox:
             except BlockingIOError:
                 pass
 
-    def put_many(self, items: list[tuple]) -> None:
-        """Queue several items with one wake-up."""
-        self._items.extend(items)
-        if items and not self._armed.is_set():
-            self._armed.set()
-            try:
-                os.write(self._w, b"x")
-            except BlockingIOError:
-                pass
+    def hold(self, item: tuple, hold_s: float, release: bool = False) -> None:
+        """Queue ``item`` after the held ones; it goes out by ``hold_s`` after
+        the first held item at the latest (at once with ``release``)."""
+        with self._hold_lock:
+            self._held.append(item)
+            if release:
+                wake, self._held_due = True, 0.0
+            elif self._held_due is None:
+                self._held_due = time.monotonic() + hold_s
+                wake = self.wait_until > self._held_due     # it would sleep past the deadline
+            else:
+                wake = False
+        if wake:        # the I/O thread sends them, or learns the deadline
+            self.wake()
+
+    def release(self) -> None:
+        """Let the held items go out now."""
+        with self._hold_lock:
+            if not self._held or self._held_due == 0.0:
+                return
+            self._held_due = 0.0
+        self.wake()
+
+    def held_timeout(self) -> float | None:
+        """Seconds until the held items are due (0: now), None if none are held."""
+        due = self._held_due
+        return None if due is None else max(0.0, due - time.monotonic())
 
     def wake(self) -> None:
         """Wake the I/O thread without an item (it then runs its loop once).
@@ -232,6 +263,7 @@ class Outbox:
             pass
 
     def drain(self) -> list[tuple]:
+        """The queued items, and the held ones first if they are due."""
         # Order matters: empty the pipe, then disarm, then take the items. An
         # item put after the disarm finds it clear and writes a new byte, which
         # stays in the pipe for the next poll; one put before it is taken now.
@@ -242,6 +274,10 @@ class Outbox:
             pass
         self._armed.clear()
         out = []
+        if self._held_due is not None and self._held_due <= time.monotonic():
+            with self._hold_lock:
+                out, self._held = self._held, []
+                self._held_due = None
         while self._items:
             out.append(self._items.popleft())
         return out

@@ -29,12 +29,9 @@ from zpath.worker.store import Store, shard_key
 log = logging.getLogger(__name__)
 
 INPUT_TIMEOUT_S = 300.0
-# Completions of short computations that an executor thread follows at once
-# with another short one are reported together: at most HOLD_S late, and never
-# while the thread waits (idle, or for an input); see Executor._loop.
-HOLD_S = 0.002
+# A computation that ran for less than this, followed at once by another that
+# ran for less than this last time, is reported with ``hold`` (see Executor._loop).
 SHORT_S = 0.001
-HOLD_MAX = 64
 
 
 class InputError(Exception):
@@ -45,11 +42,13 @@ class InputError(Exception):
 
 class Executor:
     def __init__(self, store: Store, local_devices: dict[int, Any],
-                 on_done: Callable[[list[tuple[int, m.ErrorInfo | None, float, float]]], None],
-                 input_timeout_s: float = INPUT_TIMEOUT_S, jax_devices: dict[int, Any] | None = None) -> None:
-        """``on_done`` gets a list of finished computations (exec id, error or
-        None, start, end), in the order they finished; several when a thread
-        held the reports of short ones (see ``_loop``).
+                 on_done: Callable[[int, m.ErrorInfo | None, float, float, bool], None],
+                 input_timeout_s: float = INPUT_TIMEOUT_S, jax_devices: dict[int, Any] | None = None,
+                 release_held: Callable[[], None] | None = None) -> None:
+        """``on_done(exec_id, error or None, start, end, hold)`` reports a
+        finished computation; ``hold`` says the report may wait a little for
+        the next ones (see ``_loop``), and ``release_held()`` is called before
+        this executor waits for an input, when nothing held should wait any more.
         ``local_devices`` maps global device id -> jax Device; ``jax_devices``
         maps JAX id -> jax Device for every device of this host's island runtime."""
         import jax
@@ -61,6 +60,7 @@ class Executor:
         self.jax_devices = jax_devices or {d.id: d for d in local_devices.values()}
         self.gid = {d: g for g, d in local_devices.items()}
         self.on_done = on_done
+        self.release_held = release_held
         self.input_timeout_s = input_timeout_s
         self.rank: int | None = None
         self.programs: dict[str, Any] = {}          # digest -> jax.export.Exported
@@ -85,7 +85,6 @@ class Executor:
         self._threads = [threading.Thread(target=self._loop, name=f"exec_{i}", daemon=True)
                          for i in range(max(1, len(local_devices)))]
         self._stopped = False
-        self._held = threading.local()
         for t in self._threads:
             t.start()
 
@@ -152,13 +151,11 @@ class Executor:
         """An executor thread: run computations handed over, and those that the
         one it finished lets start (without a hand-off).
 
-        A finished computation's report is held while the thread goes straight
-        on to another short one (under SHORT_S last time), so a chain of small
-        computations wakes the I/O thread and the controller once per group.
-        Held reports go out when the thread has nothing to run, before it waits
-        for an input (``_wait``), after an error or a long computation, at
-        HOLD_MAX held, or once the oldest is HOLD_S old."""
-        held = self._held.list = []
+        A short computation (under SHORT_S) that the thread follows at once
+        with another short one (under SHORT_S last time) is reported with
+        ``hold``: its report may wait, within a bound the caller sets, to go out
+        with the next ones, so a chain of small computations wakes the I/O
+        thread and the controller once per group instead of once per node."""
         while not self._stopped:
             entry = self._ready.get()
             while entry is not None and not self._stopped:
@@ -167,12 +164,14 @@ class Executor:
                 except Exception:      # a bug: keep the thread for the other computations
                     log.exception("executor thread: computation %d", entry[0].exec_id)
                     entry, done = None, None
-                if done is not None:
-                    held.append(done)
-                if held and (entry is None or done is None or done[1] is not None or
-                             len(held) >= HOLD_MAX or done[3] - held[0][3] > HOLD_S or
-                             done[3] - done[2] > SHORT_S or not self._short(entry[0])):
-                    self._report_held()
+                if done is None:
+                    continue
+                exec_id, error, start, end, took = done
+                hold = entry is not None and error is None and took < SHORT_S and self._short(entry[0])
+                try:
+                    self.on_done(exec_id, error, start, end, hold)
+                except Exception:     # the next computation must still run
+                    log.exception("reporting computation %d", exec_id)
 
     def _short(self, ex: m.Execute) -> bool:
         """Whether ``ex`` ran for less than SHORT_S last time."""
@@ -181,23 +180,12 @@ class Executor:
                 return prepared.last_s < SHORT_S
         return False
 
-    def _report_held(self) -> None:
-        """Report the completions this thread holds (before it may wait)."""
-        held = getattr(self._held, "list", None)
-        if not held:
-            return
-        done = list(held)
-        held.clear()
-        try:
-            self.on_done(done)
-        except Exception:     # the next computation must still run
-            log.exception("reporting computations %s", [d[0] for d in done])
-
     def _run(self, ex: m.Execute, devs: frozenset[int], index: int
              ) -> tuple[tuple[m.Execute, frozenset[int], int] | None, tuple]:
         """Run one computation; returns the next one this thread runs, if any,
-        and the report of this one (exec id, error, start, end)."""
+        and the report of this one (exec id, error, start, end, seconds it took)."""
         start = time.time()
+        t0 = time.perf_counter()
         error = None
         try:
             self._execute(ex)
@@ -234,7 +222,7 @@ class Executor:
                     self._try_start(q[0], started)
             for entry in started[1:]:      # others go to other threads
                 self._ready.put(entry)
-        return (started[0] if started else None), (ex.exec_id, error, start, end)
+        return (started[0] if started else None), (ex.exec_id, error, start, end, time.perf_counter() - t0)
 
     def _poison_output(self, ex: m.Execute, o: m.ExecOutput, error: m.ErrorInfo) -> None:
         regs = sharding.regions(o.aval.shape, ex.mesh_shape, ex.axis_names, o.spec)
@@ -364,8 +352,8 @@ class Executor:
         return data
 
     def _wait(self, key: tuple, buffer: int) -> Any:
-        if not self.store.is_done(key):
-            self._report_held()     # before waiting: what waits may need them
+        if self.release_held is not None and not self.store.is_done(key):
+            self.release_held()     # held reports must not wait while this does
         e = self.store.wait(key, self.input_timeout_s)
         if not e.done:
             err = m.ErrorInfo("DeadlineExceeded", f"input buffer {buffer} did not arrive within "

@@ -13,6 +13,7 @@ import concurrent.futures
 import faulthandler
 import heapq
 import logging
+import math
 import os
 import queue
 import signal
@@ -38,6 +39,8 @@ log = logging.getLogger(__name__)
 CONTROLLER_SILENCE_S = float(os.environ.get("ZPATH_CONTROLLER_TIMEOUT", "15"))
 REGISTER_TIMEOUT_S = 60.0
 MAX_FETCH_TIMEOUT_S = 3600.0
+# the longest a short computation's ExecDone waits to go with the next ones'
+HOLD_S = 0.002
 
 
 class Worker:
@@ -107,6 +110,7 @@ class Worker:
         self.peer_socks: dict[int, zmq.Socket] = {}
         self.peer_addrs: dict[int, tuple[str, str]] = {}   # rank -> (address, CURVE key)
         self.outbox = Outbox()
+        self.chaining = False       # the executor's last report was held
         self.store = Store()
         self.pool = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="send")
         self.rank: int | None = None
@@ -140,7 +144,8 @@ class Worker:
                         devices = {d.id: self.local[d.local_index] for d in reply.devices}
                         self.device_ids = [d.id for d in reply.devices]   # Pong reports in this order
                         self.executor = Executor(self.store, devices, self._exec_done,
-                                                 jax_devices={d.id: d for d in self.jax.devices()})
+                                                 jax_devices={d.id: d for d in self.jax.devices()},
+                                                 release_held=self.outbox.release)
                         self.executor.rank = reply.rank
                         log.info("registered as host %d with devices %s", reply.rank,
                                  sorted(devices))
@@ -160,9 +165,14 @@ class Worker:
     def post_peer(self, rank: int, msg: Record, buffers: Any = (), dcn: bool = False) -> None:
         self.outbox.put("dcn" if dcn else "peer", rank, msg, buffers, 0)
 
-    def _exec_done(self, done: list[tuple[int, m.ErrorInfo | None, float, float]]) -> None:
-        """Report finished computations (exec id, error, start, end), in order."""
-        self.outbox.put_many([("ctl", None, m.ExecDone(*d), (), 0) for d in done])
+    def _exec_done(self, exec_id: int, error: m.ErrorInfo | None, start: float, end: float,
+                   hold: bool) -> None:
+        """Report a finished computation; with ``hold`` the report waits up to
+        HOLD_S (or until one without ``hold``) to go to the controller with the
+        next ones, as one Batch."""
+        self.chaining = hold
+        self.outbox.hold(("ctl", None, m.ExecDone(exec_id, error, start, end), (), 0), HOLD_S,
+                         release=not hold)
 
     # ---- I/O loop ------------------------------------------------------------
     def serve_forever(self) -> None:
@@ -175,14 +185,23 @@ class Worker:
         self.last_controller = time.monotonic()
         while self.running:
             wait = min(0.5, self._expire_fetches(), self._send_shaped())
-            events = dict(poller.poll(timeout=max(1, int(wait * 1000))))
+            if self.chaining:       # the executor holds reports: it will hold more
+                wait = min(wait, HOLD_S)
+            # (wait_until before held_timeout: a report held in between wakes us)
+            ms = max(1, math.ceil(wait * 1000))
+            self.outbox.wait_until = time.monotonic() + ms / 1000
+            held = self.outbox.held_timeout()
+            if held is not None and held < wait:
+                ms = max(1, math.ceil(held * 1000))
+                self.outbox.wait_until = time.monotonic() + ms / 1000
+            events = dict(poller.poll(timeout=ms))
             if self.ctl in events:
                 self._drain(self.ctl, router=False)
             if self.data in events:
                 self._drain(self.data, router=True)
             if self.dcn is not None and self.dcn in events:
                 self._drain(self.dcn, router=True)
-            if self.outbox.fd in events:
+            if self.outbox.fd in events or self.outbox.held_timeout() == 0.0:
                 self._flush()
             if not self.freed_segments.empty():
                 self._ack_freed()
