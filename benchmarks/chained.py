@@ -19,11 +19,10 @@ benchmarks/island_dispatch.py).
   called ``--programs`` times back to back (each program reads the previous
   one's output), then the final value is fetched (inside the timing) and
   checked. One message per program; the controller sends all 128 nodes at once.
-  For reference the table also shows the same program with
-  ``dispatch="sequential"`` (each program's output fetched before the next is
-  submitted: chaining sequential programs that are still running deadlocks in
-  zpath as it is) and zpath -O (128 * programs plain calls ``x = f(x)``, one
-  message each).
+  For reference the table also shows the same programs with
+  ``dispatch="sequential"`` (chained the same way: a node goes out once the
+  node it reads has finished) and zpath -O (128 * programs plain calls
+  ``x = f(x)``, one message each).
 * JAX multi-controller (MC): two processes joined by jax.distributed (gloo),
   each calling its jitted SPMD computation 128 * programs times in its own
   Python loop -- the -O variant of benchmarks/island_dispatch.py, whose process
@@ -34,9 +33,11 @@ alternating (which goes first alternates too; the idle side uses no CPU to
 speak of); the table shows the median computations per second and the ratio
 zpath / MC. It also prints where the time goes: CPU time per computation of
 every process, and the zpath workers' execution times. This is a benchmark
-that prints figures, not a test.
+that prints figures, not a test. ``--mc-load`` adds MC runs that share the
+cores with a load as busy as zpath's control plane in -C (see
+benchmarks/island_dispatch.py).
 
-    python benchmarks/chained.py [--programs 4] [--repeats 5] [--json out.json]
+    python benchmarks/chained.py [--programs 4] [--repeats 5] [--mc-load] [--json out.json]
 """
 from __future__ import annotations
 
@@ -52,8 +53,9 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from island_dispatch import (LOOP, McBench, _check, _cpu, _summary,  # noqa: E402
-                             _timeline_stats, cpu_line, expected, on_sigterm, timeline_line)
+from island_dispatch import (LOAD_HEAD, LOAD_TITLE, LOOP, McBench, _check, _cpu,  # noqa: E402
+                             _summary, _timeline_stats, control_cpu, cpu_line, expected,
+                             load_line, mc_with_load, on_sigterm, timeline_line)
 
 NODES = LOOP         # chained nodes per program (128, as in the paper)
 X0 = 0.0             # x_k = 2^k - 1: exact and finite for k < 1024 computations per run
@@ -94,6 +96,8 @@ class ZpathChained:
             for name, p in self.cluster.local.procs:
                 self.procs[name] = psutil.Process(p.pid)
             self.cpu = {v: dict.fromkeys(self.procs, 0.0) for v in VARIANTS}
+            # controller + workers' I/O threads: (CPU seconds, wall seconds) per variant
+            self.control = {v: [0.0, 0.0] for v in VARIANTS}
             for v in VARIANTS:
                 self.run(v, warm, timed=False)
         except BaseException:
@@ -110,27 +114,23 @@ class ZpathChained:
             prog = self.progs[v]
             for _ in range(n):
                 x = prog(x)
-                if v == "C-seq":
-                    # wait for each program: a sequential program submitted while the
-                    # one whose output it reads is still running deadlocks (its first
-                    # node is queued on the workers ahead of the earlier program's
-                    # held nodes; repro in the report)
-                    x.result(timeout=600)
         return x.result(timeout=600)
 
     def run(self, v: str, n: int | None = None, timed: bool = True) -> float:
         import time
 
         n = self.programs if n is None else n
-        c0 = _cpu(self.procs)
+        c0, k0 = _cpu(self.procs), control_cpu(self.procs)
         t0 = time.perf_counter()
         got = self._chain(v, n)
         t = time.perf_counter() - t0
-        c1 = _cpu(self.procs)
+        c1, k1 = _cpu(self.procs), control_cpu(self.procs)
         _check(f"zpath -{v} ({n} x {NODES} computations)", got, expected(X0, NODES * n))
         if timed:
             for k in c0:
                 self.cpu[v][k] += c1[k] - c0[k]
+            self.control[v][0] += k1 - k0
+            self.control[v][1] += t
         return t
 
     def timeline(self) -> dict[str, Any]:
@@ -167,7 +167,7 @@ def measure(z: ZpathChained, mc: McBench, programs: int, repeats: int) -> tuple[
 
 
 # ---- report -------------------------------------------------------------------
-LABELS = {"C": "zpath -C (program, parallel)", "C-seq": "zpath -C (program, sequential)*",
+LABELS = {"C": "zpath -C (program, parallel)", "C-seq": "zpath -C (program, sequential)",
           "O": "zpath -O (plain calls, reference)"}
 
 
@@ -210,6 +210,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mc-timeout", type=float, default=120.0,
                    help="seconds the multi-controller processes may take to start or for one run "
                         "(default 120); then they are stopped")
+    p.add_argument("--mc-load", action="store_true",
+                   help="then run MC again with and without a load process that uses as much CPU "
+                        "as zpath's controller and workers' I/O threads did in -C (see "
+                        "island_dispatch.py --mc-load)")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON here")
     args = p.parse_args(argv)
     if args.programs < 1 or args.repeats < 1:
@@ -236,6 +240,10 @@ def main(argv: list[str] | None = None) -> int:
             mb = McBench(comps, 1, min(comps, 200), 1, sync, args.mc_timeout)
             try:
                 z, mc = measure(zb, mb, args.programs, args.repeats)
+                load = None
+                if args.mc_load:
+                    load = mc_with_load(mb, "O", tuple(zb.control["C"]), args.repeats * comps,
+                                        args.repeats, comps)
                 break
             except TimeoutError as e:
                 if isinstance(e, zp.ZpathError):     # a zpath deadline, not the MC processes
@@ -263,17 +271,21 @@ def main(argv: list[str] | None = None) -> int:
     print(_table(z, mc))
     print("(comp/s: computations per second, median run; MC time = slower of the 2 processes; "
           "vs MC: throughput ratio zpath / MC)")
-    print("(* each sequential program's output is fetched before the next program is submitted: "
-          "chaining in-flight sequential programs deadlocks)")
     print()
     print("where the time goes (CPU time per computation over all timed runs):")
     print(_breakdown(z, mc))
     print(f"  ({z['timeline_note']})")
     print()
     print(_spread(z, mc))
+    if load is not None:
+        print()
+        print(LOAD_TITLE)
+        print(LOAD_HEAD)
+        print("-" * len(LOAD_HEAD))
+        print(load_line("-C", load, z["C"]["comps_per_s"] / mc["comps_per_s"]))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"zpath": z, "multi_controller": mc, "config": config}, f, indent=2)
+            json.dump({"zpath": z, "multi_controller": mc, "mc_load": load, "config": config}, f, indent=2)
         print(f"\nwrote {args.json}")
     return 0
 

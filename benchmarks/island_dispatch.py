@@ -30,7 +30,14 @@ It also prints where a zpath -O call's time goes (CPU time per call of the
 client, controller and workers, and the workers' execution times). This is a
 benchmark that prints figures, not a test.
 
-    python benchmarks/island_dispatch.py [--calls-o 500] [--calls-f 20] [--repeats 5] [--json out.json]
+With ``--mc-load`` it then measures how much of the gap comes from sharing the
+machine's cores with zpath's control plane: it runs MC again, alternating runs
+with and without a load process that keeps a core busy for the same share of
+the time as zpath's controller and workers' I/O threads did in the timed zpath
+runs (in bursts of one zpath call's worth of that CPU). MC with that load over
+MC alone is the throughput that the control plane's CPU use alone would leave.
+
+    python benchmarks/island_dispatch.py [--calls-o 500] [--calls-f 20] [--repeats 5] [--mc-load] [--json out.json]
 """
 from __future__ import annotations
 
@@ -91,6 +98,21 @@ def _cpu(procs: dict[str, Any]) -> dict[str, float]:
     return out
 
 
+def control_cpu(procs: dict[str, Any]) -> float:
+    """CPU seconds of the controller and of the workers' I/O threads (what MC
+    has no counterpart of), from the processes named as zpath's launcher names them."""
+    total = 0.0
+    for name, p in procs.items():
+        if name == "controller":
+            t = p.cpu_times()
+            total += t.user + t.system
+        elif name.startswith("worker"):
+            for th in p.threads():
+                if th.id == p.pid:       # the main thread runs the I/O loop
+                    total += th.user_time + th.system_time
+    return total
+
+
 def _timeline_stats(cluster: Any, name: str, calls: int) -> dict[str, Any]:
     """Median execution time on each worker (input assembly + XLA run incl. the
     gloo all-reduce) and median start-to-start interval, over the last run."""
@@ -142,6 +164,9 @@ class ZpathBench:
             for name, p in self.cluster.local.procs:
                 self.procs[name] = psutil.Process(p.pid)
             self.cpu = {v: dict.fromkeys(self.procs, 0.0) for v in ("O", "F")}
+            # what MC has no counterpart of: the controller and the workers' I/O
+            # threads (a worker's main thread); CPU seconds and wall seconds per variant
+            self.control = {v: [0.0, 0.0] for v in ("O", "F")}
             self.run("O", warm_o, timed=False)
             self.run("F", warm_f, timed=False)
             for k in (1, 2):     # 128 iterations per call, checked from 0
@@ -161,15 +186,17 @@ class ZpathBench:
     def run(self, v: str, n: int, timed: bool = True) -> float:
         """One run of ``n`` chained calls of variant ``v``; its wall time."""
         x0, per = (X0_O, 1) if v == "O" else (X0_F, LOOP)
-        c0 = _cpu(self.procs)
+        c0, k0 = _cpu(self.procs), control_cpu(self.procs)
         t0 = time.perf_counter()
         got = self._chain(self.fns[v], x0, n)
         t = time.perf_counter() - t0
-        c1 = _cpu(self.procs)
+        c1, k1 = _cpu(self.procs), control_cpu(self.procs)
         _check(f"zpath -{v} ({n} calls)", got, expected(x0, per * n))
         if timed:
             for k in c0:
                 self.cpu[v][k] += c1[k] - c0[k]
+            self.control[v][0] += k1 - k0
+            self.control[v][1] += t
         return t
 
     def timeline(self, v: str, calls: int) -> dict[str, Any]:
@@ -360,6 +387,87 @@ class McBench:
         self.procs = []
 
 
+BURNER = r"""
+import sys, time
+burst, period = float(sys.argv[1]) / 1e6, float(sys.argv[2]) / 1e6
+print("READY", flush=True)
+while True:
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < burst:
+        pass
+    time.sleep(max(0.0, period - (time.perf_counter() - t0)))
+"""
+MIN_BURST_US = 100.0      # smaller bursts would cost more in wake-ups than they burn
+
+
+class Burner:
+    """A process that keeps one core busy ``burst_us`` out of every
+    ``period_us``: a stand-in for a control plane's CPU use."""
+
+    def __init__(self, burst_us: float, period_us: float) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-c", BURNER, f"{burst_us:.1f}", f"{period_us:.1f}"],
+                                     stdout=subprocess.PIPE, text=True)
+        if self.proc.stdout.readline().strip() != "READY":
+            self.close()
+            raise RuntimeError("the load process did not start")
+
+    def close(self) -> None:
+        _stop([self.proc])
+        self.proc.stdout.close()
+
+
+def mc_with_load(mc: McBench, v: str, control: tuple[float, float], calls: int, repeats: int,
+                 comps: int) -> dict[str, Any]:
+    """MC variant ``v`` again, alternating runs with and without a load process
+    that uses as much CPU as zpath's control plane did: ``control`` is its (CPU
+    seconds, wall seconds) over the timed zpath runs, which made ``calls`` calls
+    in all; the load comes in bursts of one call's worth."""
+    cpu_s, wall_s = control
+    share = cpu_s / wall_s                                    # of one core
+    burst_us = max(MIN_BURST_US, cpu_s / calls * 1e6)
+    period_us = burst_us / share if share > 0 else float("inf")
+    plain, loaded = [], []
+    for r in range(repeats):
+        for with_load in ((False, True) if r % 2 == 0 else (True, False)):
+            if not with_load:
+                plain.append(mc.run(v))
+                continue
+            b = Burner(burst_us, period_us)
+            try:
+                loaded.append(mc.run(v))
+            finally:
+                b.close()
+    return {"core_share": share, "burst_us": burst_us, "period_us": period_us,
+            "plain": _summary(plain, comps), "loaded": _summary(loaded, comps)}
+
+
+def measure_load(z: ZpathBench, mc: McBench, calls: dict[str, int], repeats: int) -> dict[str, Any]:
+    """``mc_with_load`` for -O and -F, with the control plane's CPU use in the
+    timed zpath runs."""
+    return {v: mc_with_load(mc, v, tuple(z.control[v]), calls[v] * repeats, repeats,
+                            calls[v] * (LOOP if v == "F" else 1))
+            for v in ("O", "F")}
+
+
+def load_line(label: str, r: dict[str, Any], zpath_vs_mc: float) -> str:
+    a, b = r["plain"]["comps_per_s"], r["loaded"]["comps_per_s"]
+    what = f"{r['core_share'] * 100:.1f}% ({r['burst_us']:,.0f}us bursts)"
+    return f"{label:<8} {what:>22} {a:>10,.0f} {b:>10,.0f} {b / a:>11.3f} {zpath_vs_mc:>9.3f}"
+
+
+LOAD_HEAD = (f"{'variant':<8} {'load':>22} {'MC comp/s':>10} {'MC+load':>10} {'MC+load/MC':>11} "
+             f"{'zpath/MC':>9}")
+LOAD_TITLE = ("MC sharing the cores with a load as busy as zpath's control plane (controller + "
+              "workers' I/O threads,\nshare of one core), runs alternated with plain MC:")
+
+
+def _load_table(load: dict[str, Any], z: dict[str, Any], mc: dict[str, Any]) -> str:
+    lines = [LOAD_HEAD, "-" * len(LOAD_HEAD)]
+    for v in ("O", "F"):
+        lines.append(load_line("-" + v, load[v], z[v]["comps_per_s"] / mc[v]["comps_per_s"]))
+    return "\n".join(lines)
+
+
 def measure(z: ZpathBench, mc: McBench, calls: dict[str, int], repeats: int) -> tuple[dict, dict]:
     """Alternate zpath and multi-controller runs (which goes first alternates
     too), so both see the same machine; return their summaries."""
@@ -446,6 +554,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mc-timeout", type=float, default=120.0,
                    help="seconds the multi-controller processes may take to start or for one run "
                         "(default 120); then they are stopped")
+    p.add_argument("--mc-load", action="store_true",
+                   help="then run MC again with and without a load process that uses as much CPU "
+                        "as zpath's controller and workers' I/O threads did: how much of the gap "
+                        "sharing the cores with a control plane explains")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON here")
     args = p.parse_args(argv)
     if args.calls_o < 1 or args.calls_f < 1 or args.repeats < 1:
@@ -470,6 +582,7 @@ def main(argv: list[str] | None = None) -> int:
             mb = McBench(args.calls_o, args.calls_f, warm_o, warm_f, sync, args.mc_timeout)
             try:
                 z, mc = measure(zb, mb, calls, args.repeats)
+                load = measure_load(zb, mb, calls, args.repeats) if args.mc_load else None
                 break
             except TimeoutError as e:
                 notes.append(str(e))
@@ -500,9 +613,13 @@ def main(argv: list[str] | None = None) -> int:
     print(_breakdown(z, mc))
     print()
     print(_spread(z, mc))
+    if load is not None:
+        print()
+        print(LOAD_TITLE)
+        print(_load_table(load, z, mc))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"zpath": z, "multi_controller": mc, "config": config}, f, indent=2)
+            json.dump({"zpath": z, "multi_controller": mc, "mc_load": load, "config": config}, f, indent=2)
         print(f"\nwrote {args.json}")
     return 0
 
