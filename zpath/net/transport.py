@@ -188,6 +188,9 @@ class BadMessage(ProtocolError):
         self.header = header
 
 
+DUE_SLACK_S = 0.0005
+
+
 class Outbox:
     """Thread-safe queue of outgoing messages, drained by the I/O thread.
 
@@ -248,9 +251,11 @@ class Outbox:
         self.wake()
 
     def held_timeout(self) -> float | None:
-        """Seconds until the held items are due (0: now), None if none are held."""
+        """Seconds until the held items are due (0: now), None if none are held.
+        Items within DUE_SLACK_S of their deadline count as due (a poll may
+        wake a little early; waiting again for so little would cost more)."""
         due = self._held_due
-        return None if due is None else max(0.0, due - time.monotonic())
+        return None if due is None else max(0.0, due - DUE_SLACK_S - time.monotonic())
 
     def wake(self) -> None:
         """Wake the I/O thread without an item (it then runs its loop once).
@@ -274,7 +279,7 @@ class Outbox:
             pass
         self._armed.clear()
         out = []
-        if self._held_due is not None and self._held_due <= time.monotonic():
+        if self._held_due is not None and self._held_due - DUE_SLACK_S <= time.monotonic():
             with self._hold_lock:
                 out, self._held = self._held, []
                 self._held_due = None

@@ -165,6 +165,8 @@ class Executor:
                     log.exception("executor thread: computation %d", entry[0].exec_id)
                     entry, done = None, None
                 if done is None:
+                    if self.release_held is not None:    # nothing may stay held now
+                        self.release_held()
                     continue
                 exec_id, error, start, end, took = done
                 hold = entry is not None and error is None and took < SHORT_S and self._short(entry[0])

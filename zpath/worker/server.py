@@ -145,7 +145,7 @@ class Worker:
                         self.device_ids = [d.id for d in reply.devices]   # Pong reports in this order
                         self.executor = Executor(self.store, devices, self._exec_done,
                                                  jax_devices={d.id: d for d in self.jax.devices()},
-                                                 release_held=self.outbox.release)
+                                                 release_held=self._release_held)
                         self.executor.rank = reply.rank
                         log.info("registered as host %d with devices %s", reply.rank,
                                  sorted(devices))
@@ -174,6 +174,11 @@ class Worker:
         self.outbox.hold(("ctl", None, m.ExecDone(exec_id, error, start, end), (), 0), HOLD_S,
                          release=not hold)
 
+    def _release_held(self) -> None:
+        """The executor waits (for an input): held reports go now."""
+        self.chaining = False
+        self.outbox.release()
+
     # ---- I/O loop ------------------------------------------------------------
     def serve_forever(self) -> None:
         poller = self.poller
@@ -192,7 +197,7 @@ class Worker:
             self.outbox.wait_until = time.monotonic() + ms / 1000
             held = self.outbox.held_timeout()
             if held is not None and held < wait:
-                ms = max(1, math.ceil(held * 1000))
+                ms = math.ceil(held * 1000)       # 0 when due: just look, then send them
                 self.outbox.wait_until = time.monotonic() + ms / 1000
             events = dict(poller.poll(timeout=ms))
             if self.ctl in events:
@@ -211,6 +216,11 @@ class Worker:
             if time.monotonic() - self.last_controller > CONTROLLER_SILENCE_S:
                 log.error("no word from the controller for %.0fs: exiting", CONTROLLER_SILENCE_S)
                 self.running = False
+        try:      # reports still held go out with the rest
+            self.outbox.release()
+            self._flush()
+        except Exception as e:
+            log.warning("could not send the last messages: %s", e)
         if self.profiler is not None:
             self.profiler.dump()
         self.close()
