@@ -247,11 +247,15 @@ def test_what_one_received_message_makes_the_controller_send_goes_out_as_one_bat
         calls.append(call)
     rig.c._out = {}
     rig.c._handle_safely(a, Header(1, 0, 1, 0, "x"), m.Program(1, "chain", "parallel", calls, []), [])
-    # only the program itself (it has a buffer) went at once; the rest is held
-    assert [(to, type(x[0])) for to, x in sent] == [(b"w0", m.RegisterProgram)]
+    # the program itself (it has a buffer) went at once; the nodes went out as
+    # they were planned, in groups that double (after nodes 1, 2, 4, ..., 32),
+    # so the workers start while the rest is planned; the last 8 are held
+    assert [(to, type(x[0])) for to, x in sent[:1]] == [(b"w0", m.RegisterProgram)]
+    assert [len(x) for _, x in sent[1:]] == [1, 1, 2, 4, 8, 16]
     rig.c._flush_out()
-    assert len(sent) == 2 and sent[1][0] == b"w0"
-    execs = [x for x in sent[1][1] if isinstance(x, m.Execute)]
+    assert [len(x) for _, x in sent[1:]] == [1, 1, 2, 4, 8, 16, 8]
+    assert all(to == b"w0" for to, _ in sent)
+    execs = [x for _, xs in sent[1:] for x in xs if isinstance(x, m.Execute)]
     assert len(execs) == 40 and [x.seq for x in execs] == sorted(x.seq for x in execs)
 
     # a message with buffers goes at once, after what was held for that peer
