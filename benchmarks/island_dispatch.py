@@ -30,12 +30,15 @@ It also prints where a zpath -O call's time goes (CPU time per call of the
 client, controller and workers, and the workers' execution times). This is a
 benchmark that prints figures, not a test.
 
-With ``--mc-load`` it then measures how much of the gap comes from sharing the
-machine's cores with zpath's control plane: it runs MC again, alternating runs
-with and without a load process that keeps a core busy for the same share of
-the time as zpath's controller and workers' I/O threads did in the timed zpath
-runs (in bursts of one zpath call's worth of that CPU). MC with that load over
-MC alone is the throughput that the control plane's CPU use alone would leave.
+With ``--mc-load`` it then estimates how much of the gap comes from sharing
+the machine's cores with zpath's control plane: it runs zpath, MC, and MC beside
+a load process, in rotating order, ``--repeats`` times each. The load keeps a
+core busy for the same share of the time as zpath's controller and workers' I/O
+threads did in the timed zpath runs, in bursts of one zpath call's worth of
+that CPU (at least 100 us). MC with that load over MC alone is what that much
+CPU use, in bursts of that size, costs a multi-controller run; the cost depends
+on the burst size as well as the share, so it is a model of the control plane,
+not a replay of it. The table also shows the share the load really took.
 
     python benchmarks/island_dispatch.py [--calls-o 500] [--calls-f 20] [--repeats 5] [--mc-load] [--json out.json]
 """
@@ -388,83 +391,119 @@ class McBench:
 
 
 BURNER = r"""
-import sys, time
+import os, select, sys, time
 burst, period = float(sys.argv[1]) / 1e6, float(sys.argv[2]) / 1e6
 print("READY", flush=True)
 while True:
     t0 = time.perf_counter()
     while time.perf_counter() - t0 < burst:
         pass
-    time.sleep(max(0.0, period - (time.perf_counter() - t0)))
+    # sleep until the next burst; stdin closing (the benchmark stopped or died) ends it
+    if select.select([sys.stdin], [], [], max(0.0, period - (time.perf_counter() - t0)))[0]:
+        if not os.read(sys.stdin.fileno(), 1):
+            break
 """
 MIN_BURST_US = 100.0      # smaller bursts would cost more in wake-ups than they burn
 
 
 class Burner:
     """A process that keeps one core busy ``burst_us`` out of every
-    ``period_us``: a stand-in for a control plane's CPU use."""
+    ``period_us``: a stand-in for a control plane's CPU use. It exits when its
+    stdin closes, so it cannot outlive the benchmark."""
 
     def __init__(self, burst_us: float, period_us: float) -> None:
+        import psutil
+
         self.proc = subprocess.Popen([sys.executable, "-c", BURNER, f"{burst_us:.1f}", f"{period_us:.1f}"],
-                                     stdout=subprocess.PIPE, text=True)
-        if self.proc.stdout.readline().strip() != "READY":
+                                     stdout=subprocess.PIPE, stdin=subprocess.PIPE, text=True)
+        try:
+            if self.proc.stdout.readline().strip() != "READY":
+                raise RuntimeError("the load process did not start")
+            self.ps = psutil.Process(self.proc.pid)
+        except BaseException:
             self.close()
-            raise RuntimeError("the load process did not start")
+            raise
+
+    def cpu(self) -> float:
+        t = self.ps.cpu_times()
+        return t.user + t.system
 
     def close(self) -> None:
+        for f in (self.proc.stdin, self.proc.stdout):
+            try:
+                f.close()
+            except OSError:
+                pass
         _stop([self.proc])
-        self.proc.stdout.close()
 
 
 def mc_with_load(mc: McBench, v: str, control: tuple[float, float], calls: int, repeats: int,
-                 comps: int) -> dict[str, Any]:
-    """MC variant ``v`` again, alternating runs with and without a load process
-    that uses as much CPU as zpath's control plane did: ``control`` is its (CPU
-    seconds, wall seconds) over the timed zpath runs, which made ``calls`` calls
-    in all; the load comes in bursts of one call's worth."""
+                 comps: int, zpath_run: Callable[[], float]) -> dict[str, Any]:
+    """zpath, MC and MC beside a load process, ``repeats`` times each, in
+    rotating order (so all three see the same machine). The load uses as much
+    CPU as zpath's control plane did: ``control`` is its (CPU seconds, wall
+    seconds) over earlier timed zpath runs, which made ``calls`` calls in all;
+    it comes in bursts of one call's worth. Also returns the share of a core
+    the load really took (it spins on the clock, so contention can leave it
+    less)."""
     cpu_s, wall_s = control
     share = cpu_s / wall_s                                    # of one core
     burst_us = max(MIN_BURST_US, cpu_s / calls * 1e6)
     period_us = burst_us / share if share > 0 else float("inf")
-    plain, loaded = [], []
+    times: dict[str, list[float]] = {"zpath": [], "plain": [], "loaded": []}
+    burned = loaded_wall = 0.0
+    order = ["zpath", "plain", "loaded"]
     for r in range(repeats):
-        for with_load in ((False, True) if r % 2 == 0 else (True, False)):
-            if not with_load:
-                plain.append(mc.run(v))
-                continue
-            b = Burner(burst_us, period_us)
-            try:
-                loaded.append(mc.run(v))
-            finally:
-                b.close()
-    return {"core_share": share, "burst_us": burst_us, "period_us": period_us,
-            "plain": _summary(plain, comps), "loaded": _summary(loaded, comps)}
+        for arm in order[r % 3:] + order[:r % 3]:
+            if arm == "zpath":
+                times[arm].append(zpath_run())
+            elif arm == "plain":
+                times[arm].append(mc.run(v))
+            else:
+                b = Burner(burst_us, period_us)
+                try:
+                    c0 = b.cpu()
+                    t = mc.run(v)
+                    burned += b.cpu() - c0
+                    loaded_wall += t
+                    times[arm].append(t)
+                finally:
+                    b.close()
+    out: dict[str, Any] = {"core_share": share, "burst_us": burst_us, "period_us": period_us,
+                           "achieved_share": burned / loaded_wall if loaded_wall else 0.0}
+    for arm, ts in times.items():
+        out[arm] = _summary(ts, comps)
+    return out
 
 
 def measure_load(z: ZpathBench, mc: McBench, calls: dict[str, int], repeats: int) -> dict[str, Any]:
     """``mc_with_load`` for -O and -F, with the control plane's CPU use in the
     timed zpath runs."""
     return {v: mc_with_load(mc, v, tuple(z.control[v]), calls[v] * repeats, repeats,
-                            calls[v] * (LOOP if v == "F" else 1))
+                            calls[v] * (LOOP if v == "F" else 1),
+                            lambda v=v: z.run(v, calls[v], timed=False))
             for v in ("O", "F")}
 
 
-def load_line(label: str, r: dict[str, Any], zpath_vs_mc: float) -> str:
-    a, b = r["plain"]["comps_per_s"], r["loaded"]["comps_per_s"]
-    what = f"{r['core_share'] * 100:.1f}% ({r['burst_us']:,.0f}us bursts)"
-    return f"{label:<8} {what:>22} {a:>10,.0f} {b:>10,.0f} {b / a:>11.3f} {zpath_vs_mc:>9.3f}"
+def load_line(label: str, r: dict[str, Any]) -> str:
+    z, a, b = r["zpath"]["comps_per_s"], r["plain"]["comps_per_s"], r["loaded"]["comps_per_s"]
+    what = f"{r['core_share'] * 100:.1f}% ({r['achieved_share'] * 100:.1f}%)"
+    return (f"{label:<8} {what:>16} {r['burst_us']:>9,.0f} {a:>10,.0f} {b:>10,.0f} {b / a:>11.3f} "
+            f"{z / a:>9.3f}")
 
 
-LOAD_HEAD = (f"{'variant':<8} {'load':>22} {'MC comp/s':>10} {'MC+load':>10} {'MC+load/MC':>11} "
-             f"{'zpath/MC':>9}")
-LOAD_TITLE = ("MC sharing the cores with a load as busy as zpath's control plane (controller + "
-              "workers' I/O threads,\nshare of one core), runs alternated with plain MC:")
+LOAD_HEAD = (f"{'variant':<8} {'load (achieved)':>16} {'burst us':>9} {'MC comp/s':>10} {'MC+load':>10} "
+             f"{'MC+load/MC':>11} {'zpath/MC':>9}")
+LOAD_TITLE = ("zpath, MC, and MC beside a load process as busy as zpath's control plane (controller "
+              "+ workers' I/O threads;\nshare of one core, and the share the load really took), runs "
+              "in rotating order; both ratios against this plain MC.\nThe load comes in bursts of "
+              "one zpath call's worth of that CPU; how much it costs MC depends on the burst size too:")
 
 
-def _load_table(load: dict[str, Any], z: dict[str, Any], mc: dict[str, Any]) -> str:
+def _load_table(load: dict[str, Any]) -> str:
     lines = [LOAD_HEAD, "-" * len(LOAD_HEAD)]
     for v in ("O", "F"):
-        lines.append(load_line("-" + v, load[v], z[v]["comps_per_s"] / mc[v]["comps_per_s"]))
+        lines.append(load_line("-" + v, load[v]))
     return "\n".join(lines)
 
 
@@ -591,6 +630,7 @@ def main(argv: list[str] | None = None) -> int:
                     raise
                 print("note: retrying with a block after every multi-controller call", flush=True)
                 zb.cpu = {v: dict.fromkeys(zb.procs, 0.0) for v in ("O", "F")}
+                zb.control = {v: [0.0, 0.0] for v in ("O", "F")}
             finally:
                 mb.close()
     finally:
@@ -616,7 +656,7 @@ def main(argv: list[str] | None = None) -> int:
     if load is not None:
         print()
         print(LOAD_TITLE)
-        print(_load_table(load, z, mc))
+        print(_load_table(load))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"zpath": z, "multi_controller": mc, "mc_load": load, "config": config}, f, indent=2)

@@ -257,6 +257,14 @@ def test_what_one_received_message_makes_the_controller_send_goes_out_as_one_bat
     assert all(to == b"w0" for to, _ in sent)
     execs = [x for _, xs in sent[1:] for x in xs if isinstance(x, m.Execute)]
     assert len(execs) == 40 and [x.seq for x in execs] == sorted(x.seq for x in execs)
+    # a single node is not flushed early: what handling its call sends goes together
+    sent.clear()
+    call, _ = rig.call(a, 0, prev)
+    rig.c._out = {}
+    rig.c._handle_safely(a, Header(1, 0, 2, 0, "x"), call, [])
+    assert sent == []
+    rig.c._flush_out()
+    assert len(sent) == 1 and any(isinstance(x, m.Execute) for x in sent[0][1])
 
     # a message with buffers goes at once, after what was held for that peer
     sent.clear()

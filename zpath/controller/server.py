@@ -575,6 +575,7 @@ class Controller:
         nodes of its program it reads have finished."""
         ident, peer, calls, dispatch, run = sub.ident, sub.peer, sub.calls, sub.dispatch, sub.run
         producer, exec_ids = sub.producer, sub.exec_ids
+        first = sub.next
         while sub.next < len(calls):
             k, call = sub.next, calls[sub.next]
             fits = self._fits(sub, call)
@@ -607,9 +608,12 @@ class Controller:
                 for w in waits:
                     self.waiters.setdefault(w, []).append(held)
                 self._hold(held)
-            if sub.next & (sub.next - 1) == 0 and self._out is not None:
-                # after nodes 1, 2, 4, 8, ...: what is ready goes out now, so
-                # the workers start while the rest of a long program is planned
+            done = sub.next - first
+            if done & (done - 1) == 0 and sub.next < len(calls) and self._out is not None:
+                # after nodes 1, 2, 4, 8, ... of those planned here: what is
+                # ready goes out now, so the workers start while the rest of a
+                # long program is planned (the last group goes with whatever
+                # else handling this message sends)
                 self._flush_out()
                 self._out = {}
         self._maybe_release(run)
