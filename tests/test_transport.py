@@ -146,7 +146,7 @@ def test_outbox_held_items_leave_within_their_bound():
     assert got == list(range(n))
     late.sort()
     assert late[len(late) // 2] < 0.05, late[len(late) // 2]
-    assert late[-1] < 0.3, late[-1]
+    assert late[-1] < 0.45, late[-1]      # an item the consumer missed waits 0.5 s or more
 
 
 def test_backoff_is_capped_and_jittered():
