@@ -177,10 +177,17 @@ class Executor:
 
     def _short(self, ex: m.Execute) -> bool:
         """Whether ``ex`` ran for less than SHORT_S last time."""
+        prepared = self._prepared(ex)
+        return prepared is not None and prepared.last_s < SHORT_S
+
+    def _prepared(self, ex: m.Execute) -> "_Prepared | None":
+        """The variant already prepared for ``ex``, if any: found by comparing
+        the message's lists as they are (building the hashable key costs more
+        than the few comparisons of a program's variants)."""
         for prepared in self._by_program.get(ex.program, ()):
             if prepared.matches(ex):
-                return prepared.last_s < SHORT_S
-        return False
+                return prepared
+        return None
 
     def _run(self, ex: m.Execute, devs: frozenset[int], index: int
              ) -> tuple[tuple[m.Execute, frozenset[int], int] | None, tuple]:
@@ -264,11 +271,9 @@ class Executor:
     def _prepare(self, ex: m.Execute) -> "_Prepared":
         """The compiled function and input shardings for this program on these
         devices with these specs, built once."""
-        # found by comparing the message's lists as they are: building the
-        # hashable key costs more than the few comparisons of a program's variants
-        for prepared in self._by_program.get(ex.program, ()):
-            if prepared.matches(ex):
-                return prepared
+        prepared = self._prepared(ex)
+        if prepared is not None:
+            return prepared
         key = (ex.program, tuple(ex.jax_ids), tuple(ex.mesh_shape), tuple(ex.axis_names),
                tuple(_freeze(i.spec) for i in ex.inputs), tuple(_freeze(o.spec) for o in ex.outputs))
         prepared = self.compiled.get(key)
