@@ -55,7 +55,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from island_dispatch import (LOAD_HEAD, LOAD_TITLE, LOOP, McBench, _check, _cpu,  # noqa: E402
                              _summary, _timeline_stats, control_cpu, cpu_line, expected,
-                             load_line, mc_with_load, on_sigterm, timeline_line)
+                             load_line, mc_with_load, on_sigterm, ratio_ci, timeline_line)
 
 NODES = LOOP         # chained nodes per program (128, as in the paper)
 X0 = 0.0             # x_k = 2^k - 1: exact and finite for k < 1024 computations per run
@@ -157,6 +157,7 @@ def measure(z: ZpathChained, mc: McBench, programs: int, repeats: int) -> tuple[
     for v in VARIANTS:
         zres[v] = _summary(zt[v], comps)
         zres[v]["cpu_us_per_comp"] = {k: t / (comps * repeats) * 1e6 for k, t in z.cpu[v].items()}
+        zres[v]["ratio_ci"] = ratio_ci(zt[v], mt)
     z.run("C", timed=False)          # one more -C run (untimed), so the timeline shows -C
     zres["C"]["timeline"] = z.timeline()
     zres["timeline_note"] = "worker timeline: one extra untimed -C run after the timed runs"
@@ -172,12 +173,13 @@ LABELS = {"C": "zpath -C (program, parallel)", "C-seq": "zpath -C (program, sequ
 
 
 def _table(z: dict[str, Any], mc: dict[str, Any]) -> str:
-    head = f"{'variant':<34} {'comp/s':>9} {'us/comp':>9} {'vs MC':>7}"
+    head = f"{'variant':<34} {'comp/s':>9} {'us/comp':>9} {'vs MC':>7} {'95% interval':>13}"
     lines = [head, "-" * len(head)]
     for v in VARIANTS:
         a = z[v]
+        lo, hi = a["ratio_ci"]
         lines.append(f"{LABELS[v]:<34} {a['comps_per_s']:>9,.0f} {a['us_per_comp']:>9,.1f} "
-                     f"{a['comps_per_s'] / mc['comps_per_s']:>7.3f}")
+                     f"{a['comps_per_s'] / mc['comps_per_s']:>7.3f} {lo:>6.3f}-{hi:.3f}")
     lines.append(f"{'JAX multi-controller (MC)':<34} {mc['comps_per_s']:>9,.0f} {mc['us_per_comp']:>9,.1f} "
                  f"{1.0:>7.3f}")
     return "\n".join(lines)
@@ -271,7 +273,8 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(_table(z, mc))
     print("(comp/s: computations per second, median run; MC time = slower of the 2 processes; "
-          "vs MC: throughput ratio zpath / MC)")
+          "vs MC: throughput ratio zpath / MC,\n with a 95% bootstrap interval over the side-by-side "
+          "pairs of runs: how far the ratio moves with the machine's noise)")
     print()
     print("where the time goes (CPU time per computation over all timed runs):")
     print(_breakdown(z, mc))

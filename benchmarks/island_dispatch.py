@@ -77,6 +77,25 @@ def _check(what: str, got: Any, want: float) -> None:
         raise AssertionError(f"{what}: expected [{want!r}, {want!r}], got {got!r}")
 
 
+def ratio_ci(mine: list[float], theirs: list[float], draws: int = 4000,
+             seed: int = 0) -> tuple[float, float]:
+    """95% bootstrap interval of the throughput ratio median(theirs) / median(mine)
+    (run times; a ratio above 1 means ``mine`` is faster). Runs ``k`` of the two
+    lists were measured next to each other, so pairs are resampled together: the
+    interval shows how far the ratio moves with which runs the machine's noise
+    happened to hit. With a handful of runs it is rough."""
+    n = min(len(mine), len(theirs))
+    if n < 2:
+        r = statistics.median(theirs) / statistics.median(mine)
+        return r, r
+    rng = np.random.default_rng(seed)
+    a, b = np.asarray(mine[:n]), np.asarray(theirs[:n])
+    idx = rng.integers(0, n, size=(draws, n))
+    ratios = np.median(b[idx], axis=1) / np.median(a[idx], axis=1)
+    lo, hi = np.percentile(ratios, [2.5, 97.5])
+    return float(lo), float(hi)
+
+
 def _summary(times: list[float], comps_per_run: int) -> dict[str, Any]:
     med = statistics.median(times)
     return {"times_s": times, "median_s": med, "min_s": min(times), "max_s": max(times),
@@ -525,6 +544,7 @@ def measure(z: ZpathBench, mc: McBench, calls: dict[str, int], repeats: int) -> 
         zres[v] = _summary(zt, comps)
         zres[v]["cpu_us_per_comp"] = {k: t / (comps * repeats) * 1e6 for k, t in z.cpu[v].items()}
         zres[v]["timeline"] = z.timeline(v, calls[v])
+        zres[v]["ratio_ci"] = ratio_ci(zt, mt)
         mres[v] = _summary(mt, comps)
         mres[v]["cpu_us_per_comp"] = {f"process{i}": t / (comps * repeats) * 1e6
                                       for i, t in enumerate(mc.cpu[v])}
@@ -534,13 +554,14 @@ def measure(z: ZpathBench, mc: McBench, calls: dict[str, int], repeats: int) -> 
 # ---- report -------------------------------------------------------------------
 def _table(z: dict[str, Any], mc: dict[str, Any]) -> str:
     head = (f"{'variant':<8} {'zpath comp/s':>13} {'zpath us/comp':>14} "
-            f"{'MC comp/s':>11} {'MC us/comp':>11} {'zpath/MC':>9}")
+            f"{'MC comp/s':>11} {'MC us/comp':>11} {'zpath/MC':>9} {'95% interval':>13}")
     lines = [head, "-" * len(head)]
     for v in ("O", "F"):
         a, b = z[v], mc[v]
+        lo, hi = z[v]["ratio_ci"]
         lines.append(f"{'-' + v:<8} {a['comps_per_s']:>13,.0f} {a['us_per_comp']:>14,.1f} "
                      f"{b['comps_per_s']:>11,.0f} {b['us_per_comp']:>11,.1f} "
-                     f"{a['comps_per_s'] / b['comps_per_s']:>9.3f}")
+                     f"{a['comps_per_s'] / b['comps_per_s']:>9.3f} {lo:>6.3f}-{hi:.3f}")
     return "\n".join(lines)
 
 
@@ -647,7 +668,8 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(_table(z, mc))
     print("(comp/s: computations per second, median run; MC time = slower of the 2 processes; "
-          "zpath/MC: throughput ratio)")
+          "zpath/MC: throughput ratio,\n with a 95% bootstrap interval over the side-by-side pairs "
+          "of runs: how far the ratio moves with the machine's noise)")
     print()
     print("where the time goes (CPU time per computation over all timed runs):")
     print(_breakdown(z, mc))
