@@ -67,6 +67,7 @@ class Worker:
             jax.distributed.initialize(coordinator, num_processes=num_processes,
                                        process_id=process_id,
                                        initialization_timeout=int(REGISTER_TIMEOUT_S))
+            _gloo_listens_on(bind_host)
         self.jax = jax
         self.local = jax.local_devices()
         self.platform = self.local[0].platform
@@ -655,6 +656,29 @@ def _array(aval: m.Aval, buffers: list) -> np.ndarray:
     if any(s < 0 for s in shape) or buffers[0].nbytes != dtype.itemsize * int(np.prod(shape)):
         raise ValueError(f"{buffers[0].nbytes} bytes do not make a {aval.dtype}{list(shape)}")
     return np.frombuffer(buffers[0], dtype=dtype).reshape(shape)
+
+
+def _gloo_listens_on(address: str) -> None:
+    """Make gloo (CPU collectives between an island's hosts) listen on, and tell
+    its peers, this worker's address. By default gloo uses the address the host
+    name resolves to, which is 127.0.0.1 or 127.0.1.1 on many machines (the
+    other hosts then cannot connect) and the same for every network namespace of
+    one machine. Must run after ``jax.distributed.initialize`` and before the
+    first use of a device; it replaces JAX's CPU backend factory (an internal
+    API: if it has changed, gloo keeps its default and a warning says so)."""
+    try:
+        from jax._src import distributed, xla_bridge
+        from jax._src.lib import _jax
+
+        def make_cpu_client() -> Any:
+            collectives = _jax.make_gloo_tcp_collectives(
+                distributed_client=distributed.global_state.client, hostname=address)
+            return xla_bridge.make_cpu_client(collectives=collectives)
+
+        xla_bridge.register_backend_factory("cpu", make_cpu_client, priority=0, fail_quietly=False)
+    except Exception as e:  # noqa: BLE001 (an internal API of another project)
+        log.warning("cannot bind gloo to %s (%s: %s); it uses the host name's address",
+                    address, type(e).__name__, e)
 
 
 class _Profiler:
