@@ -61,3 +61,38 @@ def test_calls_wait_for_memory_and_never_fitting_ones_fail(limited):
         assert time.monotonic() - t < 10
         # the cluster still works
         np.testing.assert_array_equal(np.asarray(double(np.ones(1))), [2.])
+
+
+def test_inputs_of_a_call_that_can_never_fit_are_freed_even_when_they_come_late(limited):
+    """The values a client put for a call the controller fails are freed: when
+    they came first, and when they come after the Free (Put and Free take
+    different connections), in which case the worker drops them."""
+    from tests.test_memory import empty, stores, wait_for
+    with connected(limited) as conn:
+        client = zp.api.current_client()
+        d = zp.make_virtual_device_set().add_slice(devices=1).devices
+        grow = zp.jit(lambda x: np.ones(20000) * x.sum(), mesh=zp.Mesh(d, ("i",)))   # 160 kB out
+        base = wait_for(conn, empty)     # what earlier tests held is freed
+        for _ in range(3):
+            with pytest.raises(zp.ResourceError, match="more than the per-device limit"):
+                grow(np.ones(1000)).result(timeout=30)
+        wait_for(conn, lambda s: s == base)
+        late = []
+        put = client.put
+        client.put = lambda host, msg, data: late.append((host, msg, data))      # hold the Puts back
+        try:
+            with pytest.raises(zp.ResourceError, match="more than the per-device limit"):
+                grow(np.ones(1000)).result(timeout=30)
+        finally:
+            client.put = put
+        assert len(late) == 1
+        time.sleep(0.5)                  # the controller's Free reached the worker first
+        put(*late[0])
+        # a call after it on the same connection: once it ran, the late Put was handled
+        double = zp.jit(lambda x: x * 2, mesh=zp.Mesh(d, ("i",)))
+        y = double(np.ones(3))
+        np.testing.assert_array_equal(y.result(timeout=30), [2., 2., 2.])
+        del y
+        gc.collect()
+        time.sleep(2.5)                  # two refreshes of the workers' store figures
+        assert stores(conn) == base

@@ -583,6 +583,7 @@ class Controller:
                 return False
             sub.next += 1
             if fits == "failed":
+                self._free_puts(call)        # what the client put for it
                 run.sent += 1
                 continue
             preds = {producer[i.buffer] for i in call.inputs if i.buffer in producer}

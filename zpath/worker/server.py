@@ -477,6 +477,10 @@ class Worker:
     # ---- data messages -------------------------------------------------------
     def _handle_data(self, ident: bytes, msg_id: int, msg: Record, buffers: list) -> None:
         match msg:
+            case m.Put() if self.store.was_freed(msg.buffer):
+                # freed before it came (the Free took the other connection; e.g.
+                # the controller rejected its call): keeping it would keep it for good
+                log.debug("buffer %d was freed before its Put came: dropped", msg.buffer)
             case m.Put() | m.Piece() if not getattr(msg, "error", None):
                 key = shard_key(msg.buffer, msg.device, msg.region) if isinstance(msg, m.Put) \
                     else ("p", msg.piece_id)
@@ -569,7 +573,9 @@ class Worker:
                     heapq.heapify(self.fetch_deadlines)
                     self.fetch_heap_limit = max(1024, 2 * len(self.fetch_deadlines))
                 heapq.heappush(self.fetch_deadlines, (time.monotonic() + timeout, id(pending), pending))
-                self.store.when_done(key, lambda e, p=pending: self.pool.submit(self._reply_fetch, p, e))
+                pending.key = key
+                pending.cb = lambda e, p=pending: self.pool.submit(self._reply_fetch, p, e)
+                self.store.when_done(key, pending.cb)
             case _:
                 self.post_data(ident, m.Error("bad_request", f"{type(msg).__name__} is not "
                                               "accepted on the data port"), parent=msg_id)
@@ -615,6 +621,7 @@ class Worker:
         while self.fetch_deadlines and self.fetch_deadlines[0][0] <= now:
             _, _, p = heapq.heappop(self.fetch_deadlines)
             if p.claim():
+                self.store.forget(p.key, p.cb)
                 err = m.ErrorInfo("DeadlineExceeded", f"buffer {p.msg.buffer} was not ready on host "
                                   f"{self.rank} within {p.msg.timeout_s:.1f}s", self.rank, "", "")
                 self.post_data(p.ident, m.FetchReply(p.msg.request, m.Aval([], ""), err))
@@ -626,6 +633,8 @@ class _PendingFetch:
 
     def __init__(self, ident: bytes, msg: m.Fetch) -> None:
         self.ident, self.msg = ident, msg
+        self.key: Any = None                       # the store entry it waits for
+        self.cb: Any = None                        # and its callback there
         self._lock = threading.Lock()
         self._answered = False
 

@@ -5,7 +5,9 @@ for pieces in transit. An entry is created by whoever first names it (a waiter
 or the producer) and is *done* once it has a value or an error."""
 from __future__ import annotations
 
+import collections
 import threading
+import time
 from typing import Any, Callable, Hashable
 
 from zpath.net import messages as m
@@ -22,11 +24,19 @@ class Entry:
         self.callbacks: list[Callable[["Entry"], None]] = []
 
 
+# How long a freed buffer id is remembered, so that a client's Put that comes in
+# after the Free (the two take different connections) is dropped, not kept.
+FREED_MEMORY_S = 120.0
+FREED_MAX = 1_000_000
+
+
 class Store:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._entries: dict[Hashable, Entry] = {}
         self._by_buffer: dict[int, set[Hashable]] = {}    # buffer -> its shard keys
+        # buffers freed lately, oldest first (buffer ids are never used again)
+        self._freed: collections.OrderedDict[int, float] = collections.OrderedDict()
 
     def entry(self, key: Hashable) -> Entry:
         with self._lock:
@@ -82,30 +92,64 @@ class Store:
                 return
         cb(e)
 
+    def forget(self, key: Hashable, cb: Callable[[Entry], None]) -> None:
+        """``cb`` no longer waits for the entry (a fetch that expired): drop the
+        entry too if it is not done and nothing else waits for it, so fetches of
+        values that never come (e.g. a failed call's outputs) leave nothing."""
+        with self._lock:
+            e = self._entries.get(key)
+            if e is None or e.done:
+                return
+            try:
+                e.callbacks.remove(cb)
+            except ValueError:
+                pass
+            if not e.callbacks and e.event is None:
+                del self._entries[key]
+                keys = self._by_buffer.get(key[1]) if key[0] == "s" else None
+                if keys is not None:
+                    keys.discard(key)
+                    if not keys:
+                        del self._by_buffer[key[1]]
+
     def pop(self, key: Hashable) -> None:
         with self._lock:
             self._entries.pop(key, None)
 
-    def free_buffers(self, buffers: list[int]) -> int:
-        """Drop every shard of these buffers; returns how many were dropped."""
+    def free_buffers(self, buffers: list[int], now: float | None = None) -> int:
+        """Drop every shard of these buffers; returns how many were dropped.
+        The ids are remembered for FREED_MEMORY_S (see ``was_freed``)."""
         n = 0
+        now = time.monotonic() if now is None else now
         with self._lock:
+            freed = self._freed
             for b in buffers:
                 for k in self._by_buffer.pop(b, ()):
                     if self._entries.pop(k, None) is not None:
                         n += 1
+                freed[b] = now
+                freed.move_to_end(b)
+            while freed and (len(freed) > FREED_MAX or next(iter(freed.values())) < now - FREED_MEMORY_S):
+                freed.popitem(last=False)
         return n
 
-    def stats(self, devices: list[int] = ()) -> tuple[int, int, list[int]]:
-        """(number of shards, bytes held by done shards, those bytes per device
-        of ``devices``)."""
+    def was_freed(self, buffer: int) -> bool:
+        """Whether this buffer was freed lately: a client's Put for it that comes
+        in now (after the Free, over the other connection; e.g. for a call the
+        controller rejected) is dropped rather than kept for good."""
         with self._lock:
-            shards = [(k[2], e) for k, e in self._entries.items() if k[0] == "s"]
+            return buffer in self._freed
+
+    def stats(self, devices: list[int] = ()) -> tuple[int, int, list[int]]:
+        """(number of shards held (done: with a value or an error), bytes they
+        hold, those bytes per device of ``devices``)."""
+        with self._lock:
+            shards = [(k[2], e) for k, e in self._entries.items() if k[0] == "s" and e.done]
         per = dict.fromkeys(devices, 0)
         for d, e in shards:
-            if e.done and d in per:
+            if d in per:
                 per[d] += getattr(e.value, "nbytes", 0)
-        nbytes = sum(getattr(e.value, "nbytes", 0) for _, e in shards if e.done)
+        nbytes = sum(getattr(e.value, "nbytes", 0) for _, e in shards)
         return len(shards), nbytes, [per[d] for d in devices]
 
 

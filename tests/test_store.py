@@ -1,0 +1,40 @@
+"""The worker's object store: freed buffer ids are remembered for a while, so a
+client's Put that comes after the Free is dropped rather than kept for good."""
+from zpath.worker import store as st
+
+
+def test_freed_buffers_are_remembered_until_they_expire():
+    s = st.Store()
+    key = st.shard_key(7, 0, [[0, 4]])
+    s.set(key, "shard")
+    assert s.free_buffers([7, 8], now=100.0) == 1       # 8 was never seen here
+    assert s.was_freed(7) and s.was_freed(8) and not s.was_freed(9)
+    assert not s.is_done(key)
+    s.free_buffers([9], now=100.0 + st.FREED_MEMORY_S + 1)   # expires 7 and 8
+    assert not s.was_freed(7) and not s.was_freed(8) and s.was_freed(9)
+
+
+def test_freed_ids_are_capped(monkeypatch):
+    monkeypatch.setattr(st, "FREED_MAX", 3)
+    s = st.Store()
+    s.free_buffers([1, 2, 3, 4, 5], now=1.0)
+    assert [b for b in range(1, 6) if s.was_freed(b)] == [3, 4, 5]
+
+
+def test_a_forgotten_waiter_leaves_no_entry():
+    s = st.Store()
+    key, other = st.shard_key(7, 0, [[0, 4]]), st.shard_key(7, 1, [[0, 4]])
+    seen = []
+    cb1, cb2 = seen.append, lambda e: seen.append(("2", e))
+    s.when_done(key, cb1)
+    s.when_done(key, cb2)
+    s.when_done(other, cb1)
+    s.forget(key, cb1)                  # cb2 still waits: the entry stays
+    s.set(key, "v")
+    assert len(seen) == 1 and seen[0][0] == "2"
+    s.forget(other, cb1)                # nothing else waits: gone, and not counted
+    assert s.stats() == (1, 0, [])
+    s.set(other, "late")                # a value that comes later is kept as usual
+    assert s.is_done(other)
+    s.forget(other, cb1)                # done: no effect
+    assert s.is_done(other)
