@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -11,7 +12,7 @@ import psutil
 import pytest
 
 import zpath as zp
-from zpath.launcher import LocalCluster
+from zpath.launcher import LocalCluster, free_port
 from tests.conftest import assert_gone
 
 pytestmark = pytest.mark.timeout(180)
@@ -106,6 +107,7 @@ def test_pytrees_and_scalars(client):
     np.testing.assert_array_equal(np.asarray(out["neg"]), [-1., -1.])
     g = zp.jit(lambda x: x * 2, mesh=zp.Mesh(devices(1), ("i",)))
     assert np.asarray(g(3)) == 6 and g(np.float32(1.5)).dtype == np.float32
+    assert g(1) and not g(0) and g(True)            # a 0-d future's truth is its value's
 
 
 def test_returns_before_the_controller_answers(client):
@@ -123,9 +125,19 @@ def test_returns_before_the_controller_answers(client):
 
 
 def test_trace_error_raised_at_call_site(client):
+    import jax
     f = zp.pmap(lambda x: x @ np.ones((5, 5)), devices=devices(2))
     with pytest.raises(TypeError, match="dot_general requires contracting dimensions"):
         f(np.ones((2, 3)))
+    # JAX's own error for an unknown collective axis is an empty AssertionError: named here
+    wrong = zp.pmap(lambda x: jax.lax.psum(x, "j"), axis_name="i", devices=devices(2))
+    with pytest.raises(ValueError, match="axis name the mesh does not have; .*axis names: 'i'"):
+        wrong(np.ones(2))
+    unnamed = zp.pmap(lambda x: jax.lax.psum(x, "i"), devices=devices(2))
+    with pytest.raises(ValueError, match="zp.pmap was given no axis_name"):
+        unnamed(np.ones(2))
+    with pytest.raises(TypeError, match=r"dtype <U3\) to a zpath computation"):
+        f("abc")
 
 
 def test_shape_mismatch_raised_before_dispatch(client):
@@ -252,11 +264,17 @@ def test_init_and_shutdown_leave_no_process():
         zp.make_virtual_device_set()
 
 
-def test_zpath_up_cli_runs_and_stops_on_sigterm(tmp_path):
+@pytest.mark.parametrize("sig,code", [(signal.SIGTERM, 0), (signal.SIGINT, 130)], ids=["sigterm", "ctrl-c"])
+def test_zpath_up_cli_runs_and_stops_on_a_signal(tmp_path, sig, code):
     env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env.pop("ZPATH_KEY", None)
+    env.pop("ZPATH_KEY_FILE", None)
+    env.pop("ZPATH_CONTROLLER", None)
+    port = free_port("127.0.0.1")
+    state = tmp_path / "state.json"
     p = subprocess.Popen([sys.executable, "-m", "zpath", "up", "--islands", "1", "--devices-per-host", "1",
-                          "--log-dir", str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         text=True, env=env)
+                          "--log-dir", str(tmp_path), "--state", str(state), "--controller-port", str(port)],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
         address = None
         deadline = time.monotonic() + 120
@@ -267,6 +285,7 @@ def test_zpath_up_cli_runs_and_stops_on_sigterm(tmp_path):
             if line.startswith("zpath cluster up:"):
                 address = line.split(":", 1)[1].strip()
         assert address, p.stderr.read()
+        assert address == f"tcp://127.0.0.1:{port}"          # --controller-port is used
         children = psutil.Process(p.pid).children(recursive=True)
         assert len(children) == 2
         status = subprocess.run([sys.executable, "-m", "zpath", "status", address], capture_output=True,
@@ -274,8 +293,13 @@ def test_zpath_up_cli_runs_and_stops_on_sigterm(tmp_path):
                                 env=dict(env, ZPATH_KEY_FILE=str(tmp_path / "cluster.key")))
         assert status.returncode == 0, status.stderr
         assert "1 host(s)" in status.stdout and "island 0 host 0" in status.stdout
-        p.terminate()
-        assert p.wait(30) == 0
+        # no address and no key: both come from the state file
+        status = subprocess.run([sys.executable, "-m", "zpath", "status", "--state", str(state)],
+                                capture_output=True, text=True, timeout=60, env=env)
+        assert status.returncode == 0, status.stderr
+        assert f"controller {address}: 1 host(s)" in status.stdout
+        p.send_signal(sig)
+        assert p.wait(30) == code
         assert_gone([c.pid for c in children])
     finally:
         if p.poll() is None:

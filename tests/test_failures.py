@@ -59,6 +59,8 @@ def test_killed_worker_fails_its_futures_and_the_rest_keeps_working(fragile):
         np.testing.assert_array_equal(fetched.result(), [2.])              # already fetched: kept
         with pytest.raises(zp.HostLost, match=lost):                       # but it is gone there
             zp.pmap(lambda v: v * 2, devices=d0)(fetched).result(timeout=60)
+        with pytest.raises(zp.HostLost, match=lost):                       # a new call there
+            inc(np.ones(1)).result(timeout=60)
         assert time.monotonic() - t < 30, "loss not noticed within a few seconds"
         # the controller and the other island keep serving
         ok = zp.pmap(lambda v: v - 1, devices=d0)
@@ -111,3 +113,32 @@ def test_killed_client_has_its_buffers_freed(fragile):
             p.stderr.close()
     finally:
         zp.shutdown()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["stopped", "killed"])
+def test_client_fails_what_waits_when_the_controller_goes(sig, monkeypatch):
+    """A stopped controller tells its clients; a killed one is noticed by its
+    silence (ZPATH_CONTROLLER_TIMEOUT, 2 s here): what waits fails with Broken,
+    well before its own deadline, and so does every later use."""
+    import zpath.client as zc
+    monkeypatch.setattr(zc, "CONTROLLER_SILENCE_S", 2.0)
+    with running_cluster(islands=1, hosts_per_island=1, devices_per_host=1,
+                         env={"ZPATH_CONTROLLER_TIMEOUT": "2"}) as c:
+        conn = zp.connect(c.address, c.key)
+        try:
+            d = zp.make_virtual_device_set().add_slice(devices=1).devices
+            inc = zp.pmap(lambda x: x + 1., devices=d)
+            done = inc(np.zeros(1))
+            np.testing.assert_array_equal(done.result(timeout=30), [1.])
+            controller = dict(c.procs)["controller"]
+            controller.send_signal(sig)
+            controller.wait(10)
+            t = time.monotonic()
+            with pytest.raises(zp.Broken, match="shut down" if sig == signal.SIGTERM else "no answer"):
+                inc(done).result(timeout=60)             # never runs: its fetch fails
+            assert time.monotonic() - t < 10
+            with pytest.raises(zp.Broken):
+                inc(done)
+            np.testing.assert_array_equal(done.result(), [1.])     # fetched before: kept
+        finally:
+            zp.shutdown()

@@ -87,9 +87,10 @@ def test_cross_island_call_is_rejected(island):
         zp.connect(c.address, c.key)
         d0 = zp.make_virtual_device_set().add_slice(devices=1, island=0).devices
         d1 = zp.make_virtual_device_set().add_slice(devices=1, island=1).devices
-        f = zp.pmap(lambda x: x + 1, devices=d0 + d1)
-        with pytest.raises(zp.RemoteError, match="span islands"):
-            f(np.ones(2)).result(timeout=30)
+        with pytest.raises(ValueError, match=r"span islands \[0, 1\]: a computation runs on one island"):
+            zp.pmap(lambda x: x + 1, devices=d0 + d1)       # at placement, before any call
+        with pytest.raises(ValueError, match="span islands"):
+            zp.jit(lambda x: x + 1, mesh=zp.Mesh(d0 + d1, ("i",)))
         with pytest.raises(zp.ResourceError, match="no island runtime has 2"):
             zp.make_virtual_device_set().add_slice(devices=2)
     finally:

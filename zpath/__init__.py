@@ -10,6 +10,8 @@
 from __future__ import annotations
 
 import os
+import re
+import warnings
 from typing import Any
 
 from jax.sharding import PartitionSpec as P
@@ -67,7 +69,13 @@ def init(islands: int | None = None, hosts_per_island: int | None = None,
 
     if _cluster["current"] is not None:
         raise ZpathError("already initialised: call zp.shutdown() first")
+    _check_weight(weight)
     if os.environ.get("ZPATH_CONTROLLER"):
+        given = [k for k, v in (("islands", islands), ("hosts_per_island", hosts_per_island),
+                                ("devices_per_host", devices_per_host)) if v is not None] + list(kwargs)
+        if given:
+            warnings.warn(f"ZPATH_CONTROLLER is set: zp.init() connects to that cluster and "
+                          f"ignores {', '.join(given)}", stacklevel=2)
         return connect(os.environ["ZPATH_CONTROLLER"], weight=weight)
     shape = default_shape()
     for k, v in (("islands", islands), ("hosts_per_island", hosts_per_island),
@@ -88,24 +96,31 @@ def connect(address: str, key: bytes | str | None = None, *, name: str = "client
     ``ZPATH_KEY`` or ``ZPATH_KEY_FILE``. ``weight`` is this client's share of
     the devices under the proportional-share policy (its device time relative
     to the other clients' that keep the same devices busy)."""
-    from zpath.keys import key_from_env
+    from zpath.keys import key_from_env, parse_key
 
     if _cluster["current"] is not None:
         raise ZpathError("already connected: call zp.shutdown() first")
-    if key is None:
-        key = key_from_env()
-    elif isinstance(key, str):
-        key = bytes.fromhex(key)
+    if not isinstance(address, str) or not re.match(r"^(tcp|ipc)://\S+$", address):
+        raise ZpathError(f"{address!r} is not a cluster address: expected tcp://HOST:PORT "
+                         "(as `zpath up` prints it)")
+    key = key_from_env() if key is None else parse_key(key)
     return _attach(address, key, None, name=name, timeout=timeout, weight=weight)
+
+
+def _check_weight(weight: Any) -> None:
+    if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not 0 < weight <= 1e6:
+        raise ValueError(f"weight must be a number > 0 and <= 1e6, not {weight!r}")
 
 
 def _attach(address: str, key: bytes, local: Any, *, name: str = "client",
             timeout: float | None = None, weight: float = 1.0) -> Cluster:
     from zpath.client import CONNECT_TIMEOUT_S, Client
 
-    if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not 0 < weight <= 1e6:
-        raise ValueError(f"weight must be a number > 0 and <= 1e6, not {weight!r}")
-    client = Client(address, key, name=name, timeout=timeout or CONNECT_TIMEOUT_S, weight=float(weight))
+    _check_weight(weight)
+    if timeout is not None and not timeout > 0:
+        raise ValueError(f"timeout must be a number of seconds > 0, not {timeout!r}")
+    client = Client(address, key, name=name, timeout=CONNECT_TIMEOUT_S if timeout is None else timeout,
+                    weight=float(weight))
     cluster = Cluster(client, local)
     _cluster["current"] = cluster
     _current["client"] = client

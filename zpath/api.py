@@ -15,6 +15,7 @@ from zpath.futures import Future
 from zpath.net import messages as m
 
 _current: dict[str, Any] = {"client": None}
+DEFAULT_PMAP_AXIS = "_zp_pmap"      # the mesh axis of a zp.pmap given no axis_name
 
 
 def current_client() -> Any:
@@ -52,8 +53,9 @@ class VirtualDeviceSet:
         self.slices: list[Slice] = []
 
     def add_slice(self, devices: int, island: int | None = None, host: int | None = None) -> Slice:
-        """Allocate ``devices`` devices, all on one host (optionally a given
-        island or host), spread over the cluster's least-loaded devices."""
+        """Allocate ``devices`` devices on one island (optionally a given island
+        or host): the least-loaded devices, on one host when one host has
+        enough free, else over several hosts of the island."""
         reply = self.client.request(m.AllocSlice(int(devices), None if island is None else int(island),
                                                  None if host is None else int(host)))
         self.client.learn(reply.devices)
@@ -113,8 +115,9 @@ def _aval(x: Any) -> tuple[tuple[int, ...], np.dtype]:
     if isinstance(x, Future):
         return x.shape, x.dtype
     a = np.asarray(x)
-    if a.dtype == object:
-        raise TypeError(f"cannot pass a {type(x).__name__} to a zpath computation")
+    if a.dtype.kind in "OUSMm" or a.dtype.fields is not None:      # (bfloat16 and float8 are "V")
+        raise TypeError(f"cannot pass a {type(x).__name__} (dtype {a.dtype}) to a zpath computation: "
+                        "inputs are numeric arrays, scalars or futures")
     return a.shape, a.dtype
 
 
@@ -133,6 +136,11 @@ class Computation:
         clients = {id(d.client) for d in mesh.devices.flat}
         if len(clients) != 1:
             raise ValueError("all devices of a computation must come from one connection")
+        islands = sorted({d.island for d in mesh.devices.flat})
+        if len(islands) > 1:
+            raise ValueError(f"devices {mesh.device_ids} span islands {islands}: a computation runs "
+                             "on one island (values move between islands when computations on "
+                             "each read them)")
         self.client = mesh.devices.flat[0].client
         self._cache: dict[Any, _Traced] = {}
         functools.update_wrapper(self, fn)
@@ -193,7 +201,20 @@ class Computation:
                                             is_leaf=lambda x: isinstance(x, P))
             jitted = jax.jit(flat_fn, out_shardings=out_sh)
         with jax.enable_x64(True):
-            exported = jax.export.export(jitted)(*structs)
+            try:
+                exported = jax.export.export(jitted)(*structs)
+            except AssertionError as e:
+                if str(e):
+                    raise
+                # what JAX raises for a collective over an axis the mesh lacks
+                if self.pmap_axis == DEFAULT_PMAP_AXIS:
+                    names = "none (zp.pmap was given no axis_name=)"
+                else:
+                    names = ", ".join(repr(a) for a in self.mesh.axis_names)
+                raise ValueError(
+                    f"{self.name}: JAX failed tracing it with an empty AssertionError, which is what "
+                    "it raises for a collective (psum, all_gather, ...) over an axis name the mesh "
+                    f"does not have; this computation's axis names: {names}") from e
         out_avals = [(tuple(a.shape), np.dtype(a.dtype)) for a in exported.out_avals]
         if self.pmap_axis is not None:
             out_leaf_specs = [P(self.pmap_axis)] * len(out_avals)
@@ -302,7 +323,7 @@ def pmap(fn: Callable, devices: Any, axis_name: str | None = None) -> Computatio
     devs = _devices_list(devices)
     if not devs:
         raise ValueError("pmap needs at least one device")
-    axis = axis_name or "_zp_pmap"
+    axis = axis_name or DEFAULT_PMAP_AXIS
     return Computation(fn, Mesh(devs, (axis,)), None, None, axis)
 
 

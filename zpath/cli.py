@@ -7,6 +7,44 @@ import os
 import signal
 import sys
 import threading
+from typing import Any
+
+
+def _positive_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        v = 0
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 1, not {text!r}")
+    return v
+
+
+def _non_negative(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        v = -1.0
+    if not v >= 0 or v == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number >= 0, not {text!r}")
+    return v
+
+
+def _positive(text: str) -> float:
+    v = _non_negative(text)
+    if v == 0:
+        raise argparse.ArgumentTypeError(f"must be a number > 0, not {text!r}")
+    return v
+
+
+def _port(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        v = -1
+    if not 0 <= v <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a port number 0-65535 (0: a free one), not {text!r}")
+    return v
 
 
 def _up(args: argparse.Namespace) -> int:
@@ -15,8 +53,14 @@ def _up(args: argparse.Namespace) -> int:
 
     logs.setup("launcher")
     stop = threading.Event()
+    caught: list[int] = []
+
+    def on_signal(signum: int, frame: object) -> None:
+        caught.append(signum)
+        stop.set()
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+        signal.signal(sig, on_signal)
     state_path = args.state or cluster_state.default_path()
     if os.path.exists(state_path):
         try:
@@ -46,7 +90,14 @@ def _up(args: argparse.Namespace) -> int:
               f"{args.devices_per_host} device(s)...", file=sys.stderr, flush=True)
         cluster = LocalCluster(args.islands, args.hosts_per_island, args.devices_per_host,
                                log_dir=args.log_dir, bind_host=args.bind_host or "127.0.0.1",
-                               start_timeout=args.start_timeout, **dcn)
+                               start_timeout=args.start_timeout, controller_port=args.controller_port,
+                               **dcn)
+    # Ctrl-C: 130, as a shell reports it; SIGTERM (e.g. from `zpath down`): a clean stop
+    interrupted = lambda: 130 if signal.SIGINT in caught else 0  # noqa: E731
+    if stop.is_set():                 # interrupted while it started
+        cluster.stop()
+        print("zpath cluster stopped", file=sys.stderr, flush=True)
+        return interrupted()
     try:
         cluster_state.write_state(state_path, cluster_state.cluster_state(cluster))
         print(f"zpath cluster up: {cluster.address}", flush=True)
@@ -65,7 +116,7 @@ def _up(args: argparse.Namespace) -> int:
         cluster.stop()
         cluster_state.remove_state(state_path, os.getpid())
         print("zpath cluster stopped", file=sys.stderr, flush=True)
-    return 0
+    return interrupted()
 
 
 def _down(args: argparse.Namespace) -> int:
@@ -78,15 +129,34 @@ def _down(args: argparse.Namespace) -> int:
 
 
 def _status(args: argparse.Namespace) -> int:
+    from zpath import state as cluster_state
     from zpath.client import Client
-    from zpath.keys import key_from_env
+    from zpath.errors import ZpathError
+    from zpath.keys import key_from_env, parse_key
     from zpath.net import messages as m
 
     address = args.address or os.environ.get("ZPATH_CONTROLLER")
+    key = None
     if not address:
-        print("zpath status: give the controller address or set ZPATH_CONTROLLER", file=sys.stderr)
-        return 2
-    c = Client(address, key_from_env(), name="status", timeout=args.timeout)
+        # the cluster a `zpath up` on this machine runs (its state file has both)
+        path = args.state or cluster_state.default_path()
+        if not os.path.exists(path):
+            print("zpath status: give the controller address, set ZPATH_CONTROLLER, or run it where "
+                  f"`zpath up` runs (no state file {path})", file=sys.stderr)
+            return 2
+        try:
+            st = cluster_state.read_state(path)
+            address = st["address"]
+        except (OSError, ValueError, KeyError) as e:
+            raise ZpathError(f"cannot read the state file {path}: {e}") from None
+        if not (os.environ.get("ZPATH_KEY") or os.environ.get("ZPATH_KEY_FILE")) and st.get("key_file"):
+            try:
+                with open(st["key_file"]) as f:
+                    key = parse_key(f.read(), f"the key in {st['key_file']}")
+            except OSError as e:
+                raise ZpathError(f"cannot read the key file {st['key_file']}: {e.strerror}") from None
+    _check_address(address)
+    c = Client(address, key or key_from_env(), name="status", timeout=args.timeout)
     try:
         st = c.request(m.StatusRequest(True), timeout=args.timeout)
     finally:
@@ -113,6 +183,32 @@ def _status(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_address(address: str) -> None:
+    import re
+
+    from zpath.errors import ZpathError
+    if not re.match(r"^(tcp|ipc)://\S+$", address):
+        raise ZpathError(f"{address!r} is not a controller address: expected tcp://HOST:PORT")
+
+
+def _friendly(command: str, fn: Any, *args: Any) -> int:
+    """Run a subcommand; an expected failure (a zpath error, a bad address or
+    file, a port in use) is one line on stderr and exit code 1, not a traceback."""
+    import zmq
+
+    from zpath.errors import ZpathError
+    try:
+        return fn(*args)
+    except KeyboardInterrupt:
+        return 130
+    except (ZpathError, OSError, ValueError, zmq.ZMQError) as e:
+        logging.getLogger("zpath").debug("failed", exc_info=True)
+        what = str(e) if isinstance(e, ZpathError) else \
+            f"{type(e).__name__}: {e} (ZPATH_LOG_LEVEL=DEBUG shows where)"
+        print(f"zpath {command}: {what}", file=sys.stderr)
+        return 1
+
+
 def main(argv: list[str] | None = None) -> int:
     from zpath.launcher import default_shape
 
@@ -120,30 +216,30 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="zpath", description="zpath: a single-controller runtime for JAX")
     sub = p.add_subparsers(dest="command", required=True)
     up = sub.add_parser("up", help="run a cluster (local, or over ssh with --hostfile) in the foreground")
-    up.add_argument("--islands", type=int, default=shape["islands"])
-    up.add_argument("--hosts-per-island", type=int, default=shape["hosts_per_island"])
-    up.add_argument("--devices-per-host", type=int, default=shape["devices_per_host"])
+    up.add_argument("--islands", type=_positive_int, default=shape["islands"])
+    up.add_argument("--hosts-per-island", type=_positive_int, default=shape["hosts_per_island"])
+    up.add_argument("--devices-per-host", type=_positive_int, default=shape["devices_per_host"])
     up.add_argument("--hostfile", help="start one worker per line over ssh (see README: SSH clusters); "
                     "--islands/--hosts-per-island/--devices-per-host are then ignored")
     up.add_argument("--bind-host", help="address the controller (and local workers) listen on "
                     "(default 127.0.0.1; with --hostfile this machine's address on the route to the first host)")
-    up.add_argument("--controller-port", type=int, default=0, help="controller port (default: a free one)")
-    up.add_argument("--coordinator-port", type=int, default=0,
+    up.add_argument("--controller-port", type=_port, default=0, help="controller port (default: a free one)")
+    up.add_argument("--coordinator-port", type=_port, default=0,
                     help="with --hostfile: base port of multi-host islands' jax.distributed coordinators "
                          "(island i uses base+i; default: free/random)")
     up.add_argument("--remote-python", default="python3",
                     help="with --hostfile: python on the hosts, unless a line has python=")
     up.add_argument("--ssh-options", help="with --hostfile: extra ssh arguments, e.g. \"-i KEY\" "
                     "(default $ZPATH_SSH_OPTIONS)")
-    up.add_argument("--connect-timeout", type=int, default=10, help="ssh ConnectTimeout (s)")
-    up.add_argument("--start-timeout", type=float,
+    up.add_argument("--connect-timeout", type=_positive_int, default=10, help="ssh ConnectTimeout (s)")
+    up.add_argument("--start-timeout", type=_positive,
                     default=float(os.environ.get("ZPATH_START_TIMEOUT", "120")),
                     help="seconds for every worker to register")
     up.add_argument("--state", help="state file for `zpath down` (default $ZPATH_STATE or ~/.zpath/cluster.json)")
     up.add_argument("--log-dir", help="where process logs and the key file go (default: a temp dir)")
-    up.add_argument("--dcn-latency-ms", type=float, default=0.0,
+    up.add_argument("--dcn-latency-ms", type=_non_negative, default=0.0,
                     help="emulated one-way latency of traffic between islands (ms)")
-    up.add_argument("--dcn-gbps", type=float, default=0.0,
+    up.add_argument("--dcn-gbps", type=_non_negative, default=0.0,
                     help="emulated bandwidth cap of each host's link between islands (Gbit/s; 0: none)")
     up.add_argument("--dcn-encrypt", action="store_true",
                     help="encrypt traffic between islands with CURVE")
@@ -153,33 +249,26 @@ def main(argv: list[str] | None = None) -> int:
     up.set_defaults(fn=_up)
     dn = sub.add_parser("down", help="stop the cluster a `zpath up` started")
     dn.add_argument("--state", help="its state file (default $ZPATH_STATE or ~/.zpath/cluster.json)")
-    dn.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for zpath up to stop")
+    dn.add_argument("--timeout", type=_positive, default=30.0, help="seconds to wait for zpath up to stop")
     dn.set_defaults(fn=_down)
     st = sub.add_parser("status", help="show a running cluster")
-    st.add_argument("address", nargs="?", help="controller address (default $ZPATH_CONTROLLER)")
-    st.add_argument("--timeout", type=float, default=10.0)
+    st.add_argument("address", nargs="?", help="controller address (default $ZPATH_CONTROLLER, else the "
+                    "cluster of the state file, with its key file)")
+    st.add_argument("--state", help="with no address: the state file of `zpath up` "
+                    "(default $ZPATH_STATE or ~/.zpath/cluster.json)")
+    st.add_argument("--timeout", type=_positive, default=10.0)
     st.set_defaults(fn=_status)
     sub.add_parser("controller", help="run a controller (see zpath controller --help)", add_help=False)
     sub.add_parser("worker", help="run a worker (see zpath worker --help)", add_help=False)
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "controller":
         from zpath.controller.server import main as controller_main
-        return controller_main(argv[1:])
+        return _friendly("controller", controller_main, argv[1:])
     if argv and argv[0] == "worker":
         from zpath.worker.server import main as worker_main
-        return worker_main(argv[1:])
+        return _friendly("worker", worker_main, argv[1:])
     args = p.parse_args(argv)
-    try:
-        return args.fn(args)
-    except KeyboardInterrupt:
-        return 130
-    except Exception as e:  # a clear one-line error, not a traceback, for expected failures
-        from zpath.errors import ZpathError
-        if isinstance(e, ZpathError):
-            logging.getLogger("zpath").debug("failed", exc_info=True)
-            print(f"zpath {args.command}: {e}", file=sys.stderr)
-            return 1
-        raise
+    return _friendly(args.command, args.fn, args)
 
 
 if __name__ == "__main__":

@@ -32,6 +32,8 @@ CONNECT_TIMEOUT_S = float(os.environ.get("ZPATH_CONNECT_TIMEOUT", "30"))
 REQUEST_TIMEOUT_S = 60.0
 FETCH_TIMEOUT_S = float(os.environ.get("ZPATH_FETCH_TIMEOUT", "600"))
 HEARTBEAT_S = 1.0
+# a controller silent this long (it answers every heartbeat) is taken to be gone
+CONTROLLER_SILENCE_S = float(os.environ.get("ZPATH_CONTROLLER_TIMEOUT", "15"))
 
 
 def error_from_info(info: m.ErrorInfo) -> ZpathError:
@@ -64,8 +66,14 @@ class Client:
         self.ctx = make_context()
         self.ep = Endpoint(key, f"client:{name}:{os.getpid()}")
         self.ctl = self.ctx.socket(zmq.DEALER)
-        self.ctl.connect(address)
+        try:
+            self.ctl.connect(address)
+        except zmq.ZMQError as e:
+            self.ctl.close(0)
+            self.ctx.term()
+            raise ZpathError(f"cannot connect to {address!r}: {e}") from None
         self._closed = False
+        self._broken: Broken | None = None       # the controller is gone: why
         try:
             welcome = self._handshake(name, timeout, weight)
         except BaseException:
@@ -93,7 +101,7 @@ class Client:
             left = deadline - time.monotonic()
             if left <= 0 or not self.ctl.poll(int(left * 1000)):
                 raise DeadlineExceeded(f"no answer from a zpath controller at {self.address} "
-                                       f"within {timeout:.0f}s (is it running, and is the key right?)")
+                                       f"within {timeout:g}s (is it running, and is the key right?)")
             try:
                 _, header, got, buffers = self.ep.recv(self.ctl)
             except BadMessage as e:
@@ -120,6 +128,8 @@ class Client:
     def _check_open(self) -> None:
         if self._closed:
             raise Closed("this zpath client is closed")
+        if self._broken is not None:
+            raise Broken(str(self._broken))
 
     def request(self, msg: Record, timeout: float = REQUEST_TIMEOUT_S) -> Record:
         """Send to the controller and wait for its answer."""
@@ -227,17 +237,22 @@ class Client:
         self._poller.register(self.ctl, zmq.POLLIN)
         self._poller.register(self.outbox.fd, zmq.POLLIN)
         stop = False
-        last_ping = time.monotonic()
+        last_ping = self._last_heard = time.monotonic()
         while not stop:
             for sock, _ in self._poller.poll(timeout=500):
                 if sock == self.outbox.fd:
                     stop = self._flush()
                 else:
                     self._recv(sock)
-            if time.monotonic() - last_ping >= HEARTBEAT_S and not stop:
-                # the controller treats a client silent for long as gone
+            now = time.monotonic()
+            if now - last_ping >= HEARTBEAT_S and not stop:
+                # the controller treats a client silent for long as gone (and
+                # answers, so its silence tells us the same)
                 self._send(self.ctl, m.Ping(0), (), 0)
-                last_ping = time.monotonic()
+                last_ping = now
+            if now - self._last_heard > CONTROLLER_SILENCE_S and self._broken is None and not stop:
+                self._break(f"no answer from the zpath controller at {self.address} for "
+                            f"{now - self._last_heard:.0f}s: it is gone or cannot be reached")
         for s in [self.ctl, *self._data.values()]:
             s.close(linger=200)
         self.ctx.term()
@@ -308,7 +323,21 @@ class Client:
                 if fut is not None:
                     fut._fail(err)
 
+    def _break(self, why: str) -> None:
+        """The controller is gone: fail every request and fetch that waits, and
+        every later use of this client, with Broken (values already fetched stay)."""
+        log.error("zpath: %s", why)
+        self._broken = err = Broken(why)
+        for fut in list(self._pending.values()):
+            if not fut.done():
+                fut.set_exception(Broken(why))
+        for fetch in set(self._fetches.values()):
+            self._forget(fetch)
+            fetch.future._fetched(fetch, None, err)
+
     def _recv(self, sock: zmq.Socket) -> None:
+        if sock is self.ctl:
+            self._last_heard = time.monotonic()
         while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
             try:
                 _, header, msg, buffers = self.ep.recv(sock)
@@ -369,6 +398,8 @@ class Client:
                 self._pending[parent].set_result(msg)
             case m.Ping():
                 pass
+            case m.Shutdown():
+                self._break(f"the zpath controller at {self.address} shut down ({msg.reason})")
             case _:
                 log.debug("ignored %s", type(msg).__name__)
 

@@ -121,6 +121,10 @@ class Future:
         except ZpathError as e:
             return f"<zpath.Future {self.dtype}{list(self.shape)} failed: {type(e).__name__}>"
 
+    def __bool__(self) -> bool:
+        """The truth of the value (fetched), as for a numpy array."""
+        return bool(self.result())
+
     def __len__(self) -> int:
         if not self.shape:
             raise TypeError("len() of a 0-d future")

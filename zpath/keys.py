@@ -14,16 +14,35 @@ def new_key() -> bytes:
     return secrets.token_bytes(32)
 
 
+MIN_KEY_BYTES = 16
+
+
+def parse_key(key: bytes | str, where: str = "the key") -> bytes:
+    """A key given as bytes or hex, checked: ZpathError if it is not hex or
+    shorter than MIN_KEY_BYTES."""
+    if isinstance(key, str):
+        try:
+            key = bytes.fromhex(key.strip())
+        except ValueError:
+            raise ZpathError(f"{where} is not hexadecimal") from None
+    if not isinstance(key, (bytes, bytearray)):
+        raise ZpathError(f"{where} must be bytes or a hex string, not {type(key).__name__}")
+    if len(key) < MIN_KEY_BYTES:
+        raise ZpathError(f"{where} has {len(key)} bytes; a cluster key has at least {MIN_KEY_BYTES}")
+    return bytes(key)
+
+
 def key_from_env() -> bytes:
     if os.environ.get("ZPATH_KEY"):
-        try:
-            return bytes.fromhex(os.environ["ZPATH_KEY"])
-        except ValueError:
-            raise ZpathError("ZPATH_KEY is not hex") from None
+        return parse_key(os.environ["ZPATH_KEY"], "ZPATH_KEY")
     path = os.environ.get("ZPATH_KEY_FILE")
     if path:
-        with open(path) as f:
-            return bytes.fromhex(f.read().strip())
+        try:
+            with open(path) as f:
+                text = f.read()
+        except OSError as e:
+            raise ZpathError(f"cannot read the key file ZPATH_KEY_FILE={path}: {e.strerror}") from None
+        return parse_key(text, f"the key in {path}")
     raise ZpathError("no cluster key: set ZPATH_KEY (hex) or ZPATH_KEY_FILE")
 
 

@@ -256,11 +256,12 @@ class LocalCluster(ClusterLauncher):
                  log_dir: str | None = None, bind_host: str = "127.0.0.1",
                  start_timeout: float = START_TIMEOUT_S, env: dict[str, str] | None = None,
                  dcn_latency_ms: float = 0.0, dcn_gbps: float = 0.0, dcn_encrypt: bool = False,
-                 policy: str | None = None) -> None:
+                 policy: str | None = None, controller_port: int = 0) -> None:
         """``dcn_latency_ms``/``dcn_gbps`` emulate a data-centre network between
         islands (added one-way latency, bandwidth cap of each host's link; 0: none);
         ``dcn_encrypt`` encrypts traffic between islands with CURVE; ``policy``
-        is the multi-tenant scheduling policy ("share" or "fifo")."""
+        is the multi-tenant scheduling policy ("share" or "fifo");
+        ``controller_port``: the controller's port (0: a free one)."""
         for name, v in (("islands", islands), ("hosts_per_island", hosts_per_island),
                         ("devices_per_host", devices_per_host)):
             if int(v) < 1:
@@ -270,7 +271,7 @@ class LocalCluster(ClusterLauncher):
         super().__init__(log_dir=log_dir, env=env, policy=policy)
         self.bind_host = bind_host
         self._worker_env = dict(self._env, XLA_FLAGS=worker_xla_flags(self._env, devices_per_host))
-        self._launch(bind_host, start_timeout)
+        self._launch(bind_host, start_timeout, controller_port)
 
     def _spawn_worker(self, island: int, h: int, runtime: list[str]) -> tuple[str, subprocess.Popen]:
         name, host = f"worker-i{island}-h{h}", f"local-i{island}-h{h}"

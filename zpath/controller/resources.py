@@ -7,6 +7,14 @@ import itertools
 
 from zpath.errors import ResourceError
 
+
+class LostHosts(ResourceError):
+    """The devices include hosts that were lost."""
+
+    def __init__(self, hosts: list[int]) -> None:
+        super().__init__(f"host(s) {hosts} are lost")
+        self.hosts = hosts
+
 MAX_DEVICES_PER_HOST = 4096
 
 
@@ -178,7 +186,7 @@ class ResourceManager:
             raise ResourceError(f"unknown device {e}") from None
         dead = [h for h in hosts if not self.hosts[h].alive]
         if dead:
-            raise ResourceError(f"host(s) {sorted(dead)} are lost")
+            raise LostHosts(sorted(dead))
         if len(hosts) == 1:
             return
         islands = {self.hosts[h].island for h in hosts}

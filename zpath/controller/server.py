@@ -19,7 +19,7 @@ import zmq
 
 from zpath import sharding
 from zpath.controller.directory import Directory, Plan, PlanError
-from zpath.controller.resources import ResourceManager
+from zpath.controller.resources import LostHosts, ResourceManager
 from zpath.controller.scheduler import POLICIES, GangScheduler, Ready, TenantScheduler
 from zpath.errors import ProtocolError, ResourceError
 from zpath.net import codec
@@ -251,7 +251,7 @@ class Controller:
             for _ in dict(poller.poll(timeout=max(1, int((next_ping - now) * 1000)))):
                 self._recv_all()
         self._stop_workers("controller shutting down")
-        self.sock.close(0)
+        self.sock.close(linger=200)          # those Shutdowns get a moment to leave
         self.ctx.term()
 
     def _recv_all(self, budget: int = 1000) -> None:
@@ -312,8 +312,13 @@ class Controller:
         self.running = False
 
     def _stop_workers(self, reason: str) -> None:
+        """Tell the workers to stop, and the clients that it is over (they fail
+        what waits rather than wait for it)."""
         for ident in self.worker_ident.values():
             self.send(ident, m.Shutdown(reason))
+        for peer in self.peers.values():
+            if peer.role == "client":
+                self.send(peer.ident, m.Shutdown(reason))
 
     # ---- handlers ------------------------------------------------------------
     def handle(self, ident: bytes, header: Header, msg: Record, buffers: list) -> None:
@@ -457,6 +462,12 @@ class Controller:
                 raise PlanError("not_found", f"program {call.program[:12]} is not registered")
             try:
                 self.rm.check_spmd(call.devices)
+            except LostHosts as e:
+                where = ", ".join(f"host {h} ({self.rm.hosts[h].name}, island {self.rm.hosts[h].island})"
+                                  for h in e.hosts)
+                raise PlanError("resource", str(e), m.ErrorInfo(
+                    "HostLost", f"{where} was lost: this computation cannot run there", e.hosts[0],
+                    prog[0], "")) from None
             except ResourceError as e:
                 raise PlanError("resource", str(e)) from None
             theirs = [b for b in [o.buffer for o in call.outputs] + [i.buffer for i in call.inputs if i.put]

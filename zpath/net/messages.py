@@ -166,7 +166,8 @@ class Pong(Record):
 
 @message(9)
 class Shutdown(Record):
-    """Controller -> worker: exit now."""
+    """Controller -> worker: exit now. Controller -> client: the controller is
+    stopping (what waits on it fails)."""
     reason: str
 
 
