@@ -125,6 +125,8 @@ class ResourceManager:
                 raise ResourceError(f"no live host {host} (hosts: {sorted(self.hosts)})")
             hosts = [self.hosts[host]]
         if island is not None:
+            if host is not None and self.hosts[host].island != island:
+                raise ResourceError(f"host {host} is on island {self.hosts[host].island}, not island {island}")
             hosts = [h for h in hosts if h.island == island]
             if not hosts:
                 raise ResourceError(f"no live host on island {island} "
@@ -142,9 +144,15 @@ class ResourceManager:
             chosen = self._alloc_spread(n, hosts) if host is None else None
             if chosen is None:
                 largest = max((len(h.devices) for h in hosts), default=0)
+                where = f"host {host}" if host is not None else "no host"
+                if host is not None:
+                    raise ResourceError(f"host {host} has {largest} devices, not {n}")
                 groups = self._runtimes(hosts)
-                most = max((sum(len(h.devices) for h in g) for g in groups.values()), default=0)
-                raise ResourceError(f"no host has {n} devices (largest host has {largest}) and no "
+                if not groups:
+                    raise ResourceError(f"{where} has {n} devices (largest host has {largest}), and "
+                                        "no island has several hosts to spread a slice over")
+                most = max(sum(len(h.devices) for h in g) for g in groups.values())
+                raise ResourceError(f"{where} has {n} devices (largest host has {largest}) and no "
                                     f"island runtime has {n} (largest has {most})")
         else:
             chosen = sorted(best[3], key=lambda d: d.local_index)
