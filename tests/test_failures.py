@@ -142,3 +142,75 @@ def test_client_fails_what_waits_when_the_controller_goes(sig, monkeypatch):
             np.testing.assert_array_equal(done.result(), [1.])     # fetched before: kept
         finally:
             zp.shutdown()
+
+
+def test_a_hung_host_loses_its_whole_island(tmp_path):
+    """A host of a 2-host island that hangs (SIGSTOP: no connection reset tells
+    the other one) is lost, and so is the other host, which shares its JAX
+    runtime: nothing is left waiting on a collective that cannot finish."""
+    from zpath.testing import pause_host
+    with running_cluster(islands=1, hosts_per_island=2, devices_per_host=1, log_dir=str(tmp_path),
+                         env={"ZPATH_HOST_TIMEOUT": "3"}) as c:
+        conn = zp.connect(c.address, c.key)
+        try:
+            import jax
+            both = zp.make_virtual_device_set().add_slice(devices=2).devices
+            total = zp.pmap(lambda x: jax.lax.psum(x, "i"), axis_name="i", devices=both)
+            np.testing.assert_array_equal(total(np.ones(2)).result(timeout=60), [2., 2.])
+            survivor = [d for d in both if d.host == 0]
+            inc = zp.pmap(lambda x: x + 1, devices=survivor)
+            pause_host(c, 1)
+            t = time.monotonic()
+            with pytest.raises(zp.HostLost, match="was lost"):
+                total(np.ones(2)).result(timeout=60)
+            with pytest.raises(zp.HostLost, match="host 0 .*shares island 0's JAX runtime with host 1"):
+                inc(np.ones(1)).result(timeout=60)
+            assert time.monotonic() - t < 30
+            st = conn.client.request(m.StatusRequest(False))
+            assert sorted(h.rank for h in st.lost) == [0, 1] and st.running == 0
+        finally:
+            zp.shutdown()
+
+
+CLIENT_WITHOUT_ITS_PUT = r'''
+import sys, time
+import numpy as np, zpath as zp
+zp.connect(sys.argv[1], key=sys.argv[2], name="victim")
+d = zp.make_virtual_device_set().add_slice(devices=1, island=0).devices     # the device the test uses
+f = zp.pmap(lambda x: x * 2, devices=d)
+f(np.ones((1, 4))).result(timeout=60)
+client = zp.api.current_client()
+client.put = lambda *a: None           # its input never leaves: the call waits for it
+y = f(np.ones((1, 4)))
+print("submitted", flush=True)
+time.sleep(600)
+'''
+
+
+def test_a_client_that_dies_before_its_input_arrives_does_not_hold_the_device(fragile):
+    """A client's call reaches the worker, but its input never does (the client
+    died first): once the client is gone the call fails there, instead of
+    holding the device (and everything behind it) until the input deadline."""
+    conn = zp.connect(fragile.address, fragile.key)
+    child = None
+    try:
+        d = zp.make_virtual_device_set().add_slice(devices=1, island=0).devices
+        inc = zp.pmap(lambda x: x + 1, devices=d)
+        inc(np.zeros(1)).result(timeout=60)
+        child = subprocess.Popen([sys.executable, "-c", CLIENT_WITHOUT_ITS_PUT, fragile.address,
+                                  fragile.key.hex()], stdout=subprocess.PIPE, text=True)
+        assert child.stdout.readline().strip() == "submitted"
+        time.sleep(0.5)
+        blocked = inc(np.zeros(1))              # behind the waiting call on the same device
+        child.kill()
+        child.wait(10)
+        t = time.monotonic()
+        np.testing.assert_array_equal(blocked.result(timeout=60), [1.])
+        assert time.monotonic() - t < 20        # the client timeout (4 s), not the input deadline
+    finally:
+        if child is not None:
+            if child.poll() is None:
+                child.kill()
+                child.wait(10)
+            child.stdout.close()
+        zp.shutdown()

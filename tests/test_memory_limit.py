@@ -96,3 +96,72 @@ def test_inputs_of_a_call_that_can_never_fit_are_freed_even_when_they_come_late(
         gc.collect()
         time.sleep(2.5)                  # two refreshes of the workers' store figures
         assert stores(conn) == base
+
+
+def test_a_call_waiting_for_memory_on_a_lost_host_fails_and_work_behind_it_goes_on(tmp_path):
+    """Under a memory limit, a call waits for room on island 1; island 1's only
+    host is killed: the waiting call fails with HostLost, and the call on island
+    0 submitted after it (the waiting queue keeps arrival order) runs."""
+    limit = 3 * 512 * 1024
+    with running_cluster(islands=2, hosts_per_island=1, devices_per_host=1, log_dir=str(tmp_path),
+                         env={"ZPATH_DEVICE_MEMORY_LIMIT": str(limit), "ZPATH_HOST_TIMEOUT": "3"}) as c:
+        with connected(c) as conn:
+            d0 = zp.make_virtual_device_set().add_slice(devices=1, island=0).devices
+            d1 = zp.make_virtual_device_set().add_slice(devices=1, island=1).devices
+            f0 = zp.pmap(lambda x: x + 1, devices=d0)
+            f1 = zp.pmap(lambda x: x + 1, devices=d1)
+            x = np.zeros((1, 256, 256))                     # 512 KiB
+            keep = [f1(x), f1(x)]                           # 1 MiB held on island 1's device
+            for k in keep:
+                k.result(timeout=60)
+            waiting = f1(x)                                 # 1 MiB more (input and output): waits
+            behind = f0(np.ones((1, 2)))
+            time.sleep(0.5)
+            assert conn.client.request(m.StatusRequest(False)).queued == 2
+            dict(c.procs)["worker-i1-h0"].kill()
+            with pytest.raises(zp.HostLost, match="island 1"):
+                waiting.result(timeout=30)
+            np.testing.assert_array_equal(behind.result(timeout=30), [[2., 2.]])
+            assert conn.client.request(m.StatusRequest(False)).queued == 0
+
+
+def test_a_future_dropped_while_its_call_waits_is_freed_and_long_programs_do_not_wait_for_themselves(limited):
+    """(a) A call waits for memory; its future is dropped before it is planned:
+    once planned and run, its output is freed (nothing stays placed). (b) A
+    chained program whose nodes each fit but whose intermediates together do
+    not: each intermediate is released once its last reader is planned, so the
+    program runs instead of waiting for room only its own end would free."""
+    from tests.test_memory import empty, wait_for
+    with connected(limited) as conn:
+        d = zp.make_virtual_device_set().add_slice(devices=1).devices
+        f = zp.pmap(lambda x: x + 1, devices=d)
+        x = np.zeros((1, 4000))                        # 32 kB
+        wait_for(conn, empty)
+        hold, hold2 = f(x), f(x)                       # 64 kB held
+        hold.result(timeout=60)
+        hold2.result(timeout=60)
+        waiting = f(x)                                 # 64 kB more: waits
+        time.sleep(0.5)
+        assert conn.client.request(m.StatusRequest(False)).queued == 1
+        del waiting
+        gc.collect()
+        time.sleep(0.5)                                # the release reached the controller
+        del hold, hold2
+        gc.collect()
+
+        def settled():
+            st = conn.client.request(m.StatusRequest(False))
+            return st.queued == 0 and st.running == 0 and st.buffers == 0 and \
+                all(u.nbytes == 0 for u in st.devices)
+        deadline = time.monotonic() + 20
+        while not settled():
+            assert time.monotonic() < deadline, conn.client.request(m.StatusRequest(False))
+            time.sleep(0.2)
+        wait_for(conn, empty)
+
+        @zp.program
+        def chain(v):
+            for _ in range(8):                         # 8 x 32 kB of intermediates > 100 kB
+                v = f(v)
+            return v
+        np.testing.assert_array_equal(chain(x).result(timeout=60)[0, :3], [8., 8., 8.])

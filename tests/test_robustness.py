@@ -155,3 +155,25 @@ def test_clients_cannot_use_each_others_buffers(cluster, client):
 def test_numpy_integers_as_slice_arguments(client):
     d = devices(np.int64(1), island=np.int64(0), host=None)
     assert len(d) == 1 and d[0].island == 0
+
+
+@pytest.mark.parametrize("target", ["controller", "worker"])
+def test_a_message_of_very_many_frames_is_refused_cheaply(cluster, client, target):
+    """An unsigned message of 200,000 empty frames: refused with one Error (its
+    frames beyond any message's are dropped unread), the cluster keeps serving."""
+    address = cluster.address if target == "controller" else \
+        next(iter(client.client.hosts.values())).data_address
+    ctx = zmq.Context()
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.connect(address)
+    try:
+        s.send_multipart([b""] * 200_000)
+        assert s.poll(20_000), "no answer"
+        frames = s.recv_multipart()
+        assert b"too many frames (200000" in frames[-1], frames
+        inc = zp.pmap(lambda x: x + 1, devices=devices(1))
+        np.testing.assert_array_equal(inc(np.zeros(1)).result(timeout=30), [1.])
+    finally:
+        s.close()
+        ctx.term()

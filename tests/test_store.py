@@ -38,3 +38,24 @@ def test_a_forgotten_waiter_leaves_no_entry():
     assert s.is_done(other)
     s.forget(other, cb1)                # done: no effect
     assert s.is_done(other)
+
+
+def test_failed_buffers_fail_their_waiters_and_later_shards():
+    import threading
+    from zpath.net import messages as m
+    s = st.Store()
+    err = m.ErrorInfo("RemoteError", "client left", None, "", "")
+    key, later = st.shard_key(5, 0, [[0, 2]]), st.shard_key(5, 1, [[0, 2]])
+    seen = []
+    s.when_done(key, seen.append)
+    waited = []
+    t = threading.Thread(target=lambda: waited.append(s.wait(key, 10)))
+    t.start()
+    s.fail_buffers([5], err)
+    t.join(10)
+    assert seen[0].error is err and waited[0].done and waited[0].error is err
+    assert s.wait(later, 0).error is err          # named later: failed at once
+    s.set(key, "too late")                          # a value that comes after: ignored
+    assert s.entry(key).error is err
+    s.free_buffers([5])                             # freed: forgotten
+    assert not s.wait(st.shard_key(5, 2, [[0, 2]]), 0).done

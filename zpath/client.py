@@ -91,6 +91,7 @@ class Client:
         self._fetches: dict[int, _Fetch] = {}
         self._futures: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
         self._data: dict[int, zmq.Socket] = {}
+        self._lost: dict[int, str] = {}               # rank -> why (HostDown)
         self._thread = threading.Thread(target=self._loop, name="zpath-client-io", daemon=True)
         self._thread.start()
 
@@ -191,6 +192,11 @@ class Client:
         """Ask the workers for every distinct shard of ``future``; the I/O thread
         sets the future's value when all have arrived."""
         self._check_open()
+        lost = {self.devices[d].host for d in future._devices} & set(self._lost)
+        if lost:     # fail now rather than wait out the deadline for a host that is gone
+            rank = min(lost)
+            raise HostLost(f"{self._lost[rank]} (this value's shards were there; a computation "
+                           "that reads it uses a copy elsewhere, if there is one)")
         regs = future._regions()
         seen: dict[sharding.Region, int] = {}
         for d, r in zip(future._devices, regs, strict=True):
@@ -376,9 +382,14 @@ class Client:
                     fetch.future._fetched(fetch, None, Broken(f"bad reply from a worker: {e}"))
             case m.HostDown():
                 err = HostLost(msg.error.message)
+                self._lost[msg.rank] = msg.error.message
                 for fetch in {f for f in self._fetches.values() if msg.rank in f.hosts.values()}:
                     self._forget(fetch)
                     fetch.future._fetched(fetch, None, err)
+                sock = self._data.pop(msg.rank, None)
+                if sock is not None:          # and what is queued for it (a big Put) goes
+                    self._poller.unregister(sock)
+                    sock.close(linger=0)
             case m.CallFailed():
                 err = error_from_info(msg.error)
                 for b in msg.buffers:

@@ -39,6 +39,7 @@ class Host:
     devices: list[int]
     runtime: str = ""        # the island's jax.distributed coordinator ("" if none)
     alive: bool = True
+    lost_why: str = ""       # why it was lost
     machine: str = ""        # machine id: ICI between hosts of one machine uses shared memory
     public_key: str = ""     # CURVE public key for encrypted DCN ("" if off)
     dcn_address: str = ""    # its CURVE-encrypted data port ("" if off)
@@ -84,10 +85,11 @@ class ResourceManager:
         self.version += 1
         return host
 
-    def lose_host(self, rank: int) -> Host:
+    def lose_host(self, rank: int, why: str = "") -> Host:
         """Mark a host lost (it gets no new work) and bump :attr:`version`."""
         host = self.hosts[rank]
         host.alive = False
+        host.lost_why = why
         self.version += 1
         return host
 

@@ -30,6 +30,7 @@ from zpath.net.transport import BadMessage, Endpoint, make_context, unbatched
 log = logging.getLogger(__name__)
 
 PING_INTERVAL_S = 1.0
+STALL_S = 1.0            # the loop held up longer than this: not the peers' silence
 # a worker silent this long is lost; a client silent this long has left
 HOST_TIMEOUT_S = float(os.environ.get("ZPATH_HOST_TIMEOUT", "10"))
 CLIENT_TIMEOUT_S = float(os.environ.get("ZPATH_CLIENT_TIMEOUT", "15"))
@@ -67,6 +68,7 @@ class InFlight:
     host_devices: dict[int, int]           # host -> how many of its devices it uses
     outputs: list[int]
     pieces: list[tuple[int, int, int]]     # (piece id, source host, destination host)
+    puts: list[int] = dataclasses.field(default_factory=list)   # inputs its client puts
 
 
 @dataclasses.dataclass
@@ -91,6 +93,12 @@ class _Submission:
     next: int = 0
     producer: dict[int, int] = dataclasses.field(default_factory=dict)
     exec_ids: dict[int, int] = dataclasses.field(default_factory=dict)
+    # it waited for memory: the outputs of its calls from here on are pinned
+    # (a release of one before its call is planned waits for the plan)
+    pinned_from: int | None = None
+    # under a memory limit: node index -> the program's buffers to release once
+    # that node (their last reader) is planned, so a long program frees as it goes
+    release_at: dict[int, list[int]] | None = None
 
 
 @dataclasses.dataclass
@@ -104,6 +112,23 @@ class _HeldNode:
     waits: set
     exec_id: int
     island: int
+
+
+def _release_points(calls: list[m.Call], release: list[int]) -> dict[int, list[int]]:
+    """For the buffers a program releases: the index of the node after which
+    none reads them (the last that reads or writes each), as node -> buffers.
+    A buffer no node names is left to the end of the program."""
+    last: dict[int, int] = {}
+    for k, call in enumerate(calls):
+        for i in call.inputs:
+            last[i.buffer] = k
+        for o in call.outputs:
+            last[o.buffer] = k
+    out: dict[int, list[int]] = {}
+    for b in release:
+        if b in last:
+            out.setdefault(last[b], []).append(b)
+    return out
 
 
 def _buffers(call: m.Call) -> list[int]:
@@ -231,11 +256,18 @@ class Controller:
     def serve_forever(self) -> None:
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
-        next_ping = time.monotonic()
+        next_ping = heard_until = time.monotonic()
         seq = 0
         log.info("controller listening on %s", self.address)
         while self.running:
             now = time.monotonic()
+            busy = now - heard_until
+            if busy > STALL_S:
+                # this loop was held up (a huge message, a long plan) and pinged
+                # no one: that time does not count as the peers' silence
+                log.warning("controller loop was busy for %.1fs", busy)
+                for peer in self.peers.values():
+                    peer.last_seen = min(now, peer.last_seen + busy)
             if now >= next_ping:
                 seq += 1
                 for rank, ident in self.worker_ident.items():
@@ -248,7 +280,9 @@ class Controller:
                     log.exception("error while checking hosts and clients")
                 finally:
                     self._flush_out()
-            for _ in dict(poller.poll(timeout=max(1, int((next_ping - now) * 1000)))):
+            events = dict(poller.poll(timeout=max(1, int((next_ping - now) * 1000))))
+            heard_until = time.monotonic()
+            for _ in events:
                 self._recv_all()
         self._stop_workers("controller shutting down")
         self.sock.close(linger=200)          # those Shutdowns get a moment to leave
@@ -318,7 +352,10 @@ class Controller:
             self.send(ident, m.Shutdown(reason))
         for peer in self.peers.values():
             if peer.role == "client":
-                self.send(peer.ident, m.Shutdown(reason))
+                try:           # best effort: a client may be gone without a word
+                    self.ep.send(self.sock, m.Shutdown(reason), to=peer.ident, block=False)
+                except zmq.ZMQError:
+                    pass
 
     # ---- handlers ------------------------------------------------------------
     def handle(self, ident: bytes, header: Header, msg: Record, buffers: list) -> None:
@@ -463,11 +500,11 @@ class Controller:
             try:
                 self.rm.check_spmd(call.devices)
             except LostHosts as e:
-                where = ", ".join(f"host {h} ({self.rm.hosts[h].name}, island {self.rm.hosts[h].island})"
-                                  for h in e.hosts)
+                lost = self.rm.hosts[e.hosts[0]]
                 raise PlanError("resource", str(e), m.ErrorInfo(
-                    "HostLost", f"{where} was lost: this computation cannot run there", e.hosts[0],
-                    prog[0], "")) from None
+                    "HostLost", f"host {lost.rank} ({lost.name}, island {lost.island}) was lost"
+                    f"{': ' + lost.lost_why if lost.lost_why else ''}; this computation cannot run there",
+                    lost.rank, prog[0], "")) from None
             except ResourceError as e:
                 raise PlanError("resource", str(e)) from None
             theirs = [b for b in [o.buffer for o in call.outputs] + [i.buffer for i in call.inputs if i.put]
@@ -518,7 +555,8 @@ class Controller:
             peer.id, peer.ident, name, island, self.scheduler.next_seq[island] - 1, call.devices,
             set(plan.executes), collections.Counter(self.rm.devices[d].host for d in call.devices),
             [o.buffer for o in call.outputs],
-            [(piece.piece_id, src, piece.dst_host) for src, piece in plan.sends])
+            [(piece.piece_id, src, piece.dst_host) for src, piece in plan.sends],
+            [i.buffer for i in call.inputs if i.put])
         for rank, ex in ordered:
             self.to_host(rank, ex)
         return exec_id
@@ -542,9 +580,40 @@ class Controller:
                 release: list[int]) -> None:
         sub = _Submission(ident, peer, calls, dispatch, _ProgramRun(peer, release, len(calls)))
         if self.memory_waiting:          # keep arrival order behind waiting work
+            self._pin_waiting(sub)
             self.memory_waiting.append(sub)
         elif not self._advance(sub):
             self.memory_waiting.append(sub)
+
+    def _release_point(self, sub: "_Submission", k: int) -> None:
+        """Node ``k`` of a program was planned: release the program's buffers it
+        was the last to read (held nodes that still read them keep them until
+        sent; workers free them after the computations before have run)."""
+        if sub.release_at:
+            done = sub.release_at.pop(k, None)
+            if done:
+                self._release(done, sub.peer.id)
+
+    def _pin_waiting(self, sub: "_Submission") -> None:
+        """A submission starts waiting for memory: pin the outputs of its calls
+        not planned yet, so releasing their futures meanwhile is not lost."""
+        if sub.pinned_from is None:
+            sub.pinned_from = sub.next
+            self.pinned.update(o.buffer for call in sub.calls[sub.next:] for o in call.outputs)
+
+    def _unpin_outputs(self, call: m.Call) -> None:
+        """A waiting submission's call was planned (or failed): its outputs are
+        no longer pinned for it; releases that came meanwhile go ahead."""
+        self.pinned.subtract(o.buffer for o in call.outputs)
+        ready = []
+        for o in call.outputs:
+            b = o.buffer
+            if self.pinned[b] <= 0:
+                del self.pinned[b]
+                if b in self.deferred:
+                    ready.append(b)
+        for b in ready:
+            self._release([b], self.deferred.pop(b))
 
     def _resume_waiting(self) -> None:
         """Memory was freed: continue waiting submissions, oldest first. Not
@@ -568,6 +637,10 @@ class Controller:
         never fit under the per-device limit fails at once."""
         if not self.memory_limit:
             return "ok"
+        for d in call.devices:
+            dev = self.rm.devices.get(d)
+            if dev is None or not self.rm.hosts[dev.host].alive:
+                return "ok"               # planning rejects it (HostLost), rather than wait for ever
         for d, n in self.directory.needs(call).items():
             if n > self.memory_limit:
                 err = m.ErrorInfo("ResourceError", f"call needs {n} bytes on device {d}, more than "
@@ -587,15 +660,22 @@ class Controller:
         ident, peer, calls, dispatch, run = sub.ident, sub.peer, sub.calls, sub.dispatch, sub.run
         producer, exec_ids = sub.producer, sub.exec_ids
         first = sub.next
+        if self.memory_limit and run.release and len(calls) > 1 and sub.release_at is None:
+            sub.release_at = _release_points(calls, run.release)
         while sub.next < len(calls):
             k, call = sub.next, calls[sub.next]
             fits = self._fits(sub, call)
             if fits == "wait":
+                self._pin_waiting(sub)
                 return False
             sub.next += 1
+            pinned = sub.pinned_from is not None and k >= sub.pinned_from
             if fits == "failed":
                 self._free_puts(call)        # what the client put for it
                 run.sent += 1
+                if pinned:
+                    self._unpin_outputs(call)
+                self._release_point(sub, k)
                 continue
             preds = {producer[i.buffer] for i in call.inputs if i.buffer in producer}
             for o in call.outputs:
@@ -603,6 +683,9 @@ class Controller:
             planned = self._plan(ident, peer, call)
             if planned is None:
                 run.sent += 1
+                if pinned:
+                    self._unpin_outputs(call)
+                self._release_point(sub, k)
                 continue
             exec_ids[k] = next(iter(planned[0].executes.values())).exec_id
             waits: set = {("sent", self.held_outputs[i.buffer]) for i in call.inputs
@@ -620,6 +703,9 @@ class Controller:
                 for w in waits:
                     self.waiters.setdefault(w, []).append(held)
                 self._hold(held)
+            if pinned:
+                self._unpin_outputs(call)
+            self._release_point(sub, k)
             done = sub.next - first
             if done & (done - 1) == 0 and sub.next < len(calls) and self._out is not None:
                 # after nodes 1, 2, 4, 8, ... of those planned here: what is
@@ -810,6 +896,13 @@ class Controller:
 
     # ---- failures --------------------------------------------------------------
     def _check_liveness(self, now: float) -> None:
+        late = [p for p in self.peers.values()
+                if now - p.last_seen > (HOST_TIMEOUT_S if p.role == "worker" else CLIENT_TIMEOUT_S)]
+        if late:
+            # their answers may be waiting behind work that held this loop up
+            # (a huge message, a long plan): read what came before judging
+            self._recv_all(budget=1_000_000)
+            now = time.monotonic()
         for peer in list(self.peers.values()):
             silent = now - peer.last_seen
             if peer.role == "worker" and silent > HOST_TIMEOUT_S:
@@ -828,6 +921,8 @@ class Controller:
             self.memory_waiting.remove(sub)
             for call in sub.calls[sub.next:]:
                 self._free_puts(call)
+                if sub.pinned_from is not None:
+                    self._unpin_outputs(call)
             sub.run.sent = sub.run.total
             self._maybe_release(sub.run)
         islands = set(self.tenants.islands())
@@ -847,13 +942,25 @@ class Controller:
             self._pump(island)
         if cancelled:
             log.info("client %d left: %d queued computations cancelled", peer.id, len(cancelled))
+        # its computations already at the workers may wait for values it was
+        # still putting: they fail rather than hold their devices until the
+        # input deadline
+        err = m.ErrorInfo("RemoteError", f"client {peer.id} ({peer.name}) left before its inputs "
+                          "arrived", None, "", "")
+        fails: dict[int, list[int]] = {}
+        for inf in self.in_flight.values():
+            if inf.client == peer.id and inf.puts:
+                for rank in inf.hosts:
+                    fails.setdefault(rank, []).extend(inf.puts)
+        for rank, buffers in fails.items():
+            self.to_host(rank, m.FailBuffers(buffers, err))
         self._release(self.directory.owned(peer.id), peer.id)
         if self.memory_waiting:
             self._resume_waiting()
 
     def _host_lost(self, rank: int, why: str) -> None:
         """A worker stopped answering: fail what depended on it, keep serving."""
-        host = self.rm.lose_host(rank)
+        host = self.rm.lose_host(rank, why)
         ident = self.worker_ident.pop(rank, None)
         if ident is not None:
             self.peers.pop(ident, None)
@@ -865,7 +972,9 @@ class Controller:
         broken_pieces: dict[int, list[int]] = {}
         for exec_id, inf in list(self.in_flight.items()):
             if rank in inf.hosts:          # it was still running there: it fails
-                self.directory.poison(inf.outputs, inf.client, err)
+                # (outputs the client released stay forgotten)
+                self.directory.poison([b for b in inf.outputs if b in self.directory.buffers],
+                                      inf.client, err)
                 failed.setdefault(inf.client_ident, []).extend(inf.outputs)
                 del self.in_flight[exec_id]
                 self._exec_finished(exec_id)
@@ -887,6 +996,19 @@ class Controller:
         for peer in list(self.peers.values()):
             if peer.role in ("client", "worker"):
                 self.send(peer.ident, m.HostDown(rank, err))
+        # The hosts that share its island's JAX runtime cannot finish a collective
+        # without it (after a hang or a partition nothing tells them): the island
+        # is lost as a whole, and they are told to stop.
+        if host.runtime:
+            for other in list(self.rm.hosts.values()):
+                if other.alive and other.runtime == host.runtime and other.island == host.island:
+                    ident = self.worker_ident.get(other.rank)
+                    if ident is not None:
+                        self.send(ident, m.Shutdown(f"host {rank} of island {host.island}'s runtime was lost"))
+                    self._host_lost(other.rank, f"it shares island {host.island}'s JAX runtime with "
+                                                f"host {rank}, which was lost")
+        if self.memory_waiting:           # what waited for memory there fails now
+            self._resume_waiting()
 
     def _free(self, frees: dict[int, list[int]]) -> None:
         for rank, buffers in frees.items():

@@ -45,6 +45,7 @@ from zpath.errors import ProtocolError
 PROTOCOL_VERSION = 1
 MAX_BODY_BYTES = 16 << 20
 MAX_BUFFERS = 4096
+MAX_BATCH_ITEMS = 262_144     # messages in one Batch (a program's nodes to one host go in groups)
 SIG_BYTES = 32
 
 _REGISTRY: dict[int, type["Record"]] = {}
@@ -621,6 +622,8 @@ class Batched:
 def _unbatch(header: "Header", items: list) -> Batched:
     """Each item checked as if it came alone; one that does not decode becomes
     a ProtocolError in its place (the others are still good)."""
+    if len(items) > MAX_BATCH_ITEMS:
+        raise ProtocolError(f"a Batch of {len(items)} messages (at most {MAX_BATCH_ITEMS})")
     out: list[tuple[Header, Any]] = []
     for i, (type_id, msg_id, parent, body_b) in enumerate(items):
         try:

@@ -417,6 +417,14 @@ class FailPieces(Record):
     error: ErrorInfo
 
 
+@message(45)
+class FailBuffers(Record):
+    """Controller -> worker: these buffers (a departed client's inputs) will
+    never come; whatever waits on their shards, now or later, fails with ``error``."""
+    buffers: list[int]
+    error: ErrorInfo
+
+
 # ---- data plane (worker data port) ------------------------------------------
 
 @message(50)

@@ -159,7 +159,16 @@ class Endpoint:
         # copy is cheaper than a zmq.Frame for small frames); buffers as Frames
         small = 4 if router else 3
         frames = [recv(flags)]
+        cap = small + codec.MAX_BUFFERS
         while more(_RCVMORE):
+            if len(frames) > cap:
+                # far more frames than any message has: drop the rest unread
+                # into objects, then refuse it (cheaply, whatever its sender)
+                n = _discard_rest(sock)
+                ident = frames[0] if router else None
+                got, most = len(frames) + n - router, cap + 1 - router
+                raise BadMessage(f"too many frames ({got}; at most {most})", ident,
+                                 codec.decode_header(frames[1:] if router else frames))
             frames.append(recv(flags) if len(frames) < small else recv(flags, copy=False))
         ident = None
         if router:
@@ -170,6 +179,16 @@ class Endpoint:
         except ProtocolError as e:
             raise BadMessage(str(e), ident, codec.decode_header(frames)) from None
         return ident, header, msg, buffers
+
+
+def _discard_rest(sock: zmq.Socket) -> int:
+    """Receive and drop the remaining frames of the current message."""
+    n = 0
+    buf = bytearray(64)
+    while sock.get(_RCVMORE):
+        sock.recv_into(buf)          # no object per frame (a truncated copy of at most 64 bytes)
+        n += 1
+    return n
 
 
 def unbatched(header: Header, msg: Any, buffers: list) -> Sequence[tuple[Header, Any, list]]:

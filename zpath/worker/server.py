@@ -402,6 +402,8 @@ class Worker:
                     self.poller.unregister(sock)
                     sock.close(0)
                 log.info("host %d was lost: let go of %d shared-memory segments for it", msg.rank, n)
+            case m.FailBuffers():
+                self.store.fail_buffers(msg.buffers, msg.error)
             case m.FailPieces():
                 for piece_id in msg.piece_ids:
                     self.partial.pop(piece_id, None)

@@ -37,6 +37,8 @@ class Store:
         self._by_buffer: dict[int, set[Hashable]] = {}    # buffer -> its shard keys
         # buffers freed lately, oldest first (buffer ids are never used again)
         self._freed: collections.OrderedDict[int, float] = collections.OrderedDict()
+        # buffers that will never come (their client left): their shards fail
+        self._failed: dict[int, m.ErrorInfo] = {}
 
     def entry(self, key: Hashable) -> Entry:
         with self._lock:
@@ -49,7 +51,29 @@ class Store:
             e = self._entries[key] = Entry()
             if key[0] == "s":
                 self._by_buffer.setdefault(key[1], set()).add(key)
+                if self._failed and key[1] in self._failed:
+                    e.error, e.done = self._failed[key[1]], True
         return e
+
+    def fail_buffers(self, buffers: list[int], error: m.ErrorInfo) -> None:
+        """These buffers will never come: their shards that are not done fail
+        with ``error`` (waiters wake), and so do shards named later, until the
+        buffers are freed."""
+        failed: list[tuple[Entry, threading.Event | None, list]] = []
+        with self._lock:
+            for b in buffers:
+                self._failed[b] = error
+                for k in self._by_buffer.get(b, ()):
+                    e = self._entries[k]
+                    if not e.done:
+                        e.error, e.done = error, True
+                        failed.append((e, e.event, e.callbacks))
+                        e.callbacks = []
+        for e, event, callbacks in failed:
+            if event is not None:
+                event.set()
+            for cb in callbacks:
+                cb(e)
 
     def set(self, key: Hashable, value: Any = None, error: m.ErrorInfo | None = None) -> None:
         with self._lock:
@@ -127,6 +151,7 @@ class Store:
                 for k in self._by_buffer.pop(b, ()):
                     if self._entries.pop(k, None) is not None:
                         n += 1
+                self._failed.pop(b, None)
                 freed[b] = now
                 freed.move_to_end(b)
             while freed and (len(freed) > FREED_MAX or next(iter(freed.values())) < now - FREED_MEMORY_S):
