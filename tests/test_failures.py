@@ -50,12 +50,17 @@ def test_killed_worker_fails_its_futures_and_the_rest_keeps_working(fragile):
         then = zp.pmap(lambda v: v * 2, devices=d0)(running)               # waits for a piece from it
         time.sleep(1.0)
         assert not running.done()
+        from zpath.net import channels
+        planted = os.path.join(channels.SHM_DIR, f"{fragile.shm_prefix}-{victim.pid}-999")
+        with open(planted, "wb") as f:        # a segment it made, as a sender would
+            f.write(b"x" * 4096)
         t = time.monotonic()
         victim.send_signal(signal.SIGKILL)
         lost = f"host {victim_host} .*island 1.* was lost"
         for fut in (running, then, unfetched):
             with pytest.raises(zp.HostLost, match=lost):
                 fut.result(timeout=60)
+        assert not os.path.exists(planted)    # the controller removed the lost host's segments
         np.testing.assert_array_equal(fetched.result(), [2.])              # already fetched: kept
         with pytest.raises(zp.HostLost, match=lost):                       # but it is gone there
             zp.pmap(lambda v: v * 2, devices=d0)(fetched).result(timeout=60)
@@ -213,4 +218,33 @@ def test_a_client_that_dies_before_its_input_arrives_does_not_hold_the_device(fr
                 child.kill()
                 child.wait(10)
             child.stdout.close()
+        zp.shutdown()
+
+
+def test_futures_dropped_before_their_host_is_lost_stay_freed(fragile):
+    """Computations whose futures were dropped are running when their host is
+    lost: failing them does not bring their released outputs back."""
+    import gc
+
+    import jax
+    import jax.numpy as jnp
+    conn = zp.connect(fragile.address, fragile.key)
+    try:
+        d1 = zp.make_virtual_device_set().add_slice(devices=1, island=1).devices
+        slow = zp.pmap(lambda x: jax.lax.fori_loop(0, 3000, lambda i, a: jnp.tanh(a @ a), x), devices=d1)
+        x = np.eye(300)[None] * 0.01
+        for _ in range(3):
+            slow(x)                              # dropped at once
+        gc.collect()
+        time.sleep(1.0)
+        st = conn.client.request(m.StatusRequest(False))
+        assert st.running >= 1 and st.buffers == 0, st
+        next(p for name, p in fragile.procs if name == "worker-i1-h0").kill()
+        deadline = time.monotonic() + 30
+        while not conn.client.request(m.StatusRequest(False)).lost:
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        st = conn.client.request(m.StatusRequest(False))
+        assert st.buffers == 0 and st.running == 0, st
+    finally:
         zp.shutdown()

@@ -22,7 +22,7 @@ from zpath.controller.directory import Directory, Plan, PlanError
 from zpath.controller.resources import LostHosts, ResourceManager
 from zpath.controller.scheduler import POLICIES, GangScheduler, Ready, TenantScheduler
 from zpath.errors import ProtocolError, ResourceError
-from zpath.net import codec
+from zpath.net import channels, codec
 from zpath.net import messages as m
 from zpath.net.codec import PROTOCOL_VERSION, Header, Record
 from zpath.net.transport import BadMessage, Endpoint, make_context, unbatched
@@ -139,6 +139,7 @@ class Controller:
     def __init__(self, key: bytes, bind: str = "tcp://127.0.0.1:0", policy: str | None = None,
                  window_ms: float | None = None) -> None:
         self.ep = Endpoint(key, "controller")
+        self.machine = channels.machine_id()   # lost hosts on this machine: their segments go
         self.ctx = make_context()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
@@ -1009,6 +1010,12 @@ class Controller:
                                                 f"host {rank}, which was lost")
         if self.memory_waiting:           # what waited for memory there fails now
             self._resume_waiting()
+        # its shared-memory segments: nobody else would remove them before the
+        # cluster stops (mappings peers still hold stay valid after the unlink)
+        if host.machine and host.pid and host.machine == self.machine:
+            n = channels.cleanup(channels.shm_prefix(self.ep.key), host.pid)
+            if n:
+                log.info("removed %d shared-memory segments of lost host %d", n, rank)
 
     def _free(self, frees: dict[int, list[int]]) -> None:
         for rank, buffers in frees.items():
