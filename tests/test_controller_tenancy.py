@@ -321,3 +321,25 @@ def test_a_batch_through_the_controller_socket_each_item_handled_and_a_bad_one_a
     finally:
         dealer.close()
         ctx.term()
+
+
+def test_a_held_node_reading_one_buffer_twice_whose_release_was_deferred(make_rig):
+    """A sequential program under a memory limit: node 2 reads x twice and waits
+    for node 1; x's release (its last reader is planned) is deferred while node 2
+    is held. When node 1 finishes, node 2 goes and x is freed once: no error."""
+    rig = make_rig()
+    rig.c.memory_limit = 10 ** 9
+    a, _ = rig.client("a")
+    av = m.Aval([1, 4], "float32")
+    c1, x = rig.call(a, 0)
+    y = rig.new_id(a)
+    c2 = m.Call(next(rig.ids), rig.programs["f"][0], [1], ["i"], [0],
+                [m.CallInput(x, av, [None, None], False), m.CallInput(x, av, [None, None], False)],
+                [m.CallOutput(y, av, [None, None])])
+    rig.handle(a, m.Program(1, "seq", "sequential", [c1, c2], [x]))
+    assert len(rig.executes()) == 1 and x in rig.c.deferred
+    rig.finish(next(iter(rig.c.in_flight)))
+    assert len(rig.executes()) == 2
+    assert x not in rig.c.pinned and x not in rig.c.deferred and x not in rig.c.directory.buffers
+    frees = [b for _, msg in rig.log if isinstance(msg, m.Free) for b in msg.buffers]
+    assert frees.count(x) == 1

@@ -430,6 +430,11 @@ def test_output_buffer_reuse_is_bad_request():
         assert e.code == "bad_request" and f"output buffer {existing} already exists" in str(e)
     e = plan_error(w.d, call([0], [inp(2, [2], [], put=True)]))
     assert e.code == "bad_request" and "buffer 2 already exists" in str(e)
+    # a new id named twice in one call: two outputs, or an output and a put input
+    for c in (call([0], [inp(1, [2], [])], [out(7, [2], []), out(7, [2], [])]),
+              call([0], [inp(8, [2], [], put=True)], [out(8, [2], [])])):
+        e = plan_error(w.d, c)
+        assert e.code == "bad_request" and "names a new buffer twice" in str(e)
 
 
 @pytest.mark.parametrize("devices,mesh_shape,axis_names,pattern", [

@@ -120,6 +120,13 @@ def test_killed_client_has_its_buffers_freed(fragile):
         zp.shutdown()
 
 
+def _outcome(fut, timeout):
+    try:
+        return fut.result(timeout=timeout)
+    except Exception as e:      # noqa: BLE001 (the test looks at which)
+        return e
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["stopped", "killed"])
 def test_client_fails_what_waits_when_the_controller_goes(sig, monkeypatch):
     """A stopped controller tells its clients; a killed one is noticed by its
@@ -135,12 +142,24 @@ def test_client_fails_what_waits_when_the_controller_goes(sig, monkeypatch):
             inc = zp.pmap(lambda x: x + 1., devices=d)
             done = inc(np.zeros(1))
             np.testing.assert_array_equal(done.result(timeout=30), [1.])
+            client = zp.api.current_client()
+            put, client.put = client.put, lambda *a: None
+            try:
+                never = inc(np.zeros(1))                 # its input never leaves: it never runs
+            finally:
+                client.put = put
+            import threading
+            got: list = []
+            waiter = threading.Thread(target=lambda: got.append(_outcome(never, 60)))
+            waiter.start()                               # a fetch that waits
+            time.sleep(0.5)
             controller = dict(c.procs)["controller"]
+            t = time.monotonic()
             controller.send_signal(sig)
             controller.wait(10)
-            t = time.monotonic()
-            with pytest.raises(zp.Broken, match="shut down" if sig == signal.SIGTERM else "no answer"):
-                inc(done).result(timeout=60)             # never runs: its fetch fails
+            waiter.join(30)
+            assert got and isinstance(got[0], zp.Broken), got
+            assert ("shut down" if sig == signal.SIGTERM else "no answer") in str(got[0])
             assert time.monotonic() - t < 10
             with pytest.raises(zp.Broken):
                 inc(done)
@@ -248,3 +267,39 @@ def test_futures_dropped_before_their_host_is_lost_stay_freed(fragile):
         assert st.buffers == 0 and st.running == 0, st
     finally:
         zp.shutdown()
+
+
+def test_a_client_that_gave_up_on_a_stalled_controller_says_goodbye(monkeypatch):
+    """The controller stalls (SIGSTOP) past the client's patience: the client
+    fails with Broken and says goodbye (and stops its heartbeats), so once the
+    controller runs again it frees what that client held rather than keep it
+    for a client that will never use it."""
+    import zpath.client as zc
+    from zpath.client import Client
+    monkeypatch.setattr(zc, "CONTROLLER_SILENCE_S", 2.0)
+    with running_cluster(islands=1, hosts_per_island=1, devices_per_host=1) as c:
+        zp.connect(c.address, c.key, name="impatient")
+        other = None
+        try:
+            d = zp.make_virtual_device_set().add_slice(devices=1).devices
+            held = zp.pmap(lambda x: x + 1., devices=d)(np.zeros(1))
+            held.result(timeout=30)
+            controller = dict(c.procs)["controller"]
+            controller.send_signal(signal.SIGSTOP)
+            time.sleep(3.5)
+            with pytest.raises(zp.Broken, match="no answer"):
+                zp.make_virtual_device_set().add_slice(devices=1)
+            controller.send_signal(signal.SIGCONT)
+            monkeypatch.setattr(zc, "CONTROLLER_SILENCE_S", 15.0)
+            other = Client(c.address, c.key, name="other")        # while "impatient" is still open
+            deadline = time.monotonic() + 10
+            while True:
+                st = other.request(m.StatusRequest(False))
+                if [cl.name for cl in st.clients] == ["other"] and st.buffers == 0:
+                    break
+                assert time.monotonic() < deadline, st
+                time.sleep(0.2)
+        finally:
+            if other is not None:
+                other.close()
+            zp.shutdown()

@@ -165,3 +165,49 @@ def test_a_future_dropped_while_its_call_waits_is_freed_and_long_programs_do_not
                 v = f(v)
             return v
         np.testing.assert_array_equal(chain(x).result(timeout=60)[0, :3], [8., 8., 8.])
+
+
+def test_inputs_released_while_waiting_are_kept_and_a_client_leaving_with_waiting_calls(limited):
+    """(a) A call waits for memory; the future of its input is dropped meanwhile:
+    the input stays until the call is planned, and the call runs. (b) A client
+    leaves with two calls waiting: the controller drops both, frees everything
+    the client held, and serves the next client."""
+    from tests.test_memory import empty, wait_for
+    with connected(limited) as conn:
+        d = zp.make_virtual_device_set().add_slice(devices=1).devices
+        make = zp.jit(lambda: np.float64(1) * np.ones(5000), mesh=zp.Mesh(d, ("i",)))   # 40 kB
+        double = zp.jit(lambda x: x * 2, mesh=zp.Mesh(d, ("i",)))
+        a = make()
+        b = double(a)                            # 80 kB held
+        b.result(timeout=30)
+        c = double(b)                            # 120 kB: waits
+        time.sleep(0.5)
+        del b                                    # released while c waits to read it
+        gc.collect()
+        time.sleep(0.5)
+        del a                                    # 40 kB freed: c fits
+        gc.collect()
+        np.testing.assert_array_equal(c.result(timeout=30)[:2], [4., 4.])
+    with connected(limited) as conn:
+        d = zp.make_virtual_device_set().add_slice(devices=1).devices
+        make = zp.jit(lambda: np.float64(1) * np.ones(5000), mesh=zp.Mesh(d, ("i",)))
+        double = zp.jit(lambda x: x * 2, mesh=zp.Mesh(d, ("i",)))
+        a = make()
+        b = double(a)
+        b.result(timeout=30)
+        waiting = [double(b), double(b)]         # both wait
+        time.sleep(0.5)
+        assert conn.client.request(m.StatusRequest(False)).queued == 2
+    with connected(limited) as conn:               # the first left (zp.shutdown: Goodbye)
+        deadline = time.monotonic() + 10
+        while True:
+            st = conn.client.request(m.StatusRequest(False))
+            if st.queued == 0 and st.buffers == 0 and all(u.nbytes == 0 for u in st.devices):
+                break
+            assert time.monotonic() < deadline, st
+            time.sleep(0.2)
+        wait_for(conn, empty)
+        d = zp.make_virtual_device_set().add_slice(devices=1).devices
+        double = zp.jit(lambda x: x * 2, mesh=zp.Mesh(d, ("i",)))
+        np.testing.assert_array_equal(double(np.ones(3)).result(timeout=30), [2., 2., 2.])
+    del waiting

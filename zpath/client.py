@@ -232,6 +232,8 @@ class Client:
     def _data_sock(self, host: int) -> zmq.Socket:
         s = self._data.get(host)
         if s is None:
+            if host in self._lost:       # never reopened: what would queue there stays for good
+                raise HostLost(self._lost[host])
             s = self.ctx.socket(zmq.DEALER)
             s.connect(self.hosts[host].data_address)
             self._data[host] = s
@@ -248,10 +250,10 @@ class Client:
             for sock, _ in self._poller.poll(timeout=500):
                 if sock == self.outbox.fd:
                     stop = self._flush()
-                else:
+                elif not sock.closed:       # (a HostDown just before may have closed it)
                     self._recv(sock)
             now = time.monotonic()
-            if now - last_ping >= HEARTBEAT_S and not stop:
+            if now - last_ping >= HEARTBEAT_S and not stop and self._broken is None:
                 # the controller treats a client silent for long as gone (and
                 # answers, so its silence tells us the same)
                 self._send(self.ctl, m.Ping(0), (), 0)
@@ -284,7 +286,12 @@ class Client:
             to_ctl = []
             if kind == "stop":
                 return True
-            self._send(self.ctl if kind == "ctl" else self._data_sock(target), msg, buffers, msg_id)
+            try:
+                sock = self.ctl if kind == "ctl" else self._data_sock(target)
+            except HostLost as e:       # its host is gone: what waits on it fails so
+                self._failed(msg, msg_id, e)
+                continue
+            self._send(sock, msg, buffers, msg_id)
         if released:
             to_ctl.append((m.Release(released), 0, 0))
         self._send_ctl(to_ctl)
@@ -314,7 +321,7 @@ class Client:
             self._failed(msg, msg_id, e)
 
     def _failed(self, msg: Record, msg_id: int, e: Exception) -> None:
-        err = Broken(f"could not send {type(msg).__name__}: {e}")
+        err = e if isinstance(e, HostLost) else Broken(f"could not send {type(msg).__name__}: {e}")
         pending = self._pending.get(msg_id)
         if pending is not None and not pending.done():
             pending.set_exception(err)
@@ -334,6 +341,8 @@ class Client:
         every later use of this client, with Broken (values already fetched stay)."""
         log.error("zpath: %s", why)
         self._broken = err = Broken(why)
+        # no more heartbeats; if the controller was only stalled, it frees what we hold
+        self._send(self.ctl, m.Goodbye("the client gave up on the controller"), (), 0)
         for fut in list(self._pending.values()):
             if not fut.done():
                 fut.set_exception(Broken(why))

@@ -246,6 +246,10 @@ class Directory:
     def _check_state(self, call: m.Call, owner: int) -> None:
         """Checks against the buffers' current state (run on every call, cached or
         not, before any state changes)."""
+        new = [o.buffer for o in call.outputs] + [i.buffer for i in call.inputs if i.put]
+        if len(set(new)) != len(new):
+            raise PlanError("bad_request", "the call names a new buffer twice (outputs and "
+                            "put inputs need distinct ids)")
         for o in call.outputs:
             if o.buffer in self.buffers:
                 raise PlanError("bad_request", f"output buffer {o.buffer} already exists")

@@ -265,10 +265,11 @@ class Controller:
             busy = now - heard_until
             if busy > STALL_S:
                 # this loop was held up (a huge message, a long plan) and pinged
-                # no one: that time does not count as the peers' silence
+                # no one: that time, beyond STALL_S, does not count as the peers'
+                # silence (so back-to-back long handlings still let it count)
                 log.warning("controller loop was busy for %.1fs", busy)
                 for peer in self.peers.values():
-                    peer.last_seen = min(now, peer.last_seen + busy)
+                    peer.last_seen = min(now, peer.last_seen + busy - STALL_S)
             if now >= next_ping:
                 seq += 1
                 for rank, ident in self.worker_ident.items():
@@ -595,26 +596,29 @@ class Controller:
             if done:
                 self._release(done, sub.peer.id)
 
+    def _drop_waiting(self, sub: "_Submission") -> None:
+        """A waiting submission of a client that left: free what the client put
+        for its calls not planned yet, unpin them, release the program's values."""
+        for call in sub.calls[sub.next:]:
+            self._free_puts(call)
+            if sub.pinned_from is not None:
+                self._unpin_call(call)
+        sub.run.sent = sub.run.total
+        self._maybe_release(sub.run)
+
     def _pin_waiting(self, sub: "_Submission") -> None:
-        """A submission starts waiting for memory: pin the outputs of its calls
-        not planned yet, so releasing their futures meanwhile is not lost."""
+        """A submission starts waiting for memory: pin what its calls not
+        planned yet read and write, so a release of their inputs or of their
+        outputs' futures meanwhile waits until they are planned."""
         if sub.pinned_from is None:
             sub.pinned_from = sub.next
-            self.pinned.update(o.buffer for call in sub.calls[sub.next:] for o in call.outputs)
+            for call in sub.calls[sub.next:]:
+                self.pinned.update(_buffers(call))
 
-    def _unpin_outputs(self, call: m.Call) -> None:
-        """A waiting submission's call was planned (or failed): its outputs are
-        no longer pinned for it; releases that came meanwhile go ahead."""
-        self.pinned.subtract(o.buffer for o in call.outputs)
-        ready = []
-        for o in call.outputs:
-            b = o.buffer
-            if self.pinned[b] <= 0:
-                del self.pinned[b]
-                if b in self.deferred:
-                    ready.append(b)
-        for b in ready:
-            self._release([b], self.deferred.pop(b))
+    def _unpin_call(self, call: m.Call) -> None:
+        """A waiting submission's call was planned (or failed, or dropped): it
+        no longer pins its buffers; releases that came meanwhile go ahead."""
+        self._unpin(_buffers(call))
 
     def _resume_waiting(self) -> None:
         """Memory was freed: continue waiting submissions, oldest first. Not
@@ -626,7 +630,11 @@ class Controller:
         try:
             while self.memory_waiting:
                 sub = self.memory_waiting[0]
-                if not sub.peer.gone and not self._advance(sub):
+                if sub.peer.gone:
+                    self.memory_waiting.popleft()
+                    self._drop_waiting(sub)
+                    continue
+                if not self._advance(sub):
                     return
                 if self.memory_waiting and self.memory_waiting[0] is sub:
                     self.memory_waiting.popleft()
@@ -675,7 +683,7 @@ class Controller:
                 self._free_puts(call)        # what the client put for it
                 run.sent += 1
                 if pinned:
-                    self._unpin_outputs(call)
+                    self._unpin_call(call)
                 self._release_point(sub, k)
                 continue
             preds = {producer[i.buffer] for i in call.inputs if i.buffer in producer}
@@ -685,7 +693,7 @@ class Controller:
             if planned is None:
                 run.sent += 1
                 if pinned:
-                    self._unpin_outputs(call)
+                    self._unpin_call(call)
                 self._release_point(sub, k)
                 continue
             exec_ids[k] = next(iter(planned[0].executes.values())).exec_id
@@ -705,7 +713,7 @@ class Controller:
                     self.waiters.setdefault(w, []).append(held)
                 self._hold(held)
             if pinned:
-                self._unpin_outputs(call)
+                self._unpin_call(call)
             self._release_point(sub, k)
             done = sub.next - first
             if done & (done - 1) == 0 and sub.next < len(calls) and self._out is not None:
@@ -728,15 +736,22 @@ class Controller:
     def _unhold(self, held: "_HeldNode") -> None:
         for o in held.call.outputs:
             self.held_outputs.pop(o.buffer, None)
-        self.pinned.subtract(_buffers(held.call))
+        self._unpin(_buffers(held.call))
+
+    def _unpin(self, buffers: list[int]) -> None:
+        """Take one pin off each of ``buffers`` (a call may name one twice);
+        releases deferred meanwhile go ahead for those no longer pinned."""
+        self.pinned.subtract(buffers)
         ready = []
-        for b in _buffers(held.call):
-            if self.pinned[b] <= 0:
-                del self.pinned[b]
+        for b in dict.fromkeys(buffers):
+            if self.pinned.get(b, 0) <= 0:
+                self.pinned.pop(b, None)
                 if b in self.deferred:
                     ready.append(b)
         for b in ready:
-            self._release([b], self.deferred.pop(b))
+            owner = self.deferred.pop(b, None)
+            if owner is not None:
+                self._release([b], owner)
 
     def _ready(self, held: "_HeldNode", holding: bool) -> None:
         """A node may go once the multi-tenant scheduler gives it its turn: at
@@ -905,6 +920,8 @@ class Controller:
             self._recv_all(budget=1_000_000)
             now = time.monotonic()
         for peer in list(self.peers.values()):
+            if peer.ident not in self.peers:       # lost meanwhile (with its island)
+                continue
             silent = now - peer.last_seen
             if peer.role == "worker" and silent > HOST_TIMEOUT_S:
                 self._host_lost(peer.id, f"no answer for {silent:.1f}s")
@@ -918,14 +935,11 @@ class Controller:
         everything it holds is freed (computations already at the workers finish)."""
         self.peers.pop(peer.ident, None)
         peer.gone = True
-        for sub in [s for s in self.memory_waiting if s.peer is peer]:
-            self.memory_waiting.remove(sub)
-            for call in sub.calls[sub.next:]:
-                self._free_puts(call)
-                if sub.pinned_from is not None:
-                    self._unpin_outputs(call)
-            sub.run.sent = sub.run.total
-            self._maybe_release(sub.run)
+        mine = [s for s in self.memory_waiting if s.peer is peer]
+        if mine:       # out of the queue first: dropping one frees memory, which resumes it
+            self.memory_waiting = collections.deque(s for s in self.memory_waiting if s.peer is not peer)
+            for sub in mine:
+                self._drop_waiting(sub)
         islands = set(self.tenants.islands())
         cancelled = {id(r.item): r.item for r in self.tenants.remove_client(peer.id)}
         for key, waiting in list(self.waiters.items()):

@@ -159,14 +159,14 @@ class Endpoint:
         # copy is cheaper than a zmq.Frame for small frames); buffers as Frames
         small = 4 if router else 3
         frames = [recv(flags)]
-        cap = small + codec.MAX_BUFFERS
+        allowed = small + codec.MAX_BUFFERS        # identity, signature, header, body, buffers
         while more(_RCVMORE):
-            if len(frames) > cap:
-                # far more frames than any message has: drop the rest unread
-                # into objects, then refuse it (cheaply, whatever its sender)
+            if len(frames) >= allowed:
+                # more frames than any message has: drop the rest unread into
+                # objects, then refuse it (cheaply, whatever its sender)
                 n = _discard_rest(sock)
                 ident = frames[0] if router else None
-                got, most = len(frames) + n - router, cap + 1 - router
+                got, most = len(frames) + n - router, allowed - router
                 raise BadMessage(f"too many frames ({got}; at most {most})", ident,
                                  codec.decode_header(frames[1:] if router else frames))
             frames.append(recv(flags) if len(frames) < small else recv(flags, copy=False))

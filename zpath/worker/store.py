@@ -26,8 +26,8 @@ class Entry:
 
 # How long a freed buffer id is remembered, so that a client's Put that comes in
 # after the Free (the two take different connections) is dropped, not kept.
-FREED_MEMORY_S = 120.0
-FREED_MAX = 1_000_000
+FREED_MEMORY_S = 60.0     # (the race it covers lasts as long as a big Put takes)
+FREED_MAX = 65_536
 
 
 class Store:
@@ -62,6 +62,8 @@ class Store:
         failed: list[tuple[Entry, threading.Event | None, list]] = []
         with self._lock:
             for b in buffers:
+                if b in self._freed:           # already run and freed here
+                    continue
                 self._failed[b] = error
                 for k in self._by_buffer.get(b, ()):
                     e = self._entries[k]
@@ -157,6 +159,26 @@ class Store:
             while freed and (len(freed) > FREED_MAX or next(iter(freed.values())) < now - FREED_MEMORY_S):
                 freed.popitem(last=False)
         return n
+
+    def set_unless_freed(self, key: Hashable, buffer: int, value: Any) -> bool:
+        """Store a client's shard unless its buffer was freed lately (checked
+        and stored under one lock, so a Free in between cannot be missed);
+        whether it was stored."""
+        with self._lock:
+            if buffer in self._freed:
+                return False
+            e = self._entry(key)
+            if e.done:
+                return True
+            e.value, e.done = value, True
+            event, callbacks = e.event, e.callbacks
+            if callbacks:
+                e.callbacks = []
+        if event is not None:
+            event.set()
+        for cb in callbacks:
+            cb(e)
+        return True
 
     def was_freed(self, buffer: int) -> bool:
         """Whether this buffer was freed lately: a client's Put for it that comes
