@@ -10,41 +10,23 @@ import threading
 from typing import Any
 
 
-def _positive_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        v = 0
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be a whole number >= 1, not {text!r}")
-    return v
+def _arg(convert: Any, ok: Any, what: str) -> Any:
+    """An argparse type: ``convert(text)`` that must satisfy ``ok``."""
+    def parse(text: str) -> Any:
+        try:
+            v = convert(text)
+        except ValueError:
+            v = None
+        if v is None or not ok(v):
+            raise argparse.ArgumentTypeError(f"must be {what}, not {text!r}")
+        return v
+    return parse
 
 
-def _non_negative(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        v = -1.0
-    if not v >= 0 or v == float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a number >= 0, not {text!r}")
-    return v
-
-
-def _positive(text: str) -> float:
-    v = _non_negative(text)
-    if v == 0:
-        raise argparse.ArgumentTypeError(f"must be a number > 0, not {text!r}")
-    return v
-
-
-def _port(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        v = -1
-    if not 0 <= v <= 65535:
-        raise argparse.ArgumentTypeError(f"must be a port number 0-65535 (0: a free one), not {text!r}")
-    return v
+_positive_int = _arg(int, lambda v: v >= 1, "a whole number >= 1")
+_non_negative = _arg(float, lambda v: 0 <= v < float("inf"), "a number >= 0")
+_positive = _arg(float, lambda v: 0 < v < float("inf"), "a number > 0")
+_port = _arg(int, lambda v: 0 <= v <= 65535, "a port number 0-65535 (0: a free one)")
 
 
 def _up(args: argparse.Namespace) -> int:

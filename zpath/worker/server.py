@@ -505,7 +505,7 @@ class Worker:
                     self.stats["recv_tcp"] += 1
                     self.received_at.append([msg.piece_id, time.time()])
                     self.store.set(key, arr)
-                elif not self.store.set_unless_freed(key, msg.buffer, arr):
+                elif not self.store.set(key, arr, unless_freed=msg.buffer):
                     log.debug("buffer %d was freed while its Put came in: dropped", msg.buffer)
             case m.Piece():
                 self.store.set(("p", msg.piece_id), error=msg.error)

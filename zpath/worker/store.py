@@ -77,11 +77,18 @@ class Store:
             for cb in callbacks:
                 cb(e)
 
-    def set(self, key: Hashable, value: Any = None, error: m.ErrorInfo | None = None) -> None:
+    def set(self, key: Hashable, value: Any = None, error: m.ErrorInfo | None = None,
+            unless_freed: int | None = None) -> bool:
+        """Give the entry its value or error (once: later ones are ignored).
+        With ``unless_freed`` (a client's shard of that buffer): not if the buffer
+        was freed lately (checked under the same lock, so a Free in between cannot
+        be missed); returns whether it was stored."""
         with self._lock:
+            if unless_freed is not None and unless_freed in self._freed:
+                return False
             e = self._entry(key)
             if e.done:
-                return
+                return True
             e.value, e.error, e.done = value, error, True
             event, callbacks = e.event, e.callbacks
             if callbacks:
@@ -90,6 +97,7 @@ class Store:
             event.set()
         for cb in callbacks:
             cb(e)
+        return True
 
     def is_done(self, key: Hashable) -> bool:
         """Whether the entry has its value or error (without waiting)."""
@@ -159,26 +167,6 @@ class Store:
             while freed and (len(freed) > FREED_MAX or next(iter(freed.values())) < now - FREED_MEMORY_S):
                 freed.popitem(last=False)
         return n
-
-    def set_unless_freed(self, key: Hashable, buffer: int, value: Any) -> bool:
-        """Store a client's shard unless its buffer was freed lately (checked
-        and stored under one lock, so a Free in between cannot be missed);
-        whether it was stored."""
-        with self._lock:
-            if buffer in self._freed:
-                return False
-            e = self._entry(key)
-            if e.done:
-                return True
-            e.value, e.done = value, True
-            event, callbacks = e.event, e.callbacks
-            if callbacks:
-                e.callbacks = []
-        if event is not None:
-            event.set()
-        for cb in callbacks:
-            cb(e)
-        return True
 
     def was_freed(self, buffer: int) -> bool:
         """Whether this buffer was freed lately: a client's Put for it that comes
