@@ -343,3 +343,48 @@ def test_a_held_node_reading_one_buffer_twice_whose_release_was_deferred(make_ri
     assert x not in rig.c.pinned and x not in rig.c.deferred and x not in rig.c.directory.buffers
     frees = [b for _, msg in rig.log if isinstance(msg, m.Free) for b in msg.buffers]
     assert frees.count(x) == 1
+
+
+def test_a_sequential_program_resumed_after_a_memory_wait_does_not_wait_on_a_finished_node(make_rig):
+    """n1 is sent, n2 waits for memory; n1 finishes; a release lets n2 go: it
+    must not wait for n1 to finish again."""
+    rig = make_rig()
+    a, _ = rig.client("a")
+    c0, h = rig.call(a, 0)
+    rig.handle(a, c0)
+    rig.drain()
+    rig.c.memory_limit = 32
+    n1, o1 = rig.call(a, 0, h)
+    n2, o2 = rig.call(a, 0, o1)
+    rig.handle(a, m.Program(1, "seq", "sequential", [n1, n2], [o1]))
+    assert len(rig.executes()) == 2 and len(rig.c.memory_waiting) == 1     # c0, n1
+    rig.drain()                              # n1 finishes while n2 waits
+    rig.handle(a, m.Release([h]))            # room for n2
+    assert len(rig.executes()) == 3
+    rig.drain()
+    rig.handle(a, m.Release([o2]))
+    assert rig.idle()
+
+
+def test_a_queued_call_that_reads_a_dropped_value_goes_ahead_of_a_waiting_head(make_rig):
+    """`big` waits for memory that z holds; g(z) is queued behind it and z's
+    future is dropped, so z lives until g is planned. g depends on nothing that
+    waits, so it goes ahead; then z is freed and big fits."""
+    rig = make_rig()
+    a, _ = rig.client("a")
+    c0, z = rig.call(a, 0)
+    rig.handle(a, c0)
+    rig.drain()
+    rig.c.memory_limit = 40
+    big, ob = rig.call(a, 0)                 # 32 more bytes (16 held): waits
+    rig.handle(a, big)
+    g, og = rig.call(a, 0, z)                # reads z: queued behind big
+    rig.handle(a, g)
+    rig.handle(a, m.Release([z]))            # del z
+    rig.drain()
+    assert len(rig.executes()) == 2 and len(rig.c.memory_waiting) == 1     # c0, g; big waits
+    rig.handle(a, m.Release([og]))           # z and g's output freed: big fits
+    assert len(rig.executes()) == 3 and not rig.c.memory_waiting
+    rig.drain()
+    rig.handle(a, m.Release([ob]))
+    assert rig.idle()

@@ -197,9 +197,8 @@ class Client:
             rank = min(lost)
             raise HostLost(f"{self._lost[rank]} (this value's shards were there; a computation "
                            "that reads it uses a copy elsewhere, if there is one)")
-        regs = future._regions()
         seen: dict[sharding.Region, int] = {}
-        for d, r in zip(future._devices, regs, strict=True):
+        for d, r in zip(future._devices, future._regions(), strict=True):
             seen.setdefault(r, d)
         requests = {}
         for r, d in seen.items():

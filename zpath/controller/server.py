@@ -168,6 +168,7 @@ class Controller:
         # submissions waiting for device memory, in arrival order (each resumes at
         # its first unplanned node); while any waits, new ones queue behind it
         self.memory_waiting: collections.deque[_Submission] = collections.deque()
+        self.unfinished: set[int] = set()   # exec ids of sequential programs' nodes not finished
         self.memory_limit = DEVICE_MEMORY_LIMIT
         self._resuming = False
         # held nodes whose waits are over, sent by one loop (never by recursion:
@@ -635,11 +636,40 @@ class Controller:
                     self._drop_waiting(sub)
                     continue
                 if not self._advance(sub):
-                    return
+                    if not self._backfill():
+                        return
+                    continue                   # memory may have been freed: the head again
                 if self.memory_waiting and self.memory_waiting[0] is sub:
                     self.memory_waiting.popleft()
         finally:
             self._resuming = False
+
+    def _backfill(self) -> bool:
+        """The head of the memory queue must wait. A later submission that keeps
+        alive a value whose future was dropped (its release waits for it) and
+        depends on nothing still waiting (every input it reads exists, or is made
+        by its own earlier nodes) goes ahead if it fits: otherwise a head that
+        needs that value's memory would wait for ever. Everything else keeps
+        arrival order. Returns whether one was planned in full (and left the queue)."""
+        for sub in list(self.memory_waiting)[1:]:
+            if sub.peer.gone or not self._holds_deferred(sub) or not self._independent(sub):
+                continue
+            if self._advance(sub):
+                self.memory_waiting.remove(sub)
+                return True
+        return False
+
+    def _holds_deferred(self, sub: "_Submission") -> bool:
+        return any(b in self.deferred for call in sub.calls[sub.next:] for b in _buffers(call))
+
+    def _independent(self, sub: "_Submission") -> bool:
+        made = set()
+        for call in sub.calls[sub.next:]:
+            for i in call.inputs:
+                if not i.put and i.buffer not in made and i.buffer not in self.directory.buffers:
+                    return False
+            made.update(o.buffer for o in call.outputs)
+        return True
 
     def _fits(self, sub: "_Submission", call: m.Call) -> str:
         """"ok", "wait" (for memory to be freed), or "failed": a call that can
@@ -650,6 +680,11 @@ class Controller:
             dev = self.rm.devices.get(d)
             if dev is None or not self.rm.hosts[dev.host].alive:
                 return "ok"               # planning rejects it (HostLost), rather than wait for ever
+        for i in call.inputs:
+            if not i.put:
+                buf = self.directory.buffers.get(i.buffer)
+                if buf is None or buf.error is not None:
+                    return "ok"           # planning rejects it (its input is gone or failed)
         for d, n in self.directory.needs(call).items():
             if n > self.memory_limit:
                 err = m.ErrorInfo("ResourceError", f"call needs {n} bytes on device {d}, more than "
@@ -700,9 +735,10 @@ class Controller:
             waits: set = {("sent", self.held_outputs[i.buffer]) for i in call.inputs
                           if i.buffer in self.held_outputs}
             if dispatch == "sequential":
-                # finished predecessors (none can have finished yet: completions
-                # are handled after this message)
-                waits |= {exec_ids[p] for p in preds if p in exec_ids}
+                # predecessors that have not finished (after a wait for memory,
+                # some may have finished or been abandoned already)
+                self.unfinished.add(exec_ids[k])
+                waits |= {exec_ids[p] for p in preds if exec_ids.get(p) in self.unfinished}
             plan = planned[0]
             held = _HeldNode(run, call, planned, waits, exec_ids[k],
                              self.rm.hosts[next(iter(plan.executes))].island)
@@ -827,6 +863,7 @@ class Controller:
         self._maybe_release(run)
         # nodes waiting for it to be sent, or (sequential) to finish: they go on,
         # and fail with its error when they read its outputs
+        self.unfinished.discard(held.exec_id)
         self._trigger(("sent", held.exec_id))
         self._trigger(held.exec_id)
 
@@ -834,6 +871,7 @@ class Controller:
         """Every host finished a computation: send the held nodes waiting on it,
         and what the multi-tenant scheduler now has room for (once one of its
         ``devices`` is down to half a window, when they are given)."""
+        self.unfinished.discard(exec_id)
         self._trigger(exec_id)
         done = self.tenants.finished(exec_id)
         if done is not None and (devices is None or self.tenants.low(devices)):
@@ -870,12 +908,16 @@ class Controller:
         """Free buffers the owner no longer needs, except those a held node still
         reads or writes: those wait until it has been sent."""
         now = []
+        deferred = False
         for b in buffers:
             if self.pinned.get(b, 0) > 0:
                 self.deferred[b] = owner
+                deferred = True
             else:
                 now.append(b)
         self._free(self.directory.release(now, owner))
+        if deferred and self.memory_waiting:
+            self._resume_waiting()      # a waiting call that keeps it alive may go ahead
 
     def _explain(self, ident: bytes, parent: int, peer: Peer, req: m.ExplainRequest) -> None:
         """Plan a program on a scratch copy of the directory and describe it."""
@@ -918,7 +960,10 @@ class Controller:
             # their answers may be waiting behind work that held this loop up
             # (a huge message, a long plan): read what came before judging
             self._recv_all(budget=1_000_000)
-            now = time.monotonic()
+            busy, now = time.monotonic() - now, time.monotonic()
+            if busy > STALL_S:         # that reading held the loop up too
+                for peer in self.peers.values():
+                    peer.last_seen = min(now, peer.last_seen + busy - STALL_S)
         for peer in list(self.peers.values()):
             if peer.ident not in self.peers:       # lost meanwhile (with its island)
                 continue
@@ -935,11 +980,12 @@ class Controller:
         everything it holds is freed (computations already at the workers finish)."""
         self.peers.pop(peer.ident, None)
         peer.gone = True
-        mine = [s for s in self.memory_waiting if s.peer is peer]
-        if mine:       # out of the queue first: dropping one frees memory, which resumes it
+        # its waiting submissions leave the memory queue first (dropping one frees
+        # memory, which resumes the queue), and are dropped once its queued nodes
+        # are cancelled (so that resuming cannot send one of them)
+        waiting_subs = [s for s in self.memory_waiting if s.peer is peer]
+        if waiting_subs:
             self.memory_waiting = collections.deque(s for s in self.memory_waiting if s.peer is not peer)
-            for sub in mine:
-                self._drop_waiting(sub)
         islands = set(self.tenants.islands())
         cancelled = {id(r.item): r.item for r in self.tenants.remove_client(peer.id)}
         for key, waiting in list(self.waiters.items()):
@@ -953,6 +999,8 @@ class Controller:
                     del self.waiters[key]
         for held in cancelled.values():
             self._abandon(held, holding=True)
+        for sub in waiting_subs:
+            self._drop_waiting(sub)
         for island in islands:            # heads its queue held back may go now
             self._pump(island)
         if cancelled:
