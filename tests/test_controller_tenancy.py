@@ -345,15 +345,21 @@ def test_a_held_node_reading_one_buffer_twice_whose_release_was_deferred(make_ri
     assert frees.count(x) == 1
 
 
+def held_under_limit(rig: Rig, limit: int) -> tuple[bytes, int]:
+    """A client holding one 16-byte value on device 0, then a memory limit."""
+    a, _ = rig.client("a")
+    c0, value = rig.call(a, 0)
+    rig.handle(a, c0)
+    rig.drain()
+    rig.c.memory_limit = limit
+    return a, value
+
+
 def test_a_sequential_program_resumed_after_a_memory_wait_does_not_wait_on_a_finished_node(make_rig):
     """n1 is sent, n2 waits for memory; n1 finishes; a release lets n2 go: it
     must not wait for n1 to finish again."""
     rig = make_rig()
-    a, _ = rig.client("a")
-    c0, h = rig.call(a, 0)
-    rig.handle(a, c0)
-    rig.drain()
-    rig.c.memory_limit = 32
+    a, h = held_under_limit(rig, 32)
     n1, o1 = rig.call(a, 0, h)
     n2, o2 = rig.call(a, 0, o1)
     rig.handle(a, m.Program(1, "seq", "sequential", [n1, n2], [o1]))
@@ -371,11 +377,7 @@ def test_a_queued_call_that_reads_a_dropped_value_goes_ahead_of_a_waiting_head(m
     future is dropped, so z lives until g is planned. g depends on nothing that
     waits, so it goes ahead; then z is freed and big fits."""
     rig = make_rig()
-    a, _ = rig.client("a")
-    c0, z = rig.call(a, 0)
-    rig.handle(a, c0)
-    rig.drain()
-    rig.c.memory_limit = 40
+    a, z = held_under_limit(rig, 40)
     big, ob = rig.call(a, 0)                 # 32 more bytes (16 held): waits
     rig.handle(a, big)
     g, og = rig.call(a, 0, z)                # reads z: queued behind big

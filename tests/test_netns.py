@@ -26,12 +26,11 @@ import sys
 import time
 
 import numpy as np
-import psutil
 import pytest
 
 import zpath as zp
 from tests.conftest import assert_gone
-from tests.test_ssh import SSHD, _skip_reason, sessions, wait_no_sessions
+from tests.test_ssh import SSHD, _skip_reason, cluster_address, sessions, wait_no_sessions
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -186,14 +185,7 @@ def test_ssh_cluster_on_hosts_with_their_own_addresses(netns_sshd, tmp_path):
                            "--start-timeout", "120"],
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     try:
-        lines: list[str] = []
-        address = ""
-        while not address:
-            line = up.stdout.readline()
-            assert line, "zpath up exited:\n" + "".join(lines)
-            lines.append(line)
-            found = re.match(r"zpath cluster up: (\S+)", line)
-            address = found.group(1) if found else ""
+        address = cluster_address(up)
         # the controller listens on this side of the bridge, the address it picked
         assert address.startswith(f"tcp://{hosts.gateway}:"), address
         # each worker runs in its host's namespace

@@ -108,6 +108,19 @@ def wait_no_sessions(sshd_pid: int, timeout: float = 20.0) -> None:
 PY = sys.executable
 
 
+def cluster_address(up: subprocess.Popen) -> str:
+    """The address a `zpath up` prints once its cluster is up (fails with its
+    output if it exits first)."""
+    lines: list[str] = []
+    while True:
+        line = up.stdout.readline()
+        assert line, "zpath up exited:\n" + "".join(lines)
+        lines.append(line)
+        found = re.match(r"zpath cluster up: (\S+)", line)
+        if found:
+            return found.group(1)
+
+
 def test_ssh_cluster_two_islands_compute_and_down(sshd, tmp_path):
     port, opts, sshd_pid = sshd
     hostfile = tmp_path / "hosts.txt"
@@ -120,14 +133,7 @@ def test_ssh_cluster_two_islands_compute_and_down(sshd, tmp_path):
                            "--start-timeout", "60"],
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        lines = []
-        address = ""
-        while not address:
-            line = up.stdout.readline()
-            assert line, "zpath up exited:\n" + "".join(lines)
-            lines.append(line)
-            m = re.match(r"zpath cluster up: (\S+)", line)
-            address = m.group(1) if m else ""
+        address = cluster_address(up)
         key = (tmp_path / "logs" / "cluster.key").read_text().strip()
         everything = sessions(sshd_pid) + psutil.Process(up.pid).children(recursive=True)
         assert key not in " ".join(" ".join(p.cmdline()) for p in everything), "key on a command line"

@@ -588,10 +588,13 @@ class Controller:
         elif not self._advance(sub):
             self.memory_waiting.append(sub)
 
-    def _release_point(self, sub: "_Submission", k: int) -> None:
-        """Node ``k`` of a program was planned: release the program's buffers it
-        was the last to read (held nodes that still read them keep them until
-        sent; workers free them after the computations before have run)."""
+    def _node_done(self, sub: "_Submission", k: int, call: m.Call) -> None:
+        """Node ``k`` of a submission was planned (or failed): it no longer pins
+        what it reads and writes for a wait for memory, and the program's buffers
+        it was the last to read are released (held nodes that still read them keep
+        them until sent; workers free them after the computations before have run)."""
+        if sub.pinned_from is not None and k >= sub.pinned_from:
+            self._unpin(_buffers(call))
         if sub.release_at:
             done = sub.release_at.pop(k, None)
             if done:
@@ -603,7 +606,7 @@ class Controller:
         for call in sub.calls[sub.next:]:
             self._free_puts(call)
             if sub.pinned_from is not None:
-                self._unpin_call(call)
+                self._unpin(_buffers(call))
         sub.run.sent = sub.run.total
         self._maybe_release(sub.run)
 
@@ -615,11 +618,6 @@ class Controller:
             sub.pinned_from = sub.next
             for call in sub.calls[sub.next:]:
                 self.pinned.update(_buffers(call))
-
-    def _unpin_call(self, call: m.Call) -> None:
-        """A waiting submission's call was planned (or failed, or dropped): it
-        no longer pins its buffers; releases that came meanwhile go ahead."""
-        self._unpin(_buffers(call))
 
     def _resume_waiting(self) -> None:
         """Memory was freed: continue waiting submissions, oldest first. Not
@@ -713,13 +711,10 @@ class Controller:
                 self._pin_waiting(sub)
                 return False
             sub.next += 1
-            pinned = sub.pinned_from is not None and k >= sub.pinned_from
             if fits == "failed":
                 self._free_puts(call)        # what the client put for it
                 run.sent += 1
-                if pinned:
-                    self._unpin_call(call)
-                self._release_point(sub, k)
+                self._node_done(sub, k, call)
                 continue
             preds = {producer[i.buffer] for i in call.inputs if i.buffer in producer}
             for o in call.outputs:
@@ -727,9 +722,7 @@ class Controller:
             planned = self._plan(ident, peer, call)
             if planned is None:
                 run.sent += 1
-                if pinned:
-                    self._unpin_call(call)
-                self._release_point(sub, k)
+                self._node_done(sub, k, call)
                 continue
             exec_ids[k] = next(iter(planned[0].executes.values())).exec_id
             waits: set = {("sent", self.held_outputs[i.buffer]) for i in call.inputs
@@ -748,9 +741,7 @@ class Controller:
                 for w in waits:
                     self.waiters.setdefault(w, []).append(held)
                 self._hold(held)
-            if pinned:
-                self._unpin_call(call)
-            self._release_point(sub, k)
+            self._node_done(sub, k, call)
             done = sub.next - first
             if done & (done - 1) == 0 and sub.next < len(calls) and self._out is not None:
                 # after nodes 1, 2, 4, 8, ... of those planned here: what is
