@@ -165,3 +165,85 @@ def test_calls_reading_a_held_sequential_node_wait_for_it(client):
     w = f(z)                   # a plain call after it
     np.testing.assert_array_equal(w.result(timeout=30), [32.])
     np.testing.assert_array_equal(z.result(timeout=30), [16.])
+
+
+def _fused_records(client, name):
+    return [r for r in client.client.request(m.TimelineRequest(100_000)).records
+            if r.name.startswith(f"{name} (") and r.name.endswith(" fused)")]
+
+
+def test_repeated_runs_of_a_program_are_fused(client):
+    """A program run again is sent as a template run, and one that moves no data
+    between hosts runs fused (one computation per run for the controller); the
+    results are the same as plain calls'. Runs with client values (put each
+    time) and with futures as inputs are both fused."""
+    d = devices(2, host=0)
+    inc = zp.pmap(lambda x: x + 1., devices=d)
+    dbl = zp.pmap(lambda x: x * 2., devices=d)
+    add = zp.pmap(lambda x, y: x + y, devices=d)
+    const = np.array([10., 20.])
+
+    @zp.program
+    def step(v):
+        return dbl(inc(v)), add(v, const)
+
+    calls0 = client.client.request(m.StatusRequest(False)).calls
+    x, want = np.array([0., 1.]), np.array([0., 1.])
+    for k in range(8):
+        if k == 4:
+            x, want = np.array([3., 4.]), np.array([3., 4.])     # a client value again
+        x, s = step(x)
+        np.testing.assert_array_equal(s.result(timeout=60), want + const)
+        want = 2 * (want + 1)
+        np.testing.assert_array_equal(x.result(timeout=60), want)
+    # every run counts its 3 nodes, fused or not
+    assert client.client.request(m.StatusRequest(False)).calls - calls0 == 24
+    # per input pattern, the first run defines the template; runs 2-4 and 6-8 are fused
+    fused = _fused_records(client, "step")
+    assert len(fused) >= 5 and all(r.ok and r.name == "step (3 nodes, fused)" for r in fused)
+
+
+def test_a_program_that_moves_data_is_not_fused(client, figure2):
+    f, _ = figure2
+    prog = zp.program(f)
+    for k in range(4):
+        y, z = prog(np.array([1., 2.]) + k)
+        np.testing.assert_array_equal(np.asarray(y), [3. + 2 * k, 5. + 2 * k])
+        np.testing.assert_array_equal(np.asarray(z), [2. + 2 * k, 4. + 2 * k])
+    assert not _fused_records(client, "f")
+
+
+def test_a_failing_node_fails_a_fused_run_s_outputs(client):
+    import jax.numpy as jnp
+    d = devices(1)
+    huge = zp.pmap(lambda x: jnp.broadcast_to(x, (1 << 40,)), devices=d)
+    after = zp.pmap(lambda x: x[:2] * 2, devices=d)
+
+    @zp.program
+    def failing(v):
+        return after(huge(v))
+    for _ in range(3):
+        with pytest.raises(zp.RemoteError, match="RESOURCE_EXHAUSTED"):
+            failing(np.ones(1)).result(timeout=60)
+    fused = _fused_records(client, "failing")
+    assert fused and not any(r.ok for r in fused)
+
+
+def test_fused_runs_free_their_intermediates_and_inputs(client):
+    d = devices(2, host=0)
+    inc = zp.pmap(lambda x: x + 1., devices=d)
+    wait_for(client, empty)
+
+    @zp.program
+    def three(v):
+        return inc(inc(inc(v)))
+    for k in range(4):
+        out = three(np.full((2, 1000), float(k)))
+        np.testing.assert_array_equal(out.result(timeout=60), np.full((2, 1000), k + 3.))
+    assert _fused_records(client, "three")
+    # only the last result remains: 2 shards of 8000 bytes on host 0
+    held = wait_for(client, lambda s: sorted(s.values()) == [(0, 0), (2, 16000)])
+    assert held[0] == (2, 16000)
+    del out
+    gc.collect()
+    wait_for(client, empty)

@@ -34,6 +34,7 @@ FETCH_TIMEOUT_S = float(os.environ.get("ZPATH_FETCH_TIMEOUT", "600"))
 HEARTBEAT_S = 1.0
 # a controller silent this long (it answers every heartbeat) is taken to be gone
 CONTROLLER_SILENCE_S = float(os.environ.get("ZPATH_CONTROLLER_TIMEOUT", "15"))
+MAX_TEMPLATES = 1024          # program templates per connection (the controller's limit too)
 
 
 def error_from_info(info: m.ErrorInfo) -> ZpathError:
@@ -85,6 +86,8 @@ class Client:
         self.devices: dict[int, m.DeviceInfo] = {d.id: d for h in welcome.hosts for d in h.devices}
         self._buffer_ids = itertools.count(1)
         self._call_ids = itertools.count(1)
+        self._ids_lock = threading.Lock()    # new_buffer_ids replaces the counter
+        self._templates = 0
         self.programs: set[str] = set()
         self.outbox = Outbox()
         self._pending: dict[int, concurrent.futures.Future] = {}
@@ -121,7 +124,24 @@ class Client:
 
     # ---- API used by the rest of zpath --------------------------------------
     def new_buffer_id(self) -> int:
-        return (self.client_id << 32) | next(self._buffer_ids)
+        with self._ids_lock:
+            return (self.client_id << 32) | next(self._buffer_ids)
+
+    def new_buffer_ids(self, n: int) -> int:
+        """The first of ``n`` new buffer ids in a row (a program run's)."""
+        with self._ids_lock:
+            first = next(self._buffer_ids)
+            self._buffer_ids = itertools.count(first + n)
+        return (self.client_id << 32) | first
+
+    def new_template(self) -> int | None:
+        """A number for a new program template, or None once this connection
+        has MAX_TEMPLATES (the controller keeps as many per client)."""
+        with self._ids_lock:
+            if self._templates >= MAX_TEMPLATES:
+                return None
+            self._templates += 1
+            return self._templates
 
     def new_call_id(self) -> int:
         return next(self._call_ids)

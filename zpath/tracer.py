@@ -9,6 +9,7 @@ of the program that it does not return are freed after their last consumer."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import threading
 from typing import Any, Callable
 
@@ -100,6 +101,13 @@ class Traced:
     outputs: list[Value]
     out_tree: Any
     client: Any
+    # the templates the controller keeps of this trace (see ProgramFunction.__call__),
+    # per pattern of inputs that are futures (the others are put): 0 for none
+    # (the connection has too many)
+    templates: dict[tuple, int] = dataclasses.field(default_factory=dict)
+    # for RunProgram: the slots' origins, (position, node, output) of each
+    # result, and how many new buffers a run makes (built on first use)
+    layout: tuple | None = None
 
 
 class ProgramFunction:
@@ -145,15 +153,19 @@ class ProgramFunction:
             traced = self._cache[key] = Traced(trace.nodes, inputs, out_leaves, out_tree, trace.client)
         return traced, bound
 
-    def _lower(self, traced: Traced, bound: list, send: bool = True
-               ) -> tuple[list[m.Call], list[int], list[Future]]:
+    def _lower(self, traced: Traced, bound: list, send: bool = True, first: int | None = None,
+               slots: list[int] | None = None) -> tuple[list[m.Call], list[int], list[Future]]:
         """Calls with fresh buffer ids for one invocation, the buffers to free
         after it (intermediates and client values), and the output futures.
-        ``send=False`` (a plan only) sends no client values."""
+        ``send=False`` (a plan only) sends no client values. With ``first``, the
+        calls' outputs are numbered ``first, first + 1, ...`` in order, and the
+        buffer of every input not made inside the program is appended to
+        ``slots`` in order (a template's slots; see DefineProgram)."""
         client = traced.client
         buffers: dict[int, int] = {}               # id(Value) -> buffer id
         put: list[int] = []
         calls = []
+        new_id = client.new_buffer_id if first is None else itertools.count(first).__next__
         for node in traced.nodes:
             inputs = []
             for v, spec in zip(node.inputs, node.traced.in_specs, strict=True):
@@ -172,9 +184,11 @@ class ProgramFunction:
                     buf = buffers[id(v)] = node.computation.put(source, spec, send)
                     put.append(buf)
                     inputs.append(m.CallInput(buf, aval, spec, True))
+                if slots is not None and kind != "node":
+                    slots.append(inputs[-1].buffer)
             outs = []
             for o in node.outputs:
-                buffers[id(o)] = client.new_buffer_id()
+                buffers[id(o)] = new_id()
                 outs.append(buffers[id(o)])
             calls.append(node.computation.call_message(node.traced, inputs, outs))
         returned = {id(o) for o in traced.outputs}
@@ -190,9 +204,62 @@ class ProgramFunction:
         import jax
 
         traced, bound = self.trace(*args)
-        calls, release, futures = self._lower(traced, bound)
         client = traced.client
+        if self.dispatch == "parallel":
+            pattern = tuple(isinstance(b, Future) for b in bound)
+            template = traced.templates.get(pattern)
+            if template is None:
+                template = traced.templates[pattern] = client.new_template() or 0
+                if template:
+                    # the first run defines the template, as a whole Program
+                    slots: list[int] = []
+                    n = sum(len(node.outputs) for node in traced.nodes)
+                    first = client.new_buffer_ids(n)
+                    calls, release, futures = self._lower(traced, bound, first=first, slots=slots)
+                    client.post(m.DefineProgram(template, slots, first, n, m.Program(
+                        client.new_call_id(), self.name, self.dispatch, calls, release)))
+                    return jax.tree_util.tree_unflatten(traced.out_tree, futures)
+            if template:
+                return self._run_template(traced, bound, template)
+        calls, release, futures = self._lower(traced, bound)
         client.post(m.Program(client.new_call_id(), self.name, self.dispatch, calls, release))
+        return jax.tree_util.tree_unflatten(traced.out_tree, futures)
+
+    def _run_template(self, traced: Traced, bound: list, template: int) -> Any:
+        """Run a defined template again: one small RunProgram message (the
+        buffers of its slots, in order, and where its new buffers start).
+        Client values are put as their first reader reads them, as _lower does."""
+        import jax
+
+        client = traced.client
+        if traced.layout is None:
+            slots, position = [], {}
+            for node in traced.nodes:
+                for v, spec in zip(node.inputs, node.traced.in_specs, strict=True):
+                    if v.origin[0] != "node":
+                        slots.append((id(v), v.origin[0], v.origin[1], node.computation, spec))
+                for o in node.outputs:
+                    position[id(o)] = len(position)
+            outs = [(position[id(o)], o.origin[1], o.origin[2]) for o in traced.outputs]
+            traced.layout = (slots, outs, len(position))
+        slots, outs, n = traced.layout
+        inputs: list[int] = []
+        put: dict[int, int] = {}
+        for key, kind, source, computation, spec in slots:
+            value = bound[source] if kind == "input" else source
+            if isinstance(value, Future):
+                if value._client is not client:
+                    raise ValueError(f"{self.name}: an input future belongs to another connection")
+                inputs.append(value.buffer)
+            elif key in put:
+                inputs.append(put[key])
+            else:
+                inputs.append(put.setdefault(key, computation.put(value, spec)))
+        first = client.new_buffer_ids(n)
+        futures = [node.computation.future(first + k, node.traced.out_avals[i], node.traced.out_specs[i])
+                   for k, node, i in outs]
+        client.post(m.RunProgram(client.new_call_id(), template, inputs, first,
+                                 [f.buffer for f in futures]))
         return jax.tree_util.tree_unflatten(traced.out_tree, futures)
 
     def explain(self, *args: Any, file: Any = None) -> str:

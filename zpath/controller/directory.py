@@ -46,8 +46,10 @@ class Buffer:
 
 @dataclasses.dataclass
 class Plan:
-    executes: dict[int, m.Execute]
+    executes: dict[int, m.Execute]       # or m.RunFused (a fused program's run)
     sends: list[tuple[int, m.SendPiece]]
+    programs: list[str] | None = None    # programs its hosts need (None: the call's)
+    setup: dict[int, m.DefineFused] | None = None   # per host, sent before its first run
 
 
 class Directory:
@@ -151,6 +153,9 @@ class Directory:
         except (ValueError, KeyError):
             return {}
         return {d: sum(sharding.nbytes(r, dt) for _, r, dt in items) for d, items in need.items()}
+
+    def new_exec_id(self) -> int:
+        return next(self._exec_ids)
 
     def owned(self, owner: int) -> list[int]:
         """Every buffer of an owner (to release them all when it leaves)."""

@@ -9,6 +9,7 @@ import dataclasses
 import hashlib
 import faulthandler
 import gc
+import itertools
 import logging
 import os
 import signal
@@ -21,6 +22,7 @@ from zpath import sharding
 from zpath.controller.directory import Directory, Plan, PlanError
 from zpath.controller.resources import LostHosts, ResourceManager
 from zpath.controller.scheduler import POLICIES, GangScheduler, Ready, TenantScheduler
+from zpath.controller import templates
 from zpath.errors import ProtocolError, ResourceError
 from zpath.net import channels, codec
 from zpath.net import messages as m
@@ -99,6 +101,7 @@ class _Submission:
     # under a memory limit: node index -> the program's buffers to release once
     # that node (their last reader) is planned, so a long program frees as it goes
     release_at: dict[int, list[int]] | None = None
+    record: list[Plan] | None = None     # its plans, in order (to fuse a template)
 
 
 @dataclasses.dataclass
@@ -180,6 +183,10 @@ class Controller:
         self.deferred: dict[int, int] = {}               # pinned buffer -> owner that released it
         self.programs: dict[str, tuple[str, bytes]] = {}
         self.host_programs: dict[int, set[str]] = {}
+        # (client, template) -> its program template; fused plans sent to each host
+        self.templates: dict[tuple[int, int], templates.ProgramTemplate] = {}
+        self.host_fused: dict[int, set[int]] = {}
+        self._fused_ids = itertools.count(1)
         self.peers: dict[bytes, Peer] = {}
         self.worker_ident: dict[int, bytes] = {}
         self.client_ids = 0
@@ -423,6 +430,10 @@ class Controller:
                 self._call(ident, peer, msg)
             case m.Program() if peer.role == "client":
                 self._program(ident, peer, msg)
+            case m.DefineProgram() if peer.role == "client":
+                self._define_program(ident, parent, peer, msg)
+            case m.RunProgram() if peer.role == "client":
+                self._run_program(ident, peer, msg)
             case m.ExplainRequest() if peer.role == "client":
                 self._explain(ident, parent, peer, msg)
             case m.ExecDone() if peer.role == "worker":
@@ -545,10 +556,16 @@ class Controller:
     def _dispatch(self, peer: Peer, call: m.Call, plan: Plan, name: str) -> int:
         """Send a planned call to its hosts in gang order; returns its exec id."""
         for rank in plan.executes:
-            if call.program not in self.host_programs[rank]:
-                blob = self.programs[call.program][1]
-                self.to_host(rank, m.RegisterProgram(call.program, name), buffers=[blob])
-                self.host_programs[rank].add(call.program)
+            for digest in plan.programs if plan.programs is not None else [call.program]:
+                if digest not in self.host_programs[rank]:
+                    pname, blob = self.programs[digest]
+                    self.to_host(rank, m.RegisterProgram(digest, pname), buffers=[blob])
+                    self.host_programs[rank].add(digest)
+            if plan.setup is not None:
+                define = plan.setup[rank]
+                if define.fused not in self.host_fused.setdefault(rank, set()):
+                    self.to_host(rank, define)
+                    self.host_fused[rank].add(define.fused)
         for rank, piece in plan.sends:
             self.to_host(rank, piece)
         island = self.rm.hosts[next(iter(plan.executes))].island
@@ -580,13 +597,125 @@ class Controller:
         self._submit(ident, peer, prog.calls, prog.dispatch, prog.release)
 
     def _submit(self, ident: bytes, peer: Peer, calls: list[m.Call], dispatch: str,
-                release: list[int]) -> None:
-        sub = _Submission(ident, peer, calls, dispatch, _ProgramRun(peer, release, len(calls)))
+                release: list[int], record: bool = False) -> "_Submission":
+        sub = _Submission(ident, peer, calls, dispatch, _ProgramRun(peer, release, len(calls)),
+                          record=[] if record else None)
         if self.memory_waiting:          # keep arrival order behind waiting work
             self._pin_waiting(sub)
             self.memory_waiting.append(sub)
         elif not self._advance(sub):
             self.memory_waiting.append(sub)
+        return sub
+
+    # ---- program templates and fused runs (see templates.py) ------------------------
+    def _define_program(self, ident: bytes, parent: int, peer: Peer, msg: m.DefineProgram) -> None:
+        """Keep a program as a template (if it is a valid one), and run it."""
+        key = (peer.id, msg.template)
+        try:
+            if key in self.templates:
+                raise templates.TemplateError(f"template {msg.template} is already defined")
+            if sum(1 for c, _ in self.templates if c == peer.id) >= templates.MAX_TEMPLATES:
+                raise templates.TemplateError(f"a client keeps at most {templates.MAX_TEMPLATES} templates")
+            t = templates.ProgramTemplate(msg, peer.id)
+        except templates.TemplateError as e:
+            self.reply_error(ident, parent, "bad_request", f"program {msg.program.name!r} not kept "
+                             f"as template {msg.template}: {e}")
+            self._program(ident, peer, msg.program)
+            return
+        self.templates[key] = t
+        self._run_expanded(ident, peer, t, msg.program.program_id, msg.inputs, msg.first_buffer,
+                           msg.program.calls, msg.program.release)
+
+    def _run_program(self, ident: bytes, peer: Peer, msg: m.RunProgram) -> None:
+        """One run of a template: fused if it can be, else as its plain calls."""
+        t = self.templates.get((peer.id, msg.template))
+        try:
+            if t is None:
+                raise templates.TemplateError(f"template {msg.template} is not defined")
+            t.check_run(peer.id, msg.inputs, msg.first_buffer)
+        except templates.TemplateError as e:
+            err = m.ErrorInfo("CallFailed", f"program run rejected: {e}", None, t.name if t else "", "")
+            outs = [b for b in msg.outputs if b >> 32 == peer.id and b not in self.directory.buffers]
+            self.directory.poison(outs, peer.id, err)
+            self.send(ident, m.CallFailed(msg.program_id, outs, err))
+            return
+        if t.fused is not None and self._run_fused(peer, t, t.fused, msg):
+            return
+        calls, release = t.expand(msg.program_id, msg.inputs, msg.first_buffer)
+        self._run_expanded(ident, peer, t, msg.program_id, msg.inputs, msg.first_buffer, calls, release)
+
+    def _run_expanded(self, ident: bytes, peer: Peer, t: templates.ProgramTemplate, call_id: int,
+                      inputs: list[int], first: int, calls: list[m.Call], release: list[int]) -> None:
+        """Run a template's plain calls; when it may be fused, record their plans
+        and fuse it from them."""
+        fuse = self._may_fuse(t)
+        before = t.slot_keys(self.directory.buffers, inputs) if fuse else []
+        sub = self._submit(ident, peer, calls, "parallel", release, record=fuse)
+        if not fuse or sub.next < len(calls):
+            return
+        t.fuse_tries += 1
+        island_of = {h: self.rm.hosts[h].island for p in sub.record for h in p.executes}
+        t.fused = t.fuse(next(self._fused_ids), self.rm.version, sub.record, island_of, before,
+                         self.directory.buffers, inputs, first)
+        if t.fused is not None:
+            log.info("client %d: program %s fused (%d nodes on %d hosts)", peer.id, t.name,
+                     len(calls), len(t.fused.hosts))
+
+    def _may_fuse(self, t: templates.ProgramTemplate) -> bool:
+        """Fused runs skip memory accounting and waiting: not under a memory limit."""
+        if self.memory_limit or self.memory_waiting:
+            return False
+        if t.fused is not None and t.fused.version == self.rm.version:
+            return False                  # fused, but this run could not use it
+        if t.fused is not None:           # the mapping changed: fuse again
+            self._drop_fused({t.fused.id})
+            t.fused, t.fuse_tries = None, 0
+        return t.fuse_tries < templates.FUSE_TRIES
+
+    def _drop_fused(self, fused: set[int]) -> None:
+        """Hosts that keep these fused programs forget them."""
+        for rank, ids in self.host_fused.items():
+            drop = ids & fused
+            if drop:
+                ids -= drop
+                if rank in self.worker_ident and self.rm.hosts[rank].alive:
+                    self.to_host(rank, m.DropFused(sorted(drop)))
+
+    def _run_fused(self, peer: Peer, t: templates.ProgramTemplate, f: templates.Fused,
+                   msg: m.RunProgram) -> bool:
+        """Send a run as one fused computation; False (nothing done) if this run
+        cannot be: the mapping changed, a host was lost, an input is not where
+        the fused plan reads it, a result exists already, or there is a memory limit."""
+        if f.version != self.rm.version or self.memory_limit or self.memory_waiting:
+            return False
+        if not all(self.rm.hosts[h].alive for h in f.hosts):
+            return False
+        if t.slot_keys(self.directory.buffers, msg.inputs) != f.slot_keys:
+            return False
+        made = templates.fused_buffers(f, peer.id, msg.inputs, msg.first_buffer)
+        if any(buf.id in self.directory.buffers for buf, _ in made):
+            return False
+        for buf, footprint in made:
+            self.directory.buffers[buf.id] = buf
+            self.directory.device_bytes.update(footprint)
+        self.calls += f.nodes
+        call = templates.fused_call(f, msg.program_id, msg.inputs, msg.first_buffer)
+        exec_id = self.directory.new_exec_id()
+        plan = templates.run_plan(f, exec_id, msg.inputs, msg.first_buffer)
+        # the values put are released once it is sent (workers free them after it ran)
+        run = _ProgramRun(peer, [msg.inputs[s] for s, *_ in f.puts], 1)
+        held = _HeldNode(run, call, (plan, f"{t.name} ({f.nodes} nodes, fused)"),
+                         set(), exec_id, f.island)
+        held.waits = {("sent", self.held_outputs[i.buffer]) for i in call.inputs
+                      if i.buffer in self.held_outputs}
+        if not held.waits:
+            self._ready(held, holding=False)
+        else:
+            for w in held.waits:
+                self.waiters.setdefault(w, []).append(held)
+            self._hold(held)
+        self._maybe_release(run)
+        return True
 
     def _node_done(self, sub: "_Submission", k: int, call: m.Call) -> None:
         """Node ``k`` of a submission was planned (or failed): it no longer pins
@@ -724,6 +853,8 @@ class Controller:
                 run.sent += 1
                 self._node_done(sub, k, call)
                 continue
+            if sub.record is not None:
+                sub.record.append(planned[0])
             exec_ids[k] = next(iter(planned[0].executes.values())).exec_id
             waits: set = {("sent", self.held_outputs[i.buffer]) for i in call.inputs
                           if i.buffer in self.held_outputs}
@@ -1009,6 +1140,11 @@ class Controller:
         for rank, buffers in fails.items():
             self.to_host(rank, m.FailBuffers(buffers, err))
         self._release(self.directory.owned(peer.id), peer.id)
+        # its fused programs: the hosts that keep them forget them
+        fused = {t.fused.id for (c, _), t in self.templates.items() if c == peer.id and t.fused}
+        for key in [k for k in self.templates if k[0] == peer.id]:
+            del self.templates[key]
+        self._drop_fused(fused)
         if self.memory_waiting:
             self._resume_waiting()
 

@@ -425,6 +425,64 @@ class FailBuffers(Record):
     error: ErrorInfo
 
 
+@message(46)
+class DefineProgram(Record):
+    """Client -> controller: run ``program`` and keep it as template ``template``
+    (a number the client picks), so later runs can be sent as ``RunProgram``.
+    Every buffer the program's calls name is either one of ``inputs`` (the
+    *slots*: each call input not made inside the program, in program order,
+    one entry per such input) or a new one in ``first_buffer ..
+    first_buffer + buffers - 1`` (the outputs of its calls). No input is put
+    (``put`` is false everywhere)."""
+    template: int
+    inputs: list[int]
+    first_buffer: int
+    buffers: int
+    program: Program
+
+
+@message(47)
+class RunProgram(Record):
+    """Client -> controller: run template ``template`` again, with ``inputs``
+    in its slots and its new buffers numbered from ``first_buffer``.
+    ``outputs`` (the program's results) fail if the template is unknown."""
+    program_id: int
+    template: int
+    inputs: list[int]
+    first_buffer: int
+    outputs: list[int]
+
+
+@message(48)
+class DefineFused(Record):
+    """Controller -> worker: this host's part of a fused program: its
+    computations in order, as ``Execute`` messages whose ``exec_id`` and
+    ``seq`` are 0 and whose buffer ids are codes: ``n >= 0`` is the run's
+    ``first_buffer + n``, ``n < 0`` is the run's ``inputs[-n - 1]``.
+    ``release`` (codes) are freed once the run's computations have finished."""
+    fused: int
+    executes: list[Execute]
+    release: list[int]
+
+
+@message(49)
+class RunFused(Record):
+    """Controller -> worker: run fused program ``fused`` once, as one
+    computation (one place ``seq`` in the gang order, one ``ExecDone`` for
+    ``exec_id``, with the first error if any of its computations failed)."""
+    exec_id: int
+    seq: int
+    fused: int
+    inputs: list[int]
+    first_buffer: int
+
+
+@message(29)
+class DropFused(Record):
+    """Controller -> worker: forget these fused programs (their client left)."""
+    fused: list[int]
+
+
 # ---- data plane (worker data port) ------------------------------------------
 
 @message(50)

@@ -103,7 +103,7 @@ class Executor:
     def submit(self, ex: m.Execute) -> None:
         """Queue a computation (in dispatch order) and start what can start."""
         with self._lock:
-            if ex.seq <= self._last_seq:
+            if ex.seq < self._last_seq:      # a fused run's computations share one seq
                 log.warning("computation %d (seq %d) arrived after seq %d: out of gang order",
                             ex.exec_id, ex.seq, self._last_seq)
             self._last_seq = max(self._last_seq, ex.seq)

@@ -123,6 +123,11 @@ class Worker:
         self.fetch_deadlines: list[tuple[float, int, _PendingFetch]] = []   # heap
         self.fetch_heap_limit = 1024
         self.profiler: _Profiler | None = None
+        # fused programs (DefineFused), and the runs in progress: exec id ->
+        # [computations not finished, first error, earliest start]
+        self.fused: dict[int, m.DefineFused] = {}
+        self.fused_runs: dict[int, list] = {}
+        self._fused_lock = threading.Lock()
 
     # ---- start-up ------------------------------------------------------------
     def register(self) -> None:
@@ -171,7 +176,19 @@ class Worker:
                    hold: bool) -> None:
         """Report a finished computation; with ``hold`` the report waits up to
         HOLD_S (or until one without ``hold``) to go to the controller with the
-        next ones, as one Batch."""
+        next ones, as one Batch. A fused run's computations are reported once,
+        when the last has finished, with the first error."""
+        run = self.fused_runs.get(exec_id)
+        if run is not None:
+            with self._fused_lock:
+                run[0] -= 1
+                if error is not None and run[1] is None:
+                    run[1] = error
+                run[2] = min(run[2], start)
+                if run[0] > 0:
+                    return
+                del self.fused_runs[exec_id]
+            error, start, hold = run[1], run[2], False
         self.chaining = hold
         self.outbox.hold(("ctl", None, m.ExecDone(exec_id, error, start, end), (), 0), HOLD_S,
                          release=not hold)
@@ -383,6 +400,13 @@ class Worker:
         match msg:
             case m.Execute():
                 self.executor.submit(msg)
+            case m.RunFused():
+                self._run_fused(msg)
+            case m.DefineFused():
+                self.fused[msg.fused] = msg
+            case m.DropFused():
+                for f in msg.fused:
+                    self.fused.pop(f, None)
             case m.SendPiece():
                 self.peer_addrs.setdefault(msg.dst_host, (msg.dst_address, msg.dst_key))
                 key = shard_key(msg.buffer, msg.device, msg.region)
@@ -417,6 +441,32 @@ class Worker:
                 log.warning("controller reported: %s: %s", msg.code, msg.message)
             case _:
                 log.warning("unexpected %s from the controller", type(msg).__name__)
+
+    def _run_fused(self, msg: m.RunFused) -> None:
+        """Queue a fused program's computations (this host's part, in order, all
+        with the run's exec id and place in the gang order), then free its
+        intermediates once they have run."""
+        assert self.executor is not None
+        d = self.fused.get(msg.fused)
+        slots = len(msg.inputs)
+        if d is None or any(-b > slots for ex in d.executes for b in
+                            [*(i.buffer for i in ex.inputs), *(o.buffer for o in ex.outputs)]):
+            why = "is unknown here" if d is None else "reads more inputs than the run gives"
+            now = time.time()
+            self.post_ctl(m.ExecDone(msg.exec_id, m.ErrorInfo(
+                "RemoteError", f"fused program {msg.fused} {why}", self.rank, "", ""), now, now))
+            return
+        first, inputs = msg.first_buffer, msg.inputs
+
+        def buf(code: int) -> int:
+            return first + code if code >= 0 else inputs[-code - 1]
+        self.fused_runs[msg.exec_id] = [len(d.executes), None, float("inf")]
+        for t in d.executes:
+            self.executor.submit(m.Execute(
+                msg.exec_id, msg.seq, t.program, t.name, t.mesh_shape, t.axis_names, t.devices,
+                t.jax_ids, [m.ExecInput(buf(i.buffer), i.aval, i.spec, i.shards) for i in t.inputs],
+                [m.ExecOutput(buf(o.buffer), o.aval, o.spec) for o in t.outputs]))
+        self.executor.free_after_earlier([buf(c) for c in d.release])
 
     def _freed_callback(self, ident: bytes, segment: str, size: int) -> Any:
         """For a piece lent in its segment: once nothing refers to it, queue the

@@ -1,0 +1,233 @@
+"""Program templates and fused runs, in process: the template rules
+(zpath/controller/templates.py) and a Controller driven by hand (the rig of
+test_controller_tenancy): which runs are fused, what they send, and how they
+fail, leave and clean up."""
+from __future__ import annotations
+
+import pytest
+
+from zpath.controller import templates
+from zpath.net import messages as m
+from tests.test_controller_tenancy import make_rig  # noqa: F401  (fixture)
+
+pytestmark = pytest.mark.timeout(60)
+
+AV = m.Aval([1, 4], "float32")
+SPEC = [None, None]
+
+
+def block(rig, ident, k):
+    """The k-th block of new ids of a client (a run's new buffers)."""
+    return rig.c.peers[ident].id << 32 | (k + 1) << 16
+
+
+def chain(rig, devices, first, x, put, program="f"):
+    """Calls of a chain, one node per device of ``devices``: node 0 reads ``x``
+    (a value put, or an existing buffer), node k reads node k-1's output."""
+    calls, prev, prev_put = [], x, put
+    for k, dev in enumerate(devices):
+        calls.append(m.Call(7, rig.programs[program][0], [1], ["i"], [dev],
+                            [m.CallInput(prev, AV, SPEC, prev_put)], [m.CallOutput(first + k, AV, SPEC)]))
+        prev, prev_put = first + k, False
+    release = [first + k for k in range(len(devices) - 1)] + ([x] if put else [])
+    return calls, release
+
+
+def define(rig, ident, template, devices, k, x=None):
+    """Define (and run) a chain as template ``template``; returns (x, result)."""
+    put = x is None
+    x = block(rig, ident, 1000 + k) if put else x
+    first = block(rig, ident, k)
+    calls, release = chain(rig, devices, first, x, put)
+    rig.handle(ident, m.DefineProgram(template, [x], first, len(devices),
+                                      m.Program(k, "chain", "parallel", calls, release)))
+    return x, first + len(devices) - 1
+
+
+def run(rig, ident, template, n, k, x=None):
+    """Run template ``template`` (a chain of ``n`` nodes) again; returns (x, result)."""
+    x = block(rig, ident, 1000 + k) if x is None else x
+    first = block(rig, ident, k)
+    rig.handle(ident, m.RunProgram(k, template, [x], first, [first + n - 1]))
+    return x, first + n - 1
+
+
+def sent(rig, since, kind):
+    return [(i, x) for i, x in rig.log[since:] if isinstance(x, kind)]
+
+
+def test_a_template_is_fused_after_its_first_run(make_rig):
+    rig = make_rig(hosts=((0, 2),))
+    a, _ = rig.client("a")
+    devs = [0, 1, 0]        # device 1 reads device 0's output: a local copy, no transfer
+    n0 = len(rig.log)
+    define(rig, a, 1, devs, 0)
+    assert len(sent(rig, n0, m.Execute)) == 3 and not sent(rig, n0, m.RunFused)
+    rig.drain()
+    for k in (1, 2, 3):
+        n0 = len(rig.log)
+        calls0 = rig.c.calls
+        x, out = run(rig, a, 1, 3, k)
+        assert not sent(rig, n0, m.Execute)
+        (ident, rf), = sent(rig, n0, m.RunFused)
+        assert ident == rig.c.worker_ident[0] and rf.inputs == [x] and rf.first_buffer == out - 2
+        defines = sent(rig, n0, m.DefineFused)
+        assert len(defines) == (1 if k == 1 else 0)      # each host gets it once
+        if defines:
+            assert defines[0][1].fused == rf.fused and len(defines[0][1].executes) == 3
+            assert defines[0][1].release == [0, 1]       # the intermediates, as codes
+        assert rig.c.calls - calls0 == 3
+        # the result is in the directory, the intermediates never were; the
+        # value put was released once the run was sent
+        assert out in rig.c.directory.buffers
+        assert out - 1 not in rig.c.directory.buffers and out - 2 not in rig.c.directory.buffers
+        assert x not in rig.c.directory.buffers
+        assert [f for _, f in sent(rig, n0, m.Free) if x in f.buffers]
+        rig.finish(rf.exec_id)
+        rig.handle(a, m.Release([out]))
+    assert rig.idle()
+    assert [r.name for r in rig.c.timeline][-1] == "chain (3 nodes, fused)"
+
+
+def test_a_run_that_reads_a_future_is_fused_too(make_rig):
+    rig = make_rig(hosts=((0, 1),))
+    a, _ = rig.client("a")
+    _, y = define(rig, a, 1, [0, 0], 0)
+    rig.drain()
+    _, z = define(rig, a, 2, [0, 0], 1, x=y)        # a second template reads a future
+    rig.drain()
+    n0 = len(rig.log)
+    _, w = run(rig, a, 2, 2, 2, x=z)
+    (_, rf), = sent(rig, n0, m.RunFused)
+    assert rf.inputs == [z] and z in rig.c.directory.buffers
+    rig.drain()
+    # an input whose computation failed: the run is not fused, its calls fail
+    rig.c.directory.poison([w], rig.c.peers[a].id, m.ErrorInfo("RemoteError", "boom", 0, "f", ""))
+    n0 = len(rig.log)
+    _, v = run(rig, a, 2, 2, 3, x=w)
+    assert not sent(rig, n0, m.RunFused) and v in rig.failed(a)
+
+
+def test_a_program_that_moves_data_between_hosts_is_never_fused(make_rig):
+    rig = make_rig(hosts=((0, 1), (0, 1)))
+    a, _ = rig.client("a")
+    define(rig, a, 1, [0, 1], 0)          # node 1 on host 1 reads host 0's output
+    rig.drain()
+    for k in range(1, 6):
+        n0 = len(rig.log)
+        run(rig, a, 1, 2, k)
+        assert len(sent(rig, n0, m.Execute)) == 2 and sent(rig, n0, m.SendPiece)
+        assert not sent(rig, n0, m.RunFused)
+        rig.drain()
+    assert rig.c.templates[(rig.c.peers[a].id, 1)].fuse_tries == templates.FUSE_TRIES
+
+
+def test_no_fused_runs_under_a_memory_limit(make_rig):
+    rig = make_rig(hosts=((0, 1),))
+    rig.c.memory_limit = 10 ** 9
+    a, _ = rig.client("a")
+    define(rig, a, 1, [0, 0], 0)
+    rig.drain()
+    n0 = len(rig.log)
+    run(rig, a, 1, 2, 1)
+    assert len(sent(rig, n0, m.Execute)) == 2 and not sent(rig, n0, m.RunFused)
+
+
+def test_bad_templates_are_refused_and_their_runs_fail(make_rig):
+    rig = make_rig(hosts=((0, 1),))
+    a, _ = rig.client("a")
+    first = block(rig, a, 0)
+    x = block(rig, a, 1000)
+    calls, release = chain(rig, [0, 0], first, x, True)
+    n0 = len(rig.log)
+    # the slots do not name the calls' inputs: refused, but run as a plain program
+    rig.handle(a, m.DefineProgram(1, [x + 1], first, 2, m.Program(1, "chain", "parallel", calls, release)))
+    assert [e for i, e in sent(rig, n0, m.Error) if i == a and "not kept as template" in e.message]
+    assert len(sent(rig, n0, m.Execute)) == 2
+    rig.drain()
+    # so a run of it fails its outputs (it was never kept)
+    _, out = run(rig, a, 1, 2, 1)
+    assert out in rig.failed(a)
+    assert rig.c.directory.buffers[out].error is not None
+    # a run whose new buffers are not the client's
+    define(rig, a, 2, [0, 0], 2)
+    rig.drain()
+    n0 = len(rig.log)
+    rig.handle(a, m.RunProgram(9, 2, [x + 5], (77 << 32) | 1, [(77 << 32) | 2]))
+    assert [f for i, f in sent(rig, n0, m.CallFailed) if i == a] and not sent(rig, n0, m.Execute)
+
+
+def test_a_departing_client_s_fused_programs_are_dropped(make_rig):
+    rig = make_rig(hosts=((0, 1),))
+    a, _ = rig.client("a")
+    define(rig, a, 1, [0, 0], 0)
+    rig.drain()
+    run(rig, a, 1, 2, 1)
+    rig.drain()
+    fused = rig.c.templates[(rig.c.peers[a].id, 1)].fused.id
+    n0 = len(rig.log)
+    rig.handle(a, m.Goodbye("done"))
+    assert [d.fused for _, d in sent(rig, n0, m.DropFused)] == [[fused]]
+    assert not rig.c.templates and rig.idle()
+
+
+def test_a_lost_host_fails_a_fused_run_s_results(make_rig):
+    rig = make_rig(hosts=((0, 1), (1, 1)))
+    a, _ = rig.client("a")
+    define(rig, a, 1, [0, 0], 0)
+    rig.drain()
+    _, out = run(rig, a, 1, 2, 1)
+    assert rig.c.in_flight
+    rig.c._host_lost(0, "test")
+    assert rig.c.directory.buffers[out].error.kind == "HostLost"
+    # later runs are not fused onto the lost host: they fail as plain calls
+    n0 = len(rig.log)
+    _, out2 = run(rig, a, 1, 2, 2)
+    assert not sent(rig, n0, m.RunFused) and out2 in rig.failed(a)
+
+
+def _template(calls, inputs, first, n, release=(), dispatch="parallel", client=1):
+    return templates.ProgramTemplate(m.DefineProgram(1, inputs, first, n, m.Program(
+        1, "p", dispatch, calls, list(release))), client)
+
+
+def _call(ins, outs):
+    return m.Call(1, "d", [1], ["i"], [0], [m.CallInput(b, AV, SPEC, put) for b, put in ins],
+                  [m.CallOutput(b, AV, SPEC) for b in outs])
+
+
+def test_template_rules():
+    first = 1 << 32 | 100
+    x, y = 1 << 32 | 5, 1 << 32 | 6
+    ok = [_call([(x, True)], [first]), _call([(first, False), (y, False), (x, False)], [first + 1])]
+    t = _template(ok, [x, y, x], first, 2, release=[first, x])
+    assert t.put == [True, False, False] and t.reads_put == [None, None, 0]
+    assert t.results == [1] and t.release == [0, -1]
+    calls, release = t.expand(9, [x + 10, y + 10, x + 10], first + 50)
+    assert [[(i.buffer, i.put) for i in c.inputs] for c in calls] == \
+        [[(x + 10, True)], [(first + 50, False), (y + 10, False), (x + 10, False)]]
+    assert [[o.buffer for o in c.outputs] for c in calls] == [[first + 50], [first + 51]]
+    assert release == [first + 50, x + 10]
+    t.check_run(1, [x + 10, y + 10, x + 10], first + 50)
+    with pytest.raises(templates.TemplateError, match="must read the value put"):
+        t.check_run(1, [x + 10, y + 10, x + 11], first + 50)
+    with pytest.raises(templates.TemplateError, match="slots"):
+        t.check_run(1, [x + 10], first + 50)
+    with pytest.raises(templates.TemplateError, match="not this client's"):
+        t.check_run(1, [x + 10, y + 10, x + 10], 2 << 32 | 1)
+    bad = [
+        ([_call([(first + 1, False)], [first])], [], "read before"),            # reads what is made later
+        ([_call([(x, False)], [first + 5])], [x], "not a new one"),              # output outside the block
+        ([_call([(x, False)], [first]), _call([(x, False)], [first])], [x, x], "not a new one"),   # made twice
+        ([_call([(x, False)], [first])], [y], "slots"),
+        ([_call([(x, False)], [first])], [x, y], "slots"),
+    ]
+    for calls, inputs, match in bad:
+        with pytest.raises(templates.TemplateError, match=match):
+            _template(calls, inputs, first, 2)
+    with pytest.raises(templates.TemplateError, match="releases only"):
+        _template([_call([(x, False)], [first])], [x], first, 1, release=[y])
+    with pytest.raises(templates.TemplateError, match="parallel"):
+        _template([_call([(x, False)], [first])], [x], first, 1, dispatch="sequential")
+    with pytest.raises(templates.TemplateError, match="not this client's"):
+        _template([_call([(x, False)], [first])], [x], first, 1, client=2)
