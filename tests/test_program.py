@@ -247,3 +247,73 @@ def test_fused_runs_free_their_intermediates_and_inputs(client):
     del out
     gc.collect()
     wait_for(client, empty)
+
+
+def test_a_first_run_that_raises_leaves_the_program_usable(client, monkeypatch):
+    """The first run of a program defines its template: if it raises before
+    the definition is sent, later runs define it again instead of naming a
+    template the controller never got."""
+    from zpath import api
+    inc = zp.pmap(lambda x: x + 1., devices=devices(2, host=0))
+
+    @zp.program
+    def p(v):
+        return inc(inc(v))
+    real, calls = api.Computation.put, []
+
+    def flaky(self, *a, **k):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("put failed")
+        return real(self, *a, **k)
+    monkeypatch.setattr(api.Computation, "put", flaky)
+    with pytest.raises(RuntimeError, match="put failed"):
+        p(np.zeros(2))
+    for k in range(4):
+        np.testing.assert_array_equal(p(np.full(2, float(k))).result(timeout=60), [k + 2.] * 2)
+    assert _fused_records(client, "p")
+
+
+def test_a_run_racing_the_first_one_is_right(client, monkeypatch):
+    """Another thread's run while the first run is still being sent goes as a
+    plain program (the template is not defined yet), and is right."""
+    import threading
+    import time
+    from zpath import api
+    inc = zp.pmap(lambda x: x + 1., devices=devices(2, host=0))
+
+    @zp.program
+    def q(v):
+        return inc(v)
+    real, calls = api.Computation.put, []
+
+    def slow_first(self, *a, **k):
+        calls.append(1)
+        if len(calls) == 1:
+            time.sleep(0.5)
+        return real(self, *a, **k)
+    monkeypatch.setattr(api.Computation, "put", slow_first)
+    out = {}
+    t = threading.Thread(target=lambda: out.setdefault("a", q(np.zeros(2)).result(timeout=60)))
+    t.start()
+    time.sleep(0.1)
+    np.testing.assert_array_equal(q(np.ones(2)).result(timeout=60), [2., 2.])
+    t.join(60)
+    np.testing.assert_array_equal(out["a"], [1., 1.])
+    for k in range(3):
+        np.testing.assert_array_equal(q(np.full(2, float(k))).result(timeout=60), [k + 1.] * 2)
+
+
+def test_collected_programs_drop_their_templates(client):
+    inc = zp.pmap(lambda x: x + 1., devices=devices(2, host=0))
+    live = client.client._templates_live
+    for k in range(3):
+        @zp.program
+        def p(v):
+            return inc(v)
+        p(np.zeros(2)).result(timeout=60)
+        np.testing.assert_array_equal(p(np.full(2, float(k))).result(timeout=60), [k + 1.] * 2)
+    assert client.client._templates_live == live + 1      # the last p is alive
+    del p
+    gc.collect()
+    assert client.client._templates_live == live

@@ -4,6 +4,8 @@ test_controller_tenancy): which runs are fused, what they send, and how they
 fail, leave and clean up."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from zpath.controller import templates
@@ -231,3 +233,105 @@ def test_template_rules():
         _template([_call([(x, False)], [first])], [x], first, 1, dispatch="sequential")
     with pytest.raises(templates.TemplateError, match="not this client's"):
         _template([_call([(x, False)], [first])], [x], first, 1, client=2)
+
+
+def two_chains(rig, first, x, y):
+    """Two independent one-node chains: x on device 0 (host 0), y on device 1 (host 1)."""
+    f = rig.programs["f"][0]
+    calls = [m.Call(7, f, [1], ["i"], [0], [m.CallInput(x, AV, SPEC, True)], [m.CallOutput(first, AV, SPEC)]),
+             m.Call(7, f, [1], ["i"], [1], [m.CallInput(y, AV, SPEC, True)], [m.CallOutput(first + 1, AV, SPEC)])]
+    return calls, [x, y]
+
+
+def test_a_lost_host_fails_only_the_fused_results_it_held(make_rig):
+    """Hosts of one island without a shared runtime run their parts of a fused
+    run on their own: losing one fails what it held, not the other's result."""
+    rig = make_rig(hosts=((0, 1), (0, 1)))
+    a, _ = rig.client("a")
+    first = block(rig, a, 0)
+    calls, release = two_chains(rig, first, block(rig, a, 100), block(rig, a, 101))
+    rig.handle(a, m.DefineProgram(1, [block(rig, a, 100), block(rig, a, 101)], first, 2,
+                                  m.Program(1, "two", "parallel", calls, release)))
+    rig.drain()
+    first = block(rig, a, 1)
+    n0 = len(rig.log)
+    rig.handle(a, m.RunProgram(2, 1, [block(rig, a, 102), block(rig, a, 103)], first, [first, first + 1]))
+    (_, rf), _ = sent(rig, n0, m.RunFused)
+    rig.handle(rig.c.worker_ident[0], m.ExecDone(rf.exec_id, None, 1000.0, 1000.001))
+    rig.c._host_lost(1, "test")
+    assert rig.c.directory.buffers[first].error is None
+    assert rig.c.directory.buffers[first + 1].error.kind == "HostLost"
+    assert first + 1 in rig.failed(a) and first not in rig.failed(a)
+
+
+def test_a_worker_without_the_fused_program_fails_its_results(make_rig):
+    rig = make_rig(hosts=((0, 1), (0, 1)))
+    a, _ = rig.client("a")
+    first = block(rig, a, 0)
+    calls, release = two_chains(rig, first, block(rig, a, 100), block(rig, a, 101))
+    rig.handle(a, m.DefineProgram(1, [block(rig, a, 100), block(rig, a, 101)], first, 2,
+                                  m.Program(1, "two", "parallel", calls, release)))
+    rig.drain()
+    first = block(rig, a, 1)
+    n0 = len(rig.log)
+    rig.handle(a, m.RunProgram(2, 1, [block(rig, a, 102), block(rig, a, 103)], first, [first, first + 1]))
+    (_, rf), _ = sent(rig, n0, m.RunFused)
+    rig.handle(rig.c.worker_ident[0], m.ExecDone(rf.exec_id, None, 1000.0, 1000.001))
+    err = m.ErrorInfo("FusedUnknown", f"fused program {rf.fused} is unknown here", 1, "", "")
+    rig.handle(rig.c.worker_ident[1], m.ExecDone(rf.exec_id, err, 1000.0, 1000.0))
+    assert rig.c.directory.buffers[first].error is None
+    assert rig.c.directory.buffers[first + 1].error.kind == "FusedUnknown"
+    assert first + 1 in rig.failed(a) and first not in rig.failed(a) and not rig.c.in_flight
+
+
+def test_refused_runs_free_what_was_put_and_keep_existing_buffers(make_rig):
+    rig = make_rig(hosts=((0, 1),))
+    a, _ = rig.client("a")
+    _, y = define(rig, a, 1, [0, 0], 0)
+    rig.drain()
+    # unknown template: its outputs fail, the value put for it is freed
+    x = block(rig, a, 1001)
+    n0 = len(rig.log)
+    rig.handle(a, m.RunProgram(9, 5, [x], block(rig, a, 1), [block(rig, a, 1) + 1]))
+    assert block(rig, a, 1) + 1 in rig.failed(a)
+    assert [f for _, f in sent(rig, n0, m.Free) if x in f.buffers]
+    # new buffers that would overwrite an existing one (y): refused, y is kept
+    n0 = len(rig.log)
+    rig.handle(a, m.RunProgram(10, 1, [block(rig, a, 1002)], y - 1, [y]))
+    assert not sent(rig, n0, m.Execute) and not sent(rig, n0, m.RunFused)
+    assert y in rig.c.directory.buffers and rig.c.directory.buffers[y].error is None
+
+
+def test_the_same_value_put_in_two_slots_is_refused_as_a_plain_program(make_rig):
+    rig = make_rig(hosts=((0, 1),))
+    a, _ = rig.client("a")
+    first = block(rig, a, 0)
+    calls, release = two_chains(rig, first, block(rig, a, 100), block(rig, a, 101))
+    calls = [dataclasses.replace(c, devices=[0]) for c in calls]
+    rig.handle(a, m.DefineProgram(1, [block(rig, a, 100), block(rig, a, 101)], first, 2,
+                                  m.Program(1, "two", "parallel", calls, release)))
+    rig.drain()
+    for k in (1, 2):          # fused from the second run on
+        rig.handle(a, m.RunProgram(k, 1, [block(rig, a, 102 + 2 * k), block(rig, a, 103 + 2 * k)],
+                                   block(rig, a, k), [block(rig, a, k), block(rig, a, k) + 1]))
+        rig.drain()
+    dup = block(rig, a, 200)
+    n0 = len(rig.log)
+    rig.handle(a, m.RunProgram(3, 1, [dup, dup], block(rig, a, 3), [block(rig, a, 3), block(rig, a, 3) + 1]))
+    assert not sent(rig, n0, m.RunFused) and rig.failed(a)
+    rig.drain()
+    rig.handle(a, m.Goodbye("done"))
+    assert not +rig.c.directory.device_bytes and rig.idle()
+
+
+def test_dropped_templates_are_forgotten_with_their_fused_programs(make_rig):
+    rig = make_rig(hosts=((0, 1),))
+    a, _ = rig.client("a")
+    define(rig, a, 1, [0, 0], 0)
+    rig.drain()
+    run(rig, a, 1, 2, 1)
+    rig.drain()
+    fused = rig.c.templates[(rig.c.peers[a].id, 1)].fused.id
+    n0 = len(rig.log)
+    rig.handle(a, m.DropTemplates([1, 99]))
+    assert [d.fused for _, d in sent(rig, n0, m.DropFused)] == [[fused]] and not rig.c.templates

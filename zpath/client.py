@@ -87,7 +87,8 @@ class Client:
         self._buffer_ids = itertools.count(1)
         self._call_ids = itertools.count(1)
         self._ids_lock = threading.Lock()    # new_buffer_ids replaces the counter
-        self._templates = 0
+        self._templates = 0                   # numbers given out
+        self._templates_live = 0              # of them not dropped
         self.programs: set[str] = set()
         self.outbox = Outbox()
         self._pending: dict[int, concurrent.futures.Future] = {}
@@ -135,13 +136,27 @@ class Client:
         return (self.client_id << 32) | first
 
     def new_template(self) -> int | None:
-        """A number for a new program template, or None once this connection
-        has MAX_TEMPLATES (the controller keeps as many per client)."""
+        """A number for a new program template, or None while this connection
+        keeps MAX_TEMPLATES (the controller keeps as many per client)."""
         with self._ids_lock:
-            if self._templates >= MAX_TEMPLATES:
+            if self._templates_live >= MAX_TEMPLATES:
                 return None
             self._templates += 1
+            self._templates_live += 1
             return self._templates
+
+    def drop_templates(self, numbers: list[int]) -> None:
+        """The controller may forget these templates (their program is gone).
+        Safe from any thread, and after the connection closed."""
+        if not numbers:
+            return
+        with self._ids_lock:
+            self._templates_live -= len(numbers)
+        if not self._closed:
+            try:
+                self.post(m.DropTemplates(list(numbers)))
+            except ZpathError:
+                pass
 
     def new_call_id(self) -> int:
         return next(self._call_ids)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import threading
+import weakref
 from typing import Any, Callable
 
 import numpy as np
@@ -20,6 +21,11 @@ from zpath.futures import Future
 from zpath.net import messages as m
 
 _state = threading.local()
+_define_lock = threading.Lock()    # guards Traced.templates
+
+
+def _drop(client: Any, templates: dict[tuple, int]) -> None:
+    client.drop_templates([t for t in templates.values() if t > 0])
 
 
 def tracing() -> bool:
@@ -105,6 +111,7 @@ class Traced:
     # per pattern of inputs that are futures (the others are put): 0 for none
     # (the connection has too many)
     templates: dict[tuple, int] = dataclasses.field(default_factory=dict)
+    dropping: Any = None          # the finalizer that drops them
     # for RunProgram: the slots' origins, (position, node, output) of each
     # result, and how many new buffers a run makes (built on first use)
     layout: tuple | None = None
@@ -207,22 +214,49 @@ class ProgramFunction:
         client = traced.client
         if self.dispatch == "parallel":
             pattern = tuple(isinstance(b, Future) for b in bound)
-            template = traced.templates.get(pattern)
+            with _define_lock:
+                template = traced.templates.get(pattern)
+                if template is None:                  # this thread defines it
+                    traced.templates[pattern] = -1
             if template is None:
-                template = traced.templates[pattern] = client.new_template() or 0
-                if template:
-                    # the first run defines the template, as a whole Program
-                    slots: list[int] = []
-                    n = sum(len(node.outputs) for node in traced.nodes)
-                    first = client.new_buffer_ids(n)
-                    calls, release, futures = self._lower(traced, bound, first=first, slots=slots)
-                    client.post(m.DefineProgram(template, slots, first, n, m.Program(
-                        client.new_call_id(), self.name, self.dispatch, calls, release)))
-                    return jax.tree_util.tree_unflatten(traced.out_tree, futures)
-            if template:
+                return self._define_template(traced, bound, pattern)
+            if template > 0:
                 return self._run_template(traced, bound, template)
+            # 0: no template (too many); -1: another thread is defining it
         calls, release, futures = self._lower(traced, bound)
         client.post(m.Program(client.new_call_id(), self.name, self.dispatch, calls, release))
+        return jax.tree_util.tree_unflatten(traced.out_tree, futures)
+
+    def _define_template(self, traced: Traced, bound: list, pattern: tuple) -> Any:
+        """The first run of a pattern: a whole Program, kept by the controller as
+        a template (DefineProgram). The template is recorded only once that
+        message is posted, so no run of it can reach the controller first."""
+        import jax
+
+        client = traced.client
+        number = client.new_template()
+        try:
+            if not number:
+                calls, release, futures = self._lower(traced, bound)
+                client.post(m.Program(client.new_call_id(), self.name, self.dispatch, calls, release))
+            else:
+                slots: list[int] = []
+                n = sum(len(node.outputs) for node in traced.nodes)
+                first = client.new_buffer_ids(n)
+                calls, release, futures = self._lower(traced, bound, first=first, slots=slots)
+                client.post(m.DefineProgram(number, slots, first, n, m.Program(
+                    client.new_call_id(), self.name, self.dispatch, calls, release)))
+        except BaseException:
+            with _define_lock:
+                del traced.templates[pattern]         # the next run tries again
+            if number:
+                client.drop_templates([number])
+            raise
+        with _define_lock:
+            if number and not traced.dropping:
+                # the controller forgets the trace's templates once it is collected
+                traced.dropping = weakref.finalize(traced, _drop, client, traced.templates)
+            traced.templates[pattern] = number or 0
         return jax.tree_util.tree_unflatten(traced.out_tree, futures)
 
     def _run_template(self, traced: Traced, bound: list, template: int) -> Any:

@@ -71,6 +71,7 @@ class InFlight:
     outputs: list[int]
     pieces: list[tuple[int, int, int]]     # (piece id, source host, destination host)
     puts: list[int] = dataclasses.field(default_factory=list)   # inputs its client puts
+    fused: bool = False                    # a fused run (its outputs live on several hosts)
 
 
 @dataclasses.dataclass
@@ -132,6 +133,10 @@ def _release_points(calls: list[m.Call], release: list[int]) -> dict[int, list[i
         if b in last:
             out.setdefault(last[b], []).append(b)
     return out
+
+
+# after these, what handling them sends goes out before the next item of a batch
+_FLUSH_AFTER = (m.Call, m.Program, m.RunProgram, m.DefineProgram)
 
 
 def _buffers(call: m.Call) -> list[int]:
@@ -325,7 +330,7 @@ class Controller:
                         self._bad(BadMessage(str(msg), ident, header))
                         continue
                     self._handle_safely(ident, header, msg, buffers)
-                    if type(msg) is m.Call or type(msg) is m.Program:
+                    if type(msg) in _FLUSH_AFTER:
                         self._flush_out()
                         self._out = {}
             finally:
@@ -434,6 +439,8 @@ class Controller:
                 self._define_program(ident, parent, peer, msg)
             case m.RunProgram() if peer.role == "client":
                 self._run_program(ident, peer, msg)
+            case m.DropTemplates() if peer.role == "client":
+                self._drop_templates(peer, msg.templates)
             case m.ExplainRequest() if peer.role == "client":
                 self._explain(ident, parent, peer, msg)
             case m.ExecDone() if peer.role == "worker":
@@ -576,7 +583,7 @@ class Controller:
             set(plan.executes), collections.Counter(self.rm.devices[d].host for d in call.devices),
             [o.buffer for o in call.outputs],
             [(piece.piece_id, src, piece.dst_host) for src, piece in plan.sends],
-            [i.buffer for i in call.inputs if i.put])
+            [i.buffer for i in call.inputs if i.put], plan.setup is not None)
         for rank, ex in ordered:
             self.to_host(rank, ex)
         return exec_id
@@ -633,11 +640,19 @@ class Controller:
             if t is None:
                 raise templates.TemplateError(f"template {msg.template} is not defined")
             t.check_run(peer.id, msg.inputs, msg.first_buffer)
+            taken = next((b for b in range(msg.first_buffer, msg.first_buffer + t.buffers)
+                          if b in self.directory.buffers), None)
+            if taken is not None:
+                raise templates.TemplateError(f"new buffer {taken} exists already")
         except templates.TemplateError as e:
             err = m.ErrorInfo("CallFailed", f"program run rejected: {e}", None, t.name if t else "", "")
             outs = [b for b in msg.outputs if b >> 32 == peer.id and b not in self.directory.buffers]
             self.directory.poison(outs, peer.id, err)
             self.send(ident, m.CallFailed(msg.program_id, outs, err))
+            # values the client may have put for it: freed wherever they went
+            puts = [b for b in msg.inputs if b >> 32 == peer.id and b not in self.directory.buffers]
+            if puts:
+                self._free({h.rank: puts for h in self.rm.hosts.values() if h.alive})
             return
         if t.fused is not None and self._run_fused(peer, t, t.fused, msg):
             return
@@ -672,6 +687,15 @@ class Controller:
             t.fused, t.fuse_tries = None, 0
         return t.fuse_tries < templates.FUSE_TRIES
 
+    def _drop_templates(self, peer: Peer, numbers: list[int]) -> None:
+        """The client will not run these templates again: forget them."""
+        fused = set()
+        for n in numbers:
+            t = self.templates.pop((peer.id, n), None)
+            if t is not None and t.fused is not None:
+                fused.add(t.fused.id)
+        self._drop_fused(fused)
+
     def _drop_fused(self, fused: set[int]) -> None:
         """Hosts that keep these fused programs forget them."""
         for rank, ids in self.host_fused.items():
@@ -693,8 +717,10 @@ class Controller:
         if t.slot_keys(self.directory.buffers, msg.inputs) != f.slot_keys:
             return False
         made = templates.fused_buffers(f, peer.id, msg.inputs, msg.first_buffer)
-        if any(buf.id in self.directory.buffers for buf, _ in made):
-            return False
+        ids = [buf.id for buf, _ in made]
+        if len(set(ids)) != len(ids) or any(msg.first_buffer <= b < msg.first_buffer + t.buffers
+                                            for b in ids[:len(f.puts)]):
+            return False          # planned as plain calls, which refuse them
         for buf, footprint in made:
             self.directory.buffers[buf.id] = buf
             self.directory.device_bytes.update(footprint)
@@ -1162,10 +1188,13 @@ class Controller:
         broken_pieces: dict[int, list[int]] = {}
         for exec_id, inf in list(self.in_flight.items()):
             if rank in inf.hosts:          # it was still running there: it fails
-                # (outputs the client released stay forgotten)
-                self.directory.poison([b for b in inf.outputs if b in self.directory.buffers],
-                                      inf.client, err)
-                failed.setdefault(inf.client_ident, []).extend(inf.outputs)
+                # (outputs the client released stay forgotten); a fused run's
+                # hosts make their results on their own: those of the lost host
+                # fail below, with everything that lives only there
+                if not inf.fused:
+                    self.directory.poison([b for b in inf.outputs if b in self.directory.buffers],
+                                          inf.client, err)
+                    failed.setdefault(inf.client_ident, []).extend(inf.outputs)
                 del self.in_flight[exec_id]
                 self._exec_finished(exec_id)
             for piece_id, src, dst in inf.pieces:
@@ -1219,6 +1248,15 @@ class Controller:
             log.info("computation %d failed on host %d: %s", msg.exec_id, host, msg.error.message)
         if info is None:
             return
+        if info.fused and msg.error is not None and msg.error.kind == "FusedUnknown":
+            # the host did not run it, so nothing there will ever hold its results
+            # (it cannot poison what it does not know): they fail here
+            mine = [b for b in info.outputs if (buf := self.directory.buffers.get(b)) is not None
+                    and any(self.rm.devices[d].host == host for lay in buf.layouts
+                            for devs in lay.values() for d in devs)]
+            self.directory.poison(mine, info.client, msg.error)
+            if mine and info.client_ident in self.peers:
+                self.send(info.client_ident, m.CallFailed(0, mine, msg.error))
         self.timeline.append(m.ExecRecord(msg.exec_id, info.seq, info.island, host, info.client,
                                           info.name, info.devices, msg.start, msg.end,
                                           msg.error is None))

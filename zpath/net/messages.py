@@ -431,9 +431,9 @@ class DefineProgram(Record):
     (a number the client picks), so later runs can be sent as ``RunProgram``.
     Every buffer the program's calls name is either one of ``inputs`` (the
     *slots*: each call input not made inside the program, in program order,
-    one entry per such input) or a new one in ``first_buffer ..
-    first_buffer + buffers - 1`` (the outputs of its calls). No input is put
-    (``put`` is false everywhere)."""
+    one entry per such input; a value the client puts for the run, or an
+    existing buffer) or a new one in ``first_buffer .. first_buffer + buffers
+    - 1`` (the outputs of its calls)."""
     template: int
     inputs: list[int]
     first_buffer: int
@@ -451,6 +451,12 @@ class RunProgram(Record):
     inputs: list[int]
     first_buffer: int
     outputs: list[int]
+
+
+@message(28)
+class DropTemplates(Record):
+    """Client -> controller: these templates will not be run again."""
+    templates: list[int]
 
 
 @message(48)

@@ -34,6 +34,23 @@ INPUT_TIMEOUT_S = 300.0
 SHORT_S = 0.001
 
 
+class FusedRun:
+    """One run of a fused program (this host's part): its computations, in
+    order, as ``Execute`` templates whose buffer ids are codes (``n >= 0``:
+    ``first + n``; ``n < 0``: ``inputs[-n - 1]``). The executor runs it as one
+    computation on the union of their devices, and reports it once."""
+
+    __slots__ = ("exec_id", "seq", "name", "devices", "executes", "inputs", "first")
+
+    def __init__(self, exec_id: int, seq: int, name: str, devices: list[int],
+                 executes: list[m.Execute], inputs: list[int], first: int) -> None:
+        self.exec_id, self.seq, self.name, self.devices = exec_id, seq, name, devices
+        self.executes, self.inputs, self.first = executes, inputs, first
+
+    def buffer(self, code: int) -> int:
+        return self.first + code if code >= 0 else self.inputs[-code - 1]
+
+
 class InputError(Exception):
     def __init__(self, error: m.ErrorInfo) -> None:
         super().__init__(error.message)
@@ -100,10 +117,10 @@ class Executor:
         if digest not in self.programs:
             self.programs[digest] = blob     # deserialised lazily on the executor thread
 
-    def submit(self, ex: m.Execute) -> None:
+    def submit(self, ex: "m.Execute | FusedRun") -> None:
         """Queue a computation (in dispatch order) and start what can start."""
         with self._lock:
-            if ex.seq < self._last_seq:      # a fused run's computations share one seq
+            if ex.seq <= self._last_seq:
                 log.warning("computation %d (seq %d) arrived after seq %d: out of gang order",
                             ex.exec_id, ex.seq, self._last_seq)
             self._last_seq = max(self._last_seq, ex.seq)
@@ -175,8 +192,10 @@ class Executor:
                 except Exception:     # the next computation must still run
                     log.exception("reporting computation %d", exec_id)
 
-    def _short(self, ex: m.Execute) -> bool:
+    def _short(self, ex: "m.Execute | FusedRun") -> bool:
         """Whether ``ex`` ran for less than SHORT_S last time."""
+        if type(ex) is FusedRun:
+            return False
         prepared = self._prepared(ex)
         return prepared is not None and prepared.last_s < SHORT_S
 
@@ -189,36 +208,21 @@ class Executor:
                 return prepared
         return None
 
-    def _run(self, ex: m.Execute, devs: frozenset[int], index: int
+    def _run(self, ex: "m.Execute | FusedRun", devs: frozenset[int], index: int
              ) -> tuple[tuple[m.Execute, frozenset[int], int] | None, tuple]:
-        """Run one computation; returns the next one this thread runs, if any,
-        and the report of this one (exec id, error, start, end, seconds it took)."""
+        """Run one computation (or a fused run's, in order: later ones still run
+        after one fails, and fail if they read its outputs); returns the next one
+        this thread runs, if any, and the report of this one (exec id, first
+        error, start, end, seconds it took)."""
         start = time.time()
         t0 = time.perf_counter()
-        error = None
-        try:
-            self._execute(ex)
-        except InputError as e:
-            error = e.error
-        except Exception as e:
-            # as UTF-8 can carry it (an exception's text may hold lone surrogates,
-            # e.g. a file name; the report must not fail to encode and be lost)
-            error = m.ErrorInfo("RemoteError", _text(f"{type(e).__name__}: {e}"), self.rank, ex.name,
-                                _text(traceback.format_exc()))
-            log.warning("computation %d (%s) failed: %s", ex.exec_id, ex.name, error.message)
-        if error is not None:
-            for o in ex.outputs:
-                self._poison_output(ex, o, error)
-            # input shards it was to assemble: later calls and sends may wait on them
-            for inp in ex.inputs:
-                for s in inp.shards:
-                    self.store.set(shard_key(inp.buffer, s.device, s.region), error=error)
-                    for p in s.pieces:
-                        if p.piece_id:
-                            # dropped if it came; refused if it comes later (an
-                            # error stays), so a late piece is not kept forever
-                            self.store.pop(("p", p.piece_id))
-                            self.store.set(("p", p.piece_id), error=error)
+        if type(ex) is FusedRun:
+            error = None
+            for sub in ex.executes:
+                e = self._run_one(sub, ex.exec_id, ex.buffer)
+                error = error or e
+        else:
+            error = self._run_one(ex, ex.exec_id, None)
         end = time.time()
         started: list[tuple[m.Execute, frozenset[int], int]] = []
         with self._lock:
@@ -233,20 +237,52 @@ class Executor:
                 self._ready.put(entry)
         return (started[0] if started else None), (ex.exec_id, error, start, end, time.perf_counter() - t0)
 
-    def _poison_output(self, ex: m.Execute, o: m.ExecOutput, error: m.ErrorInfo) -> None:
+    def _run_one(self, ex: m.Execute, exec_id: int, buffer: Callable[[int], int] | None
+                 ) -> m.ErrorInfo | None:
+        """Run one computation (``buffer``: maps a fused run's codes to buffer
+        ids); on failure its outputs, and the input shards it was to assemble,
+        fail with the error it returns."""
+        try:
+            self._execute(ex, buffer)
+            return None
+        except InputError as e:
+            error = e.error
+        except Exception as e:
+            # as UTF-8 can carry it (an exception's text may hold lone surrogates,
+            # e.g. a file name; the report must not fail to encode and be lost)
+            error = m.ErrorInfo("RemoteError", _text(f"{type(e).__name__}: {e}"), self.rank, ex.name,
+                                _text(traceback.format_exc()))
+            log.warning("computation %d (%s) failed: %s", exec_id, ex.name, error.message)
+        for o in ex.outputs:
+            self._poison_output(ex, o, o.buffer if buffer is None else buffer(o.buffer), error)
+        # input shards it was to assemble: later calls and sends may wait on them
+        for inp in ex.inputs:
+            b = inp.buffer if buffer is None else buffer(inp.buffer)
+            for s in inp.shards:
+                self.store.set(shard_key(b, s.device, s.region), error=error)
+                for p in s.pieces:
+                    if p.piece_id:
+                        # dropped if it came; refused if it comes later (an
+                        # error stays), so a late piece is not kept forever
+                        self.store.pop(("p", p.piece_id))
+                        self.store.set(("p", p.piece_id), error=error)
+        return error
+
+    def _poison_output(self, ex: m.Execute, o: m.ExecOutput, buffer: int, error: m.ErrorInfo) -> None:
         regs = sharding.regions(o.aval.shape, ex.mesh_shape, ex.axis_names, o.spec)
         for d, r in zip(ex.devices, regs, strict=True):
             if d in self.devices:
-                self.store.set(shard_key(o.buffer, d, r), error=error)
+                self.store.set(shard_key(buffer, d, r), error=error)
 
-    def _execute(self, ex: m.Execute) -> None:
+    def _execute(self, ex: m.Execute, buffer: Callable[[int], int] | None = None) -> None:
         prepared = self._prepare(ex)
         args, first_error = [], None
         for k, inp in enumerate(ex.inputs):
             shards = []
+            b = inp.buffer if buffer is None else buffer(inp.buffer)
             for s in inp.shards:
                 try:
-                    shards.append(self._input_shard(inp, s))
+                    shards.append(self._input_shard(b, inp, s))
                 except InputError as e:   # keep going: every promised shard gets settled
                     first_error = first_error or e
             if first_error is None:
@@ -265,8 +301,9 @@ class Executor:
         prepared.last_s = time.perf_counter() - t0
         store_set = self.store.set
         for k, (o, out) in enumerate(zip(ex.outputs, outs, strict=True)):
+            b = o.buffer if buffer is None else buffer(o.buffer)
             for gid, region, data in prepared.output_shards(k, o, out):
-                store_set(("s", o.buffer, gid, region), data)
+                store_set(("s", b, gid, region), data)
 
     def _prepare(self, ex: m.Execute) -> "_Prepared":
         """The compiled function and input shardings for this program on these
@@ -298,12 +335,12 @@ class Executor:
         log.debug("prepared %s for devices %s", ex.name, ex.devices)
         return prepared
 
-    def _input_shard(self, inp: m.ExecInput, s: m.ShardInput) -> Any:
-        """The input shard for one local device: already stored, or assembled
-        from pieces (and then stored, so later calls reuse it)."""
-        key = ("s", inp.buffer, s.device, tuple(tuple(x) for x in s.region))    # shard_key
+    def _input_shard(self, buffer: int, inp: m.ExecInput, s: m.ShardInput) -> Any:
+        """The input shard of ``buffer`` for one local device: already stored,
+        or assembled from pieces (and then stored, so later calls reuse it)."""
+        key = ("s", buffer, s.device, tuple(tuple(x) for x in s.region))    # shard_key
         if not s.pieces and all(a != b for a, b in s.region):    # the common case: stored
-            return self._wait(key, inp.buffer)
+            return self._wait(key, buffer)
         region = sharding.from_wire(s.region)
         if 0 in sharding.region_shape(region):    # nothing to wait for or move
             value = self.jax.device_put(np.empty(sharding.region_shape(region),
@@ -312,15 +349,15 @@ class Executor:
             self.store.set(key, value)
             return value
         if not s.pieces:
-            return self._wait(key, inp.buffer)
+            return self._wait(key, buffer)
         dev = self.devices[s.device]
         try:
             if len(s.pieces) == 1 and s.pieces[0].piece_id == 0 and \
                     sharding.from_wire(s.pieces[0].region) == region:
                 p = s.pieces[0]        # same region on another local device
                 value = self.jax.device_put(
-                    self._wait(shard_key(inp.buffer, p.device, p.region), inp.buffer), dev)
-            elif (whole := self._whole_piece(inp, s, region)) is not None:
+                    self._wait(shard_key(buffer, p.device, p.region), buffer), dev)
+            elif (whole := self._whole_piece(buffer, inp, s, region)) is not None:
                 # one piece that is the whole shard, as the channel left it (an
                 # XLA-aligned array from channels.recv_buffers for shared
                 # memory): XLA:CPU takes it over as the device buffer, no copy
@@ -331,10 +368,10 @@ class Executor:
                 for p in s.pieces:
                     sub = sharding.from_wire(p.sub)
                     if p.piece_id == 0:
-                        src = self._wait(shard_key(inp.buffer, p.device, p.region), inp.buffer)
+                        src = self._wait(shard_key(buffer, p.device, p.region), buffer)
                         data = np.asarray(src)[sharding.local_slices(sub, sharding.from_wire(p.region))]
                     else:
-                        data = self._wait(("p", p.piece_id), inp.buffer)
+                        data = self._wait(("p", p.piece_id), buffer)
                         self.store.pop(("p", p.piece_id))
                     out[sharding.local_slices(sub, region)] = data
                 value = self.jax.device_put(out, dev)
@@ -344,14 +381,14 @@ class Executor:
         self.store.set(key, value)
         return value
 
-    def _whole_piece(self, inp: m.ExecInput, s: m.ShardInput, region: tuple) -> np.ndarray | None:
+    def _whole_piece(self, buffer: int, inp: m.ExecInput, s: m.ShardInput, region: tuple) -> np.ndarray | None:
         """The array of the shard's only piece when that piece, received from
         another host, is the whole shard with its dtype (else None: assemble)."""
         if len(s.pieces) != 1 or s.pieces[0].piece_id == 0 or \
                 sharding.from_wire(s.pieces[0].sub) != region:
             return None
         p = s.pieces[0]
-        data = self._wait(("p", p.piece_id), inp.buffer)
+        data = self._wait(("p", p.piece_id), buffer)
         if not isinstance(data, np.ndarray) or data.shape != sharding.region_shape(region) or \
                 data.dtype != np.dtype(inp.aval.dtype):
             return None     # left in the store for the assembly below, which copies or fails

@@ -32,7 +32,7 @@ from zpath.net import channels
 from zpath.net import messages as m
 from zpath.net.codec import PROTOCOL_VERSION, Record
 from zpath.net.transport import BadMessage, Endpoint, Outbox, backoff, make_context, raw, unbatched
-from zpath.worker.executor import Executor
+from zpath.worker.executor import Executor, FusedRun
 from zpath.worker.store import Entry, Store, shard_key
 
 log = logging.getLogger(__name__)
@@ -123,11 +123,8 @@ class Worker:
         self.fetch_deadlines: list[tuple[float, int, _PendingFetch]] = []   # heap
         self.fetch_heap_limit = 1024
         self.profiler: _Profiler | None = None
-        # fused programs (DefineFused), and the runs in progress: exec id ->
-        # [computations not finished, first error, earliest start]
-        self.fused: dict[int, m.DefineFused] = {}
-        self.fused_runs: dict[int, list] = {}
-        self._fused_lock = threading.Lock()
+        # fused programs (DefineFused): id -> (definition, its devices, slots it reads)
+        self.fused: dict[int, tuple[m.DefineFused, list[int], int]] = {}
 
     # ---- start-up ------------------------------------------------------------
     def register(self) -> None:
@@ -176,19 +173,7 @@ class Worker:
                    hold: bool) -> None:
         """Report a finished computation; with ``hold`` the report waits up to
         HOLD_S (or until one without ``hold``) to go to the controller with the
-        next ones, as one Batch. A fused run's computations are reported once,
-        when the last has finished, with the first error."""
-        run = self.fused_runs.get(exec_id)
-        if run is not None:
-            with self._fused_lock:
-                run[0] -= 1
-                if error is not None and run[1] is None:
-                    run[1] = error
-                run[2] = min(run[2], start)
-                if run[0] > 0:
-                    return
-                del self.fused_runs[exec_id]
-            error, start, hold = run[1], run[2], False
+        next ones, as one Batch."""
         self.chaining = hold
         self.outbox.hold(("ctl", None, m.ExecDone(exec_id, error, start, end), (), 0), HOLD_S,
                          release=not hold)
@@ -403,7 +388,10 @@ class Worker:
             case m.RunFused():
                 self._run_fused(msg)
             case m.DefineFused():
-                self.fused[msg.fused] = msg
+                codes = [c for ex in msg.executes for c in
+                         [*(i.buffer for i in ex.inputs), *(o.buffer for o in ex.outputs)]] + msg.release
+                devices = sorted({d for ex in msg.executes for d in ex.devices})
+                self.fused[msg.fused] = (msg, devices, max([0, *(-c for c in codes)]))
             case m.DropFused():
                 for f in msg.fused:
                     self.fused.pop(f, None)
@@ -443,30 +431,21 @@ class Worker:
                 log.warning("unexpected %s from the controller", type(msg).__name__)
 
     def _run_fused(self, msg: m.RunFused) -> None:
-        """Queue a fused program's computations (this host's part, in order, all
-        with the run's exec id and place in the gang order), then free its
-        intermediates once they have run."""
+        """Queue a fused program's run as one computation (its place in the gang
+        order is the run's), then free its intermediates once it has run."""
         assert self.executor is not None
-        d = self.fused.get(msg.fused)
-        slots = len(msg.inputs)
-        if d is None or any(-b > slots for ex in d.executes for b in
-                            [*(i.buffer for i in ex.inputs), *(o.buffer for o in ex.outputs)]):
-            why = "is unknown here" if d is None else "reads more inputs than the run gives"
+        known = self.fused.get(msg.fused)
+        if known is None or known[2] > len(msg.inputs):
+            why = "is unknown here" if known is None else "reads more inputs than the run gives"
             now = time.time()
             self.post_ctl(m.ExecDone(msg.exec_id, m.ErrorInfo(
-                "RemoteError", f"fused program {msg.fused} {why}", self.rank, "", ""), now, now))
+                "FusedUnknown", f"fused program {msg.fused} {why}", self.rank, "", ""), now, now))
             return
-        first, inputs = msg.first_buffer, msg.inputs
-
-        def buf(code: int) -> int:
-            return first + code if code >= 0 else inputs[-code - 1]
-        self.fused_runs[msg.exec_id] = [len(d.executes), None, float("inf")]
-        for t in d.executes:
-            self.executor.submit(m.Execute(
-                msg.exec_id, msg.seq, t.program, t.name, t.mesh_shape, t.axis_names, t.devices,
-                t.jax_ids, [m.ExecInput(buf(i.buffer), i.aval, i.spec, i.shards) for i in t.inputs],
-                [m.ExecOutput(buf(o.buffer), o.aval, o.spec) for o in t.outputs]))
-        self.executor.free_after_earlier([buf(c) for c in d.release])
+        d, devices, _ = known
+        run = FusedRun(msg.exec_id, msg.seq, f"fused program {msg.fused}", devices, d.executes,
+                       msg.inputs, msg.first_buffer)
+        self.executor.submit(run)
+        self.executor.free_after_earlier([run.buffer(c) for c in d.release])
 
     def _freed_callback(self, ident: bytes, segment: str, size: int) -> Any:
         """For a piece lent in its segment: once nothing refers to it, queue the
