@@ -317,3 +317,50 @@ def test_collected_programs_drop_their_templates(client):
     del p
     gc.collect()
     assert client.client._templates_live == live
+
+
+def test_fused_intermediates_read_in_another_sharding(client):
+    """A fused run passes a value on as it is when the next node reads it in the
+    sharding it was made in, and stores its shards when a node reads it in
+    another (here: sharded, then replicated, on the same host's two devices)."""
+    d = devices(2, host=0)
+    mesh = zp.Mesh(np.array(d, dtype=object), ("i",))
+    sharded = zp.jit(lambda x: x * 3., mesh=mesh, in_specs=zp.P("i"), out_specs=zp.P("i"))
+    again = zp.jit(lambda x: x + 1., mesh=mesh, in_specs=zp.P("i"), out_specs=zp.P("i"))
+    whole = zp.jit(lambda x: x.sum() + x, mesh=mesh, in_specs=zp.P(), out_specs=zp.P())
+
+    @zp.program
+    def mixed(v):
+        a = sharded(v)            # an intermediate, read as it is ...
+        b = again(a)              # ... and replicated
+        return whole(a), whole(b), b
+    for k in range(4):
+        v = np.arange(4.) + k
+        a = v * 3.
+        wa, wb, b = mixed(v)
+        np.testing.assert_array_equal(wa.result(timeout=60), a.sum() + a)
+        np.testing.assert_array_equal(wb.result(timeout=60), (a + 1).sum() + a + 1)
+        np.testing.assert_array_equal(b.result(timeout=60), a + 1)
+    assert _fused_records(client, "mixed")
+
+
+def test_a_failed_node_of_a_fused_run_leaves_what_it_read_intact(client):
+    import jax.numpy as jnp
+    d = devices(2, host=0)
+    mesh = zp.Mesh(np.array(d, dtype=object), ("i",))
+    sharded = zp.jit(lambda x: x * 3., mesh=mesh, in_specs=zp.P("i"), out_specs=zp.P("i"))
+    huge = zp.jit(lambda x: jnp.broadcast_to(x.sum(), (1 << 40,)), mesh=mesh, in_specs=zp.P("i"),
+                  out_specs=zp.P())
+    whole = zp.jit(lambda x: x.sum() + x, mesh=mesh, in_specs=zp.P(), out_specs=zp.P())
+
+    @zp.program
+    def partly(v):
+        a = sharded(v)
+        return huge(a), whole(a)      # the first fails; the second reads a in another sharding
+    for k in range(3):
+        bad, ok = partly(np.arange(4.) + k)
+        a = (np.arange(4.) + k) * 3.
+        np.testing.assert_array_equal(ok.result(timeout=60), a.sum() + a)
+        with pytest.raises(zp.RemoteError, match="RESOURCE_EXHAUSTED"):
+            bad.result(timeout=60)
+    assert _fused_records(client, "partly")

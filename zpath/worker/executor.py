@@ -37,18 +37,32 @@ SHORT_S = 0.001
 class FusedRun:
     """One run of a fused program (this host's part): its computations, in
     order, as ``Execute`` templates whose buffer ids are codes (``n >= 0``:
-    ``first + n``; ``n < 0``: ``inputs[-n - 1]``). The executor runs it as one
-    computation on the union of their devices, and reports it once."""
+    ``first + n``; ``n < 0``: ``inputs[-n - 1]``); ``release`` (codes) are its
+    intermediates. The executor runs it as one computation on the union of
+    their devices, and reports it once."""
 
-    __slots__ = ("exec_id", "seq", "name", "devices", "executes", "inputs", "first")
+    __slots__ = ("exec_id", "seq", "name", "devices", "executes", "inputs", "first", "release")
 
     def __init__(self, exec_id: int, seq: int, name: str, devices: list[int],
-                 executes: list[m.Execute], inputs: list[int], first: int) -> None:
+                 executes: list[m.Execute], inputs: list[int], first: int, release: list[int]) -> None:
         self.exec_id, self.seq, self.name, self.devices = exec_id, seq, name, devices
-        self.executes, self.inputs, self.first = executes, inputs, first
+        self.executes, self.inputs, self.first, self.release = executes, inputs, first, release
 
     def buffer(self, code: int) -> int:
         return self.first + code if code >= 0 else self.inputs[-code - 1]
+
+
+class _Made:
+    """What a fused run made so far: buffer id -> (array, its sharding, the
+    prepared program, output slot and ExecOutput that made it); its
+    intermediates, and those of them not in the store."""
+
+    __slots__ = ("arrays", "intermediates", "unstored")
+
+    def __init__(self, intermediates: set[int]) -> None:
+        self.arrays: dict[int, tuple] = {}
+        self.intermediates = intermediates
+        self.unstored: set[int] = set()
 
 
 class InputError(Exception):
@@ -218,8 +232,9 @@ class Executor:
         t0 = time.perf_counter()
         if type(ex) is FusedRun:
             error = None
+            made = _Made({ex.buffer(c) for c in ex.release})
             for sub in ex.executes:
-                e = self._run_one(sub, ex.exec_id, ex.buffer)
+                e = self._run_one(sub, ex.exec_id, ex.buffer, made)
                 error = error or e
         else:
             error = self._run_one(ex, ex.exec_id, None)
@@ -237,13 +252,13 @@ class Executor:
                 self._ready.put(entry)
         return (started[0] if started else None), (ex.exec_id, error, start, end, time.perf_counter() - t0)
 
-    def _run_one(self, ex: m.Execute, exec_id: int, buffer: Callable[[int], int] | None
-                 ) -> m.ErrorInfo | None:
+    def _run_one(self, ex: m.Execute, exec_id: int, buffer: Callable[[int], int] | None,
+                 made: "_Made | None" = None) -> m.ErrorInfo | None:
         """Run one computation (``buffer``: maps a fused run's codes to buffer
         ids); on failure its outputs, and the input shards it was to assemble,
         fail with the error it returns."""
         try:
-            self._execute(ex, buffer)
+            self._execute(ex, buffer, made)
             return None
         except InputError as e:
             error = e.error
@@ -256,8 +271,11 @@ class Executor:
         for o in ex.outputs:
             self._poison_output(ex, o, o.buffer if buffer is None else buffer(o.buffer), error)
         # input shards it was to assemble: later calls and sends may wait on them
+        # (not values its fused run made: those are there, or kept by the run)
         for inp in ex.inputs:
             b = inp.buffer if buffer is None else buffer(inp.buffer)
+            if made is not None and b in made.arrays:
+                continue
             for s in inp.shards:
                 self.store.set(shard_key(b, s.device, s.region), error=error)
                 for p in s.pieces:
@@ -274,12 +292,28 @@ class Executor:
             if d in self.devices:
                 self.store.set(shard_key(buffer, d, r), error=error)
 
-    def _execute(self, ex: m.Execute, buffer: Callable[[int], int] | None = None) -> None:
+    def _execute(self, ex: m.Execute, buffer: Callable[[int], int] | None = None,
+                 made: "_Made | None" = None) -> None:
+        """Run one computation. In a fused run (``made``), an input made earlier
+        in the run with the sharding this computation reads it in is passed on
+        as the array it is, and the run's intermediates go to the store only if
+        something reads them another way (the run frees them afterwards)."""
         prepared = self._prepare(ex)
         args, first_error = [], None
         for k, inp in enumerate(ex.inputs):
             shards = []
             b = inp.buffer if buffer is None else buffer(inp.buffer)
+            if made is not None and first_error is None:
+                got = made.arrays.get(b)
+                if got is not None:
+                    if got[1] is prepared.in_shardings[k] or got[1] == prepared.in_shardings[k]:
+                        args.append(got[0])
+                        continue
+                    if b in made.unstored:      # read another way: store its shards now
+                        made.unstored.discard(b)
+                        _, _, source, slot, o = got
+                        for gid, region, data in source.output_shards(slot, o, got[0]):
+                            self.store.set(("s", b, gid, region), data)
             for s in inp.shards:
                 try:
                     shards.append(self._input_shard(b, inp, s))
@@ -302,6 +336,11 @@ class Executor:
         store_set = self.store.set
         for k, (o, out) in enumerate(zip(ex.outputs, outs, strict=True)):
             b = o.buffer if buffer is None else buffer(o.buffer)
+            if made is not None:
+                made.arrays[b] = (out, prepared.out_shardings[k], prepared, k, o)
+                if b in made.intermediates:
+                    made.unstored.add(b)
+                    continue
             for gid, region, data in prepared.output_shards(k, o, out):
                 store_set(("s", b, gid, region), data)
 
@@ -330,7 +369,7 @@ class Executor:
         call = exported.call
         leaves = self.jax.tree_util.tree_leaves
         fn = self.jax.jit(lambda *a: tuple(leaves(call(*a))), in_shardings=ins, out_shardings=outs)
-        prepared = self.compiled[key] = _Prepared(self, fn, ins, ex)
+        prepared = self.compiled[key] = _Prepared(self, fn, ins, outs, ex)
         self._by_program.setdefault(ex.program, []).append(prepared)
         log.debug("prepared %s for devices %s", ex.name, ex.devices)
         return prepared
@@ -413,12 +452,14 @@ class _Prepared:
     learnt on its first calls to make its input arrays and take its output
     shards apart cheaply (the layouts are the same on every call)."""
 
-    __slots__ = ("executor", "fn", "in_shardings", "in_fast", "out_fast", "variant", "last_s")
+    __slots__ = ("executor", "fn", "in_shardings", "out_shardings", "in_fast", "out_fast", "variant", "last_s")
 
-    def __init__(self, executor: Executor, fn: Callable, in_shardings: tuple, ex: m.Execute) -> None:
+    def __init__(self, executor: Executor, fn: Callable, in_shardings: tuple, out_shardings: tuple,
+                 ex: m.Execute) -> None:
         self.executor = executor
         self.fn = fn
         self.in_shardings = in_shardings
+        self.out_shardings = out_shardings
         self.last_s = float("inf")     # how long its last run took
         # what it was built for, as the Execute messages carry it
         self.variant = (list(ex.jax_ids), list(ex.mesh_shape), list(ex.axis_names),

@@ -443,7 +443,7 @@ class Worker:
             return
         d, devices, _ = known
         run = FusedRun(msg.exec_id, msg.seq, f"fused program {msg.fused}", devices, d.executes,
-                       msg.inputs, msg.first_buffer)
+                       msg.inputs, msg.first_buffer, d.release)
         self.executor.submit(run)
         self.executor.free_after_earlier([run.buffer(c) for c in d.release])
 
