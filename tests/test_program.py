@@ -364,3 +364,19 @@ def test_a_failed_node_of_a_fused_run_leaves_what_it_read_intact(client):
         with pytest.raises(zp.RemoteError, match="RESOURCE_EXHAUSTED"):
             bad.result(timeout=60)
     assert _fused_records(client, "partly")
+
+
+def test_a_node_that_reads_a_client_value_twice(client):
+    d = devices(2, host=0)
+    add = zp.pmap(lambda x, y: x + y, devices=d)
+    inc = zp.pmap(lambda x: x + 1., devices=d)
+
+    @zp.program
+    def twice(v):
+        return add(v, v), add(inc(v), v)
+    for k in range(4):
+        v = np.array([1., 2.]) + k
+        a, b = twice(v)
+        np.testing.assert_array_equal(a.result(timeout=60), 2 * v)
+        np.testing.assert_array_equal(b.result(timeout=60), 2 * v + 1)
+    assert _fused_records(client, "twice")

@@ -170,10 +170,11 @@ class ProgramFunction:
         ``slots`` in order (a template's slots; see DefineProgram)."""
         client = traced.client
         buffers: dict[int, int] = {}               # id(Value) -> buffer id
+        put_by: dict[int, int] = {}                # id(Value) -> the node that put it
         put: list[int] = []
         calls = []
         new_id = client.new_buffer_id if first is None else itertools.count(first).__next__
-        for node in traced.nodes:
+        for n, node in enumerate(traced.nodes):
             inputs = []
             for v, spec in zip(node.inputs, node.traced.in_specs, strict=True):
                 aval = m.Aval(list(v.shape), v.dtype.name)
@@ -183,12 +184,15 @@ class ProgramFunction:
                     if source._client is not client:
                         raise ValueError(f"{self.name}: an input future belongs to another connection")
                     inputs.append(m.CallInput(source.buffer, aval, spec, False))
-                elif id(v) in buffers:
+                elif id(v) in buffers and put_by.get(id(v)) != n:
                     inputs.append(m.CallInput(buffers[id(v)], aval, spec, False))
                 elif kind == "node":
                     raise ZpathError(f"{self.name}: internal error: value used before it is produced")
-                else:   # a client value: put it as its first consumer reads it
+                else:
+                    # a client value: put it as its first consumer reads it (a
+                    # call cannot read what it puts: one that reads it twice puts it twice)
                     buf = buffers[id(v)] = node.computation.put(source, spec, send)
+                    put_by[id(v)] = n
                     put.append(buf)
                     inputs.append(m.CallInput(buf, aval, spec, True))
                 if slots is not None and kind != "node":
@@ -268,28 +272,29 @@ class ProgramFunction:
         client = traced.client
         if traced.layout is None:
             slots, position = [], {}
-            for node in traced.nodes:
+            for n, node in enumerate(traced.nodes):
                 for v, spec in zip(node.inputs, node.traced.in_specs, strict=True):
                     if v.origin[0] != "node":
-                        slots.append((id(v), v.origin[0], v.origin[1], node.computation, spec))
+                        slots.append((id(v), v.origin[0], v.origin[1], node.computation, spec, n))
                 for o in node.outputs:
                     position[id(o)] = len(position)
             outs = [(position[id(o)], o.origin[1], o.origin[2]) for o in traced.outputs]
             traced.layout = (slots, outs, len(position))
-        slots, outs, n = traced.layout
+        slots, outs, count = traced.layout
         inputs: list[int] = []
-        put: dict[int, int] = {}
-        for key, kind, source, computation, spec in slots:
+        put: dict[int, tuple[int, int]] = {}       # as in _lower: (buffer, node that put it)
+        for key, kind, source, computation, spec, node in slots:
             value = bound[source] if kind == "input" else source
             if isinstance(value, Future):
                 if value._client is not client:
                     raise ValueError(f"{self.name}: an input future belongs to another connection")
                 inputs.append(value.buffer)
-            elif key in put:
-                inputs.append(put[key])
+            elif key in put and put[key][1] != node:
+                inputs.append(put[key][0])
             else:
-                inputs.append(put.setdefault(key, computation.put(value, spec)))
-        first = client.new_buffer_ids(n)
+                put[key] = (computation.put(value, spec), node)
+                inputs.append(put[key][0])
+        first = client.new_buffer_ids(count)
         futures = [node.computation.future(first + k, node.traced.out_avals[i], node.traced.out_specs[i])
                    for k, node, i in outs]
         client.post(m.RunProgram(client.new_call_id(), template, inputs, first,
