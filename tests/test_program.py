@@ -3,6 +3,7 @@ dispatched in parallel or sequentially."""
 from __future__ import annotations
 
 import gc
+import time
 
 import numpy as np
 import pytest
@@ -316,6 +317,9 @@ def test_collected_programs_drop_their_templates(client):
     assert client.client._templates_live == live + 1      # the last p is alive
     del p
     gc.collect()
+    deadline = time.monotonic() + 10                       # the client's I/O thread counts it
+    while client.client._templates_live != live and time.monotonic() < deadline:
+        time.sleep(0.05)
     assert client.client._templates_live == live
 
 
@@ -380,3 +384,40 @@ def test_a_node_that_reads_a_client_value_twice(client):
         np.testing.assert_array_equal(a.result(timeout=60), 2 * v)
         np.testing.assert_array_equal(b.result(timeout=60), 2 * v + 1)
     assert _fused_records(client, "twice")
+
+
+def test_a_node_whose_failed_input_comes_first_does_not_wait(client):
+    """In a fused run, a node that reads a failed value and then an
+    intermediate fails at once with the root cause (it used to wait for the
+    intermediate in the store, which a fused run does not fill, for 300 s)."""
+    import jax.numpy as jnp
+    d = devices(1)
+    huge = zp.pmap(lambda x: jnp.broadcast_to(x, (1 << 40,)), devices=d)
+    inc = zp.pmap(lambda x: x + 1., devices=d)
+    comb = zp.pmap(lambda x, y: x[:1] + y, devices=d)
+
+    @zp.program
+    def failing_first(v):
+        b = inc(v)
+        return comb(huge(v), b), inc(b)
+    for k in range(3):
+        bad, ok = failing_first(np.full(1, float(k)))
+        np.testing.assert_array_equal(ok.result(timeout=20), [k + 2.])
+        with pytest.raises(zp.RemoteError, match="RESOURCE_EXHAUSTED"):
+            bad.result(timeout=20)
+    assert _fused_records(client, "failing_first")
+
+
+def test_a_value_returned_twice_is_one_future(client):
+    inc = zp.pmap(lambda x: x + 1., devices=devices(2, host=0))
+
+    @zp.program
+    def same(v):
+        a = inc(v)
+        return a, a
+    for k in range(3):
+        x, y = same(np.full(2, float(k)))
+        assert x is y
+        del x
+        gc.collect()
+        np.testing.assert_array_equal(y.result(timeout=30), [k + 1.] * 2)

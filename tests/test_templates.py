@@ -61,7 +61,7 @@ def sent(rig, since, kind):
 def test_a_template_is_fused_after_its_first_run(make_rig):
     rig = make_rig(hosts=((0, 2),))
     a, _ = rig.client("a")
-    devs = [0, 1, 0]        # device 1 reads device 0's output: a local copy, no transfer
+    devs = [0, 0, 0]
     n0 = len(rig.log)
     define(rig, a, 1, devs, 0)
     assert len(sent(rig, n0, m.Execute)) == 3 and not sent(rig, n0, m.RunFused)
@@ -89,6 +89,21 @@ def test_a_template_is_fused_after_its_first_run(make_rig):
         rig.handle(a, m.Release([out]))
     assert rig.idle()
     assert [r.name for r in rig.c.timeline][-1] == "chain (3 nodes, fused)"
+
+
+def test_a_program_on_several_devices_of_a_host_is_not_fused(make_rig):
+    """A fused run is one computation per host: nodes on other devices of a
+    host, which could run beside each other, are not fused (they would run one
+    after the other)."""
+    rig = make_rig(hosts=((0, 2),))
+    a, _ = rig.client("a")
+    define(rig, a, 1, [0, 1, 0], 0)      # device 1 reads device 0's output: a local copy
+    rig.drain()
+    for k in (1, 2, 3, 4):
+        n0 = len(rig.log)
+        run(rig, a, 1, 3, k)
+        assert len(sent(rig, n0, m.Execute)) == 3 and not sent(rig, n0, m.RunFused)
+        rig.drain()
 
 
 def test_a_run_that_reads_a_future_is_fused_too(make_rig):
@@ -335,3 +350,27 @@ def test_dropped_templates_are_forgotten_with_their_fused_programs(make_rig):
     n0 = len(rig.log)
     rig.handle(a, m.DropTemplates([1, 99]))
     assert [d.fused for _, d in sent(rig, n0, m.DropFused)] == [[fused]] and not rig.c.templates
+
+
+def test_a_run_sent_after_its_template_was_dropped_leaves_nothing_behind(make_rig):
+    rig = make_rig(hosts=((0, 1),), window_ms=0.001)
+    a, _ = rig.client("a")
+    b, _ = rig.client("b")
+    define(rig, a, 1, [0, 0], 0)
+    rig.drain()
+    run(rig, a, 1, 2, 1)
+    rig.drain()
+    fid = rig.c.templates[(rig.c.peers[a].id, 1)].fused.id
+    for _ in range(4):                   # b fills device 0's window: a's next run waits
+        rig.handle(b, rig.call(b, 0)[0])
+    n0 = len(rig.log)
+    run(rig, a, 1, 2, 2)
+    assert not sent(rig, n0, m.RunFused) and rig.c.tenants.queued()
+    rig.handle(a, m.DropTemplates([1]))  # the program was collected meanwhile
+    assert [d.fused for _, d in sent(rig, n0, m.DropFused)] == [[fid]]
+    n1 = len(rig.log)
+    rig.drain()
+    # the waiting run still goes (with its definition), and the host forgets it after
+    kinds = [type(x).__name__ for _, x in rig.log[n1:] if isinstance(x, (m.DefineFused, m.RunFused, m.DropFused))]
+    assert kinds == ["DefineFused", "RunFused", "DropFused"]
+    assert not any(rig.c.host_fused.values()) and not rig.c.templates

@@ -147,16 +147,10 @@ class Client:
 
     def drop_templates(self, numbers: list[int]) -> None:
         """The controller may forget these templates (their program is gone).
-        Safe from any thread, and after the connection closed."""
-        if not numbers:
-            return
-        with self._ids_lock:
-            self._templates_live -= len(numbers)
-        if not self._closed:
-            try:
-                self.post(m.DropTemplates(list(numbers)))
-            except ZpathError:
-                pass
+        Safe from any thread, a garbage collector's finalizer included (it takes
+        no lock of this client's: the I/O thread sends them and counts them)."""
+        if numbers and not self._closed:
+            self.outbox.put("drop", None, list(numbers), (), 0)
 
     def new_call_id(self) -> int:
         return next(self._call_ids)
@@ -310,6 +304,10 @@ class Client:
             if kind == "rel":           # batched into one Release, sent in order
                 released.append(msg)
                 continue
+            if kind == "drop":          # templates of programs that are gone
+                with self._ids_lock:
+                    self._templates_live -= len(msg)
+                kind, msg = "ctl", m.DropTemplates(msg)
             if released:
                 to_ctl.append((m.Release(released), 0, 0))
                 released = []

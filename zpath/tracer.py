@@ -204,11 +204,13 @@ class ProgramFunction:
             calls.append(node.computation.call_message(node.traced, inputs, outs))
         returned = {id(o) for o in traced.outputs}
         intermediates = [buffers[id(o)] for n in traced.nodes for o in n.outputs if id(o) not in returned]
-        futures = []
+        futures, seen = [], {}
         for o in traced.outputs:
-            node, i = o.origin[1], o.origin[2]
-            futures.append(node.computation.future(buffers[id(o)], node.traced.out_avals[i],
-                                                   node.traced.out_specs[i]))
+            if id(o) not in seen:     # a value returned twice is one future
+                node, i = o.origin[1], o.origin[2]
+                seen[id(o)] = node.computation.future(buffers[id(o)], node.traced.out_avals[i],
+                                                      node.traced.out_specs[i])
+            futures.append(seen[id(o)])
         return calls, intermediates + put, futures
 
     def __call__(self, *args: Any) -> Any:
@@ -295,10 +297,14 @@ class ProgramFunction:
                 put[key] = (computation.put(value, spec), node)
                 inputs.append(put[key][0])
         first = client.new_buffer_ids(count)
-        futures = [node.computation.future(first + k, node.traced.out_avals[i], node.traced.out_specs[i])
-                   for k, node, i in outs]
+        seen: dict[int, Future] = {}
+        for k, node, i in outs:       # a value returned twice is one future
+            if k not in seen:
+                seen[k] = node.computation.future(first + k, node.traced.out_avals[i],
+                                                  node.traced.out_specs[i])
+        futures = [seen[k] for k, _, _ in outs]
         client.post(m.RunProgram(client.new_call_id(), template, inputs, first,
-                                 [f.buffer for f in futures]))
+                                 [f.buffer for f in seen.values()]))
         return jax.tree_util.tree_unflatten(traced.out_tree, futures)
 
     def explain(self, *args: Any, file: Any = None) -> str:

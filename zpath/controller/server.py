@@ -191,6 +191,7 @@ class Controller:
         # (client, template) -> its program template; fused plans sent to each host
         self.templates: dict[tuple[int, int], templates.ProgramTemplate] = {}
         self.host_fused: dict[int, set[int]] = {}
+        self.fused_live: set[int] = set()      # fused ids of templates still kept
         self._fused_ids = itertools.count(1)
         self.peers: dict[bytes, Peer] = {}
         self.worker_ident: dict[int, bytes] = {}
@@ -562,6 +563,7 @@ class Controller:
 
     def _dispatch(self, peer: Peer, call: m.Call, plan: Plan, name: str) -> int:
         """Send a planned call to its hosts in gang order; returns its exec id."""
+        drop_after: list[tuple[int, m.DropFused]] = []
         for rank in plan.executes:
             for digest in plan.programs if plan.programs is not None else [call.program]:
                 if digest not in self.host_programs[rank]:
@@ -572,7 +574,10 @@ class Controller:
                 define = plan.setup[rank]
                 if define.fused not in self.host_fused.setdefault(rank, set()):
                     self.to_host(rank, define)
-                    self.host_fused[rank].add(define.fused)
+                    if define.fused in self.fused_live:
+                        self.host_fused[rank].add(define.fused)
+                    else:                 # dropped while this run waited: forgotten after it
+                        drop_after.append((rank, m.DropFused([define.fused])))
         for rank, piece in plan.sends:
             self.to_host(rank, piece)
         island = self.rm.hosts[next(iter(plan.executes))].island
@@ -586,6 +591,8 @@ class Controller:
             [i.buffer for i in call.inputs if i.put], plan.setup is not None)
         for rank, ex in ordered:
             self.to_host(rank, ex)
+        for rank, drop in drop_after:
+            self.to_host(rank, drop)
         return exec_id
 
     def _call(self, ident: bytes, peer: Peer, call: m.Call) -> None:
@@ -670,9 +677,12 @@ class Controller:
             return
         t.fuse_tries += 1
         island_of = {h: self.rm.hosts[h].island for p in sub.record for h in p.executes}
-        t.fused = t.fuse(next(self._fused_ids), self.rm.version, sub.record, island_of, before,
+        host_of = {d: self.rm.devices[d].host for p in sub.record for ex in p.executes.values()
+                   for d in ex.devices}
+        t.fused = t.fuse(next(self._fused_ids), self.rm.version, sub.record, island_of, host_of, before,
                          self.directory.buffers, inputs, first)
         if t.fused is not None:
+            self.fused_live.add(t.fused.id)
             log.info("client %d: program %s fused (%d nodes on %d hosts)", peer.id, t.name,
                      len(calls), len(t.fused.hosts))
 
@@ -698,6 +708,7 @@ class Controller:
 
     def _drop_fused(self, fused: set[int]) -> None:
         """Hosts that keep these fused programs forget them."""
+        self.fused_live -= fused
         for rank, ids in self.host_fused.items():
             drop = ids & fused
             if drop:

@@ -154,15 +154,24 @@ class ProgramTemplate:
         return keys
 
     def fuse(self, fused_id: int, version: int, plans: list[Plan], island_of: dict[int, int],
-             before: list[tuple | None], buffers: dict[int, Buffer], inputs: list[int],
-             first: int) -> Fused | None:
+             host_of: dict[int, int], before: list[tuple | None], buffers: dict[int, Buffer],
+             inputs: list[int], first: int) -> Fused | None:
         """The fused plan made from one run's plans (``plans[k]`` for call
-        ``k``), or None if the run moved data between hosts, spans islands, or
-        changed where an input lives (``before``: the slot keys before it)."""
+        ``k``), or None if the run moved data between hosts, spans islands,
+        changed where an input lives (``before``: the slot keys before it), or
+        uses different devices of one host in different nodes (a fused run is
+        one computation on each host: nodes that could run side by side on
+        other devices would run one after the other)."""
         if len(plans) != len(self.calls) or any(p.sends for p in plans):
             return None
         islands = {island_of[h] for p in plans for h in p.executes}
         if len(islands) != 1:
+            return None
+        local: dict[int, set[frozenset[int]]] = {}
+        for p in plans:
+            for h, ex in p.executes.items():
+                local.setdefault(h, set()).add(frozenset(d for d in ex.devices if host_of[d] == h))
+        if any(len(sets) > 1 for sets in local.values()):
             return None
         after = self.slot_keys(buffers, inputs)
         if any(k is None for k in before) or \

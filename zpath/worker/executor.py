@@ -271,10 +271,11 @@ class Executor:
         for o in ex.outputs:
             self._poison_output(ex, o, o.buffer if buffer is None else buffer(o.buffer), error)
         # input shards it was to assemble: later calls and sends may wait on them
-        # (not values its fused run made: those are there, or kept by the run)
+        # (not its fused run's intermediates: the run keeps them, and they have
+        # no readers outside it)
         for inp in ex.inputs:
             b = inp.buffer if buffer is None else buffer(inp.buffer)
-            if made is not None and b in made.arrays:
+            if made is not None and b in made.intermediates:
                 continue
             for s in inp.shards:
                 self.store.set(shard_key(b, s.device, s.region), error=error)
@@ -303,7 +304,7 @@ class Executor:
         for k, inp in enumerate(ex.inputs):
             shards = []
             b = inp.buffer if buffer is None else buffer(inp.buffer)
-            if made is not None and first_error is None:
+            if made is not None:
                 got = made.arrays.get(b)
                 if got is not None:
                     if got[1] is prepared.in_shardings[k] or got[1] == prepared.in_shardings[k]:
