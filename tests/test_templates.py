@@ -54,6 +54,16 @@ def run(rig, ident, template, n, k, x=None):
     return x, first + n - 1
 
 
+def fused_chain(rig, ident):
+    """Template 1 of ``ident``, a 2-node chain on device 0, defined and run
+    fused once; returns its fused program's id."""
+    define(rig, ident, 1, [0, 0], 0)
+    rig.drain()
+    run(rig, ident, 1, 2, 1)
+    rig.drain()
+    return rig.c.templates[(rig.c.peers[ident].id, 1)].fused.id
+
+
 def sent(rig, since, kind):
     return [(i, x) for i, x in rig.log[since:] if isinstance(x, kind)]
 
@@ -174,20 +184,6 @@ def test_bad_templates_are_refused_and_their_runs_fail(make_rig):
     assert [f for i, f in sent(rig, n0, m.CallFailed) if i == a] and not sent(rig, n0, m.Execute)
 
 
-def test_a_departing_client_s_fused_programs_are_dropped(make_rig):
-    rig = make_rig(hosts=((0, 1),))
-    a, _ = rig.client("a")
-    define(rig, a, 1, [0, 0], 0)
-    rig.drain()
-    run(rig, a, 1, 2, 1)
-    rig.drain()
-    fused = rig.c.templates[(rig.c.peers[a].id, 1)].fused.id
-    n0 = len(rig.log)
-    rig.handle(a, m.Goodbye("done"))
-    assert [d.fused for _, d in sent(rig, n0, m.DropFused)] == [[fused]]
-    assert not rig.c.templates and rig.idle()
-
-
 def test_a_lost_host_fails_a_fused_run_s_results(make_rig):
     rig = make_rig(hosts=((0, 1), (1, 1)))
     a, _ = rig.client("a")
@@ -258,10 +254,9 @@ def two_chains(rig, first, x, y):
     return calls, [x, y]
 
 
-def test_a_lost_host_fails_only_the_fused_results_it_held(make_rig):
-    """Hosts of one island without a shared runtime run their parts of a fused
-    run on their own: losing one fails what it held, not the other's result."""
-    rig = make_rig(hosts=((0, 1), (0, 1)))
+def fused_two_chains(rig):
+    """Client a runs two_chains fused on hosts 0 and 1; host 0 has finished its
+    part. Returns (a, the run's first new buffer, its RunFused)."""
     a, _ = rig.client("a")
     first = block(rig, a, 0)
     calls, release = two_chains(rig, first, block(rig, a, 100), block(rig, a, 101))
@@ -273,6 +268,14 @@ def test_a_lost_host_fails_only_the_fused_results_it_held(make_rig):
     rig.handle(a, m.RunProgram(2, 1, [block(rig, a, 102), block(rig, a, 103)], first, [first, first + 1]))
     (_, rf), _ = sent(rig, n0, m.RunFused)
     rig.handle(rig.c.worker_ident[0], m.ExecDone(rf.exec_id, None, 1000.0, 1000.001))
+    return a, first, rf
+
+
+def test_a_lost_host_fails_only_the_fused_results_it_held(make_rig):
+    """Hosts of one island without a shared runtime run their parts of a fused
+    run on their own: losing one fails what it held, not the other's result."""
+    rig = make_rig(hosts=((0, 1), (0, 1)))
+    a, first, rf = fused_two_chains(rig)
     rig.c._host_lost(1, "test")
     assert rig.c.directory.buffers[first].error is None
     assert rig.c.directory.buffers[first + 1].error.kind == "HostLost"
@@ -281,17 +284,7 @@ def test_a_lost_host_fails_only_the_fused_results_it_held(make_rig):
 
 def test_a_worker_without_the_fused_program_fails_its_results(make_rig):
     rig = make_rig(hosts=((0, 1), (0, 1)))
-    a, _ = rig.client("a")
-    first = block(rig, a, 0)
-    calls, release = two_chains(rig, first, block(rig, a, 100), block(rig, a, 101))
-    rig.handle(a, m.DefineProgram(1, [block(rig, a, 100), block(rig, a, 101)], first, 2,
-                                  m.Program(1, "two", "parallel", calls, release)))
-    rig.drain()
-    first = block(rig, a, 1)
-    n0 = len(rig.log)
-    rig.handle(a, m.RunProgram(2, 1, [block(rig, a, 102), block(rig, a, 103)], first, [first, first + 1]))
-    (_, rf), _ = sent(rig, n0, m.RunFused)
-    rig.handle(rig.c.worker_ident[0], m.ExecDone(rf.exec_id, None, 1000.0, 1000.001))
+    a, first, rf = fused_two_chains(rig)
     err = m.ErrorInfo("FusedUnknown", f"fused program {rf.fused} is unknown here", 1, "", "")
     rig.handle(rig.c.worker_ident[1], m.ExecDone(rf.exec_id, err, 1000.0, 1000.0))
     assert rig.c.directory.buffers[first].error is None
@@ -339,28 +332,25 @@ def test_the_same_value_put_in_two_slots_is_refused_as_a_plain_program(make_rig)
     assert not +rig.c.directory.device_bytes and rig.idle()
 
 
-def test_dropped_templates_are_forgotten_with_their_fused_programs(make_rig):
+@pytest.mark.parametrize("leaving", [m.Goodbye("done"), m.DropTemplates([1, 99])],
+                         ids=["client-leaves", "drop-templates"])
+def test_forgotten_templates_drop_their_fused_programs(make_rig, leaving):
+    """A client that leaves, or drops a template (its program was collected):
+    the hosts forget the fused program."""
     rig = make_rig(hosts=((0, 1),))
     a, _ = rig.client("a")
-    define(rig, a, 1, [0, 0], 0)
-    rig.drain()
-    run(rig, a, 1, 2, 1)
-    rig.drain()
-    fused = rig.c.templates[(rig.c.peers[a].id, 1)].fused.id
+    fused = fused_chain(rig, a)
     n0 = len(rig.log)
-    rig.handle(a, m.DropTemplates([1, 99]))
-    assert [d.fused for _, d in sent(rig, n0, m.DropFused)] == [[fused]] and not rig.c.templates
+    rig.handle(a, leaving)
+    assert [d.fused for _, d in sent(rig, n0, m.DropFused)] == [[fused]]
+    assert not rig.c.templates and rig.idle()
 
 
 def test_a_run_sent_after_its_template_was_dropped_leaves_nothing_behind(make_rig):
     rig = make_rig(hosts=((0, 1),), window_ms=0.001)
     a, _ = rig.client("a")
     b, _ = rig.client("b")
-    define(rig, a, 1, [0, 0], 0)
-    rig.drain()
-    run(rig, a, 1, 2, 1)
-    rig.drain()
-    fid = rig.c.templates[(rig.c.peers[a].id, 1)].fused.id
+    fid = fused_chain(rig, a)
     for _ in range(4):                   # b fills device 0's window: a's next run waits
         rig.handle(b, rig.call(b, 0)[0])
     n0 = len(rig.log)
