@@ -741,16 +741,8 @@ class Controller:
         plan = templates.run_plan(f, exec_id, msg.inputs, msg.first_buffer)
         # the values put are released once it is sent (workers free them after it ran)
         run = _ProgramRun(peer, [msg.inputs[s] for s, *_ in f.puts], 1)
-        held = _HeldNode(run, call, (plan, f"{t.name} ({f.nodes} nodes, fused)"),
-                         set(), exec_id, f.island)
-        held.waits = {("sent", self.held_outputs[i.buffer]) for i in call.inputs
-                      if i.buffer in self.held_outputs}
-        if not held.waits:
-            self._ready(held, holding=False)
-        else:
-            for w in held.waits:
-                self.waiters.setdefault(w, []).append(held)
-            self._hold(held)
+        self._start(_HeldNode(run, call, (plan, f"{t.name} ({f.nodes} nodes, fused)"),
+                              self._held_producers(call), exec_id, f.island))
         self._maybe_release(run)
         return True
 
@@ -893,22 +885,15 @@ class Controller:
             if sub.record is not None:
                 sub.record.append(planned[0])
             exec_ids[k] = next(iter(planned[0].executes.values())).exec_id
-            waits: set = {("sent", self.held_outputs[i.buffer]) for i in call.inputs
-                          if i.buffer in self.held_outputs}
+            waits = self._held_producers(call)
             if dispatch == "sequential":
                 # predecessors that have not finished (after a wait for memory,
                 # some may have finished or been abandoned already)
                 self.unfinished.add(exec_ids[k])
                 waits |= {exec_ids[p] for p in preds if exec_ids.get(p) in self.unfinished}
             plan = planned[0]
-            held = _HeldNode(run, call, planned, waits, exec_ids[k],
-                             self.rm.hosts[next(iter(plan.executes))].island)
-            if not waits:
-                self._ready(held, holding=False)
-            else:
-                for w in waits:
-                    self.waiters.setdefault(w, []).append(held)
-                self._hold(held)
+            self._start(_HeldNode(run, call, planned, waits, exec_ids[k],
+                                  self.rm.hosts[next(iter(plan.executes))].island))
             self._node_done(sub, k, call)
             done = sub.next - first
             if done & (done - 1) == 0 and sub.next < len(calls) and self._out is not None:
@@ -920,6 +905,22 @@ class Controller:
                 self._out = {}
         self._maybe_release(run)
         return True
+
+    def _held_producers(self, call: m.Call) -> set:
+        """What a node must wait for before it is sent: the held nodes whose
+        outputs it reads (as ("sent", exec id))."""
+        return {("sent", self.held_outputs[i.buffer]) for i in call.inputs
+                if i.buffer in self.held_outputs}
+
+    def _start(self, held: "_HeldNode") -> None:
+        """A planned node goes to the multi-tenant scheduler now, or is held
+        until what it waits for has happened."""
+        if not held.waits:
+            self._ready(held, holding=False)
+            return
+        for w in held.waits:
+            self.waiters.setdefault(w, []).append(held)
+        self._hold(held)
 
     def _hold(self, held: "_HeldNode") -> None:
         """A node is not sent yet: buffers it reads or writes are not freed, and
@@ -1177,11 +1178,8 @@ class Controller:
         for rank, buffers in fails.items():
             self.to_host(rank, m.FailBuffers(buffers, err))
         self._release(self.directory.owned(peer.id), peer.id)
-        # its fused programs: the hosts that keep them forget them
-        fused = {t.fused.id for (c, _), t in self.templates.items() if c == peer.id and t.fused}
-        for key in [k for k in self.templates if k[0] == peer.id]:
-            del self.templates[key]
-        self._drop_fused(fused)
+        # its templates, and their fused programs on the hosts
+        self._drop_templates(peer, [n for c, n in self.templates if c == peer.id])
         if self.memory_waiting:
             self._resume_waiting()
 
