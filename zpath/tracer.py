@@ -28,6 +28,18 @@ def _drop(client: Any, templates: dict[tuple, int]) -> None:
     client.drop_templates([t for t in templates.values() if t > 0])
 
 
+def _futures(traced: "Traced", buffer_of: Callable[[Any], int]) -> list[Future]:
+    """The futures of a run's results (``buffer_of``: a result Value's buffer);
+    a value returned twice is one future."""
+    seen: dict[int, Future] = {}
+    for o in traced.outputs:
+        if id(o) not in seen:
+            node, i = o.origin[1], o.origin[2]
+            seen[id(o)] = node.computation.future(buffer_of(o), node.traced.out_avals[i],
+                                                  node.traced.out_specs[i])
+    return [seen[id(o)] for o in traced.outputs]
+
+
 def tracing() -> bool:
     return getattr(_state, "trace", None) is not None
 
@@ -112,8 +124,8 @@ class Traced:
     # (the connection has too many)
     templates: dict[tuple, int] = dataclasses.field(default_factory=dict)
     dropping: Any = None          # the finalizer that drops them
-    # for RunProgram: the slots' origins, (position, node, output) of each
-    # result, and how many new buffers a run makes (built on first use)
+    # for RunProgram: the slots' origins, and each node output's position among
+    # a run's new buffers (built on first use)
     layout: tuple | None = None
 
 
@@ -204,14 +216,7 @@ class ProgramFunction:
             calls.append(node.computation.call_message(node.traced, inputs, outs))
         returned = {id(o) for o in traced.outputs}
         intermediates = [buffers[id(o)] for n in traced.nodes for o in n.outputs if id(o) not in returned]
-        futures, seen = [], {}
-        for o in traced.outputs:
-            if id(o) not in seen:     # a value returned twice is one future
-                node, i = o.origin[1], o.origin[2]
-                seen[id(o)] = node.computation.future(buffers[id(o)], node.traced.out_avals[i],
-                                                      node.traced.out_specs[i])
-            futures.append(seen[id(o)])
-        return calls, intermediates + put, futures
+        return calls, intermediates + put, _futures(traced, lambda o: buffers[id(o)])
 
     def __call__(self, *args: Any) -> Any:
         import jax
@@ -225,44 +230,41 @@ class ProgramFunction:
                 if template is None:                  # this thread defines it
                     traced.templates[pattern] = -1
             if template is None:
-                return self._define_template(traced, bound, pattern)
-            if template > 0:
+                number = client.new_template()
+                if number:
+                    return self._define_template(traced, bound, pattern, number)
+                traced.templates[pattern] = 0         # the connection keeps too many
+            elif template > 0:
                 return self._run_template(traced, bound, template)
-            # 0: no template (too many); -1: another thread is defining it
+            # else no template: too many, or another thread is defining it
         calls, release, futures = self._lower(traced, bound)
         client.post(m.Program(client.new_call_id(), self.name, self.dispatch, calls, release))
         return jax.tree_util.tree_unflatten(traced.out_tree, futures)
 
-    def _define_template(self, traced: Traced, bound: list, pattern: tuple) -> Any:
+    def _define_template(self, traced: Traced, bound: list, pattern: tuple, number: int) -> Any:
         """The first run of a pattern: a whole Program, kept by the controller as
-        a template (DefineProgram). The template is recorded only once that
-        message is posted, so no run of it can reach the controller first."""
+        template ``number`` (DefineProgram). The template is recorded only once
+        that message is posted, so no run of it can reach the controller first."""
         import jax
 
         client = traced.client
-        number = client.new_template()
         try:
-            if not number:
-                calls, release, futures = self._lower(traced, bound)
-                client.post(m.Program(client.new_call_id(), self.name, self.dispatch, calls, release))
-            else:
-                slots: list[int] = []
-                n = sum(len(node.outputs) for node in traced.nodes)
-                first = client.new_buffer_ids(n)
-                calls, release, futures = self._lower(traced, bound, first=first, slots=slots)
-                client.post(m.DefineProgram(number, slots, first, n, m.Program(
-                    client.new_call_id(), self.name, self.dispatch, calls, release)))
+            slots: list[int] = []
+            n = sum(len(node.outputs) for node in traced.nodes)
+            first = client.new_buffer_ids(n)
+            calls, release, futures = self._lower(traced, bound, first=first, slots=slots)
+            client.post(m.DefineProgram(number, slots, first, n, m.Program(
+                client.new_call_id(), self.name, self.dispatch, calls, release)))
         except BaseException:
             with _define_lock:
                 del traced.templates[pattern]         # the next run tries again
-            if number:
-                client.drop_templates([number])
+            client.drop_templates([number])
             raise
         with _define_lock:
-            if number and not traced.dropping:
+            if not traced.dropping:
                 # the controller forgets the trace's templates once it is collected
                 traced.dropping = weakref.finalize(traced, _drop, client, traced.templates)
-            traced.templates[pattern] = number or 0
+            traced.templates[pattern] = number
         return jax.tree_util.tree_unflatten(traced.out_tree, futures)
 
     def _run_template(self, traced: Traced, bound: list, template: int) -> Any:
@@ -280,9 +282,8 @@ class ProgramFunction:
                         slots.append((id(v), v.origin[0], v.origin[1], node.computation, spec, n))
                 for o in node.outputs:
                     position[id(o)] = len(position)
-            outs = [(position[id(o)], o.origin[1], o.origin[2]) for o in traced.outputs]
-            traced.layout = (slots, outs, len(position))
-        slots, outs, count = traced.layout
+            traced.layout = (slots, position)
+        slots, position = traced.layout
         inputs: list[int] = []
         put: dict[int, tuple[int, int]] = {}       # as in _lower: (buffer, node that put it)
         for key, kind, source, computation, spec, node in slots:
@@ -296,15 +297,10 @@ class ProgramFunction:
             else:
                 put[key] = (computation.put(value, spec), node)
                 inputs.append(put[key][0])
-        first = client.new_buffer_ids(count)
-        seen: dict[int, Future] = {}
-        for k, node, i in outs:       # a value returned twice is one future
-            if k not in seen:
-                seen[k] = node.computation.future(first + k, node.traced.out_avals[i],
-                                                  node.traced.out_specs[i])
-        futures = [seen[k] for k, _, _ in outs]
+        first = client.new_buffer_ids(len(position))
+        futures = _futures(traced, lambda o: first + position[id(o)])
         client.post(m.RunProgram(client.new_call_id(), template, inputs, first,
-                                 [f.buffer for f in seen.values()]))
+                                 list(dict.fromkeys(f.buffer for f in futures))))
         return jax.tree_util.tree_unflatten(traced.out_tree, futures)
 
     def explain(self, *args: Any, file: Any = None) -> str:

@@ -52,6 +52,10 @@ class FusedRun:
         return self.first + code if code >= 0 else self.inputs[-code - 1]
 
 
+def _as_is(buffer: int) -> int:
+    return buffer
+
+
 class _Made:
     """What a fused run made so far: buffer id -> (array, its sharding, the
     prepared program, output slot and ExecOutput that made it); its
@@ -237,7 +241,7 @@ class Executor:
                 e = self._run_one(sub, ex.exec_id, ex.buffer, made)
                 error = error or e
         else:
-            error = self._run_one(ex, ex.exec_id, None)
+            error = self._run_one(ex, ex.exec_id, _as_is)
         end = time.time()
         started: list[tuple[m.Execute, frozenset[int], int]] = []
         with self._lock:
@@ -252,7 +256,7 @@ class Executor:
                 self._ready.put(entry)
         return (started[0] if started else None), (ex.exec_id, error, start, end, time.perf_counter() - t0)
 
-    def _run_one(self, ex: m.Execute, exec_id: int, buffer: Callable[[int], int] | None,
+    def _run_one(self, ex: m.Execute, exec_id: int, buffer: Callable[[int], int] = _as_is,
                  made: "_Made | None" = None) -> m.ErrorInfo | None:
         """Run one computation (``buffer``: maps a fused run's codes to buffer
         ids); on failure its outputs, and the input shards it was to assemble,
@@ -269,12 +273,12 @@ class Executor:
                                 _text(traceback.format_exc()))
             log.warning("computation %d (%s) failed: %s", exec_id, ex.name, error.message)
         for o in ex.outputs:
-            self._poison_output(ex, o, o.buffer if buffer is None else buffer(o.buffer), error)
+            self._poison_output(ex, o, buffer(o.buffer), error)
         # input shards it was to assemble: later calls and sends may wait on them
         # (not its fused run's intermediates: the run keeps them, and they have
         # no readers outside it)
         for inp in ex.inputs:
-            b = inp.buffer if buffer is None else buffer(inp.buffer)
+            b = buffer(inp.buffer)
             if made is not None and b in made.intermediates:
                 continue
             for s in inp.shards:
@@ -293,7 +297,7 @@ class Executor:
             if d in self.devices:
                 self.store.set(shard_key(buffer, d, r), error=error)
 
-    def _execute(self, ex: m.Execute, buffer: Callable[[int], int] | None = None,
+    def _execute(self, ex: m.Execute, buffer: Callable[[int], int] = _as_is,
                  made: "_Made | None" = None) -> None:
         """Run one computation. In a fused run (``made``), an input made earlier
         in the run with the sharding this computation reads it in is passed on
@@ -303,7 +307,7 @@ class Executor:
         args, first_error = [], None
         for k, inp in enumerate(ex.inputs):
             shards = []
-            b = inp.buffer if buffer is None else buffer(inp.buffer)
+            b = buffer(inp.buffer)
             if made is not None:
                 got = made.arrays.get(b)
                 if got is not None:
@@ -336,7 +340,7 @@ class Executor:
         prepared.last_s = time.perf_counter() - t0
         store_set = self.store.set
         for k, (o, out) in enumerate(zip(ex.outputs, outs, strict=True)):
-            b = o.buffer if buffer is None else buffer(o.buffer)
+            b = buffer(o.buffer)
             if made is not None:
                 made.arrays[b] = (out, prepared.out_shardings[k], prepared, k, o)
                 if b in made.intermediates:
