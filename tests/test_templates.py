@@ -254,9 +254,9 @@ def two_chains(rig, first, x, y):
     return calls, [x, y]
 
 
-def fused_two_chains(rig):
+def fused_two_chains(rig, finish=True):
     """Client a runs two_chains fused on hosts 0 and 1; host 0 has finished its
-    part. Returns (a, the run's first new buffer, its RunFused)."""
+    part (unless not ``finish``). Returns (a, the run's first new buffer, its RunFused)."""
     a, _ = rig.client("a")
     first = block(rig, a, 0)
     calls, release = two_chains(rig, first, block(rig, a, 100), block(rig, a, 101))
@@ -267,7 +267,8 @@ def fused_two_chains(rig):
     n0 = len(rig.log)
     rig.handle(a, m.RunProgram(2, 1, [block(rig, a, 102), block(rig, a, 103)], first, [first, first + 1]))
     (_, rf), _ = sent(rig, n0, m.RunFused)
-    rig.handle(rig.c.worker_ident[0], m.ExecDone(rf.exec_id, None, 1000.0, 1000.001))
+    if finish:
+        rig.handle(rig.c.worker_ident[0], m.ExecDone(rf.exec_id, None, 1000.0, 1000.001))
     return a, first, rf
 
 
@@ -280,6 +281,21 @@ def test_a_lost_host_fails_only_the_fused_results_it_held(make_rig):
     assert rig.c.directory.buffers[first].error is None
     assert rig.c.directory.buffers[first + 1].error.kind == "HostLost"
     assert first + 1 in rig.failed(a) and first not in rig.failed(a)
+
+
+def test_a_fused_run_holds_its_devices_until_the_hosts_left_have_finished(make_rig):
+    """When one host of a fused run is lost, the others still run their parts:
+    the run stays in flight, and the tenant scheduler keeps counting its
+    devices, until they have reported."""
+    rig = make_rig(hosts=((0, 1), (0, 1)))
+    a, first, rf = fused_two_chains(rig, finish=False)
+    rig.c._host_lost(1, "test")
+    assert rf.exec_id in rig.c.in_flight and rig.c.in_flight[rf.exec_id].hosts == {0}
+    assert rf.exec_id in rig.c.tenants._running
+    assert rig.c.directory.buffers[first + 1].error.kind == "HostLost"
+    rig.handle(rig.c.worker_ident[0], m.ExecDone(rf.exec_id, None, 1000.0, 1000.001))
+    assert not rig.c.in_flight and rf.exec_id not in rig.c.tenants._running
+    assert rig.c.directory.buffers[first].error is None and first not in rig.failed(a)
 
 
 def test_a_worker_without_the_fused_program_fails_its_results(make_rig):

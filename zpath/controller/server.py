@@ -1196,14 +1196,19 @@ class Controller:
         failed: dict[bytes, list[int]] = {}
         broken_pieces: dict[int, list[int]] = {}
         for exec_id, inf in list(self.in_flight.items()):
-            if rank in inf.hosts:          # it was still running there: it fails
-                # (outputs the client released stay forgotten); a fused run's
-                # hosts make their results on their own: those of the lost host
-                # fail below, with everything that lives only there
-                if not inf.fused:
-                    self.directory.poison([b for b in inf.outputs if b in self.directory.buffers],
-                                          inf.client, err)
-                    failed.setdefault(inf.client_ident, []).extend(inf.outputs)
+            if inf.fused and rank in inf.hosts:
+                # a fused run's hosts make their results on their own: those of
+                # the lost host fail below, with everything that lives only
+                # there; the run finishes when the others have reported
+                inf.hosts.discard(rank)
+                if not inf.hosts:
+                    del self.in_flight[exec_id]
+                    self._exec_finished(exec_id)
+            elif rank in inf.hosts:        # it was still running there: it fails
+                # (outputs the client released stay forgotten)
+                self.directory.poison([b for b in inf.outputs if b in self.directory.buffers],
+                                      inf.client, err)
+                failed.setdefault(inf.client_ident, []).extend(inf.outputs)
                 del self.in_flight[exec_id]
                 self._exec_finished(exec_id)
             for piece_id, src, dst in inf.pieces:
