@@ -89,6 +89,33 @@ def test_killed_worker_fails_its_futures_and_the_rest_keeps_working(fragile):
         zp.shutdown()
 
 
+def test_a_value_with_a_copy_elsewhere_is_fetched_from_it_after_its_host_is_lost(fragile):
+    """A value read on another island has a copy there: once its own host is
+    lost, fetching it reads that copy, whether the fetch was already waiting on
+    the lost host (a stopped worker: declared lost after 3 s of silence) or
+    starts afterwards. A value with no copy left fails with HostLost."""
+    conn = zp.connect(fragile.address, fragile.key)
+    victim = next(p for name, p in fragile.procs if name == "worker-i1-h0")
+    try:
+        d0 = zp.make_virtual_device_set().add_slice(devices=1, island=0).devices
+        d1 = zp.make_virtual_device_set().add_slice(devices=1, island=1).devices
+        inc = zp.pmap(lambda x: x + 1, devices=d1)
+        double = zp.pmap(lambda v: v * 2, devices=d0)
+        waiting, later = inc(np.full(1, 1.)), inc(np.full(1, 2.))
+        only_there = inc(np.full(1, 3.))
+        for x in (waiting, later):
+            double(x).result(timeout=60)           # x now has a copy on island 0 too
+        victim.send_signal(signal.SIGSTOP)         # it answers nothing from now on
+        np.testing.assert_array_equal(waiting.result(timeout=60), [2.])
+        assert [h.rank for h in conn.client.request(m.StatusRequest(False)).lost] == [d1[0].host]
+        np.testing.assert_array_equal(later.result(timeout=60), [3.])
+        with pytest.raises(zp.HostLost, match=f"host {d1[0].host} .* was lost"):
+            only_there.result(timeout=60)
+    finally:
+        victim.send_signal(signal.SIGKILL)
+        zp.shutdown()
+
+
 def test_killed_client_has_its_buffers_freed(fragile):
     conn = zp.connect(fragile.address, fragile.key)
     try:

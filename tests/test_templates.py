@@ -380,3 +380,27 @@ def test_a_run_sent_after_its_template_was_dropped_leaves_nothing_behind(make_ri
     kinds = [type(x).__name__ for _, x in rig.log[n1:] if isinstance(x, (m.DefineFused, m.RunFused, m.DropFused))]
     assert kinds == ["DefineFused", "RunFused", "DropFused"]
     assert not any(rig.c.host_fused.values()) and not rig.c.templates
+
+
+def test_locate_names_a_live_copy_of_the_client_s_own_buffer(make_rig):
+    """(Not templates: Locate, answered from the directory this rig drives.)
+    A client learns where a copy of its buffer lives; another client's buffer
+    and a buffer whose only copy was on a lost host give an error instead."""
+    rig = make_rig(hosts=((0, 1), (0, 1)))
+    a, _ = rig.client("a")
+    b, _ = rig.client("b")
+    _, out = define(rig, a, 1, [1], 0)      # one node on device 1 (host 1)
+    rig.drain()
+
+    def locate(ident, buffer):
+        n0 = len(rig.log)
+        rig.handle(ident, m.Locate(buffer))
+        (_, loc), = sent(rig, n0, m.Location)
+        return loc
+    loc = locate(a, out)
+    assert loc.error is None and loc.devices == [1] and loc.regions == [[[0, 1], [0, 4]]]
+    assert locate(b, out).error.kind == "HostLost"          # not b's buffer
+    assert locate(a, out + 99).error.kind == "HostLost"     # unknown
+    rig.c._host_lost(1, "test")
+    loc = locate(a, out)
+    assert loc.error.kind == "HostLost" and "host 1" in loc.error.message and not loc.devices

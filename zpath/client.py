@@ -53,11 +53,13 @@ def error_from_info(info: m.ErrorInfo) -> ZpathError:
 class _Fetch:
     """One fetch of a whole future: one request per distinct region."""
 
-    def __init__(self, future: Any, regions: dict[int, sharding.Region], hosts: dict[int, int]) -> None:
+    def __init__(self, future: Any, regions: dict[int, sharding.Region], hosts: dict[int, int],
+                 timeout: float) -> None:
         self.future = future
         self.regions = regions                     # request id -> region
         self.hosts = hosts                         # request id -> host asked
         self.parts: dict[int, np.ndarray] = {}
+        self.timeout = timeout                     # how long a worker waits for a shard
 
 
 class Client:
@@ -93,6 +95,7 @@ class Client:
         self.outbox = Outbox()
         self._pending: dict[int, concurrent.futures.Future] = {}
         self._fetches: dict[int, _Fetch] = {}
+        self._locates: dict[int, _Fetch] = {}         # Locate msg_id -> fetch that waits for it
         self._futures: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
         self._data: dict[int, zmq.Socket] = {}
         self._lost: dict[int, str] = {}               # rank -> why (HostDown)
@@ -221,11 +224,13 @@ class Client:
         """Ask the workers for every distinct shard of ``future``; the I/O thread
         sets the future's value when all have arrived."""
         self._check_open()
-        lost = {self.devices[d].host for d in future._devices} & set(self._lost)
-        if lost:     # fail now rather than wait out the deadline for a host that is gone
-            rank = min(lost)
-            raise HostLost(f"{self._lost[rank]} (this value's shards were there; a computation "
-                           "that reads it uses a copy elsewhere, if there is one)")
+        if {self.devices[d].host for d in future._devices} & set(self._lost):
+            # a host with its shards is gone: read a copy elsewhere, if there is one
+            fetch = _Fetch(future, {}, {}, timeout)
+            req = self.ep.next_id()
+            self._locates[req] = fetch
+            self.outbox.put("ctl", None, m.Locate(future.buffer), (), req)
+            return fetch
         seen: dict[sharding.Region, int] = {}
         for d, r in zip(future._devices, future._regions(), strict=True):
             seen.setdefault(r, d)
@@ -234,7 +239,7 @@ class Client:
             req = self.ep.next_id()
             requests[req] = (r, d)
         fetch = _Fetch(future, {req: r for req, (r, _) in requests.items()},
-                       {req: self.devices[d].host for req, (_, d) in requests.items()})
+                       {req: self.devices[d].host for req, (_, d) in requests.items()}, timeout)
         for req in requests:
             self._fetches[req] = fetch
         for req, (r, d) in requests.items():
@@ -253,7 +258,7 @@ class Client:
         for fut in list(self._pending.values()):
             if not fut.done():
                 fut.set_exception(err)
-        for fetch in set(self._fetches.values()):
+        for fetch in set(self._fetches.values()) | set(self._locates.values()):
             fetch.future._fetched(fetch, None, err)
 
     # ---- I/O thread ----------------------------------------------------------
@@ -378,9 +383,10 @@ class Client:
         for fut in list(self._pending.values()):
             if not fut.done():
                 fut.set_exception(Broken(why))
-        for fetch in set(self._fetches.values()):
+        for fetch in set(self._fetches.values()) | set(self._locates.values()):
             self._forget(fetch)
             fetch.future._fetched(fetch, None, err)
+        self._locates.clear()
 
     def _recv(self, sock: zmq.Socket) -> None:
         if sock is self.ctl:
@@ -422,15 +428,22 @@ class Client:
                     self._forget(fetch)
                     fetch.future._fetched(fetch, None, Broken(f"bad reply from a worker: {e}"))
             case m.HostDown():
-                err = HostLost(msg.error.message)
                 self._lost[msg.rank] = msg.error.message
+                # fetches that asked it: ask the controller where a copy is left
                 for fetch in {f for f in self._fetches.values() if msg.rank in f.hosts.values()}:
                     self._forget(fetch)
-                    fetch.future._fetched(fetch, None, err)
+                    req = self.ep.next_id()
+                    self._locates[req] = fetch
+                    self._send_ctl([(m.Locate(fetch.future.buffer), 0, req)])
                 sock = self._data.pop(msg.rank, None)
                 if sock is not None:          # and what is queued for it (a big Put) goes
                     self._poller.unregister(sock)
                     sock.close(linger=0)
+            case m.Location() if parent in self._locates:
+                self._refetch(self._locates.pop(parent), msg)
+            case m.Error() if parent in self._locates:
+                fetch = self._locates.pop(parent)
+                fetch.future._fetched(fetch, None, Broken(f"controller refused Locate: {msg.message}"))
             case m.CallFailed():
                 err = error_from_info(msg.error)
                 for b in msg.buffers:
@@ -454,6 +467,34 @@ class Client:
                 self._break(f"the zpath controller at {self.address} shut down ({msg.reason})")
             case _:
                 log.debug("ignored %s", type(msg).__name__)
+
+    def _refetch(self, fetch: _Fetch, loc: m.Location) -> None:
+        """Fetch again, from the copy the controller located (its regions may
+        tile the array differently)."""
+        hosts = [self.devices[d].host if d in self.devices else None for d in loc.devices]
+        if loc.error is not None:
+            fetch.future._fetched(fetch, None, error_from_info(loc.error))
+            return
+        if not loc.regions or None in hosts or set(hosts) & set(self._lost):
+            fetch.future._fetched(fetch, None, HostLost(
+                f"buffer {loc.buffer}: a host that held its shards was lost, and no copy is left "
+                "on a host this client can reach"))
+            return
+        fetch.regions, fetch.hosts, fetch.parts = {}, {}, {}
+        sent = []
+        for wire, d, host in zip(loc.regions, loc.devices, hosts, strict=True):
+            req = self.ep.next_id()
+            fetch.regions[req], fetch.hosts[req] = sharding.from_wire(wire), host
+            self._fetches[req] = fetch
+            sent.append((req, wire, d, host))
+        for req, wire, d, host in sent:
+            try:
+                sock = self._data_sock(host)
+            except HostLost as e:
+                self._forget(fetch)
+                fetch.future._fetched(fetch, None, e)
+                return
+            self._send(sock, m.Fetch(req, fetch.future.buffer, d, wire, fetch.timeout), (), req)
 
     def _forget(self, fetch: _Fetch) -> None:
         for req in fetch.regions:

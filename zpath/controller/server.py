@@ -444,6 +444,8 @@ class Controller:
                 self._drop_templates(peer, msg.templates)
             case m.ExplainRequest() if peer.role == "client":
                 self._explain(ident, parent, peer, msg)
+            case m.Locate() if peer.role == "client":
+                self.send(ident, self._locate(peer.id, msg.buffer), parent)
             case m.ExecDone() if peer.role == "worker":
                 self._exec_done(peer.id, msg)
             case m.TimelineRequest():
@@ -459,6 +461,23 @@ class Controller:
             case _:
                 self.reply_error(ident, parent, "bad_request",
                                  f"{type(msg).__name__} is not accepted from a {peer.role}")
+
+    def _locate(self, client: int, buffer: int) -> m.Location:
+        """A surviving copy of a client's buffer: the first layout whose every
+        region is on a live host (the directory forgets copies on lost hosts)."""
+        buf = self.directory.buffers.get(buffer)
+        if buf is None or buf.owner != client:
+            return m.Location(buffer, [], [], m.ErrorInfo(
+                "HostLost", f"buffer {buffer} is not known (its last copy may have been lost)", None, "", ""))
+        if buf.error is not None:
+            return m.Location(buffer, [], [], buf.error)
+        for lay in buf.layouts:
+            devices = [next((d for d in devs if self.rm.hosts[self.rm.devices[d].host].alive), None)
+                       for devs in lay.values()]
+            if lay and None not in devices:
+                return m.Location(buffer, [sharding.to_wire(r) for r in lay], devices, None)
+        return m.Location(buffer, [], [], m.ErrorInfo(
+            "HostLost", f"no copy of buffer {buffer} is left on a live host", None, "", ""))
 
     def _queued(self, client: int | None = None) -> int:
         held = {id(h) for waiting in self.waiters.values() for h in waiting

@@ -234,6 +234,24 @@ class Status(Record):
 
 # ---- programs and calls -----------------------------------------------------
 
+@message(24)
+class Locate(Record):
+    """Client -> controller: where is a copy of this (own) buffer now? Sent
+    when a host that held its shards was lost."""
+    buffer: int
+
+
+@message(25)
+class Location(Record):
+    """Controller -> client, answering ``Locate``: one surviving copy of the
+    buffer as regions that tile it, each with a device (on a live host) that
+    holds it; or, with no copy left (or an unknown buffer), ``error``."""
+    buffer: int
+    regions: list[Region]
+    devices: list[int]
+    error: ErrorInfo | None
+
+
 @message(30)
 class RegisterProgram(Record):
     """Client -> controller and controller -> worker. One buffer: the
