@@ -10,7 +10,7 @@ import pytest
 
 from zpath.controller import templates
 from zpath.net import messages as m
-from tests.test_controller_tenancy import make_rig  # noqa: F401  (fixture)
+from tests.test_controller_tenancy import _fill_window, make_rig  # noqa: F401  (fixture)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -391,16 +391,67 @@ def test_locate_names_a_live_copy_of_the_client_s_own_buffer(make_rig):
     b, _ = rig.client("b")
     _, out = define(rig, a, 1, [1], 0)      # one node on device 1 (host 1)
     rig.drain()
-
-    def locate(ident, buffer):
-        n0 = len(rig.log)
-        rig.handle(ident, m.Locate(buffer))
-        (_, loc), = sent(rig, n0, m.Location)
-        return loc
-    loc = locate(a, out)
+    loc = locate(rig, a, out)
     assert loc.error is None and loc.devices == [1] and loc.regions == [[[0, 1], [0, 4]]]
-    assert locate(b, out).error.kind == "HostLost"          # not b's buffer
-    assert locate(a, out + 99).error.kind == "HostLost"     # unknown
+    assert locate(rig, b, out).error.kind == "HostLost"          # not b's buffer
+    assert locate(rig, a, out + 99).error.kind == "HostLost"     # unknown
     rig.c._host_lost(1, "test")
-    loc = locate(a, out)
+    loc = locate(rig, a, out)
     assert loc.error.kind == "HostLost" and "host 1" in loc.error.message and not loc.devices
+
+
+def locate(rig, ident, buffer):
+    n0 = len(rig.log)
+    rig.handle(ident, m.Locate(buffer))
+    (_, loc), = sent(rig, n0, m.Location)
+    return loc
+
+
+@pytest.mark.parametrize("outcome", ["finished", "failed", "queued"])
+def test_locate_names_a_copy_only_once_the_computation_that_makes_it_has_finished(make_rig, outcome):
+    """A copy is recorded when the computation reading the value is planned, but
+    holds data only once that computation has run: Locate names it only after
+    the computation finished without error."""
+    rig = make_rig(hosts=((0, 1), (1, 1)))
+    a, _ = rig.client("a")
+    call, x = rig.call(a, 1)                 # x lives on host 1
+    rig.handle(a, call)
+    rig.drain()
+    if outcome == "queued":
+        _fill_window(rig, 0)                 # device 0 busy: the reader waits its turn
+    n0 = len(rig.log)
+    rig.handle(a, rig.call(a, 0, x)[0])      # reads x on device 0: a copy there is planned
+    assert len(rig.c.directory.buffers[x].layouts) == 2
+    if outcome != "queued":
+        (_, ex), = sent(rig, n0, m.Execute)
+        err = None if outcome == "finished" else m.ErrorInfo("RemoteError", "boom", 0, "f", "")
+        rig.handle(rig.c.worker_ident[0], m.ExecDone(ex.exec_id, err, 1000.0, 1000.001))
+    rig.c._host_lost(1, "test")
+    loc = locate(rig, a, x)
+    if outcome == "finished":
+        assert loc.error is None and loc.devices == [0]
+    else:
+        assert loc.error.kind == "HostLost" and not loc.devices
+
+
+def test_a_copy_planned_for_an_abandoned_node_is_never_located(make_rig):
+    """A queued node that reads x (host 1) and z (host 2) is abandoned when host
+    2 is lost; the copy of x it planned on device 0 never holds data, so once
+    host 1 is lost too, x has no copy left."""
+    rig = make_rig(hosts=((0, 1), (1, 1), (2, 1)))
+    a, _ = rig.client("a")
+    cx, x = rig.call(a, 1)
+    cz, z = rig.call(a, 2)
+    rig.handle(a, cx)
+    rig.handle(a, cz)
+    rig.drain()
+    _fill_window(rig, 0)
+    out = rig.new_id(a)
+    rig.handle(a, m.Call(next(rig.ids), rig.programs["f"][0], [1], ["i"], [0],
+                         [m.CallInput(x, AV, SPEC, False), m.CallInput(z, AV, SPEC, False)],
+                         [m.CallOutput(out, AV, SPEC)]))
+    rig.c._host_lost(2, "test")
+    rig.drain()
+    assert out in rig.failed(a) and x not in rig.failed(a)
+    rig.c._host_lost(1, "test")
+    assert locate(rig, a, x).error.kind == "HostLost"

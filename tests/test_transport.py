@@ -383,9 +383,16 @@ def test_client_fails_the_futures_of_every_call_it_could_not_send():
     def call(out):
         return m.Call(1, "p", [1], ["i"], [0], [], [m.CallOutput(out, av, [None])])
 
+    # a fetch waiting for the controller to locate a copy (sent as message 9)
+    fetched = []
+    fetch = types.SimpleNamespace(regions={}, future=types.SimpleNamespace(
+        _fetched=lambda f, value, err: fetched.append(err)))
+    c._locates = {9: fetch}
     c._failed(m.Program(1, "p", "parallel", [call(1), call(2)], []), 0, RuntimeError("down"))
     c._failed(call(3), 0, RuntimeError("down"))
     assert all(isinstance(f.error, Broken) for f in futs.values())
+    c._failed(m.Locate(4), 9, RuntimeError("down"))
+    assert not c._locates and len(fetched) == 1 and isinstance(fetched[0], Broken)
 
 
 def test_send_batch_uses_bodies_packed_beforehand(pair):

@@ -362,7 +362,7 @@ class Client:
         pending = self._pending.get(msg_id)
         if pending is not None and not pending.done():
             pending.set_exception(err)
-        fetch = self._fetches.get(msg_id)
+        fetch = self._fetches.get(msg_id) or self._locates.pop(msg_id, None)
         if fetch is not None:
             self._forget(fetch)
             fetch.future._fetched(fetch, None, err)
@@ -430,7 +430,7 @@ class Client:
             case m.HostDown():
                 self._lost[msg.rank] = msg.error.message
                 # fetches that asked it: ask the controller where a copy is left
-                for fetch in {f for f in self._fetches.values() if msg.rank in f.hosts.values()}:
+                for fetch in {f for f in list(self._fetches.values()) if msg.rank in f.hosts.values()}:
                     self._forget(fetch)
                     req = self.ep.next_id()
                     self._locates[req] = fetch

@@ -42,6 +42,14 @@ class Buffer:
     owner: int
     layouts: list[dict[Region, list[int]]] = dataclasses.field(default_factory=list)
     error: m.ErrorInfo | None = None
+    # layouts of copies planned for a computation that has not finished well
+    # yet (the copy may never be made: see Directory.confirm)
+    unmade: list[dict[Region, list[int]]] = dataclasses.field(default_factory=list)
+
+    def made_layouts(self) -> list[dict[Region, list[int]]]:
+        """Its layouts that hold data (or will, once what makes them finishes):
+        all but copies not confirmed yet."""
+        return [lay for lay in self.layouts if not any(lay is u for u in self.unmade)]
 
 
 @dataclasses.dataclass
@@ -50,6 +58,9 @@ class Plan:
     sends: list[tuple[int, m.SendPiece]]
     programs: list[str] | None = None    # programs its hosts need (None: the call's)
     setup: dict[int, m.DefineFused] | None = None   # per host, sent before its first run
+    # copies of inputs it makes: (buffer, the layout recorded for it), to confirm
+    # once it has finished without error
+    copies: list[tuple[int, dict]] = dataclasses.field(default_factory=list)
 
 
 class Directory:
@@ -122,18 +133,28 @@ class Directory:
             if buf.error is not None or not buf.layouts:
                 continue
             before = _footprint(buf)
-            kept = []
+            kept, unmade = [], []
             for lay in buf.layouts:
                 left = {r: [d for d in devs if d not in devices] for r, devs in lay.items()}
                 if all(left.values()):
                     kept.append(left)
-            buf.layouts = kept
+                    if any(lay is u for u in buf.unmade):   # (stays unconfirmed for good)
+                        unmade.append(left)
+            buf.layouts, buf.unmade = kept, unmade
             self.device_bytes.subtract(before)
             self.device_bytes.update(_footprint(buf))
             if not kept:
                 buf.error = error
                 failed.setdefault(buf.owner, []).append(buf.id)
         return failed
+
+    def confirm(self, copies: list[tuple[int, dict]]) -> None:
+        """The computation that made these copies finished without error: they
+        hold data now."""
+        for b, lay in copies:
+            buf = self.buffers.get(b)
+            if buf is not None:
+                buf.unmade = [u for u in buf.unmade if u is not lay]
 
     def needs(self, call: m.Call) -> dict[int, int]:
         """Bytes the call would add per device (outputs, client values, input
@@ -341,6 +362,7 @@ class Directory:
         sends = [(src, m.SendPiece(pid, ids[k], dev, reg, sub, dst, address, channel, machine, key))
                  for pid, (src, k, dev, reg, sub, dst, address, channel, machine, key)
                  in zip(pids, t.sends)]
+        copies: list[tuple[int, dict]] = []
         for op in t.ops:
             if op[0] == _NEW:
                 _, k, shape, dtype, layout, footprint = op
@@ -349,7 +371,10 @@ class Directory:
                 self.device_bytes.update(footprint)
             else:
                 _, k, layout, delta = op
-                self.buffers[ids[k]].layouts.append({r: list(devs) for r, devs in layout.items()})
+                buf, lay = self.buffers[ids[k]], {r: list(devs) for r, devs in layout.items()}
+                buf.layouts.append(lay)
+                buf.unmade.append(lay)
+                copies.append((ids[k], lay))
                 self.device_bytes.update(delta)
         exec_id = next(self._exec_ids)
         outputs = [m.ExecOutput(o.buffer, o.aval, o.spec) for o in call.outputs]
@@ -364,7 +389,7 @@ class Directory:
                     for s in tshards]))
             executes[h] = m.Execute(exec_id, 0, call.program, name, call.mesh_shape, call.axis_names,
                                     call.devices, t.jax_ids, inputs, outputs)
-        return Plan(executes, sends)
+        return Plan(executes, sends, copies=copies)
 
     def _pieces(self, layouts: list[dict[Region, list[int]]], buffer: int, slot: int,
                 want: Region, host: int, sends: list[tuple]) -> list[tuple]:

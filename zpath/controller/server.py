@@ -72,6 +72,8 @@ class InFlight:
     pieces: list[tuple[int, int, int]]     # (piece id, source host, destination host)
     puts: list[int] = dataclasses.field(default_factory=list)   # inputs its client puts
     fused: bool = False                    # a fused run (its outputs live on several hosts)
+    copies: list[tuple[int, dict]] = dataclasses.field(default_factory=list)   # see Plan.copies
+    failed: bool = False                   # a host reported an error
 
 
 @dataclasses.dataclass
@@ -471,7 +473,7 @@ class Controller:
                 "HostLost", f"buffer {buffer} is not known (its last copy may have been lost)", None, "", ""))
         if buf.error is not None:
             return m.Location(buffer, [], [], buf.error)
-        for lay in buf.layouts:
+        for lay in buf.made_layouts():
             devices = [next((d for d in devs if self.rm.hosts[self.rm.devices[d].host].alive), None)
                        for devs in lay.values()]
             if lay and None not in devices:
@@ -607,7 +609,7 @@ class Controller:
             set(plan.executes), collections.Counter(self.rm.devices[d].host for d in call.devices),
             [o.buffer for o in call.outputs],
             [(piece.piece_id, src, piece.dst_host) for src, piece in plan.sends],
-            [i.buffer for i in call.inputs if i.put], plan.setup is not None)
+            [i.buffer for i in call.inputs if i.put], plan.setup is not None, plan.copies)
         for rank, ex in ordered:
             self.to_host(rank, ex)
         for rank, drop in drop_after:
@@ -1295,7 +1297,10 @@ class Controller:
                                           msg.error is None))
         self.tenants.host_done(msg.exec_id, msg.end - msg.start, info.host_devices[host])
         info.hosts.discard(host)
+        info.failed = info.failed or msg.error is not None
         if not info.hosts:
+            if not info.failed:
+                self.directory.confirm(info.copies)
             del self.in_flight[msg.exec_id]
             self._exec_finished(msg.exec_id, info.devices)
 
