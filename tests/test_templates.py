@@ -1,7 +1,8 @@
 """Program templates and fused runs, in process: the template rules
 (zpath/controller/templates.py) and a Controller driven by hand (the rig of
 test_controller_tenancy): which runs are fused, what they send, and how they
-fail, leave and clean up."""
+fail, leave and clean up. Also, with the same rig, where a copy of a value is
+located after a host loss (Locate): only copies that were made count."""
 from __future__ import annotations
 
 import dataclasses
@@ -455,3 +456,72 @@ def test_a_copy_planned_for_an_abandoned_node_is_never_located(make_rig):
     assert out in rig.failed(a) and x not in rig.failed(a)
     rig.c._host_lost(1, "test")
     assert locate(rig, a, x).error.kind == "HostLost"
+
+
+@pytest.mark.parametrize("held", [False, True])
+def test_a_copy_is_confirmed_after_an_unrelated_host_was_lost(make_rig, held):
+    """Losing a host rebuilds the layouts of every buffer; copies planned before
+    (in flight or still waiting their turn) are still confirmed once their
+    computation finishes."""
+    rig = make_rig(hosts=((0, 1), (1, 1), (2, 1)))
+    a, _ = rig.client("a")
+    call, x = rig.call(a, 1)
+    rig.handle(a, call)
+    rig.drain()
+    if held:
+        _fill_window(rig, 0)
+    n0 = len(rig.log)
+    rig.handle(a, rig.call(a, 0, x)[0])       # a copy of x on device 0
+    rig.c._host_lost(2, "unrelated")
+    if held:
+        rig.drain()
+    else:
+        (_, ex), = sent(rig, n0, m.Execute)
+        rig.handle(rig.c.worker_ident[0], m.ExecDone(ex.exec_id, None, 1000.0, 1000.001))
+    rig.c._host_lost(1, "test")
+    loc = locate(rig, a, x)
+    assert loc.error is None and loc.devices == [0]
+
+
+def test_an_abandoned_node_s_copies_are_forgotten(make_rig):
+    """The copy of x that an abandoned node planned on device 0 is forgotten: a
+    later reader there moves x again, and once x's own host is lost, x fails
+    (its client is told) instead of living on in a copy that was never made."""
+    rig = make_rig(hosts=((0, 1), (1, 1), (2, 1)))
+    a, _ = rig.client("a")
+    cx, x = rig.call(a, 1)
+    cz, z = rig.call(a, 2)
+    rig.handle(a, cx)
+    rig.handle(a, cz)
+    rig.drain()
+    _fill_window(rig, 0)
+    out = rig.new_id(a)
+    rig.handle(a, m.Call(next(rig.ids), rig.programs["f"][0], [1], ["i"], [0],
+                         [m.CallInput(x, AV, SPEC, False), m.CallInput(z, AV, SPEC, False)],
+                         [m.CallOutput(out, AV, SPEC)]))
+    rig.c._host_lost(2, "test")
+    rig.drain()
+    assert out in rig.failed(a) and len(rig.c.directory.buffers[x].layouts) == 1
+    n0 = len(rig.log)
+    rig.handle(a, rig.call(a, 0, x)[0])       # reads x on device 0 again: a piece moves it
+    assert [p for _, p in sent(rig, n0, m.SendPiece) if p.buffer == x]
+    rig.drain()
+    rig.c._host_lost(1, "test")
+    assert locate(rig, a, x).devices == [0]  # the copy that reader made
+
+
+def test_an_input_left_only_in_an_abandoned_node_s_copy_fails(make_rig):
+    """x's host is lost while a node that was to copy x to device 0 waits its
+    turn: the node is abandoned, x has no copy left, and its client is told."""
+    rig = make_rig(hosts=((0, 1), (1, 1)))
+    a, _ = rig.client("a")
+    call, x = rig.call(a, 1)
+    rig.handle(a, call)
+    rig.drain()
+    _fill_window(rig, 0)
+    c2, y = rig.call(a, 0, x)
+    rig.handle(a, c2)
+    rig.c._host_lost(1, "test")
+    rig.drain()
+    assert {x, y} <= rig.failed(a)
+    assert not rig.c.directory.buffers[x].layouts and rig.c.directory.buffers[x].error.kind == "HostLost"

@@ -133,19 +133,37 @@ class Directory:
             if buf.error is not None or not buf.layouts:
                 continue
             before = _footprint(buf)
-            kept, unmade = [], []
+            kept = []
             for lay in buf.layouts:
                 left = {r: [d for d in devs if d not in devices] for r, devs in lay.items()}
                 if all(left.values()):
-                    kept.append(left)
-                    if any(lay is u for u in buf.unmade):   # (stays unconfirmed for good)
-                        unmade.append(left)
-            buf.layouts, buf.unmade = kept, unmade
+                    lay.update(left)      # in place: a plan's copies keep their identity
+                    kept.append(lay)
+            buf.layouts = kept
+            buf.unmade = [u for u in buf.unmade if any(u is k for k in kept)]
             self.device_bytes.subtract(before)
             self.device_bytes.update(_footprint(buf))
             if not kept:
                 buf.error = error
                 failed.setdefault(buf.owner, []).append(buf.id)
+        return failed
+
+    def drop_copies(self, copies: list[tuple[int, dict]], error: m.ErrorInfo) -> list[int]:
+        """Copies planned for a computation that will never run: forget them.
+        Returns the buffers left with no copy at all (they fail with ``error``)."""
+        failed = []
+        for b, lay in copies:
+            buf = self.buffers.get(b)
+            if buf is None or not any(u is lay for u in buf.layouts):
+                continue
+            before = _footprint(buf)
+            buf.layouts = [u for u in buf.layouts if u is not lay]
+            buf.unmade = [u for u in buf.unmade if u is not lay]
+            self.device_bytes.subtract(before)
+            self.device_bytes.update(_footprint(buf))
+            if not buf.layouts and buf.error is None:
+                buf.error = error
+                failed.append(b)
         return failed
 
     def confirm(self, copies: list[tuple[int, dict]]) -> None:

@@ -1029,15 +1029,19 @@ class Controller:
         """A node that will never be sent: its client left, or it cannot run
         (``err``: its outputs fail with it, so their consumers fail too)."""
         run = held.run
+        # its plan recorded copies of its inputs it will never make: forget them
+        # (an input left with no copy fails)
+        lost = self.directory.drop_copies(held.planned[0].copies, err or m.ErrorInfo(
+            "Abandoned", "its last copy was planned for a computation that was abandoned", None, "", ""))
         if err is not None:
             outs = [o.buffer for o in held.call.outputs]
             self.directory.poison(outs, run.peer.id, err)
-            # its plan recorded copies it will never make: inputs it would have
-            # read from a lost host fail too (rather than be read from nowhere)
+            # inputs it would have read from a lost host fail too (rather than
+            # be read from nowhere)
             gone = [p.buffer for src, p in held.planned[0].sends if not self.rm.hosts[src].alive]
             self.directory.poison(gone, run.peer.id, err)
             if not run.peer.gone:
-                self.send(run.peer.ident, m.CallFailed(held.call.call_id, outs, err))
+                self.send(run.peer.ident, m.CallFailed(held.call.call_id, outs + lost, err))
         run.sent += 1
         if holding:
             self._unhold(held)
