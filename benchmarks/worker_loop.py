@@ -1,0 +1,226 @@
+"""The worker's own cost per computation, without the control plane: zpath's
+worker executor driven directly in two processes, next to plain JAX in the
+same two processes.
+
+Two processes joined by jax.distributed (gloo), one CPU device each, run
+``psum(x) + 1.`` on a float64 scalar per device ``--nodes`` times, each call
+reading the previous one's output, in four ways (alternated, ``--repeats``
+times each after a warm-up):
+
+* ``jax-end``: ``x = f(x)`` in a Python loop, blocking at the end (what each
+  JAX multi-controller process does in benchmarks/chained.py);
+* ``jax-each``: the same, blocking after every call (what the worker does);
+* ``fused``: one ``FusedRun`` of all the nodes submitted to the worker's
+  ``Executor`` (the path a fused ``@zp.program`` run takes on each host);
+* ``plain``: one ``Execute`` per node submitted to the ``Executor`` (the path
+  of plain calls on a host, minus the I/O thread and the controller).
+
+For each it prints the median wall time per computation, the CPU time per
+computation of process 0, and the ratio to ``jax-end``. On this machine's
+CPUs a jitted call runs to completion before it returns, so ``jax-end`` and
+``jax-each`` cost the same; the difference between ``fused`` and ``jax-each``
+is the worker's own work per node. This is a benchmark that prints figures,
+not a test.
+
+    python benchmarks/worker_loop.py [--nodes 512] [--repeats 10] [--json out.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any
+
+VARIANTS = ("jax-end", "jax-each", "fused", "plain")
+
+
+def child(idx: int, port: int, nodes: int, repeats: int) -> None:
+    import hashlib
+    import threading
+
+    import jax
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.config.update("jax_enable_x64", True)
+    jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=idx,
+                               initialization_timeout=60)
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    from zpath.net import messages as m
+    from zpath.worker.executor import Executor, FusedRun
+    from zpath.worker.store import Store, shard_key
+
+    devs, local = jax.devices(), jax.local_devices()
+    if len(devs) != 2 or len(local) != 1:
+        raise SystemExit(f"expected 2 devices, 1 per process; got {devs}, local {local}")
+    mesh = Mesh(np.array(devs), ("i",))
+    sh = NamedSharding(mesh, P("i"))
+    f = jax.jit(jax.shard_map(lambda x: jax.lax.psum(x, "i") + 1., mesh=mesh,
+                              in_specs=P("i"), out_specs=P("i")))
+    blob = bytes(jax.export.export(f)(jax.ShapeDtypeStruct((2,), np.float64, sharding=sh)).serialize())
+    digest = hashlib.sha256(blob).hexdigest()
+    store = Store()
+    # reports counted down to one event (as the worker holds reports of short
+    # computations rather than waking its I/O thread for each)
+    done, left = threading.Event(), [0]
+    errors: list[Any] = []
+
+    def on_done(exec_id: int, error: Any, start: float, end: float, hold: bool) -> None:
+        if error is not None:
+            errors.append(error)
+        left[0] -= 1
+        if left[0] == 0:
+            done.set()
+
+    ex = Executor(store, {idx: local[0]}, on_done, jax_devices={d.id: d for d in devs})
+    ex.add_program(digest, blob)
+    aval = m.Aval([2], "float64")
+    jax_ids = [d.id for d in devs]
+    region = [[idx, idx + 1]]
+
+    def execute(exec_id: int, inp: int, out: int) -> m.Execute:
+        return m.Execute(exec_id, exec_id, digest, "f", [2], ["i"], [0, 1], jax_ids,
+                         [m.ExecInput(inp, aval, ["i"], [m.ShardInput(idx, region, [])])],
+                         [m.ExecOutput(out, aval, ["i"])])
+
+    # a fused run's nodes, with codes for buffer ids: -1 its input, k node k's output
+    template = [execute(0, k - 1 if k else -1, k) for k in range(nodes)]
+    ids = iter(range(1, 1 << 40))
+
+    def put(value: float) -> int:
+        b = next(ids)
+        store.set(shard_key(b, idx, ((idx, idx + 1),)), jax.device_put(np.full((1,), value), local[0]))
+        return b
+
+    def expect(n: int) -> None:
+        done.clear()
+        left[0] = n
+
+    def wait() -> None:
+        if not done.wait(timeout=120):
+            raise TimeoutError("the executor did not report in 120 s")
+        if errors:
+            raise RuntimeError(f"computation failed: {errors[0].message}")
+
+    def fetch(b: int) -> float:
+        entry = store.wait(shard_key(b, idx, ((idx, idx + 1),)), 60)
+        if not entry.done or entry.error is not None:
+            raise RuntimeError(f"no value for buffer {b}: {entry.error}")
+        return float(np.asarray(entry.value)[0])
+
+    def make(value: float) -> Any:
+        return jax.make_array_from_single_device_arrays(
+            (2,), sh, [jax.device_put(np.full((1,), value), local[0])])
+
+    def jax_loop(each: bool) -> float:
+        x = make(0.)
+        for _ in range(nodes):
+            x = f(x)
+            if each:
+                x.block_until_ready()
+        return float(np.asarray(x.addressable_shards[0].data)[0])
+
+    def fused() -> float:
+        x0, first = put(0.), next(ids)
+        for _ in range(nodes):
+            next(ids)
+        e = next(ids)
+        expect(1)
+        ex.submit(FusedRun(e, e, "chain", [0, 1], template, [x0], first, list(range(nodes - 1))))
+        wait()
+        return fetch(first + nodes - 1)
+
+    def plain() -> float:
+        b = put(0.)
+        expect(nodes)
+        for _ in range(nodes):
+            e, out = next(ids), next(ids)
+            ex.submit(execute(e, b, out))
+            b = out
+        wait()
+        return fetch(b)
+
+    runs = {"jax-end": lambda: jax_loop(False), "jax-each": lambda: jax_loop(True),
+            "fused": fused, "plain": plain}
+    want = np.float64(0.)
+    with np.errstate(over="ignore"):
+        for _ in range(nodes):
+            want = (want + want) + np.float64(1.)
+    times: dict[str, list[tuple[float, float]]] = {v: [] for v in VARIANTS}
+    for r in range(repeats + 1):              # the first round warms up
+        for v in (VARIANTS if r % 2 == 0 else VARIANTS[::-1]):
+            c0, t0 = time.process_time(), time.perf_counter()
+            got = runs[v]()
+            t, c = time.perf_counter() - t0, time.process_time() - c0
+            if got != want:
+                raise AssertionError(f"{v}: expected {want}, got {got}")
+            if r:
+                times[v].append((t, c))
+    ex.stop()
+    if idx == 0:
+        print("RESULT " + json.dumps(times), flush=True)
+    jax.distributed.shutdown()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description="The worker executor's cost per computation vs. plain JAX.")
+    p.add_argument("--nodes", type=int, default=512, help="chained computations per run (default 512)")
+    p.add_argument("--repeats", type=int, default=10, help="timed runs per variant (default 10)")
+    p.add_argument("--json", metavar="PATH", help="also write the results as JSON here")
+    p.add_argument("--child", nargs=2, type=int, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.nodes < 1 or args.repeats < 1:
+        p.error("--nodes and --repeats must be at least 1")
+    if args.child:
+        child(args.child[0], args.child[1], args.nodes, args.repeats)
+        return 0
+
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from zpath.launcher import free_port, stop_processes, worker_xla_flags
+
+    signal.signal(signal.SIGTERM, lambda s, f: (_ for _ in ()).throw(SystemExit(128 + s)))
+    env = dict(os.environ, XLA_FLAGS=worker_xla_flags(os.environ, 1))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [os.path.dirname(os.path.dirname(
+        os.path.abspath(__file__))), env.get("PYTHONPATH")]))
+    port = free_port("127.0.0.1")
+    cmd = [sys.executable, os.path.abspath(__file__), "--nodes", str(args.nodes),
+           "--repeats", str(args.repeats), "--child"]
+    procs = [subprocess.Popen(cmd + [str(i), str(port)], env=env, stdout=subprocess.PIPE, text=True)
+             for i in range(2)]
+    try:
+        out, _ = procs[0].communicate(timeout=600)
+        procs[1].wait(timeout=60)
+    finally:
+        stop_processes(procs, 5.0)
+    line = next((ln for ln in out.splitlines() if ln.startswith("RESULT ")), None)
+    if line is None or any(p.returncode for p in procs):
+        print(f"the benchmark processes failed (exit codes {[p.returncode for p in procs]})", file=sys.stderr)
+        return 1
+    times = json.loads(line[len("RESULT "):])
+    n = args.nodes
+    res = {v: {"us_per_comp": statistics.median(t for t, _ in times[v]) / n * 1e6,
+               "cpu_us_per_comp": statistics.median(c for _, c in times[v]) / n * 1e6,
+               "runs_s": [t for t, _ in times[v]]} for v in VARIANTS}
+    base = res["jax-end"]["us_per_comp"]
+    print(f"psum(x) + 1. chained {n} times, 2 processes x 1 CPU device (gloo), "
+          f"median of {args.repeats} runs per variant")
+    head = f"{'variant':<10} {'us/comp':>9} {'CPU us/comp (process 0)':>24} {'vs jax-end':>11}"
+    print(head)
+    print("-" * len(head))
+    for v in VARIANTS:
+        r = res[v]
+        print(f"{v:<10} {r['us_per_comp']:>9.1f} {r['cpu_us_per_comp']:>24.1f} {base / r['us_per_comp']:>11.3f}")
+    print("(vs jax-end: throughput ratio, higher is better)")
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({"nodes": n, "repeats": args.repeats, "results": res}, fh, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
