@@ -167,6 +167,33 @@ def test_a_future_dropped_while_its_call_waits_is_freed_and_long_programs_do_not
         np.testing.assert_array_equal(chain(x).result(timeout=60)[0, :3], [8., 8., 8.])
 
 
+def test_programs_run_fused_under_a_memory_limit_when_they_fit(limited):
+    """A program run again runs fused under the limit when its results and
+    intermediates fit beside what is placed; one whose intermediates do not fit
+    (the chain of the test above) runs as plain calls, every time."""
+    from tests.test_program import _fused_records
+    with connected(limited) as conn:
+        d = zp.make_virtual_device_set().add_slice(devices=1).devices
+        f = zp.pmap(lambda x: x + 1, devices=d)
+
+        @zp.program
+        def small(v):                                  # 2 x 8 kB of intermediates
+            return f(f(f(v)))
+
+        @zp.program
+        def large(v):                                  # 7 x 32 kB of intermediates
+            for _ in range(8):
+                v = f(v)
+            return v
+        for k in range(3):
+            np.testing.assert_array_equal(small(np.full((1, 1000), k)).result(timeout=60)[0, :2],
+                                          [k + 3, k + 3])
+            np.testing.assert_array_equal(large(np.full((1, 4000), k)).result(timeout=60)[0, :2],
+                                          [k + 8, k + 8])
+        assert len(_fused_records(conn, "small")) == 2       # the first run is plain
+        assert not _fused_records(conn, "large")
+
+
 def test_inputs_released_while_waiting_are_kept_and_a_client_leaving_with_waiting_calls(limited):
     """(a) A call waits for memory; the future of its input is dropped meanwhile:
     the input stays until the call is planned, and the call runs. (b) A client

@@ -150,15 +150,34 @@ def test_a_program_that_moves_data_between_hosts_is_never_fused(make_rig):
     assert rig.c.templates[(rig.c.peers[a].id, 1)].fuse_tries == templates.FUSE_TRIES
 
 
-def test_no_fused_runs_under_a_memory_limit(make_rig):
+def test_a_fused_run_under_a_memory_limit_counts_its_intermediates_while_it_runs(make_rig):
+    """Under a device memory limit a fused run's intermediates (which never
+    enter the directory) are counted on their devices from when it is sent
+    until it has finished; a run that would not fit runs as plain calls, which
+    wait for memory node by node."""
     rig = make_rig(hosts=((0, 1),))
     rig.c.memory_limit = 10 ** 9
     a, _ = rig.client("a")
-    define(rig, a, 1, [0, 0], 0)
+    define(rig, a, 1, [0, 0, 0], 0)
     rig.drain()
+    bytes0 = rig.c.directory.device_bytes[0]
     n0 = len(rig.log)
-    run(rig, a, 1, 2, 1)
-    assert len(sent(rig, n0, m.Execute)) == 2 and not sent(rig, n0, m.RunFused)
+    _, out = run(rig, a, 1, 3, 1)
+    (_, rf), = sent(rig, n0, m.RunFused)
+    # its result and 2 intermediates of float32[1, 4] (the value put was
+    # released once the run was sent)
+    assert rig.c.directory.device_bytes[0] - bytes0 == 3 * 16
+    rig.finish(rf.exec_id)
+    assert rig.c.directory.device_bytes[0] - bytes0 == 16
+    rig.handle(a, m.Release([out]))
+    # room for the value put, the result and one intermediate at a time: too
+    # little for the fused run, enough for its nodes one by one
+    rig.c.memory_limit = rig.c.directory.device_bytes[0] + 3 * 16
+    n0 = len(rig.log)
+    _, out = run(rig, a, 1, 3, 2)
+    assert not sent(rig, n0, m.RunFused) and sent(rig, n0, m.Execute)
+    rig.drain()
+    assert out not in rig.failed(a) and rig.c.directory.buffers[out].error is None
 
 
 def test_bad_templates_are_refused_and_their_runs_fail(make_rig):
@@ -525,3 +544,34 @@ def test_an_input_left_only_in_an_abandoned_node_s_copy_fails(make_rig):
     rig.drain()
     assert {x, y} <= rig.failed(a)
     assert not rig.c.directory.buffers[x].layouts and rig.c.directory.buffers[x].error.kind == "HostLost"
+
+
+@pytest.mark.parametrize("end", ["host lost", "client left while held"])
+def test_a_fused_run_s_intermediates_are_uncounted_when_it_cannot_finish(make_rig, end):
+    """Its host is lost while it runs, or its client leaves while it waits for
+    its turn: what it counted for its intermediates is free again."""
+    rig = make_rig(hosts=((0, 1), (0, 1)))
+    rig.c.memory_limit = 10 ** 9
+    a, _ = rig.client("a")
+    define(rig, a, 1, [0, 0, 0], 0)
+    rig.drain()
+    own = rig.c.directory.device_bytes[0]     # a's result of that first run
+    others = 0
+    if end == "client left while held":
+        _fill_window(rig, 0)                  # the run waits for its turn
+        others = rig.c.directory.device_bytes[0] - own
+    n0 = len(rig.log)
+    run(rig, a, 1, 3, 1)
+    # its result and 2 intermediates (and, until it is sent, the value put)
+    held = 16 if others else 0
+    assert rig.c.directory.device_bytes[0] == own + others + 3 * 16 + held
+    if end == "host lost":
+        assert sent(rig, n0, m.RunFused)
+        rig.c._host_lost(0, "test")
+        assert rig.c.directory.device_bytes[0] == 0 and not rig.c.in_flight
+    else:
+        assert not sent(rig, n0, m.RunFused)
+        rig.handle(a, m.Goodbye("gone"))
+        assert rig.c.directory.device_bytes[0] == others
+        rig.drain()                           # the other client's work finishes
+        assert rig.c.directory.device_bytes[0] == others and not sent(rig, n0, m.RunFused)

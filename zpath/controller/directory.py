@@ -61,6 +61,10 @@ class Plan:
     # copies of inputs it makes: (buffer, the layout recorded for it), to confirm
     # once it has finished without error
     copies: list[tuple[int, dict]] = dataclasses.field(default_factory=list)
+    # bytes per device it holds only while it runs (a fused run's
+    # intermediates): counted in device_bytes from when it is planned until
+    # it has finished or is abandoned
+    transient: dict[int, int] | None = None
 
 
 class Directory:

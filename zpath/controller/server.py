@@ -73,6 +73,7 @@ class InFlight:
     puts: list[int] = dataclasses.field(default_factory=list)   # inputs its client puts
     fused: bool = False                    # a fused run (its outputs live on several hosts)
     copies: list[tuple[int, dict]] = dataclasses.field(default_factory=list)   # see Plan.copies
+    transient: dict[int, int] | None = None                                     # see Plan.transient
     failed: bool = False                   # a host reported an error
 
 
@@ -609,7 +610,8 @@ class Controller:
             set(plan.executes), collections.Counter(self.rm.devices[d].host for d in call.devices),
             [o.buffer for o in call.outputs],
             [(piece.piece_id, src, piece.dst_host) for src, piece in plan.sends],
-            [i.buffer for i in call.inputs if i.put], plan.setup is not None, plan.copies)
+            [i.buffer for i in call.inputs if i.put], plan.setup is not None, plan.copies,
+            plan.transient)
         for rank, ex in ordered:
             self.to_host(rank, ex)
         for rank, drop in drop_after:
@@ -708,8 +710,8 @@ class Controller:
                      len(calls), len(t.fused.hosts))
 
     def _may_fuse(self, t: templates.ProgramTemplate) -> bool:
-        """Fused runs skip memory accounting and waiting: not under a memory limit."""
-        if self.memory_limit or self.memory_waiting:
+        """Not while work waits for memory (it keeps its place in line)."""
+        if self.memory_waiting:
             return False
         if t.fused is not None and t.fused.version == self.rm.version:
             return False                  # fused, but this run could not use it
@@ -717,6 +719,13 @@ class Controller:
             self._drop_fused({t.fused.id})
             t.fused, t.fuse_tries = None, 0
         return t.fuse_tries < templates.FUSE_TRIES
+
+    def _release_transient(self, transient: dict[int, int] | None) -> None:
+        """What a fused run held only while it ran is free again."""
+        if transient:
+            self.directory.device_bytes.subtract(transient)
+            if self.memory_waiting:
+                self._resume_waiting()
 
     def _drop_templates(self, peer: Peer, numbers: list[int]) -> None:
         """The client will not run these templates again: forget them."""
@@ -741,8 +750,10 @@ class Controller:
                    msg: m.RunProgram) -> bool:
         """Send a run as one fused computation; False (nothing done) if this run
         cannot be: the mapping changed, a host was lost, an input is not where
-        the fused plan reads it, a result exists already, or there is a memory limit."""
-        if f.version != self.rm.version or self.memory_limit or self.memory_waiting:
+        the fused plan reads it, a result exists already, or, under a memory
+        limit, work waits for memory or the run would not fit (its results, values
+        put and intermediates; as plain calls it waits its turn)."""
+        if f.version != self.rm.version or self.memory_waiting:
             return False
         if not all(self.rm.hosts[h].alive for h in f.hosts):
             return False
@@ -753,9 +764,16 @@ class Controller:
         if len(set(ids)) != len(ids) or any(msg.first_buffer <= b < msg.first_buffer + t.buffers
                                             for b in ids[:len(f.puts)]):
             return False          # planned as plain calls, which refuse them
+        if self.memory_limit:
+            need = collections.Counter(f.transient)
+            for _, footprint in made:
+                need.update(footprint)
+            if any(self.directory.device_bytes[d] + n > self.memory_limit for d, n in need.items()):
+                return False
         for buf, footprint in made:
             self.directory.buffers[buf.id] = buf
             self.directory.device_bytes.update(footprint)
+        self.directory.device_bytes.update(f.transient)     # until it has run
         self.calls += f.nodes
         call = templates.fused_call(f, msg.program_id, msg.inputs, msg.first_buffer)
         exec_id = self.directory.new_exec_id()
@@ -1029,6 +1047,7 @@ class Controller:
         """A node that will never be sent: its client left, or it cannot run
         (``err``: its outputs fail with it, so their consumers fail too)."""
         run = held.run
+        self._release_transient(held.planned[0].transient)
         # its plan recorded copies of its inputs it will never make: forget them
         # (an input left with no copy fails)
         lost = self.directory.drop_copies(held.planned[0].copies, err or m.ErrorInfo(
@@ -1227,6 +1246,7 @@ class Controller:
                 # there; the run finishes when the others have reported
                 inf.hosts.discard(rank)
                 if not inf.hosts:
+                    self._release_transient(inf.transient)
                     del self.in_flight[exec_id]
                     self._exec_finished(exec_id)
             elif rank in inf.hosts:        # it was still running there: it fails
@@ -1305,6 +1325,7 @@ class Controller:
         if not info.hosts:
             if not info.failed:
                 self.directory.confirm(info.copies)
+            self._release_transient(info.transient)
             del self.in_flight[msg.exec_id]
             self._exec_finished(msg.exec_id, info.devices)
 

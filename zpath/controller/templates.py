@@ -49,6 +49,8 @@ class Fused:
     # (offset, aval, spec, layouts, bytes per device) per result
     puts: list[tuple[int, m.Aval, dict, dict[int, int]]]
     # (slot, aval, layout, bytes per device) per value put
+    transient: dict[int, int] = dataclasses.field(default_factory=dict)
+    # bytes per device its intermediates take while it runs (see _transient)
 
 
 class ProgramTemplate:
@@ -204,11 +206,12 @@ class ProgramTemplate:
                             lay.setdefault(sharding.from_wire(sh.region), []).append(sh.device)
         puts = [(s, aval, layouts[s], _footprint_of([layouts[s]], aval.dtype))
                 for s, aval, _, put in seen.values() if put]
+        transient = _transient(self.calls, plans, {c for c in self.release if c >= 0})
         release = [c for c in self.release if c >= 0]      # the values put are freed as buffers
         defines = {h: m.DefineFused(fused_id, exs, release) for h, exs in sorted(per_host.items())}
         return Fused(fused_id, version, islands.pop(), sorted(per_host), defines,
                      sorted({c[0] for c in self.calls}), sorted(devices), len(self.calls), before,
-                     list(seen.values()), results, puts)
+                     list(seen.values()), results, puts, transient)
 
     def _output(self, code: int) -> tuple[m.Aval, m.Spec]:
         for *_, outs in self.calls:
@@ -216,6 +219,39 @@ class ProgramTemplate:
                 if c == code:
                     return aval, spec
         raise KeyError(code)
+
+
+def _transient(calls: list[tuple], plans: list[Plan], intermediates: set[int]) -> dict[int, int]:
+    """Bytes per device a fused run's intermediates take while it runs (the
+    worker keeps them all until the run ends): each intermediate's shards as
+    made, and, where a node reads one with other devices or another spec, the
+    shards assembled for that node too."""
+    out: dict[int, int] = {}
+    made: dict[int, tuple] = {}
+
+    def add(c: int, aval: m.Aval, spec: m.Spec, ex: m.Execute) -> None:
+        regions = sharding.regions(tuple(aval.shape), ex.mesh_shape, ex.axis_names, spec)
+        for d, n in _footprint_of([_layout(ex.devices, regions)], aval.dtype).items():
+            out[d] = out.get(d, 0) + n
+
+    for (_, _, _, _, ins, outs), plan in zip(calls, plans, strict=True):
+        ex = next(iter(plan.executes.values()))
+        where = (tuple(ex.devices), tuple(ex.mesh_shape), tuple(ex.axis_names))
+        for c, aval, spec in ins:
+            if c in intermediates and made.get(c) != (where, repr(spec)):
+                add(c, aval, spec, ex)
+        for c, aval, spec in outs:
+            if c in intermediates:
+                made[c] = (where, repr(spec))
+                add(c, aval, spec, ex)
+    return out
+
+
+def _layout(devices: list[int], regions: list) -> dict:
+    lay: dict = {}
+    for d, r in zip(devices, regions, strict=True):
+        lay.setdefault(r, []).append(d)
+    return lay
 
 
 def _check_block(client: int, first: int, n: int) -> None:
@@ -246,4 +282,4 @@ def fused_buffers(f: Fused, owner: int, inputs: list[int], first: int
 
 def run_plan(f: Fused, exec_id: int, inputs: list[int], first: int) -> Plan:
     return Plan({h: m.RunFused(exec_id, 0, f.id, inputs, first) for h in f.hosts}, [],
-                programs=f.programs, setup=f.defines)
+                programs=f.programs, setup=f.defines, transient=f.transient or None)
