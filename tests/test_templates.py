@@ -575,3 +575,39 @@ def test_a_fused_run_s_intermediates_are_uncounted_when_it_cannot_finish(make_ri
         assert rig.c.directory.device_bytes[0] == others
         rig.drain()                           # the other client's work finishes
         assert rig.c.directory.device_bytes[0] == others and not sent(rig, n0, m.RunFused)
+
+
+def test_work_waiting_for_memory_resumes_after_a_lost_host_s_copies_are_forgotten(make_rig):
+    """The last host of a fused run is lost: what the run counted is free, but
+    a call waiting for memory goes on only once the lost host's copies are
+    forgotten, so it reads x from the copy on a live host rather than fail."""
+    rig = make_rig(hosts=((0, 1), (0, 1), (0, 1)))
+    rig.c.memory_limit = 10 ** 9
+    a, _ = rig.client("a")
+    call, x = rig.call(a, 0)
+    rig.handle(a, call)
+    rig.drain()
+    rig.handle(a, rig.call(a, 2, x)[0])      # x gets a copy on device 2 (host 2)
+    rig.drain()
+    # chains of 3 nodes on devices 0 and 1 (hosts 0 and 1), as one fused program
+    first, ins = block(rig, a, 0), [block(rig, a, 100), block(rig, a, 101)]
+    calls, release = [], list(ins)
+    for n, (dev, inp) in enumerate(zip((0, 1), ins)):
+        c, rel = chain(rig, [dev] * 3, first + 3 * n, inp, True)
+        calls += c
+        release += [r for r in rel if r != inp]
+    rig.handle(a, m.DefineProgram(1, ins, first, 6, m.Program(1, "two", "parallel", calls, release)))
+    rig.drain()
+    first, n0 = block(rig, a, 1), len(rig.log)
+    rig.handle(a, m.RunProgram(2, 1, [block(rig, a, 102), block(rig, a, 103)], first, [first + 2, first + 5]))
+    (_, rf), _ = sent(rig, n0, m.RunFused)
+    rig.handle(rig.c.worker_ident[1], m.ExecDone(rf.exec_id, None, 1000.0, 1000.001))
+    # device 1 has room for its own result only: a call reading x there waits
+    rig.c.memory_limit = rig.c.directory.device_bytes[1] + 16
+    n0 = len(rig.log)
+    call, z = rig.call(a, 1, x)
+    rig.handle(a, call)
+    assert rig.c.memory_waiting
+    rig.c._host_lost(0, "test")              # the run's intermediates on device 1 are free now
+    assert [p for i, p in sent(rig, n0, m.SendPiece) if p.buffer == x and i == rig.c.worker_ident[2]]
+    assert rig.c.directory.buffers[x].error is None and z not in rig.failed(a)

@@ -720,11 +720,12 @@ class Controller:
             t.fused, t.fuse_tries = None, 0
         return t.fuse_tries < templates.FUSE_TRIES
 
-    def _release_transient(self, transient: dict[int, int] | None) -> None:
-        """What a fused run held only while it ran is free again."""
+    def _release_transient(self, transient: dict[int, int] | None, resume: bool = True) -> None:
+        """What a fused run held only while it ran is free again (``resume``:
+        let work that waits for memory go on now)."""
         if transient:
             self.directory.device_bytes.subtract(transient)
-            if self.memory_waiting:
+            if resume and self.memory_waiting:
                 self._resume_waiting()
 
     def _drop_templates(self, peer: Peer, numbers: list[int]) -> None:
@@ -1246,7 +1247,10 @@ class Controller:
                 # there; the run finishes when the others have reported
                 inf.hosts.discard(rank)
                 if not inf.hosts:
-                    self._release_transient(inf.transient)
+                    # (what waits for memory goes on below, once the lost
+                    # host's copies are forgotten, so it is not planned to
+                    # read from there)
+                    self._release_transient(inf.transient, resume=False)
                     del self.in_flight[exec_id]
                     self._exec_finished(exec_id)
             elif rank in inf.hosts:        # it was still running there: it fails
