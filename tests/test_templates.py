@@ -454,11 +454,9 @@ def test_locate_names_a_copy_only_once_the_computation_that_makes_it_has_finishe
         assert loc.error.kind == "HostLost" and not loc.devices
 
 
-def test_a_copy_planned_for_an_abandoned_node_is_never_located(make_rig):
-    """A queued node that reads x (host 1) and z (host 2) is abandoned when host
-    2 is lost; the copy of x it planned on device 0 never holds data, so once
-    host 1 is lost too, x has no copy left."""
-    rig = make_rig(hosts=((0, 1), (1, 1), (2, 1)))
+def abandoned_reader(rig):
+    """Client a's node on device 0 that reads x (host 1) and z (host 2) waits
+    its turn and is abandoned when host 2 is lost. Returns (a, x, its output)."""
     a, _ = rig.client("a")
     cx, x = rig.call(a, 1)
     cz, z = rig.call(a, 2)
@@ -472,6 +470,14 @@ def test_a_copy_planned_for_an_abandoned_node_is_never_located(make_rig):
                          [m.CallOutput(out, AV, SPEC)]))
     rig.c._host_lost(2, "test")
     rig.drain()
+    return a, x, out
+
+
+def test_a_copy_planned_for_an_abandoned_node_is_never_located(make_rig):
+    """The copy of x the abandoned node planned on device 0 never holds data,
+    so once host 1 is lost too, x has no copy left."""
+    rig = make_rig(hosts=((0, 1), (1, 1), (2, 1)))
+    a, x, out = abandoned_reader(rig)
     assert out in rig.failed(a) and x not in rig.failed(a)
     rig.c._host_lost(1, "test")
     assert locate(rig, a, x).error.kind == "HostLost"
@@ -503,23 +509,11 @@ def test_a_copy_is_confirmed_after_an_unrelated_host_was_lost(make_rig, held):
 
 
 def test_an_abandoned_node_s_copies_are_forgotten(make_rig):
-    """The copy of x that an abandoned node planned on device 0 is forgotten: a
-    later reader there moves x again, and once x's own host is lost, x fails
-    (its client is told) instead of living on in a copy that was never made."""
+    """The copy of x that the abandoned node planned on device 0 is forgotten: a
+    later reader there moves x again, and once x's own host is lost, the copy
+    that reader made is the one located."""
     rig = make_rig(hosts=((0, 1), (1, 1), (2, 1)))
-    a, _ = rig.client("a")
-    cx, x = rig.call(a, 1)
-    cz, z = rig.call(a, 2)
-    rig.handle(a, cx)
-    rig.handle(a, cz)
-    rig.drain()
-    _fill_window(rig, 0)
-    out = rig.new_id(a)
-    rig.handle(a, m.Call(next(rig.ids), rig.programs["f"][0], [1], ["i"], [0],
-                         [m.CallInput(x, AV, SPEC, False), m.CallInput(z, AV, SPEC, False)],
-                         [m.CallOutput(out, AV, SPEC)]))
-    rig.c._host_lost(2, "test")
-    rig.drain()
+    a, x, out = abandoned_reader(rig)
     assert out in rig.failed(a) and len(rig.c.directory.buffers[x].layouts) == 1
     n0 = len(rig.log)
     rig.handle(a, rig.call(a, 0, x)[0])       # reads x on device 0 again: a piece moves it
