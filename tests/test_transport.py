@@ -395,6 +395,35 @@ def test_client_fails_the_futures_of_every_call_it_could_not_send():
     assert not c._locates and len(fetched) == 1 and isinstance(fetched[0], Broken)
 
 
+def test_client_fetch_queued_for_a_host_it_has_since_heard_is_lost_looks_for_a_copy():
+    """A Fetch still queued when its host's HostDown came cannot be sent: the
+    fetch asks the controller for a copy (Locate) instead of failing; any other
+    message for that host fails what waits on it."""
+    from zpath.client import Client, _Fetch
+    from zpath.errors import HostLost
+    from zpath.net import messages as m
+
+    c = Client.__new__(Client)               # only the bookkeeping used here
+    c._pending, c._locates, c._futures = {}, {}, {}
+    c.ep = types.SimpleNamespace(next_id=lambda: 77)
+    sent = []
+    c._send_ctl = sent.extend
+    failed = []
+    fut = types.SimpleNamespace(buffer=9, _fetched=lambda f, value, err: failed.append(err))
+    fetch = _Fetch(fut, {5: ((0, 1),), 6: ((1, 2),)}, {5: 1, 6: 0}, 30.0)
+    c._fetches = {5: fetch, 6: fetch}
+    err = HostLost("host 1 was lost")
+    c._unsendable(m.Fetch(5, 9, 1, [[0, 1]], 30.0), 5, err)
+    assert c._locates == {77: fetch} and not c._fetches and not failed
+    assert [(type(x).__name__, x.buffer, i) for x, _, i in sent] == [("Locate", 9, 77)]
+    c._unsendable(m.Fetch(6, 9, 0, [[1, 2]], 30.0), 6, err)     # its other request: nothing more
+    assert len(sent) == 1 and not failed
+    others = []
+    c._failed = lambda msg, msg_id, e: others.append((type(msg).__name__, e))
+    c._unsendable(m.Put(4, 1, [[0, 1]], m.Aval([1], "float32")), 0, err)
+    assert others == [("Put", err)] and len(sent) == 1
+
+
 def test_send_batch_uses_bodies_packed_beforehand(pair):
     from zpath.net import codec
     from zpath.net import messages as m

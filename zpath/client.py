@@ -326,7 +326,7 @@ class Client:
             try:
                 sock = self.ctl if kind == "ctl" else self._data_sock(target)
             except HostLost as e:       # its host is gone: what waits on it fails so
-                self._failed(msg, msg_id, e)
+                self._unsendable(msg, msg_id, e)
                 continue
             self._send(sock, msg, buffers, msg_id)
         if released:
@@ -431,10 +431,7 @@ class Client:
                 self._lost[msg.rank] = msg.error.message
                 # fetches that asked it: ask the controller where a copy is left
                 for fetch in {f for f in list(self._fetches.values()) if msg.rank in f.hosts.values()}:
-                    self._forget(fetch)
-                    req = self.ep.next_id()
-                    self._locates[req] = fetch
-                    self._send_ctl([(m.Locate(fetch.future.buffer), 0, req)])
+                    self._relocate(fetch)
                 sock = self._data.pop(msg.rank, None)
                 if sock is not None:          # and what is queued for it (a big Put) goes
                     self._poller.unregister(sock)
@@ -467,6 +464,23 @@ class Client:
                 self._break(f"the zpath controller at {self.address} shut down ({msg.reason})")
             case _:
                 log.debug("ignored %s", type(msg).__name__)
+
+    def _unsendable(self, msg: Record, msg_id: int, e: HostLost) -> None:
+        """A message for a host known to be lost: a fetch from it (queued before
+        its HostDown came) looks for a copy elsewhere; anything else fails."""
+        fetch = self._fetches.get(msg_id) if isinstance(msg, m.Fetch) else None
+        if fetch is not None:
+            self._relocate(fetch)
+        else:
+            self._failed(msg, msg_id, e)
+
+    def _relocate(self, fetch: _Fetch) -> None:
+        """Ask the controller where a copy of the fetch's value is left (the
+        answer, a Location, restarts the fetch from there)."""
+        self._forget(fetch)
+        req = self.ep.next_id()
+        self._locates[req] = fetch
+        self._send_ctl([(m.Locate(fetch.future.buffer), 0, req)])
 
     def _refetch(self, fetch: _Fetch, loc: m.Location) -> None:
         """Fetch again, from the copy the controller located (its regions may
