@@ -180,13 +180,15 @@ def main(argv: list[str] | None = None) -> int:
         child(args.child[0], args.child[1], args.nodes, args.repeats)
         return 0
 
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    here = os.path.dirname(os.path.abspath(__file__))
+    root = os.path.dirname(here)
+    sys.path[:0] = [root, here]
+    from island_dispatch import on_sigterm
     from zpath.launcher import free_port, stop_processes, worker_xla_flags
 
-    signal.signal(signal.SIGTERM, lambda s, f: (_ for _ in ()).throw(SystemExit(128 + s)))
+    signal.signal(signal.SIGTERM, on_sigterm)     # unwind through the finally that stops them
     env = dict(os.environ, XLA_FLAGS=worker_xla_flags(os.environ, 1))
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [os.path.dirname(os.path.dirname(
-        os.path.abspath(__file__))), env.get("PYTHONPATH")]))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
     port = free_port("127.0.0.1")
     cmd = [sys.executable, os.path.abspath(__file__), "--nodes", str(args.nodes),
            "--repeats", str(args.repeats), "--child"]

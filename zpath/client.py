@@ -485,30 +485,23 @@ class Client:
     def _refetch(self, fetch: _Fetch, loc: m.Location) -> None:
         """Fetch again, from the copy the controller located (its regions may
         tile the array differently)."""
-        hosts = [self.devices[d].host if d in self.devices else None for d in loc.devices]
         if loc.error is not None:
             fetch.future._fetched(fetch, None, error_from_info(loc.error))
             return
+        hosts = [self.devices[d].host if d in self.devices else None for d in loc.devices]
         if not loc.regions or None in hosts or set(hosts) & set(self._lost):
             fetch.future._fetched(fetch, None, HostLost(
                 f"buffer {loc.buffer}: a host that held its shards was lost, and no copy is left "
                 "on a host this client can reach"))
             return
         fetch.regions, fetch.hosts, fetch.parts = {}, {}, {}
-        sent = []
         for wire, d, host in zip(loc.regions, loc.devices, hosts, strict=True):
             req = self.ep.next_id()
             fetch.regions[req], fetch.hosts[req] = sharding.from_wire(wire), host
             self._fetches[req] = fetch
-            sent.append((req, wire, d, host))
-        for req, wire, d, host in sent:
-            try:
-                sock = self._data_sock(host)
-            except HostLost as e:
-                self._forget(fetch)
-                fetch.future._fetched(fetch, None, e)
-                return
-            self._send(sock, m.Fetch(req, fetch.future.buffer, d, wire, fetch.timeout), (), req)
+            # (hosts are live: _data_sock does not raise; replies come on this thread)
+            self._send(self._data_sock(host), m.Fetch(req, fetch.future.buffer, d, wire, fetch.timeout),
+                       (), req)
 
     def _forget(self, fetch: _Fetch) -> None:
         for req in fetch.regions:

@@ -20,7 +20,7 @@ import copy
 import dataclasses
 
 from zpath import sharding
-from zpath.controller.directory import Buffer, Plan, _footprint, _footprint_of, _layouts_key
+from zpath.controller.directory import Buffer, Plan, _footprint, _footprint_of, _layouts_key, _spec_key
 from zpath.net import messages as m
 
 MAX_TEMPLATES = 1024          # per client (zpath.client.MAX_TEMPLATES)
@@ -227,31 +227,24 @@ def _transient(calls: list[tuple], plans: list[Plan], intermediates: set[int]) -
     made, and, where a node reads one with other devices or another spec, the
     shards assembled for that node too."""
     out: dict[int, int] = {}
-    made: dict[int, tuple] = {}
+    made: dict[int, tuple] = {}           # intermediate -> (devices, mesh, spec) it was made with
 
-    def add(c: int, aval: m.Aval, spec: m.Spec, ex: m.Execute) -> None:
+    def add(aval: m.Aval, spec: m.Spec, ex: m.Execute) -> None:
         regions = sharding.regions(tuple(aval.shape), ex.mesh_shape, ex.axis_names, spec)
-        for d, n in _footprint_of([_layout(ex.devices, regions)], aval.dtype).items():
-            out[d] = out.get(d, 0) + n
+        for d, r in zip(ex.devices, regions, strict=True):     # one shard per device
+            out[d] = out.get(d, 0) + sharding.nbytes(r, aval.dtype)
 
     for (_, _, _, _, ins, outs), plan in zip(calls, plans, strict=True):
         ex = next(iter(plan.executes.values()))
         where = (tuple(ex.devices), tuple(ex.mesh_shape), tuple(ex.axis_names))
         for c, aval, spec in ins:
-            if c in intermediates and made.get(c) != (where, repr(spec)):
-                add(c, aval, spec, ex)
+            if c in intermediates and made.get(c) != (where, _spec_key(spec)):
+                add(aval, spec, ex)
         for c, aval, spec in outs:
             if c in intermediates:
-                made[c] = (where, repr(spec))
-                add(c, aval, spec, ex)
+                made[c] = (where, _spec_key(spec))
+                add(aval, spec, ex)
     return out
-
-
-def _layout(devices: list[int], regions: list) -> dict:
-    lay: dict = {}
-    for d, r in zip(devices, regions, strict=True):
-        lay.setdefault(r, []).append(d)
-    return lay
 
 
 def _check_block(client: int, first: int, n: int) -> None:
