@@ -90,6 +90,7 @@ def child(idx: int, port: int, nodes: int, repeats: int) -> None:
 
     # a fused run's nodes, with codes for buffer ids: -1 its input, k node k's output
     template = [execute(0, k - 1 if k else -1, k) for k in range(nodes)]
+    plan: list = [None]        # what the executor works out on the first run
     ids = iter(range(1, 1 << 40))
 
     def put(value: float) -> int:
@@ -131,7 +132,8 @@ def child(idx: int, port: int, nodes: int, repeats: int) -> None:
             next(ids)
         e = next(ids)
         expect(1)
-        ex.submit(FusedRun(e, e, "chain", [0, 1], template, [x0], first, list(range(nodes - 1))))
+        ex.submit(FusedRun(e, e, "chain", [0, 1], template, [x0], first, list(range(nodes - 1)),
+                           plan))
         wait()
         return fetch(first + nodes - 1)
 

@@ -138,6 +138,50 @@ _SCRIPT = textwrap.dedent("""
     res["empty"] = [np.asarray(h.store.entry(shard_key(403, d.id, ((0, 0), (0, 2)))).value).shape
                     for d in two]
 
+    # a fused run: computations whose inputs were all made earlier in the run,
+    # in the sharding they read them in, take the short way, worked out on the
+    # first run and kept for the next ones; the others go through _execute
+    from zpath.worker.executor import FusedRun
+    dr, br = export(lambda x: x * 10., (2,), np.float64, two, P(), P())
+    dg, bg = export(lambda x: x - 1., (2,), np.float64, two, P("i"), P("i"))
+    hf = Host()
+    for dig, bl in ((digest, blob), (dr, br), (dg, bg)):
+        hf.ex.add_program(dig, bl)
+    ids = [d.id for d in two]
+    halves = [sharding.to_wire(r) for r in sharding.regions((2,), [2], ["i"], ["i"])]
+    def node(dig, inp, out, in_spec=("i",), out_spec=("i",)):
+        if in_spec:
+            shards = [m.ShardInput(d.id, r, []) for d, r in zip(two, halves)]
+        else:       # whole on each device, from both devices' halves
+            pieces = [m.PieceSource(0, d.id, r, r) for d, r in zip(two, halves)]
+            shards = [m.ShardInput(d.id, [[0, 2]], pieces) for d in two]
+        aval = m.Aval([2], "float64")
+        return m.Execute(0, 0, dig, "n", [2], ["i"], ids, ids, [m.ExecInput(inp, aval, list(in_spec), shards)],
+                         [m.ExecOutput(out, aval, list(out_spec))])
+    template = [node(digest, -1, 0), node(digest, 0, 1), node(digest, 1, 2), node(dr, 2, 3, (), ()),
+                node(digest, 2, 4), node(dg, 4, 5), node(digest, 5, 6)]
+    plan = [None]
+    def fused(r, x):
+        hf.put(r * 1000 - 1, np.full(2, x), two, P("i"))
+        hf.ex.submit(FusedRun(r, r, "fused", ids, template, [r * 1000 - 1], r * 1000, [0, 1, 2], plan))
+        got, err = hf.done.get(timeout=60)
+        assert got == r
+        out = {}
+        for c, spec in ((3, P()), (4, P("i")), (5, P("i")), (6, P("i"))):
+            regs = sharding.regions((2,), [2], ["i"], wire(spec))
+            es = [hf.store.entry(shard_key(r * 1000 + c, d.id, r_)) for d, r_ in zip(two, regs)]
+            out[c] = [e.error.message if e.error else np.asarray(e.value).tolist() for e in es]
+        return [None if err is None else err.message, out]
+    res["fused"] = [fused(1, 0.)]
+    res["fused_steps"] = [s is not None for s in plan[0].steps]
+    first_plan = plan[0]
+    res["fused"].append(fused(2, 1.))
+    res["fused_plan_kept"] = plan[0] is first_plan
+    def boom(*a):
+        raise RuntimeError("injected")
+    plan[0].steps[5][0].fn = boom            # g's prepared program, taken the short way
+    res["fused"].append(fused(3, 0.))
+
     # completions of short computations run back to back are reported with
     # ``hold`` (but not the last); held reports are released before the thread
     # waits for an input. SHORT_S is raised so that a loaded machine cannot make
@@ -216,6 +260,24 @@ def test_replicated_single_device_and_empty_outputs(results):
     assert results["replicated"] == [[6.0]] * 4
     assert results["single"] == [[0.0, 8.0, 16.0]]
     assert results["empty"] == [[0, 2], [0, 2]]
+
+
+def test_a_fused_run_passes_arrays_on_the_short_way_and_fails_what_a_failure_reaches(results):
+    # x -> psum + 1 (1, 3, 7) -> replicated x10 (70), then 15, 14, 29 from 7
+    assert results["fused"][0] == [None, {"3": [[70.0, 70.0]] * 2, "4": [[15.0], [15.0]],
+                                          "5": [[14.0], [14.0]], "6": [[29.0], [29.0]]}]
+    # from 1: 3, 7, 15 -> 150; 31, 30, 61
+    assert results["fused"][1] == [None, {"3": [[150.0, 150.0]] * 2, "4": [[31.0], [31.0]],
+                                          "5": [[30.0], [30.0]], "6": [[61.0], [61.0]]}]
+    # the run's input and a value read in another sharding go through _execute
+    assert results["fused_steps"] == [False, True, True, False, True, True, True]
+    assert results["fused_plan_kept"]
+    # a computation taken the short way fails: its output and what reads it
+    # fail with its error, the rest is right, and the run reports the error
+    err, out = results["fused"][2]
+    assert err == "RuntimeError: injected"
+    assert out["3"] == [[70.0, 70.0]] * 2 and out["4"] == [[15.0], [15.0]]
+    assert out["5"] == [err, err] and out["6"] == [err, err]
 
 
 def test_short_computations_run_back_to_back_are_reported_with_hold(results):

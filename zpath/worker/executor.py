@@ -39,14 +39,18 @@ class FusedRun:
     order, as ``Execute`` templates whose buffer ids are codes (``n >= 0``:
     ``first + n``; ``n < 0``: ``inputs[-n - 1]``); ``release`` (codes) are its
     intermediates. The executor runs it as one computation on the union of
-    their devices, and reports it once."""
+    their devices, and reports it once. ``plan`` is a one-item list shared by
+    the runs of one fused program, where the executor keeps what it worked out
+    on the first run (see ``_FusedPlan``)."""
 
-    __slots__ = ("exec_id", "seq", "name", "devices", "executes", "inputs", "first", "release")
+    __slots__ = ("exec_id", "seq", "name", "devices", "executes", "inputs", "first", "release", "plan")
 
     def __init__(self, exec_id: int, seq: int, name: str, devices: list[int],
-                 executes: list[m.Execute], inputs: list[int], first: int, release: list[int]) -> None:
+                 executes: list[m.Execute], inputs: list[int], first: int, release: list[int],
+                 plan: list | None = None) -> None:
         self.exec_id, self.seq, self.name, self.devices = exec_id, seq, name, devices
         self.executes, self.inputs, self.first, self.release = executes, inputs, first, release
+        self.plan = plan if plan is not None else [None]
 
     def buffer(self, code: int) -> int:
         return self.first + code if code >= 0 else self.inputs[-code - 1]
@@ -235,11 +239,7 @@ class Executor:
         start = time.time()
         t0 = time.perf_counter()
         if type(ex) is FusedRun:
-            error = None
-            made = _Made({ex.buffer(c) for c in ex.release})
-            for sub in ex.executes:
-                e = self._run_one(sub, ex.exec_id, ex.buffer, made)
-                error = error or e
+            error = self._run_fused(ex)
         else:
             error = self._run_one(ex, ex.exec_id, _as_is)
         end = time.time()
@@ -256,6 +256,51 @@ class Executor:
                 self._ready.put(entry)
         return (started[0] if started else None), (ex.exec_id, error, start, end, time.perf_counter() - t0)
 
+    def _run_fused(self, run: FusedRun) -> m.ErrorInfo | None:
+        """Run a fused run's computations in order; returns the first error.
+
+        A computation whose inputs were all made earlier in the run, in the
+        shardings it reads them in, takes the short way: its compiled function
+        is called on those arrays as they are, with what that needs worked out
+        once per fused program (``_FusedPlan``). Any other one (it reads the
+        run's inputs, reads a value in another sharding, or an input failed)
+        goes through ``_execute`` like a plain call."""
+        plan = run.plan[0]
+        if plan is None:
+            plan = run.plan[0] = _FusedPlan(self, run.executes, set(run.release))
+        first, error = run.first, None
+        made = _Made({run.buffer(c) for c in run.release})
+        arrays, unstored = made.arrays, made.unstored
+        for sub, step in zip(run.executes, plan.steps):
+            if step is not None:
+                prepared, ins, outs = step
+                try:
+                    args = [arrays[first + c][0] for c in ins]
+                except KeyError:      # an input failed: _execute fails this one
+                    args = None
+                if args is not None:
+                    try:
+                        got = prepared.fn(*args)
+                        if len(got) == 1:
+                            got[0].block_until_ready()
+                        else:
+                            self.jax.block_until_ready(got)
+                    except Exception as e:
+                        error = error or self._failed(sub, run.exec_id, run.buffer, e, made)
+                        continue
+                    for k, (c, sharding_k, o, intermediate) in enumerate(outs):
+                        b = first + c
+                        arrays[b] = (got[k], sharding_k, prepared, k, o)
+                        if intermediate:
+                            unstored.add(b)
+                        else:
+                            for gid, region, data in prepared.output_shards(k, o, got[k]):
+                                self.store.set(("s", b, gid, region), data)
+                    continue
+            e = self._run_one(sub, run.exec_id, run.buffer, made)
+            error = error or e
+        return error
+
     def _run_one(self, ex: m.Execute, exec_id: int, buffer: Callable[[int], int] = _as_is,
                  made: "_Made | None" = None) -> m.ErrorInfo | None:
         """Run one computation (``buffer``: maps a fused run's codes to buffer
@@ -264,9 +309,16 @@ class Executor:
         try:
             self._execute(ex, buffer, made)
             return None
-        except InputError as e:
-            error = e.error
         except Exception as e:
+            return self._failed(ex, exec_id, buffer, e, made)
+
+    def _failed(self, ex: m.Execute, exec_id: int, buffer: Callable[[int], int], e: Exception,
+                made: "_Made | None") -> m.ErrorInfo:
+        """Settle what computation ``ex`` was to make, or assemble, with the
+        error that exception ``e`` stands for, and return that error."""
+        if isinstance(e, InputError):
+            error = e.error
+        else:
             # as UTF-8 can carry it (an exception's text may hold lone surrogates,
             # e.g. a file name; the report must not fail to encode and be lost)
             error = m.ErrorInfo("RemoteError", _text(f"{type(e).__name__}: {e}"), self.rank, ex.name,
@@ -450,6 +502,34 @@ class Executor:
         if e.error is not None:
             raise InputError(e.error)
         return e.value
+
+
+class _FusedPlan:
+    """What the runs of one fused program share: per computation, None (it
+    goes through ``Executor._execute``) or, when every input is made earlier in
+    the run in the sharding it reads it in, (its prepared program, its inputs'
+    codes, per output (code, sharding, ExecOutput, whether an intermediate))."""
+
+    __slots__ = ("steps",)
+
+    def __init__(self, executor: Executor, executes: list[m.Execute], release: set[int]) -> None:
+        made: dict[int, Any] = {}      # code -> the sharding it is made in
+        self.steps: list[tuple | None] = []
+        for ex in executes:
+            try:
+                prepared = executor._prepare(ex)
+            except Exception:     # it fails when it runs, and says why
+                prepared = None
+            step = None
+            if prepared is not None and all(
+                    i.buffer >= 0 and made.get(i.buffer) == prepared.in_shardings[k]
+                    for k, i in enumerate(ex.inputs)):
+                step = (prepared, [i.buffer for i in ex.inputs],
+                        [(o.buffer, prepared.out_shardings[k], o, o.buffer in release)
+                         for k, o in enumerate(ex.outputs)])
+            self.steps.append(step)
+            for k, o in enumerate(ex.outputs):
+                made[o.buffer] = prepared.out_shardings[k] if prepared is not None else None
 
 
 class _Prepared:

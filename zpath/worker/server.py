@@ -124,7 +124,9 @@ class Worker:
         self.fetch_heap_limit = 1024
         self.profiler: _Profiler | None = None
         # fused programs (DefineFused): id -> (definition, its devices, slots it reads)
-        self.fused: dict[int, tuple[m.DefineFused, list[int], int]] = {}
+        # fused program -> (its definition, its local devices, how many inputs
+        # it reads, what the executor keeps for its runs: FusedRun.plan)
+        self.fused: dict[int, tuple[m.DefineFused, list[int], int, list]] = {}
 
     # ---- start-up ------------------------------------------------------------
     def register(self) -> None:
@@ -391,7 +393,7 @@ class Worker:
                 codes = [c for ex in msg.executes for c in
                          [*(i.buffer for i in ex.inputs), *(o.buffer for o in ex.outputs)]] + msg.release
                 devices = sorted({d for ex in msg.executes for d in ex.devices})
-                self.fused[msg.fused] = (msg, devices, max([0, *(-c for c in codes)]))
+                self.fused[msg.fused] = (msg, devices, max([0, *(-c for c in codes)]), [None])
             case m.DropFused():
                 for f in msg.fused:
                     self.fused.pop(f, None)
@@ -441,9 +443,9 @@ class Worker:
             self.post_ctl(m.ExecDone(msg.exec_id, m.ErrorInfo(
                 "FusedUnknown", f"fused program {msg.fused} {why}", self.rank, "", ""), now, now))
             return
-        d, devices, _ = known
+        d, devices, _, plan = known
         run = FusedRun(msg.exec_id, msg.seq, f"fused program {msg.fused}", devices, d.executes,
-                       msg.inputs, msg.first_buffer, d.release)
+                       msg.inputs, msg.first_buffer, d.release, plan)
         self.executor.submit(run)
         self.executor.free_after_earlier([run.buffer(c) for c in d.release])
 
