@@ -12,6 +12,9 @@ times each after a warm-up):
 * ``jax-each``: the same, blocking after every call (what the worker does);
 * ``fused``: one ``FusedRun`` of all the nodes submitted to the worker's
   ``Executor`` (the path a fused ``@zp.program`` run takes on each host);
+* ``fused-execute``: the same, with every node sent through
+  ``Executor._execute`` as a plain call is (how fused runs went before their
+  short way, see ``Executor._run_fused``);
 * ``plain``: one ``Execute`` per node submitted to the ``Executor`` (the path
   of plain calls on a host, minus the I/O thread and the controller).
 
@@ -36,7 +39,7 @@ import sys
 import time
 from typing import Any
 
-VARIANTS = ("jax-end", "jax-each", "fused", "plain")
+VARIANTS = ("jax-end", "jax-each", "fused", "fused-execute", "plain")
 
 
 def child(idx: int, port: int, nodes: int, repeats: int) -> None:
@@ -52,7 +55,7 @@ def child(idx: int, port: int, nodes: int, repeats: int) -> None:
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
     from zpath.net import messages as m
-    from zpath.worker.executor import Executor, FusedRun
+    from zpath.worker.executor import Executor, FusedRun, _FusedPlan
     from zpath.worker.store import Store, shard_key
 
     devs, local = jax.devices(), jax.local_devices()
@@ -91,6 +94,8 @@ def child(idx: int, port: int, nodes: int, repeats: int) -> None:
     # a fused run's nodes, with codes for buffer ids: -1 its input, k node k's output
     template = [execute(0, k - 1 if k else -1, k) for k in range(nodes)]
     plan: list = [None]        # what the executor works out on the first run
+    no_short_way = _FusedPlan.__new__(_FusedPlan)
+    no_short_way.steps = [None] * nodes
     ids = iter(range(1, 1 << 40))
 
     def put(value: float) -> int:
@@ -126,14 +131,14 @@ def child(idx: int, port: int, nodes: int, repeats: int) -> None:
                 x.block_until_ready()
         return float(np.asarray(x.addressable_shards[0].data)[0])
 
-    def fused() -> float:
+    def fused(short_way: bool) -> float:
         x0, first = put(0.), next(ids)
         for _ in range(nodes):
             next(ids)
         e = next(ids)
         expect(1)
         ex.submit(FusedRun(e, e, "chain", [0, 1], template, [x0], first, list(range(nodes - 1)),
-                           plan))
+                           plan if short_way else [no_short_way]))
         wait()
         return fetch(first + nodes - 1)
 
@@ -148,7 +153,7 @@ def child(idx: int, port: int, nodes: int, repeats: int) -> None:
         return fetch(b)
 
     runs = {"jax-end": lambda: jax_loop(False), "jax-each": lambda: jax_loop(True),
-            "fused": fused, "plain": plain}
+            "fused": lambda: fused(True), "fused-execute": lambda: fused(False), "plain": plain}
     want = np.float64(0.)
     with np.errstate(over="ignore"):
         for _ in range(nodes):
@@ -213,12 +218,12 @@ def main(argv: list[str] | None = None) -> int:
     base = res["jax-end"]["us_per_comp"]
     print(f"psum(x) + 1. chained {n} times, 2 processes x 1 CPU device (gloo), "
           f"median of {args.repeats} runs per variant")
-    head = f"{'variant':<10} {'us/comp':>9} {'CPU us/comp (process 0)':>24} {'vs jax-end':>11}"
+    head = f"{'variant':<13} {'us/comp':>9} {'CPU us/comp (process 0)':>24} {'vs jax-end':>11}"
     print(head)
     print("-" * len(head))
     for v in VARIANTS:
         r = res[v]
-        print(f"{v:<10} {r['us_per_comp']:>9.1f} {r['cpu_us_per_comp']:>24.1f} {base / r['us_per_comp']:>11.3f}")
+        print(f"{v:<13} {r['us_per_comp']:>9.1f} {r['cpu_us_per_comp']:>24.1f} {base / r['us_per_comp']:>11.3f}")
     print("(vs jax-end: throughput ratio, higher is better)")
     if args.json:
         with open(args.json, "w") as fh:
