@@ -182,6 +182,25 @@ _SCRIPT = textwrap.dedent("""
     plan[0].steps[5][0].fn = boom            # g's prepared program, taken the short way
     res["fused"].append(fused(3, 0.))
 
+    # two computations fail on the short way, one after the other: the second's
+    # outputs fail with its own error too, so what reads them does not wait
+    hf.ex.stop()
+    hf.ex = Executor(hf.store, {d.id: d for d in devs}, lambda i, err, s, e, hold: hf.done.put((i, err)),
+                     input_timeout_s=5.0)
+    for dig, bl in ((digest, blob), (dr, br), (dg, bg)):
+        hf.ex.add_program(dig, bl)
+    template2 = [node(digest, -1, 0), node(dg, 0, 1), node(dg, 0, 2), node(digest, 2, 3)]
+    plan2 = [None]
+    hf.put(3999, np.zeros(2), two, P("i"))
+    hf.ex.submit(FusedRun(4, 4, "fused", ids, template2, [3999], 4000, [0], plan2))
+    hf.done.get(timeout=60)            # the first run learns the plan: g takes the short way
+    plan2[0].steps[1][0].fn = boom
+    hf.put(4999, np.zeros(2), two, P("i"))
+    hf.ex.submit(FusedRun(5, 5, "fused", ids, template2, [4999], 5000, [0], plan2))
+    got, err = hf.done.get(timeout=60)
+    res["two_failures"] = [err.message, [[hf.store.entry(shard_key(5000 + c, d.id, r_)).error.message
+                                          for d, r_ in zip(two, ([[0, 1]], [[1, 2]]))] for c in (1, 2, 3)]]
+
     # completions of short computations run back to back are reported with
     # ``hold`` (but not the last); held reports are released before the thread
     # waits for an input. SHORT_S is raised so that a loaded machine cannot make
@@ -278,6 +297,9 @@ def test_a_fused_run_passes_arrays_on_the_short_way_and_fails_what_a_failure_rea
     assert err == "RuntimeError: injected"
     assert out["3"] == [[70.0, 70.0]] * 2 and out["4"] == [[15.0], [15.0]]
     assert out["5"] == [err, err] and out["6"] == [err, err]
+    # a second failure on the short way poisons its outputs as the first did
+    err, outs = results["two_failures"]
+    assert err == "RuntimeError: injected" and outs == [[err, err]] * 3
 
 
 def test_short_computations_run_back_to_back_are_reported_with_hold(results):

@@ -285,17 +285,19 @@ class Executor:
                             got[0].block_until_ready()
                         else:
                             self.jax.block_until_ready(got)
+                        for k, (c, sharding_k, o, intermediate) in enumerate(outs):
+                            b = first + c
+                            arrays[b] = (got[k], sharding_k, prepared, k, o)
+                            if intermediate:
+                                unstored.add(b)
+                            else:
+                                for gid, region, data in prepared.output_shards(k, o, got[k]):
+                                    self.store.set(("s", b, gid, region), data)
                     except Exception as e:
-                        error = error or self._failed(sub, run.exec_id, run.buffer, e, made)
-                        continue
-                    for k, (c, sharding_k, o, intermediate) in enumerate(outs):
-                        b = first + c
-                        arrays[b] = (got[k], sharding_k, prepared, k, o)
-                        if intermediate:
-                            unstored.add(b)
-                        else:
-                            for gid, region, data in prepared.output_shards(k, o, got[k]):
-                                self.store.set(("s", b, gid, region), data)
+                        for c, *_ in outs:       # later ones read the error from the store
+                            arrays.pop(first + c, None)
+                        e = self._failed(sub, run.exec_id, run.buffer, e, made)
+                        error = error or e
                     continue
             e = self._run_one(sub, run.exec_id, run.buffer, made)
             error = error or e
