@@ -408,3 +408,24 @@ def test_a_value_returned_twice_is_one_future(client):
         del x
         gc.collect()
         np.testing.assert_array_equal(y.result(timeout=30), [k + 1.] * 2)
+
+
+def test_a_sequential_node_does_not_read_a_copy_a_waiting_node_is_to_make(client):
+    """Sequential: ``n1`` waits for ``a`` and is to copy x to island 0; ``n2``
+    reads x there too and waits for nothing, so it goes first. It moves x
+    itself (it used to read the copy n1 had not made, which sat behind it on
+    the worker: it waited 300 s)."""
+    d0, d1 = devices(1, island=0), devices(1, island=1)
+    on1 = zp.pmap(lambda x: x + 1., devices=d1)
+    add0 = zp.pmap(lambda x, y: x + y, devices=d0)
+    dbl0 = zp.pmap(lambda x: x * 2., devices=d0)
+
+    @zp.program(dispatch="sequential")
+    def p(x):
+        a = on1(x)
+        return add0(x, a), dbl0(x)
+    for k in range(2):
+        x = on1(np.full(1, float(k)))            # lives on island 1
+        n1, n2 = p(x)
+        np.testing.assert_array_equal(n2.result(timeout=30), [2. * (k + 1)])
+        np.testing.assert_array_equal(n1.result(timeout=30), [2. * (k + 1) + 1])

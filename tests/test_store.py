@@ -59,3 +59,25 @@ def test_failed_buffers_fail_their_waiters_and_later_shards():
     assert s.entry(key).error is err
     s.free_buffers([5])                             # freed: forgotten
     assert not s.wait(st.shard_key(5, 2, [[0, 2]]), 0).done
+
+
+def test_a_copy_assembled_again_replaces_an_earlier_error_only():
+    from zpath.net import messages as m
+    s = st.Store()
+    err = m.ErrorInfo("RemoteError", "boom", 0, "f", "")
+    key = st.shard_key(7, 0, [[0, 4]])
+    s.set(key, error=err)
+    s.set(key, "late")                          # a value comes only once
+    assert s.entry(key).error is err
+    s.set(key, "again", over_error=True)        # a copy assembled again
+    e = s.entry(key)
+    assert e.done and e.error is None and e.value == "again"
+    s.set(key, "third", over_error=True)        # over an error only, never over a value
+    assert s.entry(key).value == "again"
+    s.set(key, error=err, over_error=True)      # an error never replaces a value
+    assert s.entry(key).value == "again"
+    # a buffer failed as a whole (its client left) stays failed
+    s.fail_buffers([8], err)
+    key8 = st.shard_key(8, 0, [[0, 4]])
+    s.set(key8, "v", over_error=True)
+    assert s.entry(key8).error is err

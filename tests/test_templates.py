@@ -523,6 +523,102 @@ def test_an_abandoned_node_s_copies_are_forgotten(make_rig):
     assert locate(rig, a, x).devices == [0]  # the copy that reader made
 
 
+def _reads(ex, buffer):
+    """The shards of ``buffer`` an Execute reads: (device, pieces' (piece id, device))."""
+    return [(s.device, [(p.piece_id, p.device) for p in s.pieces])
+            for i in ex.inputs if i.buffer == buffer for s in i.shards]
+
+
+def test_a_node_that_was_to_read_an_abandoned_node_s_copy_reads_another(make_rig):
+    """A node planned, while it waited its turn, to read the copy of x that an
+    earlier waiting node was to make on device 0 is sent once that node is
+    abandoned (host 2, with its other input, is lost): it moves x from its
+    owner instead (it used to read the copy that never came, and waited 300 s)."""
+    rig = make_rig(hosts=((0, 1), (1, 1), (2, 1)))
+    a, _ = rig.client("a")
+    cx, x = rig.call(a, 1)
+    cz, z = rig.call(a, 2)
+    rig.handle(a, cx)
+    rig.handle(a, cz)
+    rig.drain()
+    _fill_window(rig, 0)
+    first = rig.new_id(a)
+    rig.handle(a, m.Call(next(rig.ids), rig.programs["f"][0], [1], ["i"], [0],
+                         [m.CallInput(x, AV, SPEC, False), m.CallInput(z, AV, SPEC, False)],
+                         [m.CallOutput(first, AV, SPEC)]))
+    c2, second = rig.call(a, 0, x)      # planned to read first's copy of x on device 0
+    rig.handle(a, c2)
+    n0 = len(rig.log)
+    rig.c._host_lost(2, "test")
+    rig.drain()
+    assert first in rig.failed(a) and second not in rig.failed(a)
+    (ex,) = [e for _, e in sent(rig, n0, m.Execute) if e.outputs[0].buffer == second]
+    (dev, pieces), = _reads(ex, x)
+    assert dev == 0 and len(pieces) == 1 and pieces[0][1] == 1 and pieces[0][0] > 0
+    (to, send), = [(i, p) for i, p in sent(rig, n0, m.SendPiece) if p.buffer == x]
+    assert to == rig.c.worker_ident[1] and send.piece_id == pieces[0][0] and send.dst_host == 0
+    assert rig.idle()
+    _freed_on_both(rig, a, x)
+
+
+def _freed_on_both(rig, a, x):
+    """x lives on host 1 only, but a node assembled it on host 0 as well: freeing
+    it frees it on both hosts, and forgets that it was repaired."""
+    n0 = len(rig.log)
+    rig.handle(a, m.Release([x]))
+    assert sorted(i for i, f in sent(rig, n0, m.Free) if x in f.buffers) == [b"w0", b"w1"]
+    assert x not in rig.c.copies_dropped
+
+
+def test_a_copy_made_by_a_failed_computation_is_not_read(make_rig):
+    """A computation that was to copy x to device 0 fails: its copy may hold
+    its error, so a node that waited its turn, planned to read that copy, and
+    a node planned afterwards both move x from its owner again."""
+    rig = make_rig(hosts=((0, 1), (1, 1)))
+    a, _ = rig.client("a")
+    cx, x = rig.call(a, 1)
+    rig.handle(a, cx)
+    rig.drain()
+    n0 = len(rig.log)
+    c1, _ = rig.call(a, 0, x)
+    rig.handle(a, c1)                   # sent at once: it copies x to device 0
+    (ex1,) = [e for _, e in sent(rig, n0, m.Execute)]
+    assert _reads(ex1, x)[0][1]
+    _fill_window(rig, 0)
+    c2, second = rig.call(a, 0, x)      # waits its turn, planned to read that copy
+    rig.handle(a, c2)
+    n1 = len(rig.log)
+    rig.handle(rig.c.worker_ident[0], m.ExecDone(ex1.exec_id, m.ErrorInfo("RemoteError", "boom", 0, "f", ""),
+                                                 1000.0, 1000.001))
+    rig.drain()
+    c3, third = rig.call(a, 0, x)
+    rig.handle(a, c3)
+    rig.drain()
+    for out in (second, third):
+        (ex,) = [e for _, e in sent(rig, n1, m.Execute) if e.outputs[0].buffer == out]
+        (dev, pieces), = _reads(ex, x)
+        assert dev == 0 and [d for _, d in pieces] == [1], out
+    assert x not in rig.failed(a) and len(rig.c.directory.buffers[x].layouts) == 2   # third's copy
+    assert rig.idle()
+    _freed_on_both(rig, a, x)
+
+
+def test_copies_of_freed_buffers_are_not_remembered(make_rig):
+    """A node that was to copy a program's intermediate fails after the
+    program freed it: nothing is left to repair, so nothing is remembered."""
+    rig = make_rig(hosts=((0, 1), (1, 1)))
+    a, _ = rig.client("a")
+    c1, t = rig.call(a, 1)
+    c2, y = rig.call(a, 0, t)            # copies t to device 0
+    rig.handle(a, m.Program(1, "p", "parallel", [c1, c2], [t]))
+    (ex2,) = [e for _, e in sent(rig, 0, m.Execute) if e.outputs[0].buffer == y]
+    rig.finish(next(e.exec_id for _, e in sent(rig, 0, m.Execute) if e.outputs[0].buffer == t))
+    rig.handle(rig.c.worker_ident[0], m.ExecDone(ex2.exec_id, m.ErrorInfo("RemoteError", "boom", 0, "f", ""),
+                                                 1000.0, 1000.001))
+    assert t not in rig.c.directory.buffers and not rig.c.copies_dropped
+    assert rig.idle()
+
+
 def test_an_input_left_only_in_an_abandoned_node_s_copy_fails(make_rig):
     """x's host is lost while a node that was to copy x to device 0 waits its
     turn: the node is abandoned, x has no copy left, and its client is told."""

@@ -16,7 +16,7 @@ import collections
 import dataclasses
 import itertools
 import math
-from typing import Callable
+from typing import Callable, Collection
 
 from zpath import sharding
 from zpath.net import messages as m
@@ -45,6 +45,9 @@ class Buffer:
     # layouts of copies planned for a computation that has not finished well
     # yet (the copy may never be made: see Directory.confirm)
     unmade: list[dict[Region, list[int]]] = dataclasses.field(default_factory=list)
+    # hosts that may hold shards of it outside its layouts (a copy forgotten
+    # after its maker failed, shards a re-planned node assembles): freed there too
+    stray: set[int] = dataclasses.field(default_factory=set)
 
     def made_layouts(self) -> list[dict[Region, list[int]]]:
         """Its layouts that hold data (or will, once what makes them finishes):
@@ -124,7 +127,7 @@ class Directory:
             del self.buffers[b]
             self.device_bytes.subtract(_footprint(buf))
             hosts = {self.host_of(d) for lay in buf.layouts for devs in lay.values() for d in devs}
-            for h in sorted(hosts):
+            for h in sorted(hosts | buf.stray):
                 frees.setdefault(h, []).append(b)
         return frees
 
@@ -163,12 +166,65 @@ class Directory:
             before = _footprint(buf)
             buf.layouts = [u for u in buf.layouts if u is not lay]
             buf.unmade = [u for u in buf.unmade if u is not lay]
+            buf.stray.update(self.host_of(d) for devs in lay.values() for d in devs)
             self.device_bytes.subtract(before)
             self.device_bytes.update(_footprint(buf))
             if not buf.layouts and buf.error is None:
                 buf.error = error
                 failed.append(b)
         return failed
+
+    def repair(self, plan: Plan, buffers: Collection[int],
+               unusable: Callable[[int, dict], bool] = lambda b, lay: False) -> None:
+        """A plan made while copies of ``buffers`` were planned that it must
+        not read now: copies dropped since (their maker failed or was
+        abandoned), or copies whose maker has not been sent yet (``unusable``).
+        Each input shard of those buffers that reads, or assembles from, a
+        shard that no usable layout holds is assembled anew from a usable
+        layout, with new ``SendPiece`` orders (those of the old pieces go).
+        Inputs left with no usable layout are not touched (with none at all, the
+        node fails when it is sent: its input failed). The shards it assembles
+        are not recorded as copies (nothing plans to read them, and
+        ``device_bytes`` leaves them out), only their hosts, to free them there."""
+        dropped_pieces: set[int] = set()
+        for host, ex in list(plan.executes.items()):
+            if type(ex) is not m.Execute:      # a fused run moves no data
+                continue
+            inputs = None
+            for k, inp in enumerate(ex.inputs):
+                buf = self.buffers.get(inp.buffer)
+                if inp.buffer not in buffers or buf is None:
+                    continue
+                lays = [lay for lay in buf.layouts if not unusable(inp.buffer, lay)]
+                if not lays:
+                    continue
+
+                def held(dev: int, region: list) -> bool:
+                    r = sharding.from_wire(region)
+                    return any(dev in lay.get(r, ()) for lay in lays)
+                shards = None
+                for j, s in enumerate(inp.shards):
+                    if (held(s.device, s.region) if not s.pieces
+                            else all(held(p.device, p.region) for p in s.pieces)):
+                        continue
+                    sends: list[tuple] = []
+                    pieces = self._pieces(lays, inp.buffer, 0, sharding.from_wire(s.region), host, sends)
+                    pids = [next(self._piece_ids) for _ in sends]
+                    for pid, (src, _, dev, reg, sub, dst, address, channel, machine, key) in zip(pids, sends):
+                        plan.sends.append((src, m.SendPiece(pid, inp.buffer, dev, reg, sub, dst, address,
+                                                            channel, machine, key)))
+                    dropped_pieces.update(p.piece_id for p in s.pieces if p.piece_id)
+                    buf.stray.add(host)
+                    shards = shards or list(inp.shards)
+                    shards[j] = m.ShardInput(s.device, s.region, [
+                        m.PieceSource(0 if n < 0 else pids[n], dev, reg, sub) for n, dev, reg, sub in pieces])
+                if shards is not None:
+                    inputs = inputs or list(ex.inputs)
+                    inputs[k] = m.ExecInput(inp.buffer, inp.aval, inp.spec, shards)
+            if inputs is not None:
+                plan.executes[host] = dataclasses.replace(ex, inputs=inputs)
+        if dropped_pieces:
+            plan.sends[:] = [(src, sp) for src, sp in plan.sends if sp.piece_id not in dropped_pieces]
 
     def confirm(self, copies: list[tuple[int, dict]]) -> None:
         """The computation that made these copies finished without error: they

@@ -75,6 +75,7 @@ class InFlight:
     copies: list[tuple[int, dict]] = dataclasses.field(default_factory=list)   # see Plan.copies
     transient: dict[int, int] | None = None                                     # see Plan.transient
     failed: bool = False                   # a host reported an error
+    error: m.ErrorInfo | None = None       # the first error a host reported
 
 
 @dataclasses.dataclass
@@ -179,6 +180,11 @@ class Controller:
         # submissions waiting for device memory, in arrival order (each resumes at
         # its first unplanned node); while any waits, new ones queue behind it
         self.memory_waiting: collections.deque[_Submission] = collections.deque()
+        # buffers some of whose planned copies were dropped: nodes not sent yet
+        # that read them are repaired before they go (until the buffer is freed)
+        self.copies_dropped: set[int] = set()
+        # buffer -> layouts of its copies that held nodes (not sent yet) are to make
+        self.unsent_copies: dict[int, list[dict]] = {}
         self.unfinished: set[int] = set()   # exec ids of sequential programs' nodes not finished
         self.memory_limit = DEVICE_MEMORY_LIMIT
         self._resuming = False
@@ -968,10 +974,18 @@ class Controller:
         self.pinned.update(_buffers(held.call))
         for o in held.call.outputs:
             self.held_outputs[o.buffer] = held.exec_id
+        for b, lay in held.planned[0].copies:
+            self.unsent_copies.setdefault(b, []).append(lay)
 
     def _unhold(self, held: "_HeldNode") -> None:
         for o in held.call.outputs:
             self.held_outputs.pop(o.buffer, None)
+        for b, lay in held.planned[0].copies:
+            left = [u for u in self.unsent_copies.get(b, ()) if u is not lay]
+            if left:
+                self.unsent_copies[b] = left
+            else:
+                self.unsent_copies.pop(b, None)
         self._unpin(_buffers(held.call))
 
     def _unpin(self, buffers: list[int]) -> None:
@@ -1017,6 +1031,13 @@ class Controller:
         lost while it waited)."""
         held = ready.item
         run = held.run
+        if (self.copies_dropped or self.unsent_copies) and any(
+                i.buffer in self.copies_dropped or i.buffer in self.unsent_copies for i in held.call.inputs):
+            # it may have been planned to read a copy that will never be made,
+            # or that a node not sent yet (so queued behind it) is to make
+            unsent = self.unsent_copies
+            self.directory.repair(held.planned[0], self.copies_dropped | unsent.keys(),
+                                  lambda b, lay: any(lay is u for u in unsent.get(b, ())))
         err = self._unsendable(held)
         if err is not None:
             self._abandon(held, holding, err)
@@ -1028,6 +1049,13 @@ class Controller:
             self._unhold(held)
             self._maybe_release(run)
             self._trigger(("sent", exec_id))      # nodes that waited for this one to be sent
+
+    def _drop_copies(self, copies: list[tuple[int, dict]], error: m.ErrorInfo) -> list[int]:
+        """Forget copies that will never hold data (``Directory.drop_copies``);
+        nodes planned to read them, and not sent yet, read another copy when
+        they go (``_send``). Returns the buffers left with no copy."""
+        self.copies_dropped.update(b for b, _ in copies if b in self.directory.buffers)
+        return self.directory.drop_copies(copies, error)
 
     def _unsendable(self, held: "_HeldNode") -> m.ErrorInfo | None:
         """Why a node that waited can no longer run: an input failed meanwhile, or
@@ -1051,7 +1079,7 @@ class Controller:
         self._release_transient(held.planned[0].transient)
         # its plan recorded copies of its inputs it will never make: forget them
         # (an input left with no copy fails)
-        lost = self.directory.drop_copies(held.planned[0].copies, err or m.ErrorInfo(
+        lost = self._drop_copies(held.planned[0].copies, err or m.ErrorInfo(
             "Abandoned", "its last copy was planned for a computation that was abandoned", None, "", ""))
         if err is not None:
             outs = [o.buffer for o in held.call.outputs]
@@ -1120,6 +1148,8 @@ class Controller:
                 deferred = True
             else:
                 now.append(b)
+        if self.copies_dropped:
+            self.copies_dropped.difference_update(now)
         self._free(self.directory.release(now, owner))
         if deferred and self.memory_waiting:
             self._resume_waiting()      # a waiting call that keeps it alive may go ahead
@@ -1326,9 +1356,18 @@ class Controller:
         self.tenants.host_done(msg.exec_id, msg.end - msg.start, info.host_devices[host])
         info.hosts.discard(host)
         info.failed = info.failed or msg.error is not None
+        info.error = info.error or msg.error
         if not info.hosts:
             if not info.failed:
                 self.directory.confirm(info.copies)
+            elif info.copies:
+                # a copy of a failed computation may hold its error: nothing
+                # reads it (an input left with no copy at all fails)
+                err = info.error or m.ErrorInfo("CopyFailed", "its last copy was made by a computation "
+                                                "that failed", None, info.name, "")
+                lost = self._drop_copies(info.copies, err)
+                if lost and info.client_ident in self.peers:
+                    self.send(info.client_ident, m.CallFailed(0, lost, err))
             self._release_transient(info.transient)
             del self.in_flight[msg.exec_id]
             self._exec_finished(msg.exec_id, info.devices)

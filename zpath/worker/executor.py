@@ -476,7 +476,8 @@ class Executor:
         except InputError as e:
             self.store.set(key, error=e.error)
             raise
-        self.store.set(key, value)
+        # (over an error: an earlier reader that was to assemble this copy failed)
+        self.store.set(key, value, over_error=True)
         return value
 
     def _whole_piece(self, buffer: int, inp: m.ExecInput, s: m.ShardInput, region: tuple) -> np.ndarray | None:

@@ -78,16 +78,21 @@ class Store:
                 cb(e)
 
     def set(self, key: Hashable, value: Any = None, error: m.ErrorInfo | None = None,
-            unless_freed: int | None = None) -> bool:
-        """Give the entry its value or error (once: later ones are ignored).
-        With ``unless_freed`` (a client's shard of that buffer): not if the buffer
-        was freed lately (checked under the same lock, so a Free in between cannot
-        be missed); returns whether it was stored."""
+            unless_freed: int | None = None, over_error: bool = False) -> bool:
+        """Give the entry its value or error (once: later ones are ignored,
+        except that with ``over_error`` a value replaces an error: a copy
+        assembled again after an earlier assembly failed). With
+        ``unless_freed`` (a client's shard of that buffer): not if the buffer
+        was freed lately (checked under the same lock, so a Free in between
+        cannot be missed); returns whether it was stored."""
         with self._lock:
             if unless_freed is not None and unless_freed in self._freed:
                 return False
             e = self._entry(key)
             if e.done:
+                if over_error and e.error is not None and error is None and \
+                        not (key[0] == "s" and key[1] in self._failed):
+                    e.value, e.error = value, None
                 return True
             e.value, e.error, e.done = value, error, True
             event, callbacks = e.event, e.callbacks
