@@ -701,3 +701,87 @@ def test_work_waiting_for_memory_resumes_after_a_lost_host_s_copies_are_forgotte
     rig.c._host_lost(0, "test")              # the run's intermediates on device 1 are free now
     assert [p for i, p in sent(rig, n0, m.SendPiece) if p.buffer == x and i == rig.c.worker_ident[2]]
     assert rig.c.directory.buffers[x].error is None and z not in rig.failed(a)
+
+
+def _reader(rig, a, dev, ins):
+    out = rig.new_id(a)
+    return m.Call(next(rig.ids), rig.programs["f"][0], [1], ["i"], [dev],
+                  [m.CallInput(i, AV, SPEC, False) for i in ins], [m.CallOutput(out, AV, SPEC)]), out
+
+
+def test_a_waiting_node_that_reads_a_value_twice_reads_its_own_copy_once_sent(make_rig):
+    """A node that reads x twice, on a device x is not on, moves x once: its
+    second read reads the copy its first makes, also after waiting its turn."""
+    rig = make_rig(hosts=((0, 1), (1, 1)))
+    a, _ = rig.client("a")
+    cx, x = rig.call(a, 1)
+    rig.handle(a, cx)
+    rig.drain()
+    _fill_window(rig, 0)
+    c, y = _reader(rig, a, 0, [x, x])
+    rig.handle(a, c)
+    n0 = len(rig.log)
+    rig.drain()
+    (ex,) = [e for _, e in sent(rig, n0, m.Execute) if e.outputs[0].buffer == y]
+    first, second = _reads(ex, x)
+    assert len(first[1]) == 1 and second == (0, [])
+    assert len([p for _, p in sent(rig, n0, m.SendPiece) if p.buffer == x]) == 1
+    assert rig.idle() and not rig.c.unsent_copies
+
+
+def test_a_node_whose_only_copy_left_is_not_made_fails_instead_of_waiting(make_rig):
+    """x lives on host 1. In a sequential program, M waits for n1 and is to
+    copy x to device 0; H reads x there too and waits only for its turn. Host
+    1 is lost, and H's turn comes before M is sent: the only copy left is
+    the one M cannot make, so H fails at once (it used to be sent reading a
+    copy that never comes)."""
+    rig = make_rig(hosts=((0, 1), (1, 1), (2, 1)))
+    a, _ = rig.client("a")
+    cx, x = rig.call(a, 1)
+    rig.handle(a, cx)
+    rig.drain()
+    _fill_window(rig, 0)
+    c1, o1 = rig.call(a, 2)
+    cm, om = _reader(rig, a, 0, [x, o1])
+    ch, oh = _reader(rig, a, 0, [x])
+    rig.handle(a, m.Program(60, "s", "sequential", [c1, cm, ch], []))
+    (e1,) = [e.exec_id for _, e in sent(rig, 0, m.Execute) if e.outputs[0].buffer == o1]
+    n0 = len(rig.log)
+    rig.c._host_lost(1, "test")
+    for eid in [e for e in rig.c.in_flight if e != e1]:    # the window's computations end
+        rig.finish(eid)
+    assert oh in rig.failed(a)
+    assert not [e for _, e in sent(rig, n0, m.Execute) if e.outputs[0].buffer == oh]
+    rig.drain()
+    assert {om, x} <= rig.failed(a) and rig.idle() and not rig.c.unsent_copies
+
+
+def test_a_fused_run_that_would_read_a_copy_not_made_yet_runs_as_plain_calls(make_rig):
+    """Template 1 reads its input on device 0 and was fused while that input
+    had a copy there. A run of it on x2, whose copy on device 0 a waiting
+    node is still to make, is not fused: its node moves x2 itself."""
+    rig = make_rig(hosts=((0, 1), (1, 1), (2, 1)))
+    a, _ = rig.client("a")
+    cx, x = rig.call(a, 1)
+    rig.handle(a, cx)
+    rig.drain()
+    define(rig, a, 1, [0], 0, x=x)        # copies x to device 0
+    rig.drain()
+    run(rig, a, 1, 1, 1, x=x)             # reads that copy: fused
+    rig.drain()
+    assert rig.c.templates[(rig.c.peers[a].id, 1)].fused is not None
+    cx2, x2 = rig.call(a, 1)
+    rig.handle(a, cx2)
+    rig.drain()
+    c1, o1 = rig.call(a, 2)
+    c2, o2 = _reader(rig, a, 0, [x2, o1])   # waits for c1, is to copy x2 to device 0
+    rig.handle(a, m.Program(50, "s", "sequential", [c1, c2], []))
+    assert x2 in rig.c.unsent_copies
+    n0 = len(rig.log)
+    _, out = run(rig, a, 1, 1, 2, x=x2)
+    assert not sent(rig, n0, m.RunFused)
+    (ex,) = [e for _, e in sent(rig, n0, m.Execute) if e.outputs[0].buffer == out]
+    (dev, pieces), = _reads(ex, x2)
+    assert dev == 0 and [d for _, d in pieces] == [1]
+    rig.drain()
+    assert rig.idle() and not rig.failed(a)

@@ -47,7 +47,7 @@ class Buffer:
     unmade: list[dict[Region, list[int]]] = dataclasses.field(default_factory=list)
     # hosts that may hold shards of it outside its layouts (a copy forgotten
     # after its maker failed, shards a re-planned node assembles): freed there too
-    stray: set[int] = dataclasses.field(default_factory=set)
+    stray: frozenset[int] = frozenset()
 
     def made_layouts(self) -> list[dict[Region, list[int]]]:
         """Its layouts that hold data (or will, once what makes them finishes):
@@ -166,7 +166,7 @@ class Directory:
             before = _footprint(buf)
             buf.layouts = [u for u in buf.layouts if u is not lay]
             buf.unmade = [u for u in buf.unmade if u is not lay]
-            buf.stray.update(self.host_of(d) for devs in lay.values() for d in devs)
+            buf.stray = buf.stray.union(self.host_of(d) for devs in lay.values() for d in devs)
             self.device_bytes.subtract(before)
             self.device_bytes.update(_footprint(buf))
             if not buf.layouts and buf.error is None:
@@ -175,18 +175,25 @@ class Directory:
         return failed
 
     def repair(self, plan: Plan, buffers: Collection[int],
-               unusable: Callable[[int, dict], bool] = lambda b, lay: False) -> None:
+               unusable: Callable[[int, dict], bool] = lambda b, lay: False,
+               own: Callable[[int, dict], bool] = lambda b, lay: False) -> list[int]:
         """A plan made while copies of ``buffers`` were planned that it must
         not read now: copies dropped since (their maker failed or was
         abandoned), or copies whose maker has not been sent yet (``unusable``).
         Each input shard of those buffers that reads, or assembles from, a
         shard that no usable layout holds is assembled anew from a usable
         layout, with new ``SendPiece`` orders (those of the old pieces go).
+        The plan's ``own`` copies (made by this very computation, from another
+        of its inputs) may be read where it was planned to, but are never a
+        source.
         Inputs left with no usable layout are not touched (with none at all, the
         node fails when it is sent: its input failed). The shards it assembles
         are not recorded as copies (nothing plans to read them, and
-        ``device_bytes`` leaves them out), only their hosts, to free them there."""
+        ``device_bytes`` leaves them out), only their hosts, to free them there.
+        Returns the buffers it had to move and could not: every layout left is
+        unusable (the node cannot run; the plan is left as it was for them)."""
         dropped_pieces: set[int] = set()
+        stuck: list[int] = []
         for host, ex in list(plan.executes.items()):
             if type(ex) is not m.Execute:      # a fused run moves no data
                 continue
@@ -195,18 +202,22 @@ class Directory:
                 buf = self.buffers.get(inp.buffer)
                 if inp.buffer not in buffers or buf is None:
                     continue
-                lays = [lay for lay in buf.layouts if not unusable(inp.buffer, lay)]
-                if not lays:
-                    continue
+                b = inp.buffer
+                readable = [lay for lay in buf.layouts if not unusable(b, lay)]
+                lays = [lay for lay in readable if not own(b, lay)]      # sources
 
                 def held(dev: int, region: list) -> bool:
                     r = sharding.from_wire(region)
-                    return any(dev in lay.get(r, ()) for lay in lays)
+                    return any(dev in lay.get(r, ()) for lay in readable)
                 shards = None
                 for j, s in enumerate(inp.shards):
                     if (held(s.device, s.region) if not s.pieces
                             else all(held(p.device, p.region) for p in s.pieces)):
                         continue
+                    if not lays:
+                        if buf.layouts:       # (none at all: its error fails the node)
+                            stuck.append(inp.buffer)
+                        break
                     sends: list[tuple] = []
                     pieces = self._pieces(lays, inp.buffer, 0, sharding.from_wire(s.region), host, sends)
                     pids = [next(self._piece_ids) for _ in sends]
@@ -214,7 +225,7 @@ class Directory:
                         plan.sends.append((src, m.SendPiece(pid, inp.buffer, dev, reg, sub, dst, address,
                                                             channel, machine, key)))
                     dropped_pieces.update(p.piece_id for p in s.pieces if p.piece_id)
-                    buf.stray.add(host)
+                    buf.stray = buf.stray | {host}
                     shards = shards or list(inp.shards)
                     shards[j] = m.ShardInput(s.device, s.region, [
                         m.PieceSource(0 if n < 0 else pids[n], dev, reg, sub) for n, dev, reg, sub in pieces])
@@ -225,6 +236,7 @@ class Directory:
                 plan.executes[host] = dataclasses.replace(ex, inputs=inputs)
         if dropped_pieces:
             plan.sends[:] = [(src, sp) for src, sp in plan.sends if sp.piece_id not in dropped_pieces]
+        return stuck
 
     def confirm(self, copies: list[tuple[int, dict]]) -> None:
         """The computation that made these copies finished without error: they

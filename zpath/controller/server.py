@@ -766,6 +766,9 @@ class Controller:
             return False
         if t.slot_keys(self.directory.buffers, msg.inputs) != f.slot_keys:
             return False
+        if (self.unsent_copies or self.copies_dropped) and any(
+                b in self.unsent_copies or b in self.copies_dropped for b in msg.inputs):
+            return False          # it may read a copy not made yet: plain calls move it (_send)
         made = templates.fused_buffers(f, peer.id, msg.inputs, msg.first_buffer)
         ids = [buf.id for buf, _ in made]
         if len(set(ids)) != len(ids) or any(msg.first_buffer <= b < msg.first_buffer + t.buffers
@@ -1031,14 +1034,9 @@ class Controller:
         lost while it waited)."""
         held = ready.item
         run = held.run
-        if (self.copies_dropped or self.unsent_copies) and any(
-                i.buffer in self.copies_dropped or i.buffer in self.unsent_copies for i in held.call.inputs):
-            # it may have been planned to read a copy that will never be made,
-            # or that a node not sent yet (so queued behind it) is to make
-            unsent = self.unsent_copies
-            self.directory.repair(held.planned[0], self.copies_dropped | unsent.keys(),
-                                  lambda b, lay: any(lay is u for u in unsent.get(b, ())))
         err = self._unsendable(held)
+        if err is None and (self.copies_dropped or self.unsent_copies):
+            err = self._repair(held)
         if err is not None:
             self._abandon(held, holding, err)
             return
@@ -1056,6 +1054,29 @@ class Controller:
         they go (``_send``). Returns the buffers left with no copy."""
         self.copies_dropped.update(b for b, _ in copies if b in self.directory.buffers)
         return self.directory.drop_copies(copies, error)
+
+    def _repair(self, held: "_HeldNode") -> m.ErrorInfo | None:
+        """A node about to be sent may have been planned to read a copy that
+        will never be made, or that a node not sent yet (so queued behind it)
+        is to make: it reads those shards from a copy that holds data instead
+        (``Directory.repair``). With none left, it cannot run: why."""
+        dropped, unsent = self.copies_dropped, self.unsent_copies
+        copies = held.planned[0].copies
+
+        def own(b: int, lay: dict) -> bool:
+            return any(lay is o for _, o in copies)
+        affected = {i.buffer for i in held.call.inputs if i.buffer in dropped or (
+            i.buffer in unsent and not all(own(i.buffer, u) for u in unsent[i.buffer]))}
+        if not affected:
+            return None
+
+        def unusable(b: int, lay: dict) -> bool:
+            return any(lay is u for u in unsent.get(b, ())) and not own(b, lay)
+        lost = self.directory.repair(held.planned[0], affected, unusable, own)
+        if not lost:
+            return None
+        return m.ErrorInfo("HostLost", f"buffer {lost[0]} has no copy that holds data left (the copies "
+                           "planned for it cannot be made)", None, held.planned[1], "")
 
     def _unsendable(self, held: "_HeldNode") -> m.ErrorInfo | None:
         """Why a node that waited can no longer run: an input failed meanwhile, or
