@@ -19,11 +19,12 @@ times each after a warm-up):
   of plain calls on a host, minus the I/O thread and the controller).
 
 For each it prints the median wall time per computation, the CPU time per
-computation of process 0, and the ratio to ``jax-end``. On this machine's
-CPUs a jitted call runs to completion before it returns, so ``jax-end`` and
-``jax-each`` cost the same; the difference between ``fused`` and ``jax-each``
-is the worker's own work per node. This is a benchmark that prints figures,
-not a test.
+computation of process 0, and the ratio to ``jax-end``. A fused run waits
+for each computation as ``jax-each`` does, so the difference between them is
+the worker's own work per node; ``jax-end`` is what multi-controller does (on
+this machine's CPU client it was 0-20% faster than ``jax-each``, as JAX
+overlaps some of the next call with the current one). This is a benchmark
+that prints figures, not a test.
 
     python benchmarks/worker_loop.py [--nodes 512] [--repeats 10] [--json out.json]
 """
