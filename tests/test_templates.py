@@ -454,9 +454,10 @@ def test_locate_names_a_copy_only_once_the_computation_that_makes_it_has_finishe
         assert loc.error.kind == "HostLost" and not loc.devices
 
 
-def abandoned_reader(rig):
+def abandoned_reader(rig, before_loss=lambda a, x: None):
     """Client a's node on device 0 that reads x (host 1) and z (host 2) waits
-    its turn and is abandoned when host 2 is lost. Returns (a, x, its output)."""
+    its turn and is abandoned when host 2 is lost (``before_loss(a, x)`` is
+    called just before). Returns (a, x, its output)."""
     a, _ = rig.client("a")
     cx, x = rig.call(a, 1)
     cz, z = rig.call(a, 2)
@@ -468,6 +469,7 @@ def abandoned_reader(rig):
     rig.handle(a, m.Call(next(rig.ids), rig.programs["f"][0], [1], ["i"], [0],
                          [m.CallInput(x, AV, SPEC, False), m.CallInput(z, AV, SPEC, False)],
                          [m.CallOutput(out, AV, SPEC)]))
+    before_loss(a, x)
     rig.c._host_lost(2, "test")
     rig.drain()
     return a, x, out
@@ -535,22 +537,14 @@ def test_a_node_that_was_to_read_an_abandoned_node_s_copy_reads_another(make_rig
     abandoned (host 2, with its other input, is lost): it moves x from its
     owner instead (it used to read the copy that never came, and waited 300 s)."""
     rig = make_rig(hosts=((0, 1), (1, 1), (2, 1)))
-    a, _ = rig.client("a")
-    cx, x = rig.call(a, 1)
-    cz, z = rig.call(a, 2)
-    rig.handle(a, cx)
-    rig.handle(a, cz)
-    rig.drain()
-    _fill_window(rig, 0)
-    first = rig.new_id(a)
-    rig.handle(a, m.Call(next(rig.ids), rig.programs["f"][0], [1], ["i"], [0],
-                         [m.CallInput(x, AV, SPEC, False), m.CallInput(z, AV, SPEC, False)],
-                         [m.CallOutput(first, AV, SPEC)]))
-    c2, second = rig.call(a, 0, x)      # planned to read first's copy of x on device 0
-    rig.handle(a, c2)
-    n0 = len(rig.log)
-    rig.c._host_lost(2, "test")
-    rig.drain()
+    later = {}
+
+    def second_reader(a, x):
+        c2, later["out"] = rig.call(a, 0, x)      # planned to read first's copy of x on device 0
+        rig.handle(a, c2)
+        later["n0"] = len(rig.log)
+    a, x, first = abandoned_reader(rig, second_reader)
+    second, n0 = later["out"], later["n0"]
     assert first in rig.failed(a) and second not in rig.failed(a)
     (ex,) = [e for _, e in sent(rig, n0, m.Execute) if e.outputs[0].buffer == second]
     (dev, pieces), = _reads(ex, x)
@@ -575,10 +569,7 @@ def test_a_copy_made_by_a_failed_computation_is_not_read(make_rig):
     its error, so a node that waited its turn, planned to read that copy, and
     a node planned afterwards both move x from its owner again."""
     rig = make_rig(hosts=((0, 1), (1, 1)))
-    a, _ = rig.client("a")
-    cx, x = rig.call(a, 1)
-    rig.handle(a, cx)
-    rig.drain()
+    a, x = _value_on_host_1(rig)
     n0 = len(rig.log)
     c1, _ = rig.call(a, 0, x)
     rig.handle(a, c1)                   # sent at once: it copies x to device 0
@@ -703,6 +694,15 @@ def test_work_waiting_for_memory_resumes_after_a_lost_host_s_copies_are_forgotte
     assert rig.c.directory.buffers[x].error is None and z not in rig.failed(a)
 
 
+def _value_on_host_1(rig):
+    """Client a, and a value x it made on host 1 (device 1)."""
+    a, _ = rig.client("a")
+    cx, x = rig.call(a, 1)
+    rig.handle(a, cx)
+    rig.drain()
+    return a, x
+
+
 def _reader(rig, a, dev, ins):
     out = rig.new_id(a)
     return m.Call(next(rig.ids), rig.programs["f"][0], [1], ["i"], [dev],
@@ -713,10 +713,7 @@ def test_a_waiting_node_that_reads_a_value_twice_reads_its_own_copy_once_sent(ma
     """A node that reads x twice, on a device x is not on, moves x once: its
     second read reads the copy its first makes, also after waiting its turn."""
     rig = make_rig(hosts=((0, 1), (1, 1)))
-    a, _ = rig.client("a")
-    cx, x = rig.call(a, 1)
-    rig.handle(a, cx)
-    rig.drain()
+    a, x = _value_on_host_1(rig)
     _fill_window(rig, 0)
     c, y = _reader(rig, a, 0, [x, x])
     rig.handle(a, c)
@@ -736,10 +733,7 @@ def test_a_node_whose_only_copy_left_is_not_made_fails_instead_of_waiting(make_r
     the one M cannot make, so H fails at once (it used to be sent reading a
     copy that never comes)."""
     rig = make_rig(hosts=((0, 1), (1, 1), (2, 1)))
-    a, _ = rig.client("a")
-    cx, x = rig.call(a, 1)
-    rig.handle(a, cx)
-    rig.drain()
+    a, x = _value_on_host_1(rig)
     _fill_window(rig, 0)
     c1, o1 = rig.call(a, 2)
     cm, om = _reader(rig, a, 0, [x, o1])
@@ -761,10 +755,7 @@ def test_a_fused_run_that_would_read_a_copy_not_made_yet_runs_as_plain_calls(mak
     had a copy there. A run of it on x2, whose copy on device 0 a waiting
     node is still to make, is not fused: its node moves x2 itself."""
     rig = make_rig(hosts=((0, 1), (1, 1), (2, 1)))
-    a, _ = rig.client("a")
-    cx, x = rig.call(a, 1)
-    rig.handle(a, cx)
-    rig.drain()
+    a, x = _value_on_host_1(rig)
     define(rig, a, 1, [0], 0, x=x)        # copies x to device 0
     rig.drain()
     run(rig, a, 1, 1, 1, x=x)             # reads that copy: fused
