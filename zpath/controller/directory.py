@@ -185,13 +185,11 @@ class Directory:
         layout, with new ``SendPiece`` orders (those of the old pieces go).
         The plan's ``own`` copies (made by this very computation, from another
         of its inputs) may be read where it was planned to, but are never a
-        source.
-        Inputs left with no usable layout are not touched (with none at all, the
-        node fails when it is sent: its input failed). The shards it assembles
-        are not recorded as copies (nothing plans to read them, and
-        ``device_bytes`` leaves them out), only their hosts, to free them there.
-        Returns the buffers it had to move and could not: every layout left is
-        unusable (the node cannot run; the plan is left as it was for them)."""
+        source. The shards it assembles are not recorded as copies (nothing
+        plans to read them, and ``device_bytes`` leaves them out), only their
+        hosts, to free them there. Returns the buffers it had to move and could
+        not: no layout left is usable (the node cannot run; the plan is left as
+        it was for them)."""
         dropped_pieces: set[int] = set()
         stuck: list[int] = []
         for host, ex in list(plan.executes.items()):
@@ -199,10 +197,10 @@ class Directory:
                 continue
             inputs = None
             for k, inp in enumerate(ex.inputs):
-                buf = self.buffers.get(inp.buffer)
-                if inp.buffer not in buffers or buf is None:
-                    continue
                 b = inp.buffer
+                buf = self.buffers.get(b)
+                if b not in buffers or buf is None:
+                    continue
                 readable = [lay for lay in buf.layouts if not unusable(b, lay)]
                 lays = [lay for lay in readable if not own(b, lay)]      # sources
 
@@ -215,14 +213,13 @@ class Directory:
                             else all(held(p.device, p.region) for p in s.pieces)):
                         continue
                     if not lays:
-                        if buf.layouts:       # (none at all: its error fails the node)
-                            stuck.append(inp.buffer)
+                        stuck.append(b)
                         break
                     sends: list[tuple] = []
-                    pieces = self._pieces(lays, inp.buffer, 0, sharding.from_wire(s.region), host, sends)
+                    pieces = self._pieces(lays, b, 0, sharding.from_wire(s.region), host, sends)
                     pids = [next(self._piece_ids) for _ in sends]
                     for pid, (src, _, dev, reg, sub, dst, address, channel, machine, key) in zip(pids, sends):
-                        plan.sends.append((src, m.SendPiece(pid, inp.buffer, dev, reg, sub, dst, address,
+                        plan.sends.append((src, m.SendPiece(pid, b, dev, reg, sub, dst, address,
                                                             channel, machine, key)))
                     dropped_pieces.update(p.piece_id for p in s.pieces if p.piece_id)
                     buf.stray = buf.stray | {host}
@@ -231,7 +228,7 @@ class Directory:
                         m.PieceSource(0 if n < 0 else pids[n], dev, reg, sub) for n, dev, reg, sub in pieces])
                 if shards is not None:
                     inputs = inputs or list(ex.inputs)
-                    inputs[k] = m.ExecInput(inp.buffer, inp.aval, inp.spec, shards)
+                    inputs[k] = m.ExecInput(b, inp.aval, inp.spec, shards)
             if inputs is not None:
                 plan.executes[host] = dataclasses.replace(ex, inputs=inputs)
         if dropped_pieces:
