@@ -614,10 +614,7 @@ def test_an_input_left_only_in_an_abandoned_node_s_copy_fails(make_rig):
     """x's host is lost while a node that was to copy x to device 0 waits its
     turn: the node is abandoned, x has no copy left, and its client is told."""
     rig = make_rig(hosts=((0, 1), (1, 1)))
-    a, _ = rig.client("a")
-    call, x = rig.call(a, 1)
-    rig.handle(a, call)
-    rig.drain()
+    a, x = _value_on_host_1(rig)
     _fill_window(rig, 0)
     c2, y = rig.call(a, 0, x)
     rig.handle(a, c2)
