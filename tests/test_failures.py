@@ -330,3 +330,32 @@ def test_a_client_that_gave_up_on_a_stalled_controller_says_goodbye(monkeypatch)
             if other is not None:
                 other.close()
             zp.shutdown()
+
+
+def test_a_client_the_controller_dropped_fails_at_once(fragile, monkeypatch):
+    """A client silent past ZPATH_CLIENT_TIMEOUT (a process stopped with
+    Ctrl-Z, say; here its heartbeats are turned off) is dropped and what it
+    held is freed. When it speaks again, the controller's not_registered
+    answer breaks it: its futures and later calls fail with Broken at once
+    rather than wait out their fetch deadlines."""
+    import zpath.client as zc
+    monkeypatch.setattr(zc, "HEARTBEAT_S", 3600.0)
+    zp.connect(fragile.address, fragile.key, name="sleepy")
+    try:
+        d = zp.make_virtual_device_set().add_slice(devices=1, island=0).devices
+        inc = zp.pmap(lambda x: x + 1., devices=d)
+        held = inc(np.ones(1))
+        assert held.result(timeout=30) == 2.
+        held2 = inc(held)        # not fetched: it waits on the worker
+        time.sleep(6.0)          # past the controller's 4 s client timeout
+        t0 = time.monotonic()
+        late = inc(np.ones(1))   # the controller answers not_registered
+        with pytest.raises(zp.Broken, match="dropped this client"):
+            late.result(timeout=60)
+        with pytest.raises(zp.Broken, match="dropped this client"):
+            held2.result(timeout=60)
+        assert time.monotonic() - t0 < 10
+        with pytest.raises(zp.Broken):
+            inc(np.ones(1))
+    finally:
+        zp.shutdown()

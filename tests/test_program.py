@@ -429,3 +429,62 @@ def test_a_sequential_node_does_not_read_a_copy_a_waiting_node_is_to_make(client
         n1, n2 = p(x)
         np.testing.assert_array_equal(n2.result(timeout=30), [2. * (k + 1)])
         np.testing.assert_array_equal(n1.result(timeout=30), [2. * (k + 1) + 1])
+
+
+def test_a_call_reads_its_inputs_as_they_were_when_it_was_made(client, monkeypatch):
+    """Client values go to the workers later, from the client's I/O thread:
+    changing an array after the call (a reused input buffer) must not change
+    what the call reads. Puts are held here until the array has changed."""
+    from zpath.client import Client
+
+    held = []
+    send = Client.put
+    monkeypatch.setattr(Client, "put", lambda self, *a: held.append((self, a)))
+    d = devices(2)
+    ident = zp.pmap(lambda x: x + 0., devices=d)
+    add = zp.pmap(lambda x, y: x + y, devices=d)
+    x = np.ones((2, 1000))
+    out = ident(x)
+    const = np.array([10., 20.])
+
+    @zp.program
+    def p(v):
+        return add(ident(v), const)
+    v = np.ones(2)
+    prog_out = p(v)
+    x[:] = 7.
+    v[:] = 7.
+    const[:] = 7.        # as with jax.jit, a constant is the value it had when traced
+    monkeypatch.setattr(Client, "put", send)
+    assert len(held) >= 3
+    for self_, a in held:
+        send(self_, *a)
+    np.testing.assert_array_equal(out.result(timeout=60), np.ones((2, 1000)))
+    np.testing.assert_array_equal(prog_out.result(timeout=60), [11., 21.])
+    np.testing.assert_array_equal(p(np.ones(2)).result(timeout=60), [11., 21.])
+
+
+def test_a_program_too_large_for_one_message_fails_where_it_is_called(client, monkeypatch):
+    """The controller refuses a message over codec.MAX_BODY_BYTES; a program
+    that large fails at the call, before its client values are put (they
+    would stay on the workers, unknown to the controller)."""
+    from zpath.net import codec
+
+    d = devices(2)
+    inc = zp.pmap(lambda x: x + 1., devices=d)
+
+    def body(v):
+        for _ in range(20):
+            v = inc(v)
+        return v
+    wait_for(client, empty)
+    monkeypatch.setattr(codec, "MAX_BODY_BYTES", 2000)     # here only: the controller keeps 16 MiB
+    progs = [zp.program(body, dispatch=dispatch) for dispatch in ("parallel", "sequential")]
+    for p in progs:
+        with pytest.raises(zp.ZpathError, match="split it into smaller programs"):
+            p(np.arange(2.))
+    time.sleep(1.5)               # store sizes are reported every second
+    assert empty(wait_for(client, lambda s: True))
+    monkeypatch.undo()
+    for p in progs:
+        np.testing.assert_array_equal(p(np.arange(2.)).result(timeout=60), [20., 21.])

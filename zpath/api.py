@@ -111,6 +111,18 @@ class _Traced:
     out_tree: Any
 
 
+def snapshot(x: Any) -> np.ndarray:
+    """A client value as the call sees it: the values it has now. The value
+    goes to the workers later, from another thread, so an array the caller
+    may change afterwards (a numpy array, or anything else that shares its
+    memory) is copied; a JAX array cannot change and is not."""
+    import jax
+
+    if isinstance(x, jax.Array):
+        return np.asarray(x)
+    return np.array(x, copy=True)
+
+
 def _aval(x: Any) -> tuple[tuple[int, ...], np.dtype]:
     if isinstance(x, Future):
         return x.shape, x.dtype
@@ -255,17 +267,20 @@ class Computation:
         """Send a client value straight to the workers, sharded as this
         computation reads it (``spec``); returns its new buffer id. With
         ``send=False`` only the id is made (for a plan that will not run)."""
+        buf = self.client.new_buffer_id()
+        if send:
+            self.send_put(buf, x, spec)
+        return buf
+
+    def send_put(self, buf: int, x: np.ndarray, spec: list) -> None:
+        """Send a client value to the workers as buffer ``buf`` (see ``put``)."""
         client = self.client
-        buf = client.new_buffer_id()
-        if not send:
-            return buf
         dtype = x.dtype.name
         regs = sharding.regions(x.shape, list(self.mesh.shape), list(self.mesh.axis_names), spec)
         for d, r in zip(self.mesh.device_ids, regs, strict=True):
             data = sharding.cut(x, r)
             client.put(client.devices[d].host, m.Put(buf, d, sharding.to_wire(r),
                                                      m.Aval(list(data.shape), dtype)), data)
-        return buf
 
     def call_message(self, traced: _Traced, inputs: list[m.CallInput],
                      out_buffers: list[int]) -> m.Call:
@@ -291,11 +306,11 @@ class Computation:
             return tracer.record(self, args)
         client = self.client
         leaves, in_tree = jax.tree_util.tree_flatten(args, is_leaf=lambda x: isinstance(x, Future))
-        values = [x if isinstance(x, Future) else np.asarray(x) for x in leaves]
-        for x in values:
+        for x in leaves:
             if isinstance(x, Future) and x._client is not client:
                 raise ValueError(f"{self.name}: an input future belongs to another connection")
-        avals = [_aval(x) for x in values]
+        avals = [_aval(x) for x in leaves]
+        values = [x if isinstance(x, Future) else snapshot(x) for x in leaves]
         traced = self.prepare(args, leaves, in_tree, avals)
         inputs = []
         for x, (shape, dtype), spec in zip(values, avals, traced.in_specs, strict=True):

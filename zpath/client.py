@@ -197,10 +197,12 @@ class Client:
             for d in h.devices:
                 self.devices[d.id] = d
 
-    def post(self, msg: Record, buffers: Any = ()) -> None:
-        """Send to the controller without waiting."""
+    def post(self, msg: Record, buffers: Any = (), body: bytes | None = None) -> None:
+        """Send to the controller without waiting (``body``: the message
+        already packed, codec.pack_body; it rides where a data message's
+        target goes)."""
         self._check_open()
-        self.outbox.put("ctl", None, msg, buffers, 0)
+        self.outbox.put("ctl", body, msg, buffers, 0)
 
     def put(self, host: int, msg: m.Put, data: np.ndarray) -> None:
         self._check_open()
@@ -317,7 +319,7 @@ class Client:
                 to_ctl.append((m.Release(released), 0, 0))
                 released = []
             if kind == "ctl" and not buffers:
-                to_ctl.append((msg, 0, msg_id))
+                to_ctl.append((msg, 0, msg_id) if target is None else (msg, 0, msg_id, target))
                 continue
             self._send_ctl(to_ctl)
             to_ctl = []
@@ -447,6 +449,13 @@ class Client:
                     fut = self._futures.get(b)
                     if fut is not None:
                         fut._fail(err)
+            case m.Error() if msg.code == "not_registered":
+                # the controller no longer knows this connection: it heard
+                # nothing from it for longer than its client timeout (a process
+                # that was stopped, e.g.) and freed everything it held
+                self._break(f"the zpath controller at {self.address} dropped this client "
+                            f"({msg.message}): it heard nothing from it for too long "
+                            "(ZPATH_CLIENT_TIMEOUT) and freed its values; connect again")
             case m.Error() if parent in self._pending:
                 self._pending[parent].set_result(msg)
             case m.Error():

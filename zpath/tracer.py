@@ -18,6 +18,7 @@ import numpy as np
 
 from zpath.errors import ZpathError
 from zpath.futures import Future
+from zpath.net import codec
 from zpath.net import messages as m
 
 _state = threading.local()
@@ -86,7 +87,7 @@ def record(computation: Any, args: tuple) -> Any:
     """Called by a compiled function while a program is traced."""
     import jax
 
-    from zpath.api import _aval
+    from zpath.api import _aval, snapshot
 
     trace: _Trace = _state.trace
     if trace.client is None:
@@ -102,8 +103,9 @@ def record(computation: Any, args: tuple) -> Any:
         elif isinstance(x, Future):
             values.append(Value(x.shape, x.dtype, ("future", x)))
         else:
-            a = np.asarray(x)
-            values.append(Value(*_aval(a), ("const", a)))
+            shape, dtype = _aval(x)
+            a = snapshot(x)         # as jax.jit does: the value it has when traced
+            values.append(Value(shape, dtype, ("const", a)))
     avals = [(v.shape, v.dtype) for v in values]
     traced = computation.prepare(args, leaves, in_tree, avals)
     node = Node(computation, traced, values, [])
@@ -146,11 +148,11 @@ class ProgramFunction:
         input leaves to bind."""
         import jax
 
-        from zpath.api import _aval
+        from zpath.api import _aval, snapshot
 
         leaves, in_tree = jax.tree_util.tree_flatten(args, is_leaf=lambda x: isinstance(x, Future))
-        bound = [x if isinstance(x, Future) else np.asarray(x) for x in leaves]
-        avals = [_aval(x) for x in bound]
+        avals = [_aval(x) for x in leaves]
+        bound = [x if isinstance(x, Future) else snapshot(x) for x in leaves]
         key = (in_tree, tuple((s, d.str) for s, d in avals))
         traced = self._cache.get(key)
         if traced is None:
@@ -172,11 +174,12 @@ class ProgramFunction:
             traced = self._cache[key] = Traced(trace.nodes, inputs, out_leaves, out_tree, trace.client)
         return traced, bound
 
-    def _lower(self, traced: Traced, bound: list, send: bool = True, first: int | None = None,
-               slots: list[int] | None = None) -> tuple[list[m.Call], list[int], list[Future]]:
+    def _lower(self, traced: Traced, bound: list, first: int | None = None,
+               slots: list[int] | None = None) -> tuple[list[m.Call], list[int], list[Future], list[tuple]]:
         """Calls with fresh buffer ids for one invocation, the buffers to free
-        after it (intermediates and client values), and the output futures.
-        ``send=False`` (a plan only) sends no client values. With ``first``, the
+        after it (intermediates and client values), the output futures, and the
+        client values to put, as (computation, buffer, value, spec): none is
+        sent yet (see ``_send``). With ``first``, the
         calls' outputs are numbered ``first, first + 1, ...`` in order, and the
         buffer of every input not made inside the program is appended to
         ``slots`` in order (a template's slots; see DefineProgram)."""
@@ -184,6 +187,7 @@ class ProgramFunction:
         buffers: dict[int, int] = {}               # id(Value) -> buffer id
         put_by: dict[int, int] = {}                # id(Value) -> the node that put it
         put: list[int] = []
+        puts: list[tuple] = []
         calls = []
         new_id = client.new_buffer_id if first is None else itertools.count(first).__next__
         for n, node in enumerate(traced.nodes):
@@ -203,7 +207,8 @@ class ProgramFunction:
                 else:
                     # a client value: put it as its first consumer reads it (a
                     # call cannot read what it puts: one that reads it twice puts it twice)
-                    buf = buffers[id(v)] = node.computation.put(source, spec, send)
+                    buf = buffers[id(v)] = node.computation.put(source, spec, send=False)
+                    puts.append((node.computation, buf, source, spec))
                     put_by[id(v)] = n
                     put.append(buf)
                     inputs.append(m.CallInput(buf, aval, spec, True))
@@ -216,7 +221,21 @@ class ProgramFunction:
             calls.append(node.computation.call_message(node.traced, inputs, outs))
         returned = {id(o) for o in traced.outputs}
         intermediates = [buffers[id(o)] for n in traced.nodes for o in n.outputs if id(o) not in returned]
-        return calls, intermediates + put, _futures(traced, lambda o: buffers[id(o)])
+        return calls, intermediates + put, _futures(traced, lambda o: buffers[id(o)]), puts
+
+    def _send(self, client: Any, msg: Any, puts: list[tuple]) -> None:
+        """Send a program's client values, then the program: first checked
+        against the size one message may carry, so that a program too large
+        fails here, having sent nothing, rather than at the controller."""
+        body = codec.pack_body(msg)
+        if len(body) > codec.MAX_BODY_BYTES:
+            raise ZpathError(
+                f"{self.name}: this program's plan takes {len(body) / 2**20:.1f} MiB, more than "
+                f"one message may carry ({codec.MAX_BODY_BYTES >> 20} MiB): split it into "
+                f"smaller programs")
+        for computation, buf, value, spec in puts:
+            computation.send_put(buf, value, spec)
+        client.post(msg, body=body)
 
     def __call__(self, *args: Any) -> Any:
         import jax
@@ -237,8 +256,8 @@ class ProgramFunction:
             elif template > 0:
                 return self._run_template(traced, bound, template)
             # else no template: too many, or another thread is defining it
-        calls, release, futures = self._lower(traced, bound)
-        client.post(m.Program(client.new_call_id(), self.name, self.dispatch, calls, release))
+        calls, release, futures, puts = self._lower(traced, bound)
+        self._send(client, m.Program(client.new_call_id(), self.name, self.dispatch, calls, release), puts)
         return jax.tree_util.tree_unflatten(traced.out_tree, futures)
 
     def _define_template(self, traced: Traced, bound: list, pattern: tuple, number: int) -> Any:
@@ -252,9 +271,9 @@ class ProgramFunction:
             slots: list[int] = []
             n = sum(len(node.outputs) for node in traced.nodes)
             first = client.new_buffer_ids(n)
-            calls, release, futures = self._lower(traced, bound, first=first, slots=slots)
-            client.post(m.DefineProgram(number, slots, first, n, m.Program(
-                client.new_call_id(), self.name, self.dispatch, calls, release)))
+            calls, release, futures, puts = self._lower(traced, bound, first=first, slots=slots)
+            self._send(client, m.DefineProgram(number, slots, first, n, m.Program(
+                client.new_call_id(), self.name, self.dispatch, calls, release)), puts)
         except BaseException:
             with _define_lock:
                 del traced.templates[pattern]         # the next run tries again
@@ -307,7 +326,7 @@ class ProgramFunction:
         """Print (and return) the plan of this program for these inputs: nodes,
         devices, and the transfers between hosts with their bytes and channel."""
         traced, bound = self.trace(*args)
-        calls, _, _ = self._lower(traced, bound, send=False)
+        calls, _, _, _ = self._lower(traced, bound)
         reply = traced.client.request(m.ExplainRequest(calls))
         lines = [f"program {self.name}: {len(reply.nodes)} node(s), dispatch={self.dispatch}"]
         for k, n in enumerate(reply.nodes):
