@@ -320,3 +320,86 @@ def test_workers_exit_when_the_controller_dies(tmp_path):
         pids = c.pids
         c.stop()
         assert_gone(pids)
+
+
+def test_a_script_that_never_calls_shutdown_leaves_nothing(tmp_path):
+    """zp.init() in a script that ends with an uncaught exception: its
+    processes stop and its temporary directory (logs, the cluster key) goes."""
+    script = ("import zpath as zp, sys\n"
+              "c = zp.init(islands=1, hosts_per_island=1, devices_per_host=1)\n"
+              "print(c.local.dir, *c.local.pids, flush=True)\n"
+              "raise RuntimeError('the script fails')\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("ZPATH_CONTROLLER", "ZPATH_KEEP_LOGS")}
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 1 and "the script fails" in r.stderr, r.stderr
+    where, *pids = r.stdout.split()
+    assert_gone([int(p) for p in pids])
+    assert not os.path.exists(where)
+
+
+def test_zpath_up_outlives_a_lost_worker_and_refuses_a_second_up(tmp_path):
+    """`zpath up` keeps the cluster up when a worker dies (its host is lost,
+    the rest serves); a second `zpath up` with the same state file is refused
+    even while the first is still starting; after the first is killed,
+    `zpath status` says it is not running and `zpath down` removes its
+    temporary directory."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ZPATH_")}
+    env.update(PYTHONUNBUFFERED="1", ZPATH_HOST_TIMEOUT="3")
+    state = tmp_path / "state.json"
+    up = [sys.executable, "-m", "zpath", "up", "--islands", "2", "--devices-per-host", "1",
+          "--state", str(state)]
+    p = subprocess.Popen(up, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    children: list = []
+    try:
+        deadline = time.monotonic() + 60
+        while not os.path.exists(str(state) + ".lock"):     # the first one takes the lock
+            assert time.monotonic() < deadline and p.poll() is None
+            time.sleep(0.02)
+        time.sleep(0.2)          # (it opens the file, then locks it)
+        second = subprocess.run(up, capture_output=True, text=True, timeout=60, env=env)
+        assert second.returncode == 1 and "another `zpath up` is running" in second.stderr, second.stderr
+        address = None
+        while address is None:
+            line = p.stdout.readline()
+            assert line, p.stderr.read()
+            if line.startswith("zpath cluster up:"):
+                address = line.split(":", 1)[1].strip()
+        children = psutil.Process(p.pid).children(recursive=True)
+        victim = next(c for c in children if "--island" in c.cmdline() and
+                      c.cmdline()[c.cmdline().index("--island") + 1] == "1")
+        victim.kill()
+
+        def status() -> subprocess.CompletedProcess:
+            return subprocess.run([sys.executable, "-m", "zpath", "status", "--state", str(state)],
+                                  capture_output=True, text=True, timeout=60, env=env)
+        deadline = time.monotonic() + 30
+        while "LOST" not in (st := status()).stdout:
+            assert time.monotonic() < deadline, st.stdout + st.stderr
+            time.sleep(0.5)
+        assert st.returncode == 0 and "island 0 host 0" in st.stdout
+        assert p.poll() is None
+        log_dir = json_state(state)["log_dir"]
+        p.kill()                  # as if it crashed: no clean stop
+        p.wait(10)
+        assert_gone([c.pid for c in children], timeout=30)
+        st = status()
+        assert st.returncode == 1 and "is not running" in st.stderr, st.stderr
+        down = subprocess.run([sys.executable, "-m", "zpath", "down", "--state", str(state)],
+                              capture_output=True, text=True, timeout=60, env=env)
+        assert down.returncode == 0 and "removed its log directory" in down.stdout, down.stdout
+        assert not os.path.exists(log_dir) and not state.exists()
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+        for c in children:
+            if c.is_running():
+                c.kill()
+        p.stdout.close()
+        p.stderr.close()
+
+
+def json_state(path) -> dict:
+    import json
+    with open(path) as f:
+        return json.load(f)

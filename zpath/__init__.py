@@ -9,6 +9,7 @@
 """
 from __future__ import annotations
 
+import atexit
 import os
 import re
 import warnings
@@ -84,10 +85,17 @@ def init(islands: int | None = None, hosts_per_island: int | None = None,
             shape[k] = v
     local = LocalCluster(**shape, **kwargs)
     try:
-        return _attach(local.address, local.key, local, weight=weight)
+        cluster = _attach(local.address, local.key, local, weight=weight)
     except BaseException:
         local.stop()
         raise
+    if not _at_exit:         # a script that ends without zp.shutdown() (an uncaught
+        atexit.register(shutdown)      # exception, say) still stops what it started
+        _at_exit.append(True)
+    return cluster
+
+
+_at_exit: list[bool] = []
 
 
 def connect(address: str, key: bytes | str | None = None, *, name: str = "client",

@@ -44,6 +44,13 @@ def _up(args: argparse.Namespace) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, on_signal)
     state_path = args.state or cluster_state.default_path()
+    # held until this process ends (however it ends): a second `zpath up` with
+    # this state file, even one started while this one is still starting, stops here
+    lock = cluster_state.lock(state_path)
+    if lock is None:
+        print(f"zpath up: another `zpath up` is running with state file {state_path}; stop it "
+              "with `zpath down` or pass --state", file=sys.stderr)
+        return 1
     if os.path.exists(state_path):
         try:
             old = cluster_state.read_state(state_path)
@@ -88,15 +95,25 @@ def _up(args: argparse.Namespace) -> int:
         print(f"  state:    {state_path}  (`zpath down --state {state_path}` stops it)", flush=True)
         print(f"connect with: ZPATH_KEY_FILE={cluster.key_file} and "
               f"zp.connect({cluster.address!r})  (Ctrl-C stops the cluster)", flush=True)
+        # A worker that exits is a lost host: the controller fails what needed
+        # it and serves the rest (README: Failures), so the cluster stays up.
+        # Without its controller there is no cluster: that stops it.
+        reported: set[str] = set()
         while not stop.wait(0.5):
             for name, p in cluster.procs:
-                if p.poll() is not None:
-                    print(f"{cluster._describe_exit(name, p).replace('during start-up', 'while running')}\n"
-                          "stopping the cluster", file=sys.stderr, flush=True)
+                if p.poll() is None or name in reported:
+                    continue
+                reported.add(name)
+                what = cluster._describe_exit(name, p).replace("during start-up", "while running")
+                if name == "controller":
+                    print(f"{what}\nstopping the cluster", file=sys.stderr, flush=True)
                     return 1
+                print(f"{what}\nits host is lost; the rest of the cluster keeps running",
+                      file=sys.stderr, flush=True)
     finally:
         cluster.stop()
         cluster_state.remove_state(state_path, os.getpid())
+        lock.close()
         print("zpath cluster stopped", file=sys.stderr, flush=True)
     return interrupted()
 
@@ -131,6 +148,10 @@ def _status(args: argparse.Namespace) -> int:
             address = st["address"]
         except (OSError, ValueError, KeyError) as e:
             raise ZpathError(f"cannot read the state file {path}: {e}") from None
+        up_pid = st.get("launcher_pid")
+        if up_pid and not cluster_state.alive(up_pid, st.get("launcher_create_time")):
+            raise ZpathError(f"the cluster of state file {path} is not running (its `zpath up`, "
+                             f"pid {up_pid}, has exited); `zpath down` cleans up after it")
         if not (os.environ.get("ZPATH_KEY") or os.environ.get("ZPATH_KEY_FILE")) and st.get("key_file"):
             try:
                 with open(st["key_file"]) as f:

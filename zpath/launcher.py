@@ -138,7 +138,7 @@ class ClusterLauncher:
             self._wait_registered(deadline)
             log.info("%s up at %s (pid %d), logs in %s", self.kind, self.address, ctl.pid, self.dir)
         except BaseException:
-            self.stop()
+            self.stop(keep_logs=True)        # the error says to look there
             raise
 
     def _spawn(self, name: str, argv: list[str], env: dict[str, str],
@@ -211,8 +211,10 @@ class ClusterLauncher:
     def _ask_to_stop(self, name: str, p: subprocess.Popen) -> None:
         p.send_signal(signal.SIGTERM)
 
-    def stop(self, grace: float = GRACE_S) -> None:
-        """Stop every process this cluster started: SIGTERM, then SIGKILL."""
+    def stop(self, grace: float = GRACE_S, keep_logs: bool = False) -> None:
+        """Stop every process this cluster started: SIGTERM, then SIGKILL. The
+        log directory goes too if the cluster made it, unless ``keep_logs``
+        or ZPATH_KEEP_LOGS."""
         for name, p in reversed(self.procs):
             if p.poll() is None:
                 try:
@@ -237,7 +239,7 @@ class ClusterLauncher:
         # segments of workers on this machine that died without cleaning up (SIGKILL)
         from zpath.net.channels import cleanup
         cleanup(self.shm_prefix)
-        if self._own_dir and not os.environ.get("ZPATH_KEEP_LOGS"):
+        if self._own_dir and not keep_logs and not os.environ.get("ZPATH_KEEP_LOGS"):
             shutil.rmtree(self.dir, ignore_errors=True)
 
     def __enter__(self) -> "ClusterLauncher":

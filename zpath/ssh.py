@@ -255,7 +255,7 @@ class SSHCluster(ClusterLauncher):
         else:
             super()._ask_to_stop(name, p)
 
-    def stop(self, grace: float = 10.0) -> None:
+    def stop(self, grace: float = 10.0, keep_logs: bool = False) -> None:
         """Close every ssh session (the remote side stops its worker: SIGTERM,
         SIGKILL after 5 s), then stop the controller; SIGKILL what is left."""
-        super().stop(grace)
+        super().stop(grace, keep_logs)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import time
@@ -41,8 +42,32 @@ def cluster_state(cluster: Any) -> dict[str, Any]:
             entry["ssh"] = cluster.ssh_argv(host_of[name], "")[:-1]
         procs.append(entry)
     return {"address": cluster.address, "key_file": cluster.key_file, "log_dir": cluster.dir,
+            "own_log_dir": bool(getattr(cluster, "_own_dir", False)),
             "launcher_pid": os.getpid(), "launcher_create_time": _create_time(os.getpid()),
             "procs": procs}
+
+
+def lock(path: str) -> Any:
+    """Take the lock of state file ``path`` (``path.lock``, created with its
+    directory if need be): the open lock file, or None if another process
+    holds it. The lock lasts until the file is closed or the process ends,
+    however it ends. A path that cannot be used fails here, before anything
+    has started."""
+    import fcntl
+
+    if os.path.isdir(path):
+        raise ZpathError(f"the state file {path} is a directory")
+    try:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        f = open(path + ".lock", "a")
+    except OSError as e:
+        raise ZpathError(f"cannot use the state file {path}: {e.strerror}") from None
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        f.close()
+        return None
+    return f
 
 
 def write_state(path: str, state: dict[str, Any]) -> None:
@@ -126,6 +151,13 @@ def down(path: str, timeout: float = 30.0) -> list[str]:
             except ProcessLookupError:
                 pass
     remove_state(path)
+    # the temporary directory that zpath up made (logs, and the cluster's key),
+    # as its own stop would have removed it
+    log_dir = state.get("log_dir")
+    if state.get("own_log_dir") and log_dir and os.path.isdir(log_dir) \
+            and not os.environ.get("ZPATH_KEEP_LOGS"):
+        shutil.rmtree(log_dir, ignore_errors=True)
+        done.append(f"removed its log directory {log_dir}")
     if not done:
         done.append("nothing was running")
     return done

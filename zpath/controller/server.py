@@ -13,6 +13,7 @@ import itertools
 import logging
 import os
 import signal
+import sys
 import time
 from typing import Any
 
@@ -1420,7 +1421,11 @@ def main(argv: list[str] | None = None) -> int:
     die_with_parent()
     faulthandler.register(signal.SIGUSR1)  # `kill -USR1 <pid>` dumps every thread's stack
     logs.setup("controller")
-    ctl = Controller(key_from_env(), args.bind, policy=args.policy)
+    try:
+        ctl = Controller(key_from_env(), args.bind, policy=args.policy)
+    except zmq.ZMQError as e:        # the address is taken, or not this machine's
+        print(f"zpath controller: cannot listen on {args.bind}: {e}", file=sys.stderr, flush=True)
+        return 1
     signal.signal(signal.SIGTERM, ctl.stop)
     signal.signal(signal.SIGINT, ctl.stop)
     if args.address_file:
