@@ -51,6 +51,15 @@ def test_missing_or_bad_key_files(tmp_path):
     assert r.returncode == 1 and "is not hexadecimal" in r.stderr, r.stderr
 
 
+def test_init_checks_the_cluster_shape_before_starting_anything(monkeypatch):
+    monkeypatch.delenv("ZPATH_CONTROLLER", raising=False)
+    for bad in ("1", 1.5, 0, True):
+        with pytest.raises(ValueError, match="islands must be a whole number >= 1"):
+            zp.init(islands=bad)
+    with pytest.raises(ValueError, match="devices_per_host must be a whole number >= 1"):
+        zp.init(devices_per_host=-2)
+
+
 def test_connect_checks_its_arguments_before_connecting():
     with pytest.raises(zp.ZpathError, match="is not a cluster address"):
         zp.connect("127.0.0.1:5555", KEY)

@@ -177,7 +177,30 @@ def test_fetch_has_a_deadline(client):
     fut = slow(np.ones((1, 1500, 1500)))
     with pytest.raises(zp.DeadlineExceeded, match="not fetched within"):
         fut.result(timeout=0.001)
+    for bad in ("1", -1, 0, True):     # refused before anything is asked of the workers
+        with pytest.raises(ValueError, match="timeout must be a number of seconds > 0"):
+            fut.result(timeout=bad)
     assert fut.result(timeout=120).shape == (1, 1500, 1500)
+
+
+def test_a_fetched_value_is_read_only(client):
+    """Every result() returns the one value fetched: it cannot be changed in
+    place (as with JAX's np.asarray(array)); np.array() gives a copy that can."""
+    fut = zp.pmap(lambda x: x + 1., devices=devices(1))(np.ones(1))
+    r = fut.result(timeout=60)
+    with pytest.raises(ValueError, match="read-only"):
+        r[0] = 99.
+    mine = np.array(fut)
+    mine[0] = 99.
+    np.testing.assert_array_equal(np.asarray(fut), [2.])
+
+
+def test_sizes_must_be_whole_numbers(client):
+    for bad in (1.5, "1", True, 0):
+        with pytest.raises(ValueError, match="devices must be a whole number >= 1"):
+            zp.make_virtual_device_set().add_slice(devices=bad)
+    with pytest.raises(ValueError, match="island must be a whole number >= 0"):
+        zp.make_virtual_device_set().add_slice(devices=1, island="0")
 
 
 def test_bad_requests_get_clear_errors(client):

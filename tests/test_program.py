@@ -138,6 +138,14 @@ def test_program_errors(client):
     with pytest.raises(ValueError, match="dispatch must be"):
         zp.program(lambda v: v, dispatch="sideways")
 
+    inner = zp.program(lambda v: inc(v))
+
+    @zp.program
+    def outer(v):
+        return inner(inc(v))
+    with pytest.raises(zp.ZpathError, match="cannot be nested"):
+        outer(np.ones(2))
+
 
 def test_a_failing_node_fails_the_program_outputs(client):
     import jax.numpy as jnp

@@ -78,10 +78,13 @@ def init(islands: int | None = None, hosts_per_island: int | None = None,
             warnings.warn(f"ZPATH_CONTROLLER is set: zp.init() connects to that cluster and "
                           f"ignores {', '.join(given)}", stacklevel=2)
         return connect(os.environ["ZPATH_CONTROLLER"], weight=weight)
+    from zpath.api import whole_number
+
     shape = default_shape()
     for k, v in (("islands", islands), ("hosts_per_island", hosts_per_island),
                  ("devices_per_host", devices_per_host)):
         if v is not None:
+            whole_number(k, v, 1)
             shape[k] = v
     local = LocalCluster(**shape, **kwargs)
     try:

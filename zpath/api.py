@@ -56,6 +56,10 @@ class VirtualDeviceSet:
         """Allocate ``devices`` devices on one island (optionally a given island
         or host): the least-loaded devices, on one host when one host has
         enough free, else over several hosts of the island."""
+        whole_number("devices", devices, 1)
+        for name, v in (("island", island), ("host", host)):
+            if v is not None:
+                whole_number(name, v, 0)
         reply = self.client.request(m.AllocSlice(int(devices), None if island is None else int(island),
                                                  None if host is None else int(host)))
         self.client.learn(reply.devices)
@@ -67,6 +71,13 @@ class VirtualDeviceSet:
     @property
     def devices(self) -> list[VirtualDevice]:
         return [d for s in self.slices for d in s.devices]
+
+
+def whole_number(name: str, v: Any, least: int) -> None:
+    """Check that argument ``name`` is a whole number >= ``least`` (not a
+    bool, a float or a string)."""
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < least:
+        raise ValueError(f"{name} must be a whole number >= {least}, not {v!r}")
 
 
 def make_virtual_device_set() -> VirtualDeviceSet:

@@ -64,6 +64,9 @@ class Future:
                 return
             self._fetch = None
             if error is None:
+                # the value every later result() returns: read-only, as JAX's
+                # np.asarray(array) is, so no caller can change it for the others
+                value.flags.writeable = False
                 self._value = value
             else:
                 self._fetch_error = error
@@ -87,7 +90,10 @@ class Future:
         seconds (default ``ZPATH_FETCH_TIMEOUT``, 600)."""
         from zpath.client import FETCH_TIMEOUT_S
 
-        timeout = FETCH_TIMEOUT_S if timeout is None else timeout
+        if timeout is None:
+            timeout = FETCH_TIMEOUT_S
+        elif isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+            raise ValueError(f"timeout must be a number of seconds > 0 (or None), not {timeout!r}")
         with self._lock:
             if self._error is not None:
                 raise _fresh(self._error)
@@ -113,7 +119,9 @@ class Future:
 
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
         value = self.result()
-        return value if dtype is None else value.astype(dtype)
+        if dtype is not None:
+            return value.astype(dtype)
+        return value.copy() if copy else value
 
     def __repr__(self) -> str:
         try:

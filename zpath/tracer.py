@@ -150,14 +150,15 @@ class ProgramFunction:
 
         from zpath.api import _aval, snapshot
 
+        if tracing():      # (before its arguments, which have no contents while tracing)
+            raise ZpathError("@zp.program functions cannot be nested: call the inner one's "
+                             "compiled functions directly")
         leaves, in_tree = jax.tree_util.tree_flatten(args, is_leaf=lambda x: isinstance(x, Future))
         avals = [_aval(x) for x in leaves]
         bound = [x if isinstance(x, Future) else snapshot(x) for x in leaves]
         key = (in_tree, tuple((s, d.str) for s, d in avals))
         traced = self._cache.get(key)
         if traced is None:
-            if tracing():
-                raise ZpathError("@zp.program functions cannot be nested")
             inputs = [Value(s, d, ("input", i)) for i, (s, d) in enumerate(avals)]
             _state.trace = trace = _Trace()
             try:

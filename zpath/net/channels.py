@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import glob
 import hashlib
+import heapq
 import itertools
 import mmap
 import os
@@ -33,7 +34,7 @@ import queue
 import socket
 import threading
 import weakref
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -435,6 +436,19 @@ class Shaper:
         return [(off, min(self.chunk_bytes, nbytes - off),
                  self.due(min(self.chunk_bytes, nbytes - off), now))
                 for off in range(0, nbytes, self.chunk_bytes)]
+
+
+def repace(shaper: Shaper, queued: list[tuple], dropped: Callable[[tuple], bool],
+           now: float) -> list[tuple]:
+    """A DCN link's queue, as a heap of (due, seq, rank, message, buffers),
+    less the entries that ``dropped`` picks (for a peer that was lost): the
+    link time they had booked is given back, the others keep their order
+    (``seq``) and are paced again from ``now``. Returns the new heap."""
+    kept = sorted((e for e in queued if not dropped(e)), key=lambda e: e[1])
+    shaper._free_at = 0.0
+    out = [(shaper.due(piece_nbytes(e[4]), now), *e[1:]) for e in kept]
+    heapq.heapify(out)
+    return out
 
 
 def piece_nbytes(buffers: Any) -> int:

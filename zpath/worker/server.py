@@ -64,9 +64,12 @@ class Worker:
             jax.config.update("jax_cpu_collectives_implementation", "gloo")
             log.info("joining island runtime at %s as process %d of %d", coordinator,
                      process_id, num_processes)
+            # the coordinator (process 0) listens where the others reach it,
+            # not on every interface (JAX's default)
             jax.distributed.initialize(coordinator, num_processes=num_processes,
                                        process_id=process_id,
-                                       initialization_timeout=int(REGISTER_TIMEOUT_S))
+                                       initialization_timeout=int(REGISTER_TIMEOUT_S),
+                                       coordinator_bind_address=coordinator if process_id == 0 else None)
             _gloo_listens_on(bind_host)
         self.jax = jax
         self.local = jax.local_devices()
@@ -409,6 +412,11 @@ class Worker:
             case m.Free():
                 self.executor.free_after_earlier(msg.buffers)
             case m.HostDown():
+                if any(e[2] == msg.rank for e in self.shaped):
+                    # what was queued on the emulated DCN link for it goes, and
+                    # gives back the link time it had booked
+                    self.shaped = channels.repace(self.shaper, self.shaped,
+                                                  lambda e: e[2] == msg.rank, time.monotonic())
                 n = self.shm_out.forget(msg.rank)
                 self.peer_addrs.pop(msg.rank, None)
                 sock = self.peer_socks.pop(msg.rank, None)
