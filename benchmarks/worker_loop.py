@@ -11,11 +11,7 @@ times each after a warm-up):
   JAX multi-controller process does in benchmarks/chained.py);
 * ``jax-each``: the same, blocking after every call (what the worker does);
 * ``fused``: one ``FusedRun`` of all the nodes submitted to the worker's
-  ``Executor`` (the path a fused ``@zp.program`` run takes on each host); with
-  one device per process it launches each node without waiting for the one
-  before (see ``Executor._run_fused``);
-* ``fused-wait``: the same, waiting for each node to finish before the next
-  (``launch_ahead`` off: how fused runs went before they launched ahead);
+  ``Executor`` (the path a fused ``@zp.program`` run takes on each host);
 * ``fused-execute``: the same, with every node sent through
   ``Executor._execute`` as a plain call is (how fused runs went before their
   short way, see ``Executor._run_fused``);
@@ -23,12 +19,12 @@ times each after a warm-up):
   of plain calls on a host, minus the I/O thread and the controller).
 
 For each it prints the median wall time per computation, the CPU time per
-computation of process 0, and the ratio to ``jax-end``. ``fused`` launches
-as ``jax-end`` does and ``fused-wait`` waits as ``jax-each`` does, so the
-differences between them are the worker's own work per node; ``jax-end`` is
-what multi-controller does (on this machine's CPU client it was 0-20% faster
-than ``jax-each``, as JAX overlaps some of the next call with the current
-one). This is a benchmark that prints figures, not a test.
+computation of process 0, and the ratio to ``jax-end``. A fused run waits
+for each computation as ``jax-each`` does, so the difference between them is
+the worker's own work per node; ``jax-end`` is what multi-controller does (on
+this machine's CPU client it was 0-20% faster than ``jax-each``, as JAX
+overlaps some of the next call with the current one). This is a benchmark
+that prints figures, not a test.
 
     python benchmarks/worker_loop.py [--nodes 512] [--repeats 10] [--json out.json]
 """
@@ -44,7 +40,7 @@ import sys
 import time
 from typing import Any
 
-VARIANTS = ("jax-end", "jax-each", "fused", "fused-wait", "fused-execute", "plain")
+VARIANTS = ("jax-end", "jax-each", "fused", "fused-execute", "plain")
 
 
 def child(idx: int, port: int, nodes: int, repeats: int) -> None:
@@ -136,8 +132,7 @@ def child(idx: int, port: int, nodes: int, repeats: int) -> None:
                 x.block_until_ready()
         return float(np.asarray(x.addressable_shards[0].data)[0])
 
-    def fused(short_way: bool, ahead: bool = True) -> float:
-        ex.launch_ahead = ahead
+    def fused(short_way: bool) -> float:
         x0, first = put(0.), next(ids)
         for _ in range(nodes):
             next(ids)
@@ -159,8 +154,7 @@ def child(idx: int, port: int, nodes: int, repeats: int) -> None:
         return fetch(b)
 
     runs = {"jax-end": lambda: jax_loop(False), "jax-each": lambda: jax_loop(True),
-            "fused": lambda: fused(True), "fused-wait": lambda: fused(True, False),
-            "fused-execute": lambda: fused(False, False), "plain": plain}
+            "fused": lambda: fused(True), "fused-execute": lambda: fused(False), "plain": plain}
     want = np.float64(0.)
     with np.errstate(over="ignore"):
         for _ in range(nodes):

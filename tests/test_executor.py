@@ -201,61 +201,6 @@ _SCRIPT = textwrap.dedent("""
     res["two_failures"] = [err.message, [[hf.store.entry(shard_key(5000 + c, d.id, r_)).error.message
                                           for d, r_ in zip(two, ([[0, 1]], [[1, 2]]))] for c in (1, 2, 3)]]
 
-    # one device on this host: a fused run launches a computation taken the
-    # short way without waiting for the one before it when it reads what that
-    # one makes (a chain), and waits for what it launched, in order, before
-    # anything else; outputs that outlive the run are stored once ready
-    h1 = Host()
-    h1.ex.stop()
-    h1.ex = Executor(h1.store, {devs[0].id: devs[0]}, lambda i, err, s, e, hold: h1.done.put((i, err)))
-    res["ahead_on"] = h1.ex.launch_ahead
-    one_dev = devs[:1]
-    d_inc, b_inc = export(lambda x: x + 1., (2,), np.float64, one_dev, P(), P())
-    d_dbl, b_dbl = export(lambda x: x * 2., (2,), np.float64, one_dev, P(), P())
-    d_add3, b_add3 = export(lambda x: x + 3., (2,), np.float64, one_dev, P(), P())
-    for dig, bl in ((d_inc, b_inc), (d_dbl, b_dbl), (d_add3, b_add3)):
-        h1.ex.add_program(dig, bl)
-    one_id = [devs[0].id]
-    def node1(dig, inp, out):
-        aval = m.Aval([2], "float64")
-        return m.Execute(0, 0, dig, "n", [1], ["i"], one_id, one_id,
-                         [m.ExecInput(inp, aval, [], [m.ShardInput(devs[0].id, [[0, 2]], [])])],
-                         [m.ExecOutput(out, aval, [])])
-    # 0 = x+1 (reads the run's input: _execute), 1 = 2*0, 2 = 1+1, 3 = 2*0 (reads
-    # 0, not 2: waits first), 4 = 3+3, 5 = 2*4; kept: 2, 4, 5
-    template1 = [node1(d_inc, -1, 0), node1(d_dbl, 0, 1), node1(d_inc, 1, 2), node1(d_dbl, 0, 3),
-                 node1(d_add3, 3, 4), node1(d_dbl, 4, 5)]
-    plan1 = [None]
-    settled = []
-    settle = h1.ex._settle
-    def counting_settle(run, launched, made, error):
-        settled.append([len(launched), sum(1 for c in (2, 4, 5)
-                                           if h1.store.entry(shard_key(run.first + c, devs[0].id, ((0, 2),))).done)])
-        return settle(run, launched, made, error)
-    h1.ex._settle = counting_settle
-    def fused1(r, x):
-        h1.put(r * 1000 - 1, np.full(2, x), one_dev, P())
-        h1.ex.submit(FusedRun(r, r, "f1", one_id, template1, [r * 1000 - 1], r * 1000, [0, 1, 3], plan1))
-        got, err = h1.done.get(timeout=60)
-        assert got == r
-        out = {}
-        for c in (2, 4, 5):
-            e = h1.store.entry(shard_key(r * 1000 + c, devs[0].id, ((0, 2),)))
-            out[c] = e.error.message if e.error else np.asarray(e.value).tolist()
-        return [None if err is None else err.message, out]
-    res["ahead"] = [fused1(1, 0.), fused1(2, 1.)]
-    res["ahead_settled"] = list(settled)
-    add3 = plan1[0].steps[4][0]
-    add3.fn, add3_fn = boom, add3.fn         # node 4, launched ahead
-    del settled[:]
-    res["ahead"].append(fused1(3, 0.))
-    res["ahead_settled"].append(list(settled))
-    add3.fn = add3_fn
-    h1.ex.launch_ahead = False               # the same runs, waiting for each
-    plan1[0] = None
-    res["waiting"] = [fused1(4, 0.), fused1(5, 1.)]
-    h1.ex.stop()
-
     # completions of short computations run back to back are reported with
     # ``hold`` (but not the last); held reports are released before the thread
     # waits for an input. SHORT_S is raised so that a loaded machine cannot make
@@ -355,23 +300,6 @@ def test_a_fused_run_passes_arrays_on_the_short_way_and_fails_what_a_failure_rea
     # a second failure on the short way poisons its outputs as the first did
     err, outs = results["two_failures"]
     assert err == "RuntimeError: injected" and outs == [[err, err]] * 3
-
-
-def test_a_fused_run_on_one_device_launches_a_chain_ahead_and_waits_before_anything_else(results):
-    assert results["ahead_on"]          # one device here
-    # x=0: 0:1, 1:2, 2:3, 3:2, 4:5, 5:10; x=1: 2, 4, 5, 4, 7, 14
-    assert results["ahead"][:2] == [[None, {"2": [3.0, 3.0], "4": [5.0, 5.0], "5": [10.0, 10.0]}],
-                                    [None, {"2": [5.0, 5.0], "4": [7.0, 7.0], "5": [14.0, 14.0]}]]
-    assert results["waiting"] == results["ahead"][:2]
-    # per run: nodes 1, 2 launched, then waited for before node 3 (which reads
-    # node 0, not node 2), nothing stored yet; then 3, 4, 5 at the end, 2 stored
-    assert results["ahead_settled"][:4] == [[2, 0], [3, 1], [2, 0], [3, 1]]
-    # node 4 fails as it is launched: node 3 is waited for first; 4 and 5 (which
-    # reads 4) fail with its error, 2 is right, the run reports the error
-    err, out = results["ahead"][2]
-    assert err == "RuntimeError: injected"
-    assert out == {"2": [3.0, 3.0], "4": err, "5": err}
-    assert results["ahead_settled"][4] == [[2, 0], [1, 1]]
 
 
 def test_short_computations_run_back_to_back_are_reported_with_hold(results):

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import collections
 import logging
-import os
 import queue
 import threading
 import time
@@ -99,11 +98,6 @@ class Executor:
         self.devices = local_devices
         self.jax_devices = jax_devices or {d.id: d for d in local_devices.values()}
         self.gid = {d: g for g, d in local_devices.items()}
-        # fused runs launch chained computations without waiting for each (see
-        # _run_fused): only with one device here, where nothing else can run
-        # between them (several in flight on several devices of one process
-        # can deadlock in XLA:CPU, see ARCHITECTURE.md section 2)
-        self.launch_ahead = len(local_devices) == 1 and os.environ.get("ZPATH_LAUNCH_AHEAD", "1") != "0"
         self.on_done = on_done
         self.release_held = release_held
         self.input_timeout_s = input_timeout_s
@@ -270,26 +264,13 @@ class Executor:
         is called on those arrays as they are, with what that needs worked out
         once per fused program (``_FusedPlan``). Any other one (it reads the
         run's inputs, reads a value in another sharding, or an input failed)
-        goes through ``_execute`` like a plain call.
-
-        With ``launch_ahead`` (this host has one device), a computation taken
-        the short way that reads what the one launched just before it makes is
-        launched without waiting for that one to finish, as a JAX program's
-        own loop does: JAX runs it once its inputs are ready, so the two never
-        run at once, and the next call's host work overlaps the device's. The
-        run waits for what it launched, in order (``_settle``), before anything
-        else: a computation that does not read the last one launched, one that
-        goes through ``_execute``, and the end of the run; only then are the
-        outputs that outlive the run stored. A computation that fails fails
-        what reads its outputs with its error, as when waiting for each."""
+        goes through ``_execute`` like a plain call."""
         plan = run.plan[0]
         if plan is None:
             plan = run.plan[0] = _FusedPlan(self, run.executes, set(run.release))
         first, error = run.first, None
         made = _Made({run.buffer(c) for c in run.release})
         arrays, unstored = made.arrays, made.unstored
-        ahead = self.launch_ahead
-        launched: list[tuple] = []       # (Execute, step, outputs), not waited for yet
         for sub, step in zip(run.executes, plan.steps):
             if step is not None:
                 prepared, ins, outs = step
@@ -298,79 +279,28 @@ class Executor:
                 except KeyError:      # an input failed: _execute fails this one
                     args = None
                 if args is not None:
-                    # launched ahead only behind the one it reads (a chain):
-                    # computations with collectives must not run at once
-                    if launched and not any(c == o[0] for c in ins for o in launched[-1][1][2]):
-                        error = self._settle(run, launched, made, error)
                     try:
                         got = prepared.fn(*args)
-                        if not ahead:
-                            if len(got) == 1:
-                                got[0].block_until_ready()
+                        if len(got) == 1:
+                            got[0].block_until_ready()
+                        else:
+                            self.jax.block_until_ready(got)
+                        for k, (c, sharding_k, o, intermediate) in enumerate(outs):
+                            b = first + c
+                            arrays[b] = (got[k], sharding_k, prepared, k, o)
+                            if intermediate:
+                                unstored.add(b)
                             else:
-                                self.jax.block_until_ready(got)
+                                for gid, region, data in prepared.output_shards(k, o, got[k]):
+                                    self.store.set(("s", b, gid, region), data)
                     except Exception as e:
-                        if launched:          # those before it come first
-                            error = self._settle(run, launched, made, error)
-                        for c, *_ in outs:    # later ones read the error from the store
+                        for c, *_ in outs:       # later ones read the error from the store
                             arrays.pop(first + c, None)
                         e = self._failed(sub, run.exec_id, run.buffer, e, made)
                         error = error or e
-                        continue
-                    for k, (c, sharding_k, o, intermediate) in enumerate(outs):
-                        b = first + c
-                        arrays[b] = (got[k], sharding_k, prepared, k, o)
-                        if intermediate:
-                            unstored.add(b)
-                        elif not ahead:
-                            self._store_output(prepared, k, o, b, got[k])
-                    if ahead:
-                        launched.append((sub, step, got))
                     continue
-            if launched:
-                error = self._settle(run, launched, made, error)
             e = self._run_one(sub, run.exec_id, run.buffer, made)
             error = error or e
-        if launched:
-            error = self._settle(run, launched, made, error)
-        return error
-
-    def _store_output(self, prepared: "_Prepared", k: int, o: m.ExecOutput, b: int, out: Any) -> None:
-        for gid, region, data in prepared.output_shards(k, o, out):
-            self.store.set(("s", b, gid, region), data)
-
-    def _settle(self, run: FusedRun, launched: list[tuple], made: _Made,
-                error: m.ErrorInfo | None) -> m.ErrorInfo | None:
-        """Wait, in order, for the computations a fused run launched without
-        waiting, and store their outputs that outlive the run. One that fails
-        (or reads what failed) loses its outputs from ``made`` and fails them
-        in the store, as ``_run_one`` does. Empties ``launched``; returns the
-        run's first error: ``error`` (the one so far), else the first here."""
-        first = run.first
-        failed: dict[int, m.ErrorInfo] = {}      # buffer -> why it failed
-        for sub, (prepared, ins, outs), got in launched:
-            # it read what failed: it fails with the same error (JAX fails it too,
-            # with its own text)
-            cause = next((failed[first + c] for c in ins if first + c in failed), None)
-            why: Exception | None = InputError(cause) if cause is not None else None
-            try:
-                if len(got) == 1:
-                    got[0].block_until_ready()
-                else:
-                    self.jax.block_until_ready(got)
-            except Exception as e:
-                why = why or e
-            if why is None:
-                for k, (c, _, o, intermediate) in enumerate(outs):
-                    if not intermediate:
-                        self._store_output(prepared, k, o, first + c, got[k])
-                continue
-            cause = self._failed(sub, run.exec_id, run.buffer, why, made)
-            error = error or cause
-            for c, *_ in outs:
-                made.arrays.pop(first + c, None)
-                failed[first + c] = cause
-        launched.clear()
         return error
 
     def _run_one(self, ex: m.Execute, exec_id: int, buffer: Callable[[int], int] = _as_is,
