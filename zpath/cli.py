@@ -270,7 +270,10 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] == "worker":
         from zpath.worker.server import main as worker_main
         return _friendly("worker", worker_main, argv[1:])
-    args = p.parse_args(argv)
+    args, extra = p.parse_known_args(argv)
+    if extra:            # the subcommand's usage, not the top level's
+        {"up": up, "down": dn, "status": st}[args.command].error(
+            f"unrecognized arguments: {' '.join(extra)}")
     return _friendly(args.command, args.fn, args)
 
 
