@@ -177,10 +177,10 @@ def test_fetch_has_a_deadline(client):
     fut = slow(np.ones((1, 1500, 1500)))
     with pytest.raises(zp.DeadlineExceeded, match="not fetched within"):
         fut.result(timeout=0.001)
-    for bad in ("1", -1, 0, True):     # refused before anything is asked of the workers
+    for bad in ("1", -1, 0, True, float("inf"), 1e12):     # refused before anything is asked
         with pytest.raises(ValueError, match="timeout must be a number of seconds > 0"):
             fut.result(timeout=bad)
-    assert fut.result(timeout=120).shape == (1, 1500, 1500)
+    assert fut.result(timeout=np.int64(120)).shape == (1, 1500, 1500)
 
 
 def test_a_fetched_value_is_read_only(client):
@@ -360,6 +360,49 @@ def test_a_script_that_never_calls_shutdown_leaves_nothing(tmp_path):
     assert not os.path.exists(where)
 
 
+def test_a_forked_child_that_exits_leaves_the_parents_cluster_alone():
+    """The exit hook that stops a zp.init() cluster runs only in the process
+    that started it, not in a child it forked."""
+    script = ("import os, numpy as np, zpath as zp\n"
+              "c = zp.init(islands=1, hosts_per_island=1, devices_per_host=1)\n"
+              "pid = os.fork()\n"
+              "if pid == 0:\n"
+              "    raise SystemExit(0)\n"
+              "os.waitpid(pid, 0)\n"
+              "d = zp.make_virtual_device_set().add_slice(devices=1).devices\n"
+              "print(os.path.exists(c.local.key_file), zp.pmap(lambda x: x + 1, devices=d)(np.ones(1)).result(timeout=60)[0])\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("ZPATH_CONTROLLER", "ZPATH_KEEP_LOGS")}
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.split() == ["True", "2.0"], r.stdout
+
+
+def test_a_failed_start_says_where_its_logs_are(tmp_path):
+    import socket
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        with pytest.raises(zp.ZpathError, match="cannot listen on") as e:
+            LocalCluster(islands=1, hosts_per_island=1, devices_per_host=1, controller_port=port)
+    where = str(e.value).rsplit("(logs in ", 1)[1].rstrip(")")
+    assert os.path.isfile(os.path.join(where, "controller.log"))
+    import shutil
+    shutil.rmtree(where)
+
+
+def test_zpath_down_removes_only_a_directory_zpath_up_made(tmp_path):
+    from zpath import state as cluster_state
+    mine = tmp_path / "my-logs"
+    mine.mkdir()
+    (mine / "cluster.key").write_text("00")
+    path = tmp_path / "state.json"
+    cluster_state.write_state(str(path), {"address": "tcp://127.0.0.1:1", "log_dir": str(mine),
+                                          "own_log_dir": True, "launcher_pid": 0, "procs": []})
+    assert "nothing was running" in cluster_state.down(str(path))[-1]
+    assert mine.is_dir() and not path.exists()
+
+
 def test_zpath_up_outlives_a_lost_worker_and_refuses_a_second_up(tmp_path):
     """`zpath up` keeps the cluster up when a worker dies (its host is lost,
     the rest serves); a second `zpath up` with the same state file is refused
@@ -373,6 +416,7 @@ def test_zpath_up_outlives_a_lost_worker_and_refuses_a_second_up(tmp_path):
           "--state", str(state)]
     p = subprocess.Popen(up, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     children: list = []
+    log_dir = None
     try:
         deadline = time.monotonic() + 60
         while not os.path.exists(str(state) + ".lock"):     # the first one takes the lock
@@ -399,7 +443,10 @@ def test_zpath_up_outlives_a_lost_worker_and_refuses_a_second_up(tmp_path):
         while "LOST" not in (st := status()).stdout:
             assert time.monotonic() < deadline, st.stdout + st.stderr
             time.sleep(0.5)
-        assert st.returncode == 0 and "island 0 host 0" in st.stdout
+        lines = st.stdout.splitlines()      # (ranks follow the order the workers registered in)
+        assert st.returncode == 0 and "1 host(s)" in lines[0], st.stdout
+        assert any(ln.strip().startswith("island 0 host") and "LOST" not in ln for ln in lines), st.stdout
+        assert any(ln.strip().startswith("island 1 host") and ln.endswith("LOST") for ln in lines), st.stdout
         assert p.poll() is None
         log_dir = json_state(state)["log_dir"]
         p.kill()                  # as if it crashed: no clean stop
@@ -420,6 +467,9 @@ def test_zpath_up_outlives_a_lost_worker_and_refuses_a_second_up(tmp_path):
                 c.kill()
         p.stdout.close()
         p.stderr.close()
+        if log_dir and os.path.isdir(log_dir):       # the test failed before `zpath down`
+            import shutil
+            shutil.rmtree(log_dir)
 
 
 def json_state(path) -> dict:

@@ -340,6 +340,9 @@ def test_a_client_the_controller_dropped_fails_at_once(fragile, monkeypatch):
     rather than wait out their fetch deadlines."""
     import zpath.client as zc
     monkeypatch.setattr(zc, "HEARTBEAT_S", 3600.0)
+    breaks = []
+    real_break = zc.Client._break
+    monkeypatch.setattr(zc.Client, "_break", lambda self, *a, **k: (breaks.append(a), real_break(self, *a, **k)))
     zp.connect(fragile.address, fragile.key, name="sleepy")
     try:
         d = zp.make_virtual_device_set().add_slice(devices=1, island=0).devices
@@ -357,5 +360,8 @@ def test_a_client_the_controller_dropped_fails_at_once(fragile, monkeypatch):
         assert time.monotonic() - t0 < 10
         with pytest.raises(zp.Broken):
             inc(np.ones(1))
+        del held, held2, late          # releases are not sent by a broken client
+        time.sleep(1.0)
+        assert len(breaks) == 1, breaks     # once: no goodbye, no answer, no second break
     finally:
         zp.shutdown()

@@ -173,15 +173,23 @@ def _hosts(port: int, *extra: str) -> list:
                                      *extra]))
 
 
+def _remove_logs(error: Exception) -> None:
+    """A cluster that failed to start keeps its logs and names them in the error."""
+    where = str(error).rsplit("(logs in ", 1)[1].split(")")[0]
+    assert os.path.isfile(os.path.join(where, "controller.log")), where
+    shutil.rmtree(where)
+
+
 def test_unreachable_host_fails_fast_naming_it(sshd):
     from zpath.ssh import SSHCluster
     port, opts, sshd_pid = sshd
     closed = free_port("127.0.0.1")
     t = time.monotonic()
     with pytest.raises(ZpathError, match=rf"host root@127.0.0.1:{closed} \(hostfile line 2\): "
-                                          "cannot reach it over ssh"):
+                                          "cannot reach it over ssh") as e:
         SSHCluster(_hosts(port, f"127.0.0.1 user=root port={closed} island=1 devices=1 python={PY}"),
                    ssh_options=opts, connect_timeout=5, start_timeout=60)
+    _remove_logs(e.value)
     assert time.monotonic() - t < 30
     wait_no_sessions(sshd_pid)          # the good host's worker was stopped too
 
@@ -195,9 +203,10 @@ def test_host_without_zpath_fails_naming_it(sshd):
         pytest.skip(f"{bare} missing or has zpath")
     t = time.monotonic()
     with pytest.raises(ZpathError, match=rf"host root@127.0.0.1:{port} \(hostfile line 2\): "
-                                          f"zpath is not installed for {bare} there"):
+                                          f"zpath is not installed for {bare} there") as e:
         SSHCluster(_hosts(port, f"127.0.0.1 user=root port={port} island=1 devices=1 python={bare}"),
                    ssh_options=opts, connect_timeout=5, start_timeout=60)
+    _remove_logs(e.value)
     assert time.monotonic() - t < 30
     wait_no_sessions(sshd_pid)
 
@@ -206,10 +215,11 @@ def test_worker_dying_at_start_is_named(sshd):
     from zpath.ssh import SSHCluster
     port, opts, sshd_pid = sshd
     with pytest.raises(ZpathError, match=r"host 127.0.0.1:\d+ \(hostfile line 2\): its worker exited "
-                                         r"with code \d+ during start-up"):
+                                         r"with code \d+ during start-up") as e:
         # the worker cannot bind its data port on an address this machine does not have
         SSHCluster(_hosts(port, f"127.0.0.1 port={port} island=1 devices=1 python={PY} bind=192.0.2.1"),
                    ssh_options=opts, connect_timeout=5, start_timeout=60)
+    _remove_logs(e.value)
     wait_no_sessions(sshd_pid)
 
 

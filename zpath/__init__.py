@@ -93,12 +93,19 @@ def init(islands: int | None = None, hosts_per_island: int | None = None,
         local.stop()
         raise
     if not _at_exit:         # a script that ends without zp.shutdown() (an uncaught
-        atexit.register(shutdown)      # exception, say) still stops what it started
-        _at_exit.append(True)
+        atexit.register(_shutdown_at_exit, os.getpid())   # exception, say) still stops
+        _at_exit.append(True)                               # what it started
     return cluster
 
 
 _at_exit: list[bool] = []
+
+
+def _shutdown_at_exit(pid: int) -> None:
+    """``shutdown`` when the process that started the cluster exits (not a
+    child it forked: the cluster, its files and segments are the parent's)."""
+    if os.getpid() == pid:
+        shutdown()
 
 
 def connect(address: str, key: bytes | str | None = None, *, name: str = "client",

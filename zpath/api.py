@@ -123,10 +123,8 @@ class _Traced:
 
 
 def snapshot(x: Any) -> np.ndarray:
-    """A client value as the call sees it: the values it has now. The value
-    goes to the workers later, from another thread, so an array the caller
-    may change afterwards (a numpy array, or anything else that shares its
-    memory) is copied; a JAX array cannot change and is not."""
+    """A value as it is now, for later use (a program's constant): a copy,
+    unless it is a JAX array, which cannot change."""
     import jax
 
     if isinstance(x, jax.Array):
@@ -290,6 +288,12 @@ class Computation:
         regs = sharding.regions(x.shape, list(self.mesh.shape), list(self.mesh.axis_names), spec)
         for d, r in zip(self.mesh.device_ids, regs, strict=True):
             data = sharding.cut(x, r)
+            # it goes to the workers later, from the I/O thread: a view of an
+            # array the caller may change afterwards is copied now (a read-only
+            # one, e.g. a JAX array's, cannot change; cut copied what was not
+            # contiguous already)
+            if data.flags.writeable and np.may_share_memory(data, x):
+                data = data.copy()
             client.put(client.devices[d].host, m.Put(buf, d, sharding.to_wire(r),
                                                      m.Aval(list(data.shape), dtype)), data)
 
@@ -321,7 +325,7 @@ class Computation:
             if isinstance(x, Future) and x._client is not client:
                 raise ValueError(f"{self.name}: an input future belongs to another connection")
         avals = [_aval(x) for x in leaves]
-        values = [x if isinstance(x, Future) else snapshot(x) for x in leaves]
+        values = [x if isinstance(x, Future) else np.asarray(x) for x in leaves]
         traced = self.prepare(args, leaves, in_tree, avals)
         inputs = []
         for x, (shape, dtype), spec in zip(values, avals, traced.in_specs, strict=True):

@@ -219,7 +219,7 @@ class Client:
     def release(self, buffer: int) -> None:
         """A future was dropped: its buffer may be freed. Goes through the outbox
         after every call already queued, so it never overtakes a call using it."""
-        if not self._closed:
+        if not self._closed and self._broken is None:
             self.outbox.put("rel", None, buffer, (), 0)
 
     def start_fetch(self, future: Any, timeout: float) -> "_Fetch":
@@ -345,7 +345,7 @@ class Client:
             failed = self.ep.send_batch(self.ctl, msgs)
         except Exception as e:    # the socket: what went before may have gone, but nothing is known
             log.error("cannot send %d messages to the controller: %s", len(msgs), e)
-            failed = [(msg, msg_id, e) for msg, _, msg_id in msgs]
+            failed = [(msg, msg_id, e) for msg, _, msg_id, *_ in msgs]
         for msg, msg_id, e in failed:
             log.error("cannot send %s: %s", type(msg).__name__, e)
             self._failed(msg, msg_id, e)
@@ -375,13 +375,14 @@ class Client:
                 if fut is not None:
                     fut._fail(err)
 
-    def _break(self, why: str) -> None:
+    def _break(self, why: str, goodbye: bool = True) -> None:
         """The controller is gone: fail every request and fetch that waits, and
         every later use of this client, with Broken (values already fetched stay)."""
         log.error("zpath: %s", why)
         self._broken = err = Broken(why)
         # no more heartbeats; if the controller was only stalled, it frees what we hold
-        self._send(self.ctl, m.Goodbye("the client gave up on the controller"), (), 0)
+        if goodbye:
+            self._send(self.ctl, m.Goodbye("the client gave up on the controller"), (), 0)
         for fut in list(self._pending.values()):
             if not fut.done():
                 fut.set_exception(Broken(why))
@@ -452,10 +453,13 @@ class Client:
             case m.Error() if msg.code == "not_registered":
                 # the controller no longer knows this connection: it heard
                 # nothing from it for longer than its client timeout (a process
-                # that was stopped, e.g.) and freed everything it held
-                self._break(f"the zpath controller at {self.address} dropped this client "
-                            f"({msg.message}): it heard nothing from it for too long "
-                            "(ZPATH_CLIENT_TIMEOUT) and freed its values; connect again")
+                # that was stopped, e.g.) and freed everything it held; there is
+                # no one to say goodbye to (once: later answers are ignored)
+                if self._broken is None:
+                    self._break(f"the zpath controller at {self.address} dropped this client "
+                                f"({msg.message}): it heard nothing from it for too long "
+                                "(ZPATH_CLIENT_TIMEOUT) and freed its values; connect again",
+                                goodbye=False)
             case m.Error() if parent in self._pending:
                 self._pending[parent].set_result(msg)
             case m.Error():

@@ -1,6 +1,7 @@
 """Futures: handles to values that live on the workers."""
 from __future__ import annotations
 
+import numbers
 import threading
 from typing import Any
 
@@ -8,6 +9,9 @@ import numpy as np
 
 from zpath import sharding
 from zpath.errors import DeadlineExceeded, ZpathError
+
+
+MAX_TIMEOUT_S = 1e7      # (a wait longer than the platform's limit raises OverflowError)
 
 
 class Future:
@@ -92,8 +96,11 @@ class Future:
 
         if timeout is None:
             timeout = FETCH_TIMEOUT_S
-        elif isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
-            raise ValueError(f"timeout must be a number of seconds > 0 (or None), not {timeout!r}")
+        elif isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) \
+                or not 0 < timeout <= MAX_TIMEOUT_S:
+            raise ValueError(f"timeout must be a number of seconds > 0 and <= {MAX_TIMEOUT_S:g} "
+                             f"(or None), not {timeout!r}")
+        timeout = float(timeout)
         with self._lock:
             if self._error is not None:
                 raise _fresh(self._error)

@@ -137,8 +137,13 @@ class ClusterLauncher:
             self._start_workers(deadline)
             self._wait_registered(deadline)
             log.info("%s up at %s (pid %d), logs in %s", self.kind, self.address, ctl.pid, self.dir)
-        except BaseException:
-            self.stop(keep_logs=True)        # the error says to look there
+        except Exception as e:
+            self.stop(keep_logs=True)        # for the user to read: the error says where
+            if isinstance(e, ZpathError) and self.dir not in str(e):
+                e.args = (f"{e.args[0] if e.args else e}\n(logs in {self.dir})", *e.args[1:])
+            raise
+        except BaseException:                # Ctrl-C: nothing to look at
+            self.stop()
             raise
 
     def _spawn(self, name: str, argv: list[str], env: dict[str, str],

@@ -108,6 +108,18 @@ def remove_state(path: str, launcher_pid: int | None = None) -> None:
         pass
 
 
+def _made_by_zpath_up(path: str) -> bool:
+    """Whether ``path`` looks like the temporary directory a launcher makes
+    (``<tmp>/zpath-*`` holding a cluster key): what ``zpath down`` may
+    remove, whatever a (perhaps edited) state file says."""
+    import tempfile
+
+    path = os.path.realpath(path)
+    return (os.path.dirname(path) == os.path.realpath(tempfile.gettempdir())
+            and os.path.basename(path).startswith("zpath-") and os.path.isdir(path)
+            and os.path.isfile(os.path.join(path, "cluster.key")))
+
+
 def kill_remote(ssh_argv: list[str], pid: int, timeout: float = 20.0) -> bool:
     """SIGTERM the ``zpath.remote`` process ``pid`` over ssh (checking it is one)."""
     cmd = f"ps -o args= -p {int(pid)} | grep -q zpath.remote && kill -TERM {int(pid)}"
@@ -154,7 +166,7 @@ def down(path: str, timeout: float = 30.0) -> list[str]:
     # the temporary directory that zpath up made (logs, and the cluster's key),
     # as its own stop would have removed it
     log_dir = state.get("log_dir")
-    if state.get("own_log_dir") and log_dir and os.path.isdir(log_dir) \
+    if state.get("own_log_dir") and log_dir and _made_by_zpath_up(log_dir) \
             and not os.environ.get("ZPATH_KEEP_LOGS"):
         shutil.rmtree(log_dir, ignore_errors=True)
         done.append(f"removed its log directory {log_dir}")

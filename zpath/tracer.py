@@ -148,14 +148,14 @@ class ProgramFunction:
         input leaves to bind."""
         import jax
 
-        from zpath.api import _aval, snapshot
+        from zpath.api import _aval
 
         if tracing():      # (before its arguments, which have no contents while tracing)
             raise ZpathError("@zp.program functions cannot be nested: call the inner one's "
                              "compiled functions directly")
         leaves, in_tree = jax.tree_util.tree_flatten(args, is_leaf=lambda x: isinstance(x, Future))
         avals = [_aval(x) for x in leaves]
-        bound = [x if isinstance(x, Future) else snapshot(x) for x in leaves]
+        bound = [x if isinstance(x, Future) else np.asarray(x) for x in leaves]
         key = (in_tree, tuple((s, d.str) for s, d in avals))
         traced = self._cache.get(key)
         if traced is None:

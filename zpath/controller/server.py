@@ -430,6 +430,8 @@ class Controller:
                         self.device_held.update(zip(devices, msg.device_bytes))
             case m.Ping() if peer is not None:
                 self.send(ident, m.Pong(msg.seq, 0, 0, []), parent)
+            case m.Goodbye() if peer is None:
+                pass            # a connection already dropped: nothing to answer
             case _ if peer is None:
                 self.reply_error(ident, parent, "not_registered",
                                  f"{type(msg).__name__} before Hello/RegisterWorker")

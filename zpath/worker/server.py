@@ -64,12 +64,13 @@ class Worker:
             jax.config.update("jax_cpu_collectives_implementation", "gloo")
             log.info("joining island runtime at %s as process %d of %d", coordinator,
                      process_id, num_processes)
-            # the coordinator (process 0) listens where the others reach it,
+            # the coordinator (process 0) listens on this host's --bind-host,
             # not on every interface (JAX's default)
             jax.distributed.initialize(coordinator, num_processes=num_processes,
                                        process_id=process_id,
                                        initialization_timeout=int(REGISTER_TIMEOUT_S),
-                                       coordinator_bind_address=coordinator if process_id == 0 else None)
+                                       coordinator_bind_address=_bind_address(bind_host, coordinator)
+                                       if process_id == 0 else None)
             _gloo_listens_on(bind_host)
         self.jax = jax
         self.local = jax.local_devices()
@@ -708,6 +709,13 @@ def _array(aval: m.Aval, buffers: list) -> np.ndarray:
     if any(s < 0 for s in shape) or buffers[0].nbytes != dtype.itemsize * int(np.prod(shape)):
         raise ValueError(f"{buffers[0].nbytes} bytes do not make a {aval.dtype}{list(shape)}")
     return np.frombuffer(buffers[0], dtype=dtype).reshape(shape)
+
+
+def _bind_address(bind_host: str, coordinator: str) -> str:
+    """``bind_host`` with the coordinator's port (an IPv6 address in brackets)."""
+    port = coordinator.rsplit(":", 1)[1]
+    host = f"[{bind_host}]" if ":" in bind_host and not bind_host.startswith("[") else bind_host
+    return f"{host}:{port}"
 
 
 def _gloo_listens_on(address: str) -> None:
