@@ -476,3 +476,31 @@ def json_state(path) -> dict:
     import json
     with open(path) as f:
         return json.load(f)
+
+
+def test_a_worker_stopped_while_registering_exits_cleanly():
+    """SIGTERM while a worker waits for the controller's answer to its
+    registration: it stops at once with exit code 0, not after the
+    registration timeout with an error that the controller did not answer."""
+    import zmq
+    ctx = zmq.Context()
+    silent = ctx.socket(zmq.ROUTER)         # takes the registration, never answers
+    port = silent.bind_to_random_port("tcp://127.0.0.1")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ZPATH_")}
+    env["ZPATH_KEY"] = "00112233445566778899aabbccddeeff"
+    p = subprocess.Popen([sys.executable, "-m", "zpath.worker", "--controller", f"tcp://127.0.0.1:{port}"],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        assert silent.poll(60_000), "the worker never tried to register"
+        t = time.monotonic()
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(20) == 0, p.stderr.read()
+        assert time.monotonic() - t < 10
+        assert "did not answer" not in p.stderr.read()
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+        p.stderr.close()
+        silent.close(0)
+        ctx.term()

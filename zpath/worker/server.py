@@ -163,6 +163,8 @@ class Worker:
                     case m.Error():
                         raise ZpathError(f"controller refused registration: {reply.message}")
             attempt += 1
+        if not self.running:          # SIGTERM or Ctrl-C while it waited
+            raise _Stopped()
         raise ZpathError(f"controller did not answer within {REGISTER_TIMEOUT_S:.0f}s")
 
     # ---- helpers used from any thread ---------------------------------------
@@ -741,6 +743,10 @@ def _gloo_listens_on(address: str) -> None:
                     address, type(e).__name__, e)
 
 
+class _Stopped(Exception):
+    """Asked to stop (SIGTERM, SIGINT) while registering."""
+
+
 class _Profiler:
     """``ZPATH_PROFILE=<dir>``: profile every thread of this worker with cProfile
     (one profile per thread, timed by the thread's CPU clock, so waits do not
@@ -864,6 +870,10 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, w.stop)
     try:
         w.register()
+    except _Stopped:
+        log.info("stopped before it registered")
+        w.close()
+        return 0
     except ZpathError as e:
         log.error("%s", e)
         w.close()
