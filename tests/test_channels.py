@@ -319,7 +319,7 @@ def test_a_lost_peer_gives_back_the_link_time_it_had_booked():
     for seq, (rank, nbytes) in enumerate([(1, 125_000_000), (2, 1000), (1, 125_000_000), (3, 2000)]):
         heapq.heappush(queued, (s.due(nbytes, 100.0), seq, rank, f"m{seq}", [np.zeros(nbytes, np.uint8)]))
     assert max(e[0] for e in queued if e[2] == 3) == pytest.approx(102.010024)   # behind 2 s for rank 1
-    queued = channels.repace(s, queued, lambda e: e[2] == 1, 100.5)
+    queued = s.repace(queued, lambda e: e[2] == 1, 100.5)
     assert [(e[2], e[3]) for e in sorted(queued)] == [(2, "m1"), (3, "m3")]
     assert [e[0] for e in sorted(queued)] == pytest.approx([100.510008, 100.510024])
     assert s.due(0, 100.5) == pytest.approx(100.510024)      # the link is free after them

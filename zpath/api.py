@@ -122,16 +122,6 @@ class _Traced:
     out_tree: Any
 
 
-def snapshot(x: Any) -> np.ndarray:
-    """A value as it is now, for later use (a program's constant): a copy,
-    unless it is a JAX array, which cannot change."""
-    import jax
-
-    if isinstance(x, jax.Array):
-        return np.asarray(x)
-    return np.array(x, copy=True)
-
-
 def _aval(x: Any) -> tuple[tuple[int, ...], np.dtype]:
     if isinstance(x, Future):
         return x.shape, x.dtype

@@ -83,11 +83,19 @@ class _Trace:
         self.client: Any = None
 
 
+def _constant(x: Any) -> np.ndarray:
+    """A value from outside a program, as jax.jit takes it: the value it has
+    when traced (a copy, unless a JAX array, which cannot change)."""
+    import jax
+
+    return np.asarray(x) if isinstance(x, jax.Array) else np.array(x, copy=True)
+
+
 def record(computation: Any, args: tuple) -> Any:
     """Called by a compiled function while a program is traced."""
     import jax
 
-    from zpath.api import _aval, snapshot
+    from zpath.api import _aval
 
     trace: _Trace = _state.trace
     if trace.client is None:
@@ -104,7 +112,7 @@ def record(computation: Any, args: tuple) -> Any:
             values.append(Value(x.shape, x.dtype, ("future", x)))
         else:
             shape, dtype = _aval(x)
-            a = snapshot(x)         # as jax.jit does: the value it has when traced
+            a = _constant(x)
             values.append(Value(shape, dtype, ("const", a)))
     avals = [(v.shape, v.dtype) for v in values]
     traced = computation.prepare(args, leaves, in_tree, avals)
@@ -187,7 +195,6 @@ class ProgramFunction:
         client = traced.client
         buffers: dict[int, int] = {}               # id(Value) -> buffer id
         put_by: dict[int, int] = {}                # id(Value) -> the node that put it
-        put: list[int] = []
         puts: list[tuple] = []
         calls = []
         new_id = client.new_buffer_id if first is None else itertools.count(first).__next__
@@ -211,7 +218,6 @@ class ProgramFunction:
                     buf = buffers[id(v)] = node.computation.put(source, spec, send=False)
                     puts.append((node.computation, buf, source, spec))
                     put_by[id(v)] = n
-                    put.append(buf)
                     inputs.append(m.CallInput(buf, aval, spec, True))
                 if slots is not None and kind != "node":
                     slots.append(inputs[-1].buffer)
@@ -222,7 +228,8 @@ class ProgramFunction:
             calls.append(node.computation.call_message(node.traced, inputs, outs))
         returned = {id(o) for o in traced.outputs}
         intermediates = [buffers[id(o)] for n in traced.nodes for o in n.outputs if id(o) not in returned]
-        return calls, intermediates + put, _futures(traced, lambda o: buffers[id(o)]), puts
+        return (calls, intermediates + [p[1] for p in puts], _futures(traced, lambda o: buffers[id(o)]),
+                puts)
 
     def _send(self, client: Any, msg: Any, puts: list[tuple]) -> None:
         """Send a program's client values, then the program: first checked

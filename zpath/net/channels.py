@@ -428,6 +428,18 @@ class Shaper:
         self._free_at = end
         return end + self.latency
 
+    def repace(self, queued: list[tuple], dropped: Callable[[tuple], bool],
+               now: float) -> list[tuple]:
+        """This link's queue, as a heap of (due, seq, rank, message, buffers),
+        less the entries that ``dropped`` picks (for a peer that was lost): the
+        link time they had booked is given back, the others keep their order
+        (``seq``) and are paced again from ``now``. Returns the new heap."""
+        kept = sorted((e for e in queued if not dropped(e)), key=lambda e: e[1])
+        self._free_at = 0.0
+        out = [(self.due(piece_nbytes(e[4]), now), *e[1:]) for e in kept]
+        heapq.heapify(out)
+        return out
+
     def chunks(self, nbytes: int, now: float) -> list[tuple[int, int, float]]:
         """(offset, size, due) of each chunk of a piece of ``nbytes``: one chunk
         (the whole piece) when there is no cap or it fits in one chunk."""
@@ -436,19 +448,6 @@ class Shaper:
         return [(off, min(self.chunk_bytes, nbytes - off),
                  self.due(min(self.chunk_bytes, nbytes - off), now))
                 for off in range(0, nbytes, self.chunk_bytes)]
-
-
-def repace(shaper: Shaper, queued: list[tuple], dropped: Callable[[tuple], bool],
-           now: float) -> list[tuple]:
-    """A DCN link's queue, as a heap of (due, seq, rank, message, buffers),
-    less the entries that ``dropped`` picks (for a peer that was lost): the
-    link time they had booked is given back, the others keep their order
-    (``seq``) and are paced again from ``now``. Returns the new heap."""
-    kept = sorted((e for e in queued if not dropped(e)), key=lambda e: e[1])
-    shaper._free_at = 0.0
-    out = [(shaper.due(piece_nbytes(e[4]), now), *e[1:]) for e in kept]
-    heapq.heapify(out)
-    return out
 
 
 def piece_nbytes(buffers: Any) -> int:

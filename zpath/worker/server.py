@@ -418,8 +418,8 @@ class Worker:
                 if any(e[2] == msg.rank for e in self.shaped):
                     # what was queued on the emulated DCN link for it goes, and
                     # gives back the link time it had booked
-                    self.shaped = channels.repace(self.shaper, self.shaped,
-                                                  lambda e: e[2] == msg.rank, time.monotonic())
+                    self.shaped = self.shaper.repace(self.shaped, lambda e: e[2] == msg.rank,
+                                                     time.monotonic())
                 n = self.shm_out.forget(msg.rank)
                 self.peer_addrs.pop(msg.rank, None)
                 sock = self.peer_socks.pop(msg.rank, None)
