@@ -377,6 +377,29 @@ def test_a_forked_child_that_exits_leaves_the_parents_cluster_alone():
     assert r.stdout.split() == ["True", "2.0"], r.stdout
 
 
+def test_a_cluster_started_by_a_forked_child_is_stopped_when_the_child_exits():
+    """A child forked after its parent's cluster was shut down starts its own
+    with zp.init() and ends without zp.shutdown(): its own exit hook stops it."""
+    script = ("import os, zpath as zp\n"
+              "zp.init(islands=1, hosts_per_island=1, devices_per_host=1)\n"
+              "zp.shutdown()\n"
+              "r, w = os.pipe()\n"
+              "pid = os.fork()\n"
+              "if pid == 0:\n"
+              "    c = zp.init(islands=1, hosts_per_island=1, devices_per_host=1)\n"
+              "    os.write(w, ' '.join([c.local.dir, *map(str, c.local.pids)]).encode())\n"
+              "    raise SystemExit(0)\n"
+              "os.close(w)\n"
+              "os.waitpid(pid, 0)\n"
+              "print(os.read(r, 4096).decode())\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("ZPATH_CONTROLLER", "ZPATH_KEEP_LOGS")}
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    where, *pids = r.stdout.split()
+    assert_gone([int(p) for p in pids])
+    assert not os.path.exists(where)
+
+
 def test_a_failed_start_says_where_its_logs_are(tmp_path):
     import socket
     with socket.socket() as busy:
@@ -399,7 +422,7 @@ def test_zpath_down_removes_only_a_directory_zpath_up_made(tmp_path):
     path = tmp_path / "state.json"
     cluster_state.write_state(str(path), {"address": "tcp://127.0.0.1:1", "log_dir": str(mine),
                                           "own_log_dir": True, "launcher_pid": 0, "procs": []})
-    assert "nothing was running" in cluster_state.down(str(path))[-1]
+    assert "kept its log directory" in cluster_state.down(str(path))[-1]
     assert mine.is_dir() and not path.exists()
 
 

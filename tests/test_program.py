@@ -453,6 +453,9 @@ def test_a_call_reads_its_inputs_as_they_were_when_it_was_made(client, monkeypat
     add = zp.pmap(lambda x, y: x + y, devices=d)
     x = np.ones((2, 1000))
     out = ident(x)
+    base = np.ones((2, 1000))
+    seen = np.broadcast_to(base, base.shape)      # read-only, yet it changes with base
+    out_view = ident(seen)
     const = np.array([10., 20.])
 
     @zp.program
@@ -461,6 +464,7 @@ def test_a_call_reads_its_inputs_as_they_were_when_it_was_made(client, monkeypat
     v = np.ones(2)
     prog_out = p(v)
     x[:] = 7.
+    base[:] = 7.
     v[:] = 7.
     const[:] = 7.        # as with jax.jit, a constant is the value it had when traced
     monkeypatch.setattr(Client, "put", send)
@@ -468,6 +472,7 @@ def test_a_call_reads_its_inputs_as_they_were_when_it_was_made(client, monkeypat
     for self_, a in held:
         send(self_, *a)
     np.testing.assert_array_equal(out.result(timeout=60), np.ones((2, 1000)))
+    np.testing.assert_array_equal(out_view.result(timeout=60), np.ones((2, 1000)))
     np.testing.assert_array_equal(prog_out.result(timeout=60), [11., 21.])
     np.testing.assert_array_equal(p(np.ones(2)).result(timeout=60), [11., 21.])
 

@@ -276,6 +276,28 @@ def test_down_stops_remote_workers_by_pid_over_ssh(sshd):
     wait_no_sessions(sshd_pid)
 
 
+def test_a_two_host_island_whose_first_host_binds_another_address(sshd):
+    """The island's jax.distributed coordinator listens where its first host's
+    worker binds (bind=), and every host is told to reach it there."""
+    from zpath.ssh import SSHCluster, parse_hostfile
+    port, opts, sshd_pid = sshd
+    hosts = parse_hostfile(f"127.0.0.1 port={port} island=0 devices=1 python={PY} bind=127.0.0.2\n"
+                           f"127.0.0.1 port={port} island=0 devices=1 python={PY}\n")
+    c = SSHCluster(hosts, ssh_options=opts, connect_timeout=5, start_timeout=90)
+    try:
+        zp.connect(c.address, c.key)
+        try:
+            import jax
+            d = zp.make_virtual_device_set().add_slice(devices=2).devices
+            out = zp.pmap(lambda x: jax.lax.psum(x, "i"), axis_name="i", devices=d)(np.arange(2.))
+            np.testing.assert_array_equal(out.result(timeout=60), [1., 1.])
+        finally:
+            zp.shutdown()
+    finally:
+        c.stop()
+    wait_no_sessions(sshd_pid)
+
+
 def test_hostfile_parsing():
     from zpath.ssh import HostfileError, parse_hostfile
     hosts = parse_hostfile("# comment\n\n10.0.0.1 user=ml port=2222 island=1 devices=4 python=/v/py name=a"

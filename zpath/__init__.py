@@ -92,13 +92,13 @@ def init(islands: int | None = None, hosts_per_island: int | None = None,
     except BaseException:
         local.stop()
         raise
-    if not _at_exit:         # a script that ends without zp.shutdown() (an uncaught
-        atexit.register(_shutdown_at_exit, os.getpid())   # exception, say) still stops
-        _at_exit.append(True)                               # what it started
+    if os.getpid() not in _at_exit:     # a script that ends without zp.shutdown() (an
+        atexit.register(_shutdown_at_exit, os.getpid())   # uncaught exception, say) still
+        _at_exit.append(os.getpid())                        # stops what it started
     return cluster
 
 
-_at_exit: list[bool] = []
+_at_exit: list[int] = []       # processes that registered the hook (a forked child needs its own)
 
 
 def _shutdown_at_exit(pid: int) -> None:

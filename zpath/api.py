@@ -278,11 +278,10 @@ class Computation:
         regs = sharding.regions(x.shape, list(self.mesh.shape), list(self.mesh.axis_names), spec)
         for d, r in zip(self.mesh.device_ids, regs, strict=True):
             data = sharding.cut(x, r)
-            # it goes to the workers later, from the I/O thread: a view of an
-            # array the caller may change afterwards is copied now (a read-only
-            # one, e.g. a JAX array's, cannot change; cut copied what was not
-            # contiguous already)
-            if data.flags.writeable and np.may_share_memory(data, x):
+            # it goes to the workers later, from the I/O thread: a view of
+            # memory the caller may change afterwards (even through a read-only
+            # view of it) is copied now; cut copied what was not contiguous already
+            if np.may_share_memory(data, x):
                 data = data.copy()
             client.put(client.devices[d].host, m.Put(buf, d, sharding.to_wire(r),
                                                      m.Aval(list(data.shape), dtype)), data)

@@ -439,6 +439,16 @@ class Client:
                 if sock is not None:          # and what is queued for it (a big Put) goes
                     self._poller.unregister(sock)
                     sock.close(linger=0)
+            case m.Error() if msg.code == "not_registered":
+                # the controller no longer knows this connection: it heard
+                # nothing from it for longer than its client timeout (a process
+                # that was stopped, e.g.) and freed everything it held; there is
+                # no one to say goodbye to (once: later answers are ignored)
+                if self._broken is None:
+                    self._break(f"the zpath controller at {self.address} dropped this client "
+                                f"({msg.message}): it heard nothing from it for too long "
+                                "(ZPATH_CLIENT_TIMEOUT) and freed its values; connect again",
+                                goodbye=False)
             case m.Location() if parent in self._locates:
                 self._refetch(self._locates.pop(parent), msg)
             case m.Error() if parent in self._locates:
@@ -450,16 +460,6 @@ class Client:
                     fut = self._futures.get(b)
                     if fut is not None:
                         fut._fail(err)
-            case m.Error() if msg.code == "not_registered":
-                # the controller no longer knows this connection: it heard
-                # nothing from it for longer than its client timeout (a process
-                # that was stopped, e.g.) and freed everything it held; there is
-                # no one to say goodbye to (once: later answers are ignored)
-                if self._broken is None:
-                    self._break(f"the zpath controller at {self.address} dropped this client "
-                                f"({msg.message}): it heard nothing from it for too long "
-                                "(ZPATH_CLIENT_TIMEOUT) and freed its values; connect again",
-                                goodbye=False)
             case m.Error() if parent in self._pending:
                 self._pending[parent].set_result(msg)
             case m.Error():

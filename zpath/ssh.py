@@ -192,7 +192,9 @@ class SSHCluster(ClusterLauncher):
                 port = free_port(first.bind or _resolve(first.address))
             else:
                 port = random.randint(20000, 29999)
-            runtime[island] = ["--coordinator", f"{_resolve(first.address)}:{port}",
+            # where the first host's worker listens (its data port too): the
+            # coordinator binds that address only
+            runtime[island] = ["--coordinator", f"{first.bind or _resolve(first.address)}:{port}",
                                "--num-processes", str(len(members))]
         return runtime
 

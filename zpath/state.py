@@ -166,10 +166,14 @@ def down(path: str, timeout: float = 30.0) -> list[str]:
     # the temporary directory that zpath up made (logs, and the cluster's key),
     # as its own stop would have removed it
     log_dir = state.get("log_dir")
-    if state.get("own_log_dir") and log_dir and _made_by_zpath_up(log_dir) \
+    if state.get("own_log_dir") and log_dir and os.path.isdir(log_dir) \
             and not os.environ.get("ZPATH_KEEP_LOGS"):
-        shutil.rmtree(log_dir, ignore_errors=True)
-        done.append(f"removed its log directory {log_dir}")
+        if _made_by_zpath_up(log_dir):
+            shutil.rmtree(log_dir, ignore_errors=True)
+            done.append(f"removed its log directory {log_dir}")
+        else:
+            done.append(f"kept its log directory {log_dir}, which holds the cluster key: it is "
+                        "not a zpath-* directory in this process's temporary directory")
     if not done:
         done.append("nothing was running")
     return done
