@@ -345,6 +345,14 @@ def test_workers_exit_when_the_controller_dies(tmp_path):
         assert_gone(pids)
 
 
+def run_script(script: str) -> subprocess.CompletedProcess:
+    """``python -c script`` that starts its own local cluster (not one named
+    by ZPATH_CONTROLLER), logs not kept."""
+    env = {k: v for k, v in os.environ.items() if k not in ("ZPATH_CONTROLLER", "ZPATH_KEEP_LOGS")}
+    return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                          env=env)
+
+
 def test_a_script_that_never_calls_shutdown_leaves_nothing(tmp_path):
     """zp.init() in a script that ends with an uncaught exception: its
     processes stop and its temporary directory (logs, the cluster key) goes."""
@@ -352,8 +360,7 @@ def test_a_script_that_never_calls_shutdown_leaves_nothing(tmp_path):
               "c = zp.init(islands=1, hosts_per_island=1, devices_per_host=1)\n"
               "print(c.local.dir, *c.local.pids, flush=True)\n"
               "raise RuntimeError('the script fails')\n")
-    env = {k: v for k, v in os.environ.items() if k not in ("ZPATH_CONTROLLER", "ZPATH_KEEP_LOGS")}
-    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env)
+    r = run_script(script)
     assert r.returncode == 1 and "the script fails" in r.stderr, r.stderr
     where, *pids = r.stdout.split()
     assert_gone([int(p) for p in pids])
@@ -370,9 +377,9 @@ def test_a_forked_child_that_exits_leaves_the_parents_cluster_alone():
               "    raise SystemExit(0)\n"
               "os.waitpid(pid, 0)\n"
               "d = zp.make_virtual_device_set().add_slice(devices=1).devices\n"
-              "print(os.path.exists(c.local.key_file), zp.pmap(lambda x: x + 1, devices=d)(np.ones(1)).result(timeout=60)[0])\n")
-    env = {k: v for k, v in os.environ.items() if k not in ("ZPATH_CONTROLLER", "ZPATH_KEEP_LOGS")}
-    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env)
+              "y = zp.pmap(lambda x: x + 1, devices=d)(np.ones(1)).result(timeout=60)\n"
+              "print(os.path.exists(c.local.key_file), y[0])\n")
+    r = run_script(script)
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.split() == ["True", "2.0"], r.stdout
 
@@ -392,8 +399,7 @@ def test_a_cluster_started_by_a_forked_child_is_stopped_when_the_child_exits():
               "os.close(w)\n"
               "os.waitpid(pid, 0)\n"
               "print(os.read(r, 4096).decode())\n")
-    env = {k: v for k, v in os.environ.items() if k not in ("ZPATH_CONTROLLER", "ZPATH_KEEP_LOGS")}
-    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env)
+    r = run_script(script)
     assert r.returncode == 0, r.stderr[-3000:]
     where, *pids = r.stdout.split()
     assert_gone([int(p) for p in pids])
