@@ -75,7 +75,6 @@ class InFlight:
     fused: bool = False                    # a fused run (its outputs live on several hosts)
     copies: list[tuple[int, dict]] = dataclasses.field(default_factory=list)   # see Plan.copies
     transient: dict[int, int] | None = None                                     # see Plan.transient
-    failed: bool = False                   # a host reported an error
     error: m.ErrorInfo | None = None       # the first error a host reported
 
 
@@ -1379,19 +1378,16 @@ class Controller:
                                           msg.error is None))
         self.tenants.host_done(msg.exec_id, msg.end - msg.start, info.host_devices[host])
         info.hosts.discard(host)
-        info.failed = info.failed or msg.error is not None
         info.error = info.error or msg.error
         if not info.hosts:
-            if not info.failed:
+            if info.error is None:
                 self.directory.confirm(info.copies)
             elif info.copies:
                 # a copy of a failed computation may hold its error: nothing
-                # reads it (an input left with no copy at all fails)
-                err = info.error or m.ErrorInfo("CopyFailed", "its last copy was made by a computation "
-                                                "that failed", None, info.name, "")
-                lost = self._drop_copies(info.copies, err)
+                # reads it (an input left with no copy at all fails with it)
+                lost = self._drop_copies(info.copies, info.error)
                 if lost and info.client_ident in self.peers:
-                    self.send(info.client_ident, m.CallFailed(0, lost, err))
+                    self.send(info.client_ident, m.CallFailed(0, lost, info.error))
             self._release_transient(info.transient)
             del self.in_flight[msg.exec_id]
             self._exec_finished(msg.exec_id, info.devices)
