@@ -26,7 +26,7 @@ class Blob(bytes):
 class Rig:
     def __init__(self, hosts=((0, 1),), window_ms: float = 20.0) -> None:
         """``hosts``: (island, devices) per host."""
-        self.c = Controller(b"k" * 32, policy="share", window_ms=window_ms)
+        self.c = Controller(b"k" * 32, policy="share", window_ms=window_ms, solo_window_ms=window_ms)
         self.log: list[tuple[bytes, m.Record]] = []
         self.c.send = lambda ident, msg, parent=0, buffers=(): self.log.append((ident, msg))
         self.ids = itertools.count(1)

@@ -246,6 +246,18 @@ _SCRIPT = textwrap.dedent("""
     h.store.set(shard_key(950, one[0].id, ((0, 3),)), jax.device_put(np.ones(3), one[0]))
     res["held_error"] += [[r[0], r[1] is not None, r[2]] for r in take(3)]
     res["held_nothing_more"] = reports.empty()
+    # computations that are not short: held while at least DEEP_QUEUE more wait
+    # behind them on their devices (6 queued behind one waiting for its input)
+    executor_module.SHORT_S = 0.0
+    ex.submit(execute(40, 1000, 1001))
+    res["held_deep"] = take(1)
+    for k in range(1, 7):
+        ex.submit(execute(40 + k, 1000 + k, 1001 + k))
+    h.store.set(shard_key(1000, one[0].id, ((0, 3),)), jax.device_put(np.ones(3), one[0]))
+    res["held_deep"] += [[r[0], r[2]] for r in take(7)]
+    res["held_deep_value"] = np.asarray(h.store.entry(shard_key(1007, one[0].id, ((0, 3),))).value).tolist()
+    res["held_deep_nothing_more"] = reports.empty()
+    res["hold_s"] = [executor_module.HOLD_SHORT_S, executor_module.HOLD_DEEP_S, executor_module.DEEP_QUEUE]
     ex.stop()
     print(json.dumps(res))
 """)
@@ -303,17 +315,29 @@ def test_a_fused_run_passes_arrays_on_the_short_way_and_fails_what_a_failure_rea
 
 
 def test_short_computations_run_back_to_back_are_reported_with_hold(results):
-    assert results["held_first"] == [[1, None, False]]        # nothing followed it
+    short, _, _ = results["hold_s"]
+    assert results["held_first"] == [[1, None, 0]]        # nothing followed it
     # the chain's first waited for its input (released, though nothing was held),
     # then all 11 ran back to back: held but the last, in order
     assert results["held_chain_release"] == ["release"]
-    assert results["held_chain"] == [[k, None, k < 12] for k in range(2, 13)]
+    assert results["held_chain"] == [[k, None, short if k < 12 else 0] for k in range(2, 13)]
     assert results["held_chain_value"] == [2.0 ** 11 * v for v in (0.0, 1.0, 2.0)]
     # held while the next computation ran, released once that one had to wait
-    assert results["held_before_wait"] == ["release", [20, None, True], "release"]
-    assert results["held_after_wait"] == [[21, None, False]]
-    assert results["held_error"] == ["release", [30, False, True], [31, True, False], [32, False, False]]
+    assert results["held_before_wait"] == ["release", [20, None, short], "release"]
+    assert results["held_after_wait"] == [[21, None, 0]]
+    assert results["held_error"] == ["release", [30, False, short], [31, True, 0], [32, False, 0]]
     assert results["held_nothing_more"]
+
+
+def test_computations_with_a_deep_queue_behind_them_are_reported_with_the_long_hold(results):
+    _, deep, depth = results["hold_s"]
+    assert depth == 4 and deep > 0
+    # 40 waited for its input; then 41-46 were queued behind it: a report is held
+    # while at least 4 computations wait behind the one that starts next
+    assert results["held_deep"] == ["release", [40, deep], [41, deep], [42, 0], [43, 0], [44, 0],
+                                    [45, 0], [46, 0]]
+    assert results["held_deep_value"] == [2.0 ** 7] * 3
+    assert results["held_deep_nothing_more"]
 
 
 def test_store_wait_set_and_callbacks():

@@ -317,3 +317,49 @@ def test_devices_are_low_once_down_to_half_their_window():
         s.sent(100 + sent, r)
         sent += 1
     assert sent == 6 and not s.low((0,))
+
+
+def test_a_client_alone_on_an_island_gets_the_solo_window_until_another_comes():
+    s = TenantScheduler("share", window_s=0.0105, min_window=2, default_cost_s=0.004,
+                        solo_window_s=0.0405)
+
+    def finish(t):
+        s.host_done(t, 0.004, 1)
+        s.finished(t)
+
+    s.add_client(1, 1)
+    s.add_client(2, 1)
+    for k in range(20):
+        s.add(Ready(1, 0, (0,), "p", k))
+    sent = 0
+    while (r := s.pick(0)) is not None:
+        sent += 1
+        s.sent(sent, r)
+    assert sent == 10                           # 10 x 4 ms in the solo window of 40 ms
+    assert s.window(0) == 0.0405
+    for t in range(1, 5):                       # 24 ms left: not low
+        finish(t)
+    assert not s.low((0,), 0)
+    finish(5)                                   # 20 ms: half the solo window
+    assert s.low((0,), 0) and not s.low((0,))   # (the short window's half is 5 ms)
+    # client 2 comes: the island is shared, so the short window holds for both
+    s.add(Ready(2, 0, (0,), "p", "b"))
+    assert s.window(0) == 0.0105 and s.window(0, 1) == 0.0105
+    assert s.pick(0) is None                    # 20 ms sent: nothing more fits
+    for t in range(6, 10):
+        finish(t)
+    r = s.pick(0)                               # 4 ms left: client 2 goes first
+    assert r is not None and r.item == "b"
+    s.sent(100, r)
+    assert s.pick(0) is None                    # 8 ms sent: no room for another 4 ms
+    # once client 2's work is done and nothing of its waits, client 1 is alone again
+    finish(100)
+    finish(10)
+    assert s.window(0) == 0.0405
+    sent = 0
+    while (r := s.pick(0)) is not None:
+        sent += 1
+        s.sent(200 + sent, r)
+    assert sent == 10 and s.queued() == 0       # the rest of client 1's 20
+    # a solo window no larger than the short one changes nothing
+    assert TenantScheduler(window_s=0.02, solo_window_s=0.001).window(0) == 0.02

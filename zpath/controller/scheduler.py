@@ -84,7 +84,12 @@ class TenantScheduler:
     scheduler keeps only a short window of work per device at the workers
     (``window_s`` seconds of estimated run time, always at least ``min_window``
     computations, so the next one is already there when one ends) and queues the
-    rest per client. When room frees it picks the next computation by policy:
+    rest per client. While one client alone has work sent to or queued on an
+    island, its devices' window is ``solo_window_s`` instead (no larger than
+    needed to be fair: nobody else waits), so long computations go out in groups
+    too; a client that arrives then waits behind at most that much of the
+    other's work, and from then on the island has the short window.
+    When room frees it picks the next computation by policy:
 
     * ``fifo``: the computation that became ready first.
     * ``share``: proportional share. Each client has a virtual time, its
@@ -101,11 +106,14 @@ class TenantScheduler:
     A plain class: events in, decisions out."""
 
     def __init__(self, policy: str = "share", window_s: float = 0.02, min_window: int = 2,
-                 default_cost_s: float = 1e-3) -> None:
+                 default_cost_s: float = 1e-3, solo_window_s: float | None = None) -> None:
         if policy not in POLICIES:
             raise ValueError(f"unknown scheduling policy {policy!r} (choose from {', '.join(POLICIES)})")
         self.policy = policy
         self.window_s = window_s
+        self.solo_window_s = window_s if solo_window_s is None else max(window_s, solo_window_s)
+        # island -> client -> its computations sent there and not finished
+        self._active: dict[int, collections.Counter[int]] = {}
         self.min_window = min_window
         self.default_cost_s = default_cost_s
         self.weights: dict[int, float] = {}
@@ -198,18 +206,31 @@ class TenantScheduler:
                 del self._queues[island]
         return ready
 
-    def low(self, devices: Any) -> bool:
-        """Whether any of these devices is down to half its window (or below
-        the minimum count). The controller tops devices up only then, so what
-        waits goes in groups (one message per host) rather than one
+    def low(self, devices: Any, island: int | None = None) -> bool:
+        """Whether any of these devices (of ``island``) is down to half its
+        window (or below the minimum count). The controller tops devices up only
+        then, so what waits goes in groups (one message per host) rather than one
         computation per finished one, while devices keep half a window of work."""
-        half = self.window_s / 2
+        half = (self.window_s if island is None else self.window(island)) / 2
         count, load = self._count, self._load
         return any(count[d] < self.min_window or load[d] <= half for d in devices)
 
+    def window(self, island: int, client: int | None = None) -> float:
+        """The window on ``island``'s devices: ``solo_window_s`` while at most
+        one client (``client``, when given) has computations sent there and not
+        finished or queued there, else ``window_s``."""
+        if self.solo_window_s == self.window_s:
+            return self.window_s
+        clients = set(self._active.get(island, ()))
+        clients.update(self._queues.get(island, ()))
+        if client is not None:
+            clients.add(client)
+        return self.solo_window_s if len(clients) <= 1 else self.window_s
+
     def _fits(self, ready: Ready) -> bool:
         est = self._cost.get(ready.cost_key, self.default_cost_s)
-        return all(self._count[d] < self.min_window or self._load[d] + est <= self.window_s
+        window = self.window(ready.island, ready.client)
+        return all(self._count[d] < self.min_window or self._load[d] + est <= window
                    for d in ready.devices)
 
     # ---- accounting ------------------------------------------------------------
@@ -222,6 +243,7 @@ class TenantScheduler:
         for d in ready.devices:
             self._load[d] += wall
             self._count[d] += 1
+        self._active.setdefault(ready.island, collections.Counter())[ready.client] += 1
         vt = self._vt.get((ready.island, ready.client), 0.0)
         for d in ready.devices:
             key = (ready.island, d)
@@ -251,6 +273,12 @@ class TenantScheduler:
             if self._count[d] <= 0:
                 del self._count[d]
                 self._load.pop(d, None)
+        active = self._active[run.island]
+        active[run.client] -= 1
+        if active[run.client] <= 0:
+            del active[run.client]
+            if not active:
+                del self._active[run.island]
         self.used[run.client] += run.charged
         self._charge(run.island, run.client, run.charged - run.estimate)
         if run.longest > 0:

@@ -42,6 +42,7 @@ DEVICE_MEMORY_LIMIT = int(float(os.environ.get("ZPATH_DEVICE_MEMORY_LIMIT", "0")
 # multi-tenant scheduling: policy, and estimated seconds of work kept queued at a device
 POLICY = os.environ.get("ZPATH_SCHEDULER_POLICY", "share")
 WINDOW_MS = float(os.environ.get("ZPATH_SCHEDULER_WINDOW_MS", "20"))
+SOLO_WINDOW_MS = float(os.environ.get("ZPATH_SCHEDULER_SOLO_WINDOW_MS", "100"))
 MAX_WEIGHT = 1e6
 MAX_PROGRAM_BYTES = 256 << 20
 TIMELINE_RECORDS = 100_000
@@ -149,7 +150,7 @@ def _buffers(call: m.Call) -> list[int]:
 
 class Controller:
     def __init__(self, key: bytes, bind: str = "tcp://127.0.0.1:0", policy: str | None = None,
-                 window_ms: float | None = None) -> None:
+                 window_ms: float | None = None, solo_window_ms: float | None = None) -> None:
         self.ep = Endpoint(key, "controller")
         self.machine = channels.machine_id()   # lost hosts on this machine: their segments go
         self.ctx = make_context()
@@ -169,7 +170,9 @@ class Controller:
         self.scheduler = GangScheduler(
             break_order=os.environ.get("ZPATH_DEBUG_BREAK_GANG_ORDER") == "1")
         self.tenants = TenantScheduler(POLICY if policy is None else policy,
-                                       window_s=(WINDOW_MS if window_ms is None else window_ms) / 1000)
+                                       window_s=(WINDOW_MS if window_ms is None else window_ms) / 1000,
+                                       solo_window_s=(SOLO_WINDOW_MS if solo_window_ms is None
+                                                      else solo_window_ms) / 1000)
         # exec_id -> (client, name, island, seq, devices), until every host reported
         self.in_flight: dict[int, InFlight] = {}
         self.timeline: collections.deque[m.ExecRecord] = collections.deque(maxlen=TIMELINE_RECORDS)
@@ -1130,7 +1133,7 @@ class Controller:
         self.unfinished.discard(exec_id)
         self._trigger(exec_id)
         done = self.tenants.finished(exec_id)
-        if done is not None and (devices is None or self.tenants.low(devices)):
+        if done is not None and (devices is None or self.tenants.low(devices, done[0])):
             self._pump(done[0])
 
     def _trigger(self, key: Any) -> None:

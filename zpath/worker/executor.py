@@ -32,6 +32,13 @@ INPUT_TIMEOUT_S = 300.0
 # A computation that ran for less than this, followed at once by another that
 # ran for less than this last time, is reported with ``hold`` (see Executor._loop).
 SHORT_S = 0.001
+# how long a finished computation's report may wait to go with the next ones':
+# a short computation followed at once by another short one, and one with at
+# least DEEP_QUEUE computations queued behind it on its devices (the controller
+# has sent work well ahead, so it need not hear of each at once)
+HOLD_SHORT_S = 0.002
+HOLD_DEEP_S = 0.05
+DEEP_QUEUE = 4
 
 
 class FusedRun:
@@ -85,8 +92,8 @@ class Executor:
                  input_timeout_s: float = INPUT_TIMEOUT_S, jax_devices: dict[int, Any] | None = None,
                  release_held: Callable[[], None] | None = None) -> None:
         """``on_done(exec_id, error or None, start, end, hold)`` reports a
-        finished computation; ``hold`` says the report may wait a little for
-        the next ones (see ``_loop``), and ``release_held()`` is called before
+        finished computation; ``hold`` is how long (seconds, 0 for not at all)
+        the report may wait for the next ones (see ``_loop``), and ``release_held()`` is called before
         this executor waits for an input, when nothing held should wait any more.
         ``local_devices`` maps global device id -> jax Device; ``jax_devices``
         maps JAX id -> jax Device for every device of this host's island runtime."""
@@ -192,9 +199,12 @@ class Executor:
 
         A short computation (under SHORT_S) that the thread follows at once
         with another short one (under SHORT_S last time) is reported with
-        ``hold``: its report may wait, within a bound the caller sets, to go out
-        with the next ones, so a chain of small computations wakes the I/O
-        thread and the controller once per group instead of once per node."""
+        ``hold`` HOLD_SHORT_S: its report may wait that long to go out with the
+        next ones, so a chain of small computations wakes the I/O thread and the
+        controller once per group instead of once per node. One that leaves at
+        least DEEP_QUEUE computations queued behind it on its devices, whatever
+        their length, is reported with HOLD_DEEP_S: the devices have work for a
+        while yet. A failure is never held."""
         while not self._stopped:
             entry = self._ready.get()
             while entry is not None and not self._stopped:
@@ -207,8 +217,13 @@ class Executor:
                     if self.release_held is not None:    # nothing may stay held now
                         self.release_held()
                     continue
-                exec_id, error, start, end, took = done
-                hold = entry is not None and error is None and took < SHORT_S and self._short(entry[0])
+                exec_id, error, start, end, took, behind = done
+                hold = 0.0
+                if entry is not None and error is None:
+                    if took < SHORT_S and self._short(entry[0]):
+                        hold = HOLD_SHORT_S
+                    elif behind >= DEEP_QUEUE:
+                        hold = HOLD_DEEP_S
                 try:
                     self.on_done(exec_id, error, start, end, hold)
                 except Exception:     # the next computation must still run
@@ -235,7 +250,8 @@ class Executor:
         """Run one computation (or a fused run's, in order: later ones still run
         after one fails, and fail if they read its outputs); returns the next one
         this thread runs, if any, and the report of this one (exec id, first
-        error, start, end, seconds it took)."""
+        error, start, end, seconds it took, how many computations wait on its
+        devices once the next ones started)."""
         start = time.time()
         t0 = time.perf_counter()
         if type(ex) is FusedRun:
@@ -254,7 +270,9 @@ class Executor:
                     self._try_start(q[0], started)
             for entry in started[1:]:      # others go to other threads
                 self._ready.put(entry)
-        return (started[0] if started else None), (ex.exec_id, error, start, end, time.perf_counter() - t0)
+            behind = min((len(self._queues[d]) for d in devs), default=0)
+        return (started[0] if started else None), (ex.exec_id, error, start, end,
+                                                   time.perf_counter() - t0, behind)
 
     def _run_fused(self, run: FusedRun) -> m.ErrorInfo | None:
         """Run a fused run's computations in order; returns the first error.

@@ -32,7 +32,7 @@ from zpath.net import channels
 from zpath.net import messages as m
 from zpath.net.codec import PROTOCOL_VERSION, Record
 from zpath.net.transport import BadMessage, Endpoint, Outbox, backoff, make_context, raw, unbatched
-from zpath.worker.executor import Executor, FusedRun
+from zpath.worker.executor import HOLD_SHORT_S, Executor, FusedRun
 from zpath.worker.store import Entry, Store, shard_key
 
 log = logging.getLogger(__name__)
@@ -40,8 +40,6 @@ log = logging.getLogger(__name__)
 CONTROLLER_SILENCE_S = float(os.environ.get("ZPATH_CONTROLLER_TIMEOUT", "15"))
 REGISTER_TIMEOUT_S = 60.0
 MAX_FETCH_TIMEOUT_S = 3600.0
-# the longest a short computation's ExecDone waits to go with the next ones'
-HOLD_S = 0.002
 
 
 class Worker:
@@ -178,12 +176,12 @@ class Worker:
         self.outbox.put("dcn" if dcn else "peer", rank, msg, buffers, 0)
 
     def _exec_done(self, exec_id: int, error: m.ErrorInfo | None, start: float, end: float,
-                   hold: bool) -> None:
-        """Report a finished computation; with ``hold`` the report waits up to
-        HOLD_S (or until one without ``hold``) to go to the controller with the
-        next ones, as one Batch."""
-        self.chaining = hold
-        self.outbox.hold(("ctl", None, m.ExecDone(exec_id, error, start, end), (), 0), HOLD_S,
+                   hold: float) -> None:
+        """Report a finished computation; with ``hold`` (seconds) the report
+        waits up to that long after the first one held (or until one not held)
+        to go to the controller with the next ones, as one Batch."""
+        self.chaining = 0 < hold <= HOLD_SHORT_S
+        self.outbox.hold(("ctl", None, m.ExecDone(exec_id, error, start, end), (), 0), hold,
                          release=not hold)
 
     def _release_held(self) -> None:
@@ -202,8 +200,8 @@ class Worker:
         self.last_controller = time.monotonic()
         while self.running:
             wait = min(0.5, self._expire_fetches(), self._send_shaped())
-            if self.chaining:       # the executor holds reports: it will hold more
-                wait = min(wait, HOLD_S)
+            if self.chaining:       # the executor holds short reports: it will hold more
+                wait = min(wait, HOLD_SHORT_S)
             # (wait_until before held_timeout: a report held in between wakes us)
             ms = max(1, math.ceil(wait * 1000))
             self.outbox.wait_until = time.monotonic() + ms / 1000
