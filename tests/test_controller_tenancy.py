@@ -24,9 +24,10 @@ class Blob(bytes):
 
 
 class Rig:
-    def __init__(self, hosts=((0, 1),), window_ms: float = 20.0) -> None:
-        """``hosts``: (island, devices) per host."""
-        self.c = Controller(b"k" * 32, policy="share", window_ms=window_ms, solo_window_ms=window_ms)
+    def __init__(self, hosts=((0, 1),), window_ms: float = 20.0, solo_window_ms: float | None = None) -> None:
+        """``hosts``: (island, devices) per host. No solo window unless given."""
+        self.c = Controller(b"k" * 32, policy="share", window_ms=window_ms,
+                            solo_window_ms=window_ms if solo_window_ms is None else solo_window_ms)
         self.log: list[tuple[bytes, m.Record]] = []
         self.c.send = lambda ident, msg, parent=0, buffers=(): self.log.append((ident, msg))
         self.ids = itertools.count(1)
@@ -390,3 +391,40 @@ def test_a_queued_call_that_reads_a_dropped_value_goes_ahead_of_a_waiting_head(m
     rig.drain()
     rig.handle(a, m.Release([ob]))
     assert rig.idle()
+
+
+def test_workers_may_hold_reports_only_of_a_client_alone_and_of_nothing_waited_for(make_rig):
+    rig = make_rig(solo_window_ms=100.0)
+    now = [1000.0]
+    rig.c.tenants.clock = lambda: now[0]
+    a, _ = rig.client("a")
+    rig.c.tenants._cost[(rig.programs["f"][0], (0,))] = 0.001      # measured
+    mark = len(rig.log)
+    call, x = rig.call(a, 0)
+    rig.handle(a, call)
+    assert [e.hold for e in rig.executes(mark)] == [True]          # alone, parallel
+    rig.drain()
+    # a sequential program's nodes: the next waits for the last one's ExecDone
+    mark = len(rig.log)
+    c1, y = rig.call(a, 0, x)
+    c2, _ = rig.call(a, 0, y)
+    rig.handle(a, m.Program(2, "seq", "sequential", [c1, c2], []))
+    rig.drain()
+    assert [e.hold for e in rig.executes(mark)] == [False, False]
+    # a second client: the island is shared (a used it less than a second ago)
+    b, _ = rig.client("b")
+    mark = len(rig.log)
+    rig.handle(b, rig.call(b, 0)[0])
+    rig.handle(a, rig.call(a, 0, x)[0])
+    assert [e.hold for e in rig.executes(mark)] == [False, False]
+    rig.drain()
+    now[0] += 2.0                                                    # b has gone quiet
+    mark = len(rig.log)
+    rig.handle(a, rig.call(a, 0, x)[0])
+    rig.drain()
+    # under a device memory limit, calls may wait for what a run frees
+    rig.c.memory_limit = 1 << 40
+    rig.handle(a, rig.call(a, 0, x)[0])
+    rig.drain()
+    assert [e.hold for e in rig.executes(mark)] == [True, False]
+    assert not rig.failed(a) and not rig.failed(b) and rig.idle()

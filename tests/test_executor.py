@@ -22,7 +22,7 @@ from zpath.worker.store import Store
 pytestmark = pytest.mark.timeout(120)
 
 _SCRIPT = textwrap.dedent("""
-    import hashlib, json, queue
+    import dataclasses, hashlib, json, queue
     import numpy as np
     import jax
     jax.config.update("jax_enable_x64", True)
@@ -246,16 +246,18 @@ _SCRIPT = textwrap.dedent("""
     h.store.set(shard_key(950, one[0].id, ((0, 3),)), jax.device_put(np.ones(3), one[0]))
     res["held_error"] += [[r[0], r[1] is not None, r[2]] for r in take(3)]
     res["held_nothing_more"] = reports.empty()
-    # computations that are not short: held while at least DEEP_QUEUE more wait
-    # behind them on their devices (6 queued behind one waiting for its input)
+    # computations that are not short, whose Execute allows it: held while at
+    # least DEEP_QUEUE more wait behind them on their devices (6 queued behind
+    # one waiting for its input); the same without ``hold``: never held
     executor_module.SHORT_S = 0.0
-    ex.submit(execute(40, 1000, 1001))
-    res["held_deep"] = take(1)
-    for k in range(1, 7):
-        ex.submit(execute(40 + k, 1000 + k, 1001 + k))
-    h.store.set(shard_key(1000, one[0].id, ((0, 3),)), jax.device_put(np.ones(3), one[0]))
-    res["held_deep"] += [[r[0], r[2]] for r in take(7)]
-    res["held_deep_value"] = np.asarray(h.store.entry(shard_key(1007, one[0].id, ((0, 3),))).value).tolist()
+    for name, base, may in (("held_deep", 1000, True), ("held_deep_not_allowed", 1100, False)):
+        ex.submit(dataclasses.replace(execute(40, base, base + 1), hold=may))
+        res[name] = take(1)
+        for k in range(1, 7):
+            ex.submit(dataclasses.replace(execute(40 + k, base + k, base + 1 + k), hold=may))
+        h.store.set(shard_key(base, one[0].id, ((0, 3),)), jax.device_put(np.ones(3), one[0]))
+        res[name] += [[r[0], r[2]] for r in take(7)]
+        res[name + "_value"] = np.asarray(h.store.entry(shard_key(base + 7, one[0].id, ((0, 3),))).value).tolist()
     res["held_deep_nothing_more"] = reports.empty()
     res["hold_s"] = [executor_module.HOLD_SHORT_S, executor_module.HOLD_DEEP_S, executor_module.DEEP_QUEUE]
     ex.stop()
@@ -329,7 +331,7 @@ def test_short_computations_run_back_to_back_are_reported_with_hold(results):
     assert results["held_nothing_more"]
 
 
-def test_computations_with_a_deep_queue_behind_them_are_reported_with_the_long_hold(results):
+def test_computations_the_controller_lets_hold_with_a_deep_queue_are_reported_with_the_long_hold(results):
     _, deep, depth = results["hold_s"]
     assert depth == 4 and deep > 0
     # 40 waited for its input; then 41-46 were queued behind it: a report is held
@@ -337,6 +339,9 @@ def test_computations_with_a_deep_queue_behind_them_are_reported_with_the_long_h
     assert results["held_deep"] == ["release", [40, deep], [41, deep], [42, 0], [43, 0], [44, 0],
                                     [45, 0], [46, 0]]
     assert results["held_deep_value"] == [2.0 ** 7] * 3
+    # an Execute without ``hold`` (something in the controller waits for its report)
+    assert results["held_deep_not_allowed"] == ["release"] + [[40 + k, 0] for k in range(7)]
+    assert results["held_deep_not_allowed_value"] == [2.0 ** 7] * 3
     assert results["held_deep_nothing_more"]
 
 

@@ -80,7 +80,7 @@ def test_broken_order_gives_hosts_different_orders():
 
 # ---- TenantScheduler ------------------------------------------------------------
 
-from zpath.controller.scheduler import Ready, TenantScheduler  # noqa: E402
+from zpath.controller.scheduler import SOLO_GRACE_S, Ready, TenantScheduler  # noqa: E402
 
 
 def _run_backlogged(sched: TenantScheduler, weights: dict[int, float], cost: dict[int, float],
@@ -320,22 +320,27 @@ def test_devices_are_low_once_down_to_half_their_window():
 
 
 def test_a_client_alone_on_an_island_gets_the_solo_window_until_another_comes():
+    now = [100.0]
     s = TenantScheduler("share", window_s=0.0105, min_window=2, default_cost_s=0.004,
-                        solo_window_s=0.0405)
+                        solo_window_s=0.0405, clock=lambda: now[0])
+    s._cost["p"] = 0.004                        # measured: 4 ms each
 
     def finish(t):
         s.host_done(t, 0.004, 1)
         s.finished(t)
 
+    def send_all(first):
+        sent = 0
+        while (r := s.pick(0)) is not None:
+            s.sent(first + sent, r)
+            sent += 1
+        return sent
+
     s.add_client(1, 1)
     s.add_client(2, 1)
-    for k in range(20):
+    for k in range(30):
         s.add(Ready(1, 0, (0,), "p", k))
-    sent = 0
-    while (r := s.pick(0)) is not None:
-        sent += 1
-        s.sent(sent, r)
-    assert sent == 10                           # 10 x 4 ms in the solo window of 40 ms
+    assert send_all(1) == 10                    # 10 x 4 ms in the solo window of 40 ms
     assert s.window(0) == 0.0405
     for t in range(1, 5):                       # 24 ms left: not low
         finish(t)
@@ -352,14 +357,34 @@ def test_a_client_alone_on_an_island_gets_the_solo_window_until_another_comes():
     assert r is not None and r.item == "b"
     s.sent(100, r)
     assert s.pick(0) is None                    # 8 ms sent: no room for another 4 ms
-    # once client 2's work is done and nothing of its waits, client 1 is alone again
+    # client 2's computation ends and it sends nothing for a while (it waits for
+    # its result, say): it still uses the island for SOLO_GRACE_S
     finish(100)
     finish(10)
+    now[0] += SOLO_GRACE_S / 2
+    assert s.window(0) == 0.0105
+    assert send_all(200) == 2                   # the short window: 2 x 4 ms
+    for t in (200, 201):
+        finish(t)
+    # once client 2 has had no work there for SOLO_GRACE_S, client 1 is alone again
+    now[0] += SOLO_GRACE_S
     assert s.window(0) == 0.0405
-    sent = 0
+    assert send_all(300) == 10 and s.queued() == 8
+    # a client that leaves stops counting at once
+    s.add(Ready(2, 0, (1,), "p", "c"))
+    assert s.window(0) == 0.0105
+    s.remove_client(2)
+    assert s.window(0) == 0.0405
+    # computations never measured get only the short window
+    s.add(Ready(1, 0, (2,), "new", "n1"))
+    s.add(Ready(1, 0, (2,), "new", "n2"))
+    s.add(Ready(1, 0, (2,), "new", "n3"))
+    for t in range(300, 310):
+        finish(t)
+    sent = []
     while (r := s.pick(0)) is not None:
-        sent += 1
-        s.sent(200 + sent, r)
-    assert sent == 10 and s.queued() == 0       # the rest of client 1's 20
+        s.sent(400 + len(sent), r)
+        sent.append(r.item)
+    assert [x for x in sent if str(x).startswith("n")] == ["n1", "n2"]   # 2 x 1 ms default: min 2
     # a solo window no larger than the short one changes nothing
     assert TenantScheduler(window_s=0.02, solo_window_s=0.001).window(0) == 0.02

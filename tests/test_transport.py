@@ -92,6 +92,27 @@ def test_outbox_holds_items_until_released_or_due(monkeypatch):
         box.close()
 
 
+def test_outbox_a_shorter_hold_brings_the_deadline_of_those_held_before_forward(monkeypatch):
+    clock = [1000.0]
+    monkeypatch.setattr(transport, "time", types.SimpleNamespace(monotonic=lambda: clock[0]))
+    box = Outbox()
+    try:
+        box.hold(("long",), 0.05)
+        box.drain()                        # (clears the first item's wake-up)
+        box.wait_until = clock[0] + 0.5    # the consumer sleeps past 2 ms
+        clock[0] += 0.001
+        box.hold(("short",), 0.002)
+        assert _readable(box)              # woken for the earlier deadline
+        assert box.held_timeout() == pytest.approx(0.002 - transport.DUE_SLACK_S)
+        clock[0] += 0.002
+        assert box.drain() == [("long",), ("short",)]
+        box.hold(("a",), 0.002)
+        box.hold(("b",), 0.05)             # a longer hold keeps the earlier deadline
+        assert box.held_timeout() == pytest.approx(0.002 - transport.DUE_SLACK_S)
+    finally:
+        box.close()
+
+
 def test_outbox_wakes_for_a_held_item_only_if_the_consumer_would_sleep_past_it():
     box = Outbox()
     try:

@@ -11,7 +11,8 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
-from typing import Any
+import time
+from typing import Any, Callable
 
 from zpath.net import messages as m
 
@@ -29,14 +30,16 @@ class GangScheduler:
         if break_order:
             log.warning("gang order deliberately broken (test mode): collectives may deadlock")
 
-    def dispatch(self, island: int, executes: dict[int, m.Execute]) -> list[tuple[int, m.Execute]]:
+    def dispatch(self, island: int, executes: dict[int, m.Execute], hold: bool = False
+                 ) -> list[tuple[int, m.Execute]]:
         """Give one computation (its per-host parts) its place in the island's
-        order; return the (host, Execute) messages to send, in order."""
+        order; return the (host, Execute) messages to send, in order, with
+        their ``hold`` set to ``hold``."""
         seq = self.next_seq.get(island, 0)
         self.next_seq[island] = seq + 1
         out = []
         for host, ex in sorted(executes.items()):
-            ex = dataclasses.replace(ex, seq=seq)
+            ex = dataclasses.replace(ex, seq=seq, hold=hold)
             if self.break_order and len(executes) > 1 and host % 2 == 1:
                 held = self._held.pop(host, None)
                 if held is None:
@@ -51,6 +54,8 @@ class GangScheduler:
 # ---- multi-tenancy ----------------------------------------------------------
 
 POLICIES = ("fifo", "share")
+# a client counts as using an island for this long after it last had work there
+SOLO_GRACE_S = 1.0
 
 
 @dataclasses.dataclass
@@ -84,11 +89,16 @@ class TenantScheduler:
     scheduler keeps only a short window of work per device at the workers
     (``window_s`` seconds of estimated run time, always at least ``min_window``
     computations, so the next one is already there when one ends) and queues the
-    rest per client. While one client alone has work sent to or queued on an
-    island, its devices' window is ``solo_window_s`` instead (no larger than
-    needed to be fair: nobody else waits), so long computations go out in groups
-    too; a client that arrives then waits behind at most that much of the
-    other's work, and from then on the island has the short window.
+    rest per client. While one client alone uses an island, its devices'
+    window is ``solo_window_s`` instead (nobody else waits), so long
+    computations go out in groups too. A client uses an island while it has
+    computations sent there and not finished, or queued there, and for
+    ``SOLO_GRACE_S`` after (so a client that waits for each result before its
+    next call still shares the island). A client that arrives at an island
+    another uses alone waits behind at most ``solo_window_s`` of the other's
+    work; from then on the island has the short window. Computations whose run
+    time has not been measured yet get only the short window either way (their
+    estimate is a guess).
     When room frees it picks the next computation by policy:
 
     * ``fifo``: the computation that became ready first.
@@ -106,14 +116,18 @@ class TenantScheduler:
     A plain class: events in, decisions out."""
 
     def __init__(self, policy: str = "share", window_s: float = 0.02, min_window: int = 2,
-                 default_cost_s: float = 1e-3, solo_window_s: float | None = None) -> None:
+                 default_cost_s: float = 1e-3, solo_window_s: float | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         if policy not in POLICIES:
             raise ValueError(f"unknown scheduling policy {policy!r} (choose from {', '.join(POLICIES)})")
         self.policy = policy
         self.window_s = window_s
         self.solo_window_s = window_s if solo_window_s is None else max(window_s, solo_window_s)
+        self.clock = clock
         # island -> client -> its computations sent there and not finished
         self._active: dict[int, collections.Counter[int]] = {}
+        # island -> client -> when it last had work there (clients that use it)
+        self._seen: dict[int, dict[int, float]] = {}
         self.min_window = min_window
         self.default_cost_s = default_cost_s
         self.weights: dict[int, float] = {}
@@ -143,6 +157,8 @@ class TenantScheduler:
         for island, queues in self._queues.items():
             dropped += queues.pop(client, ())
             self._vt.pop((island, client), None)
+        for seen in self._seen.values():
+            seen.pop(client, None)
         return dropped
 
     # ---- queueing --------------------------------------------------------------
@@ -166,6 +182,7 @@ class TenantScheduler:
         queues = self._queues.setdefault(ready.island, {})
         ready.arrival = self._arrivals
         self._arrivals += 1
+        self._seen.setdefault(ready.island, {})[ready.client] = self.clock()
         q = queues.get(ready.client)
         if q is None:
             q = queues[ready.client] = collections.deque()
@@ -217,19 +234,29 @@ class TenantScheduler:
 
     def window(self, island: int, client: int | None = None) -> float:
         """The window on ``island``'s devices: ``solo_window_s`` while at most
-        one client (``client``, when given) has computations sent there and not
-        finished or queued there, else ``window_s``."""
+        one client (``client``, when given) uses the island, else ``window_s``."""
         if self.solo_window_s == self.window_s:
             return self.window_s
         clients = set(self._active.get(island, ()))
         clients.update(self._queues.get(island, ()))
         if client is not None:
             clients.add(client)
+        seen = self._seen.get(island)
+        if seen and len(clients) <= 1:
+            now = self.clock()
+            for c, t in list(seen.items()):
+                if now - t < SOLO_GRACE_S:
+                    clients.add(c)
+                else:
+                    del seen[c]
         return self.solo_window_s if len(clients) <= 1 else self.window_s
 
     def _fits(self, ready: Ready) -> bool:
-        est = self._cost.get(ready.cost_key, self.default_cost_s)
-        window = self.window(ready.island, ready.client)
+        est = self._cost.get(ready.cost_key)
+        if est is None:           # not measured yet: the short window
+            est, window = self.default_cost_s, self.window_s
+        else:
+            window = self.window(ready.island, ready.client)
         return all(self._count[d] < self.min_window or self._load[d] + est <= window
                    for d in ready.devices)
 
@@ -244,6 +271,7 @@ class TenantScheduler:
             self._load[d] += wall
             self._count[d] += 1
         self._active.setdefault(ready.island, collections.Counter())[ready.client] += 1
+        self._seen.setdefault(ready.island, {})[ready.client] = self.clock()
         vt = self._vt.get((ready.island, ready.client), 0.0)
         for d in ready.devices:
             key = (ready.island, d)
@@ -273,6 +301,8 @@ class TenantScheduler:
             if self._count[d] <= 0:
                 del self._count[d]
                 self._load.pop(d, None)
+        if run.client in self.weights:        # (not a client that left)
+            self._seen.setdefault(run.island, {})[run.client] = self.clock()
         active = self._active[run.island]
         active[run.client] -= 1
         if active[run.client] <= 0:

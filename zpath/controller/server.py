@@ -87,6 +87,7 @@ class _ProgramRun:
     total: int
     sent: int = 0
     released: bool = False
+    sequential: bool = False          # dispatch="sequential": nodes wait for others' ExecDone
 
 
 @dataclasses.dataclass
@@ -594,8 +595,9 @@ class Controller:
         self.directory.poison([b for b in outs if b >> 32 == client], client, err)
         self.send(ident, m.CallFailed(call.call_id, outs, err))
 
-    def _dispatch(self, peer: Peer, call: m.Call, plan: Plan, name: str) -> int:
-        """Send a planned call to its hosts in gang order; returns its exec id."""
+    def _dispatch(self, peer: Peer, call: m.Call, plan: Plan, name: str, hold: bool = False) -> int:
+        """Send a planned call to its hosts in gang order (``hold``: see
+        ``Execute.hold``); returns its exec id."""
         drop_after: list[tuple[int, m.DropFused]] = []
         for rank in plan.executes:
             for digest in plan.programs if plan.programs is not None else [call.program]:
@@ -614,7 +616,7 @@ class Controller:
         for rank, piece in plan.sends:
             self.to_host(rank, piece)
         island = self.rm.hosts[next(iter(plan.executes))].island
-        ordered = self.scheduler.dispatch(island, plan.executes)
+        ordered = self.scheduler.dispatch(island, plan.executes, hold)
         exec_id = next(iter(plan.executes.values())).exec_id
         self.in_flight[exec_id] = InFlight(
             peer.id, peer.ident, name, island, self.scheduler.next_seq[island] - 1, call.devices,
@@ -646,7 +648,8 @@ class Controller:
 
     def _submit(self, ident: bytes, peer: Peer, calls: list[m.Call], dispatch: str,
                 release: list[int], record: bool = False) -> "_Submission":
-        sub = _Submission(ident, peer, calls, dispatch, _ProgramRun(peer, release, len(calls)),
+        sub = _Submission(ident, peer, calls, dispatch,
+                          _ProgramRun(peer, release, len(calls), sequential=dispatch == "sequential"),
                           record=[] if record else None)
         if self.memory_waiting:          # keep arrival order behind waiting work
             self._pin_waiting(sub)
@@ -1045,7 +1048,13 @@ class Controller:
         if err is not None:
             self._abandon(held, holding, err)
             return
-        exec_id = self._dispatch(run.peer, held.call, *held.planned)
+        # the worker may hold its report while work is queued behind it, unless
+        # something here may wait for it: a sequential program's next nodes, or
+        # calls waiting for memory (it frees what the run held); and only while
+        # the island has the solo window (else the report makes room for others)
+        hold = not run.sequential and not self.memory_limit and \
+            self.tenants.window(held.island, run.peer.id) > self.tenants.window_s
+        exec_id = self._dispatch(run.peer, held.call, *held.planned, hold=hold)
         self.tenants.sent(exec_id, ready)
         run.sent += 1
         if holding:

@@ -290,7 +290,9 @@ class CallFailed(Record):
 @message(33)
 class Execute(Record):
     """Controller -> worker: this host's part of one computation. ``seq`` is its
-    place in its island's gang order; ``jax_ids`` are the JAX ids of ``devices``."""
+    place in its island's gang order; ``jax_ids`` are the JAX ids of ``devices``.
+    ``hold``: the worker may hold its ExecDone while work is queued behind it
+    (nothing in the controller waits for it at once)."""
     exec_id: int
     seq: int
     program: str
@@ -301,6 +303,7 @@ class Execute(Record):
     jax_ids: list[int]
     inputs: list[ExecInput]
     outputs: list[ExecOutput]
+    hold: bool = False
 
 
 
@@ -493,12 +496,14 @@ class DefineFused(Record):
 class RunFused(Record):
     """Controller -> worker: run fused program ``fused`` once, as one
     computation (one place ``seq`` in the gang order, one ``ExecDone`` for
-    ``exec_id``, with the first error if any of its computations failed)."""
+    ``exec_id``, with the first error if any of its computations failed).
+    ``hold`` as for Execute."""
     exec_id: int
     seq: int
     fused: int
     inputs: list[int]
     first_buffer: int
+    hold: bool = False
 
 
 @message(29)

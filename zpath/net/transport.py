@@ -247,15 +247,17 @@ class Outbox:
                 pass
 
     def hold(self, item: tuple, hold_s: float, release: bool = False) -> None:
-        """Queue ``item`` after the held ones; it goes out by ``hold_s`` after
-        the first held item at the latest (at once with ``release``)."""
+        """Queue ``item`` after the held ones; they all go out by ``hold_s``
+        after now at the latest (at once with ``release``), or earlier if an
+        item held before set an earlier deadline."""
         with self._hold_lock:
             self._held.append(item)
+            due = time.monotonic() + hold_s
             if release:
                 wake, self._held_due = True, 0.0
-            elif self._held_due is None:
-                self._held_due = time.monotonic() + hold_s
-                wake = self.wait_until > self._held_due     # it would sleep past the deadline
+            elif self._held_due is None or due < self._held_due:
+                self._held_due = due
+                wake = self.wait_until > due      # it would sleep past the deadline
             else:
                 wake = False
         if wake:        # the I/O thread sends them, or learns the deadline

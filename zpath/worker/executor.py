@@ -33,9 +33,9 @@ INPUT_TIMEOUT_S = 300.0
 # ran for less than this last time, is reported with ``hold`` (see Executor._loop).
 SHORT_S = 0.001
 # how long a finished computation's report may wait to go with the next ones':
-# a short computation followed at once by another short one, and one with at
-# least DEEP_QUEUE computations queued behind it on its devices (the controller
-# has sent work well ahead, so it need not hear of each at once)
+# a short computation followed at once by another short one, and one that the
+# controller let hold (Execute.hold) with at least DEEP_QUEUE computations
+# queued behind it on its devices (the controller sent work well ahead)
 HOLD_SHORT_S = 0.002
 HOLD_DEEP_S = 0.05
 DEEP_QUEUE = 4
@@ -50,14 +50,16 @@ class FusedRun:
     the runs of one fused program, where the executor keeps what it worked out
     on the first run (see ``_FusedPlan``)."""
 
-    __slots__ = ("exec_id", "seq", "name", "devices", "executes", "inputs", "first", "release", "plan")
+    __slots__ = ("exec_id", "seq", "name", "devices", "executes", "inputs", "first", "release", "plan",
+                 "hold")
 
     def __init__(self, exec_id: int, seq: int, name: str, devices: list[int],
                  executes: list[m.Execute], inputs: list[int], first: int, release: list[int],
-                 plan: list | None = None) -> None:
+                 plan: list | None = None, hold: bool = False) -> None:
         self.exec_id, self.seq, self.name, self.devices = exec_id, seq, name, devices
         self.executes, self.inputs, self.first, self.release = executes, inputs, first, release
         self.plan = plan if plan is not None else [None]
+        self.hold = hold          # as RunFused.hold
 
     def buffer(self, code: int) -> int:
         return self.first + code if code >= 0 else self.inputs[-code - 1]
@@ -201,10 +203,11 @@ class Executor:
         with another short one (under SHORT_S last time) is reported with
         ``hold`` HOLD_SHORT_S: its report may wait that long to go out with the
         next ones, so a chain of small computations wakes the I/O thread and the
-        controller once per group instead of once per node. One that leaves at
-        least DEEP_QUEUE computations queued behind it on its devices, whatever
-        their length, is reported with HOLD_DEEP_S: the devices have work for a
-        while yet. A failure is never held."""
+        controller once per group instead of once per node. One whose message
+        allows it (``hold``: nothing in the controller waits for its report)
+        and that leaves at least DEEP_QUEUE computations queued behind it on its
+        devices, whatever their length, is reported with HOLD_DEEP_S: the
+        devices have work for a while yet. A failure is never held."""
         while not self._stopped:
             entry = self._ready.get()
             while entry is not None and not self._stopped:
@@ -217,12 +220,12 @@ class Executor:
                     if self.release_held is not None:    # nothing may stay held now
                         self.release_held()
                     continue
-                exec_id, error, start, end, took, behind = done
+                exec_id, error, start, end, took, behind, may_hold = done
                 hold = 0.0
                 if entry is not None and error is None:
                     if took < SHORT_S and self._short(entry[0]):
                         hold = HOLD_SHORT_S
-                    elif behind >= DEEP_QUEUE:
+                    elif may_hold and behind >= DEEP_QUEUE:
                         hold = HOLD_DEEP_S
                 try:
                     self.on_done(exec_id, error, start, end, hold)
@@ -251,7 +254,7 @@ class Executor:
         after one fails, and fail if they read its outputs); returns the next one
         this thread runs, if any, and the report of this one (exec id, first
         error, start, end, seconds it took, how many computations wait on its
-        devices once the next ones started)."""
+        devices once the next ones started, its ``hold``)."""
         start = time.time()
         t0 = time.perf_counter()
         if type(ex) is FusedRun:
@@ -272,7 +275,7 @@ class Executor:
                 self._ready.put(entry)
             behind = min((len(self._queues[d]) for d in devs), default=0)
         return (started[0] if started else None), (ex.exec_id, error, start, end,
-                                                   time.perf_counter() - t0, behind)
+                                                   time.perf_counter() - t0, behind, ex.hold)
 
     def _run_fused(self, run: FusedRun) -> m.ErrorInfo | None:
         """Run a fused run's computations in order; returns the first error.

@@ -454,7 +454,7 @@ class Worker:
             return
         d, devices, _, plan = known
         run = FusedRun(msg.exec_id, msg.seq, f"fused program {msg.fused}", devices, d.executes,
-                       msg.inputs, msg.first_buffer, d.release, plan)
+                       msg.inputs, msg.first_buffer, d.release, plan, msg.hold)
         self.executor.submit(run)
         self.executor.free_after_earlier([run.buffer(c) for c in d.release])
 
