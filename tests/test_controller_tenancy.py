@@ -25,9 +25,9 @@ class Blob(bytes):
 
 class Rig:
     def __init__(self, hosts=((0, 1),), window_ms: float = 20.0, solo_window_ms: float | None = None) -> None:
-        """``hosts``: (island, devices) per host. No solo window unless given."""
-        self.c = Controller(b"k" * 32, policy="share", window_ms=window_ms,
-                            solo_window_ms=window_ms if solo_window_ms is None else solo_window_ms)
+        """``hosts``: (island, devices) per host; the solo window is the
+        controller's default unless given."""
+        self.c = Controller(b"k" * 32, policy="share", window_ms=window_ms, solo_window_ms=solo_window_ms)
         self.log: list[tuple[bytes, m.Record]] = []
         self.c.send = lambda ident, msg, parent=0, buffers=(): self.log.append((ident, msg))
         self.ids = itertools.count(1)
@@ -395,6 +395,12 @@ def test_a_queued_call_that_reads_a_dropped_value_goes_ahead_of_a_waiting_head(m
 
 def test_workers_may_hold_reports_only_of_a_client_alone_and_of_nothing_waited_for(make_rig):
     rig = make_rig(solo_window_ms=100.0)
+    short = make_rig(solo_window_ms=60.0)       # too short for the 50 ms hold: never
+    sa, _ = short.client("a")
+    short.c.tenants._cost[(short.programs["f"][0], (0,))] = 0.001
+    mark = len(short.log)
+    short.handle(sa, short.call(sa, 0)[0])
+    assert [e.hold for e in short.executes(mark)] == [False]
     now = [1000.0]
     rig.c.tenants.clock = lambda: now[0]
     a, _ = rig.client("a")

@@ -29,6 +29,7 @@ from zpath.net import channels, codec
 from zpath.net import messages as m
 from zpath.net.codec import PROTOCOL_VERSION, Header, Record
 from zpath.net.transport import BadMessage, Endpoint, make_context, unbatched
+from zpath.worker.executor import HOLD_DEEP_S
 
 log = logging.getLogger(__name__)
 
@@ -1051,8 +1052,10 @@ class Controller:
         # the worker may hold its report while work is queued behind it, unless
         # something here may wait for it: a sequential program's next nodes, or
         # calls waiting for memory (it frees what the run held); and only while
-        # the island has the solo window (else the report makes room for others)
+        # the island has the solo window, one at least twice as long as the
+        # hold (else the report makes room for others, or is needed to top up)
         hold = not run.sequential and not self.memory_limit and \
+            self.tenants.solo_window_s >= 2 * HOLD_DEEP_S and \
             self.tenants.window(held.island, run.peer.id) > self.tenants.window_s
         exec_id = self._dispatch(run.peer, held.call, *held.planned, hold=hold)
         self.tenants.sent(exec_id, ready)

@@ -90,7 +90,7 @@ class InputError(Exception):
 
 class Executor:
     def __init__(self, store: Store, local_devices: dict[int, Any],
-                 on_done: Callable[[int, m.ErrorInfo | None, float, float, bool], None],
+                 on_done: Callable[[int, m.ErrorInfo | None, float, float, float], None],
                  input_timeout_s: float = INPUT_TIMEOUT_S, jax_devices: dict[int, Any] | None = None,
                  release_held: Callable[[], None] | None = None) -> None:
         """``on_done(exec_id, error or None, start, end, hold)`` reports a

@@ -178,8 +178,8 @@ class Worker:
     def _exec_done(self, exec_id: int, error: m.ErrorInfo | None, start: float, end: float,
                    hold: float) -> None:
         """Report a finished computation; with ``hold`` (seconds) the report
-        waits up to that long after the first one held (or until one not held)
-        to go to the controller with the next ones, as one Batch."""
+        waits up to that long (less if one held before must go earlier, or until
+        one not held) to go to the controller with the next ones, as one Batch."""
         self.chaining = 0 < hold <= HOLD_SHORT_S
         self.outbox.hold(("ctl", None, m.ExecDone(exec_id, error, start, end), (), 0), hold,
                          release=not hold)
