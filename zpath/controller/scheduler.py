@@ -95,8 +95,9 @@ class TenantScheduler:
     computations sent there and not finished, or queued there, and for
     ``SOLO_GRACE_S`` after (so a client that waits for each result before its
     next call still shares the island). A client that arrives at an island
-    another uses alone waits behind at most ``solo_window_s`` of the other's
-    work; from then on the island has the short window. Computations whose run
+    another uses alone waits behind the other's work already sent (about
+    ``solo_window_s`` of it, or ``min_window`` computations if longer); from
+    then on the island has the short window. Computations whose run
     time has not been measured yet get only the short window either way (their
     estimate is a guess).
     When room frees it picks the next computation by policy:

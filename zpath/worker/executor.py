@@ -95,8 +95,9 @@ class Executor:
                  release_held: Callable[[], None] | None = None) -> None:
         """``on_done(exec_id, error or None, start, end, hold)`` reports a
         finished computation; ``hold`` is how long (seconds, 0 for not at all)
-        the report may wait for the next ones (see ``_loop``), and ``release_held()`` is called before
-        this executor waits for an input, when nothing held should wait any more.
+        the report may wait for the next ones (see ``_loop``), and
+        ``release_held()`` is called before this executor waits for an input,
+        when nothing held should wait any more.
         ``local_devices`` maps global device id -> jax Device; ``jax_devices``
         maps JAX id -> jax Device for every device of this host's island runtime."""
         import jax
