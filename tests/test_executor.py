@@ -249,8 +249,9 @@ _SCRIPT = textwrap.dedent("""
     # computations that are not short, whose Execute allows it: held while at
     # least DEEP_QUEUE more wait behind them on their devices (6 queued behind
     # one waiting for its input); the same without ``hold``: never held
-    executor_module.SHORT_S = 0.0
-    for name, base, may in (("held_deep", 1000, True), ("held_deep_not_allowed", 1100, False)):
+    for name, base, may, short_s in (("held_deep", 1000, True, 0.0), ("held_deep_not_allowed", 1100, False, 0.0),
+                                     ("held_deep_short", 1200, True, 60.0)):
+        executor_module.SHORT_S = short_s
         ex.submit(dataclasses.replace(execute(40, base, base + 1), hold=may))
         res[name] = take(1)
         for k in range(1, 7):
@@ -342,6 +343,11 @@ def test_computations_the_controller_lets_hold_with_a_deep_queue_are_reported_wi
     # an Execute without ``hold`` (something in the controller waits for its report)
     assert results["held_deep_not_allowed"] == ["release"] + [[40 + k, 0] for k in range(7)]
     assert results["held_deep_not_allowed_value"] == [2.0 ** 7] * 3
+    # short computations: the long hold while the queue is deep, then the short one
+    short = results["hold_s"][0]
+    assert results["held_deep_short"] == ["release", [40, deep], [41, deep]] + \
+        [[40 + k, short] for k in range(2, 6)] + [[46, 0]]
+    assert results["held_deep_short_value"] == [2.0 ** 7] * 3
     assert results["held_deep_nothing_more"]
 
 

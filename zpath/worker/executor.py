@@ -200,15 +200,16 @@ class Executor:
         """An executor thread: run computations handed over, and those that the
         one it finished lets start (without a hand-off).
 
-        A short computation (under SHORT_S) that the thread follows at once
-        with another short one (under SHORT_S last time) is reported with
-        ``hold`` HOLD_SHORT_S: its report may wait that long to go out with the
-        next ones, so a chain of small computations wakes the I/O thread and the
-        controller once per group instead of once per node. One whose message
-        allows it (``hold``: nothing in the controller waits for its report)
-        and that leaves at least DEEP_QUEUE computations queued behind it on its
-        devices, whatever their length, is reported with HOLD_DEEP_S: the
-        devices have work for a while yet. A failure is never held."""
+        A computation whose message allows it (``hold``: nothing in the
+        controller waits for its report) and that leaves at least DEEP_QUEUE
+        computations queued behind it on its devices, whatever their length, is
+        reported with ``hold`` HOLD_DEEP_S: its report may wait that long to go
+        out with the next ones (the devices have work for a while yet). Else a
+        short computation (under SHORT_S) that the thread follows at once with
+        another short one (under SHORT_S last time) is reported with
+        HOLD_SHORT_S. So a chain of computations wakes the I/O thread and the
+        controller once per group instead of once per node. A failure is never
+        held."""
         while not self._stopped:
             entry = self._ready.get()
             while entry is not None and not self._stopped:
@@ -224,10 +225,10 @@ class Executor:
                 exec_id, error, start, end, took, behind, may_hold = done
                 hold = 0.0
                 if entry is not None and error is None:
-                    if took < SHORT_S and self._short(entry[0]):
-                        hold = HOLD_SHORT_S
-                    elif may_hold and behind >= DEEP_QUEUE:
+                    if may_hold and behind >= DEEP_QUEUE:
                         hold = HOLD_DEEP_S
+                    elif took < SHORT_S and self._short(entry[0]):
+                        hold = HOLD_SHORT_S
                 try:
                     self.on_done(exec_id, error, start, end, hold)
                 except Exception:     # the next computation must still run
