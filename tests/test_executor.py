@@ -249,9 +249,21 @@ _SCRIPT = textwrap.dedent("""
     # computations that are not short, whose Execute allows it: held while at
     # least DEEP_QUEUE more wait behind them on their devices (6 queued behind
     # one waiting for its input); the same without ``hold``: never held
-    for name, base, may, short_s in (("held_deep", 1000, True, 0.0), ("held_deep_not_allowed", 1100, False, 0.0),
-                                     ("held_deep_short", 1200, True, 60.0)):
+    # (the executor's clock advances 4 ms, or 0.1 ms, per reading: each of
+    # these computations then takes 12 ms, or 0.3 ms, by it)
+    import types
+    real_time = executor_module.time
+    for name, base, may, short_s, step in (("held_deep", 1000, True, 0.0, 0.004),
+                                           ("held_deep_not_allowed", 1100, False, 0.0, 0.004),
+                                           ("held_deep_short", 1200, True, 60.0, 0.004),
+                                           ("held_deep_tiny", 1300, True, 60.0, 0.0001)):
         executor_module.SHORT_S = short_s
+        clock = [0.0]
+        def perf_counter(clock=clock, step=step):
+            clock[0] += step
+            return clock[0]
+        executor_module.time = types.SimpleNamespace(time=real_time.time, perf_counter=perf_counter,
+                                                     monotonic=real_time.monotonic)
         ex.submit(dataclasses.replace(execute(40, base, base + 1), hold=may))
         res[name] = take(1)
         for k in range(1, 7):
@@ -259,6 +271,7 @@ _SCRIPT = textwrap.dedent("""
         h.store.set(shard_key(base, one[0].id, ((0, 3),)), jax.device_put(np.ones(3), one[0]))
         res[name] += [[r[0], r[2]] for r in take(7)]
         res[name + "_value"] = np.asarray(h.store.entry(shard_key(base + 7, one[0].id, ((0, 3),))).value).tolist()
+    executor_module.time = real_time
     res["held_deep_nothing_more"] = reports.empty()
     res["hold_s"] = [executor_module.HOLD_SHORT_S, executor_module.HOLD_DEEP_S, executor_module.DEEP_QUEUE]
     ex.stop()
@@ -333,21 +346,26 @@ def test_short_computations_run_back_to_back_are_reported_with_hold(results):
 
 
 def test_computations_the_controller_lets_hold_with_a_deep_queue_are_reported_with_the_long_hold(results):
-    _, deep, depth = results["hold_s"]
-    assert depth == 4 and deep > 0
-    # 40 waited for its input; then 41-46 were queued behind it: a report is held
-    # while at least 4 computations wait behind the one that starts next
-    assert results["held_deep"] == ["release", [40, deep], [41, deep], [42, 0], [43, 0], [44, 0],
-                                    [45, 0], [46, 0]]
+    short, deep, depth = results["hold_s"]
+    assert depth == 4 and deep == 0.05
+    # 40 waited for its input; then 41-46 were queued behind it. A report is held
+    # while at least 4 computations wait behind the one that starts next: for
+    # half their time by this one's (12 ms each: 5 behind, 30 ms; 4, 24 ms)
+    got = results["held_deep"]
+    assert got[0] == "release" and [r[0] for r in got[1:]] == list(range(40, 47))
+    assert [r[1] for r in got[1:]] == pytest.approx([0.030, 0.024, 0, 0, 0, 0, 0])
     assert results["held_deep_value"] == [2.0 ** 7] * 3
     # an Execute without ``hold`` (something in the controller waits for its report)
     assert results["held_deep_not_allowed"] == ["release"] + [[40 + k, 0] for k in range(7)]
     assert results["held_deep_not_allowed_value"] == [2.0 ** 7] * 3
     # short computations: the long hold while the queue is deep, then the short one
-    short = results["hold_s"][0]
-    assert results["held_deep_short"] == ["release", [40, deep], [41, deep]] + \
-        [[40 + k, short] for k in range(2, 6)] + [[46, 0]]
+    got = results["held_deep_short"]
+    assert [r[1] for r in got[1:]] == pytest.approx([0.030, 0.024] + [short] * 4 + [0])
     assert results["held_deep_short_value"] == [2.0 ** 7] * 3
+    # tiny ones: half the queued work is under 2 x the short hold: the short hold
+    got = results["held_deep_tiny"]
+    assert [r[1] for r in got[1:]] == pytest.approx([short] * 6 + [0])
+    assert results["held_deep_tiny_value"] == [2.0 ** 7] * 3
     assert results["held_deep_nothing_more"]
 
 

@@ -33,9 +33,9 @@ INPUT_TIMEOUT_S = 300.0
 # ran for less than this last time, is reported with ``hold`` (see Executor._loop).
 SHORT_S = 0.001
 # how long a finished computation's report may wait to go with the next ones':
-# a short computation followed at once by another short one, and one that the
-# controller let hold (Execute.hold) with at least DEEP_QUEUE computations
-# queued behind it on its devices (the controller sent work well ahead)
+# a short computation followed at once by another short one, and (at most, half
+# the queued work's time) one that the controller let hold (Execute.hold) with
+# at least DEEP_QUEUE computations queued behind it on its devices
 HOLD_SHORT_S = 0.002
 HOLD_DEEP_S = 0.05
 DEEP_QUEUE = 4
@@ -202,12 +202,13 @@ class Executor:
 
         A computation whose message allows it (``hold``: nothing in the
         controller waits for its report) and that leaves at least DEEP_QUEUE
-        computations queued behind it on its devices, whatever their length, is
-        reported with ``hold`` HOLD_DEEP_S: its report may wait that long to go
-        out with the next ones (the devices have work for a while yet). Else a
-        short computation (under SHORT_S) that the thread follows at once with
-        another short one (under SHORT_S last time) is reported with
-        HOLD_SHORT_S. So a chain of computations wakes the I/O thread and the
+        computations queued behind it on its devices is reported with a
+        ``hold`` of half the time those take (by its own time), at most
+        HOLD_DEEP_S: its report may wait that long to go out with the next
+        ones, while the devices have work. Else (or if that is under twice
+        HOLD_SHORT_S) a short computation (under SHORT_S) that the thread
+        follows at once with another short one (under SHORT_S last time) is
+        reported with HOLD_SHORT_S. So a chain of computations wakes the I/O thread and the
         controller once per group instead of once per node. A failure is never
         held."""
         while not self._stopped:
@@ -225,8 +226,12 @@ class Executor:
                 exec_id, error, start, end, took, behind, may_hold = done
                 hold = 0.0
                 if entry is not None and error is None:
-                    if may_hold and behind >= DEEP_QUEUE:
-                        hold = HOLD_DEEP_S
+                    # (about half the queued work, by this one's time: the
+                    # controller hears while half of it is left)
+                    deep = min(HOLD_DEEP_S, behind * took / 2) \
+                        if may_hold and behind >= DEEP_QUEUE else 0.0
+                    if deep >= 2 * HOLD_SHORT_S:
+                        hold = deep
                     elif took < SHORT_S and self._short(entry[0]):
                         hold = HOLD_SHORT_S
                 try:
