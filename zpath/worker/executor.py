@@ -208,9 +208,9 @@ class Executor:
         ones, while the devices have work. Else (or if that is under twice
         HOLD_SHORT_S) a short computation (under SHORT_S) that the thread
         follows at once with another short one (under SHORT_S last time) is
-        reported with HOLD_SHORT_S. So a chain of computations wakes the I/O thread and the
-        controller once per group instead of once per node. A failure is never
-        held."""
+        reported with HOLD_SHORT_S. So a chain of computations wakes the I/O
+        thread and the controller once per group instead of once per node. A
+        failure is never held."""
         while not self._stopped:
             entry = self._ready.get()
             while entry is not None and not self._stopped:
