@@ -61,56 +61,56 @@ def _readable(box: Outbox) -> bool:
     return bool(select.select([box.fd], [], [], 0)[0])
 
 
-def test_outbox_holds_items_until_released_or_due(monkeypatch):
+@pytest.fixture
+def clocked_box(monkeypatch):
+    """An Outbox on a clock the test moves (``clock[0]``, seconds)."""
     clock = [1000.0]
     monkeypatch.setattr(transport, "time", types.SimpleNamespace(monotonic=lambda: clock[0]))
     box = Outbox()
-    try:
-        box.hold(("a",), 0.2)
-        assert _readable(box)              # the first held item wakes the consumer
-        assert box.held_timeout() == pytest.approx(0.2 - transport.DUE_SLACK_S)
-        box.put("x")
-        box.hold(("b",), 0.2)
-        assert box.drain() == [("x",)]     # held ones are not due yet
-        assert not _readable(box)          # a later held item does not wake it
-        clock[0] += 0.2 - transport.DUE_SLACK_S / 2      # within the slack: due
-        assert box.held_timeout() == 0.0
-        box.put("y")
-        assert box.drain() == [("a",), ("b",), ("y",)]   # held first, in order
-        assert box.held_timeout() is None and box.drain() == []
-        box.hold(("c",), 60.0)
-        box.drain()
-        box.release()
-        assert _readable(box) and box.held_timeout() == 0.0
-        assert box.drain() == [("c",)]
-        box.release()                       # nothing held: no wake-up
-        assert not _readable(box)
-        box.hold(("d",), 60.0)
-        box.hold(("e",), 60.0, release=True)   # goes now, with those held before it
-        assert box.drain() == [("d",), ("e",)]
-    finally:
-        box.close()
+    yield clock, box
+    box.close()
 
 
-def test_outbox_a_shorter_hold_brings_the_deadline_of_those_held_before_forward(monkeypatch):
-    clock = [1000.0]
-    monkeypatch.setattr(transport, "time", types.SimpleNamespace(monotonic=lambda: clock[0]))
-    box = Outbox()
-    try:
-        box.hold(("long",), 0.05)
-        box.drain()                        # (clears the first item's wake-up)
-        box.wait_until = clock[0] + 0.5    # the consumer sleeps past 2 ms
-        clock[0] += 0.001
-        box.hold(("short",), 0.002)
-        assert _readable(box)              # woken for the earlier deadline
-        assert box.held_timeout() == pytest.approx(0.002 - transport.DUE_SLACK_S)
-        clock[0] += 0.002
-        assert box.drain() == [("long",), ("short",)]
-        box.hold(("a",), 0.002)
-        box.hold(("b",), 0.05)             # a longer hold keeps the earlier deadline
-        assert box.held_timeout() == pytest.approx(0.002 - transport.DUE_SLACK_S)
-    finally:
-        box.close()
+def test_outbox_holds_items_until_released_or_due(clocked_box):
+    clock, box = clocked_box
+    box.hold(("a",), 0.2)
+    assert _readable(box)              # the first held item wakes the consumer
+    assert box.held_timeout() == pytest.approx(0.2 - transport.DUE_SLACK_S)
+    box.put("x")
+    box.hold(("b",), 0.2)
+    assert box.drain() == [("x",)]     # held ones are not due yet
+    assert not _readable(box)          # a later held item does not wake it
+    clock[0] += 0.2 - transport.DUE_SLACK_S / 2      # within the slack: due
+    assert box.held_timeout() == 0.0
+    box.put("y")
+    assert box.drain() == [("a",), ("b",), ("y",)]   # held first, in order
+    assert box.held_timeout() is None and box.drain() == []
+    box.hold(("c",), 60.0)
+    box.drain()
+    box.release()
+    assert _readable(box) and box.held_timeout() == 0.0
+    assert box.drain() == [("c",)]
+    box.release()                       # nothing held: no wake-up
+    assert not _readable(box)
+    box.hold(("d",), 60.0)
+    box.hold(("e",), 60.0, release=True)   # goes now, with those held before it
+    assert box.drain() == [("d",), ("e",)]
+
+
+def test_outbox_a_shorter_hold_brings_the_deadline_of_those_held_before_forward(clocked_box):
+    clock, box = clocked_box
+    box.hold(("long",), 0.05)
+    box.drain()                        # (clears the first item's wake-up)
+    box.wait_until = clock[0] + 0.5    # the consumer sleeps past 2 ms
+    clock[0] += 0.001
+    box.hold(("short",), 0.002)
+    assert _readable(box)              # woken for the earlier deadline
+    assert box.held_timeout() == pytest.approx(0.002 - transport.DUE_SLACK_S)
+    clock[0] += 0.002
+    assert box.drain() == [("long",), ("short",)]
+    box.hold(("a",), 0.002)
+    box.hold(("b",), 0.05)             # a longer hold keeps the earlier deadline
+    assert box.held_timeout() == pytest.approx(0.002 - transport.DUE_SLACK_S)
 
 
 def test_outbox_wakes_for_a_held_item_only_if_the_consumer_would_sleep_past_it():
