@@ -275,6 +275,62 @@ _SCRIPT = textwrap.dedent("""
     res["held_deep_nothing_more"] = reports.empty()
     res["hold_s"] = [executor_module.HOLD_SHORT_S, executor_module.HOLD_DEEP_S, executor_module.DEEP_QUEUE]
     ex.stop()
+
+    # plain computations queued back to back: the settler thread stores each
+    # one's outputs and reports it while the next one runs, which reads it as
+    # it is; one that reads it in another sharding waits for the settler
+    import threading
+    executor_module.SHORT_S = 0.001
+    reports = queue.Queue()
+    ex = Executor(Store(), {d.id: d for d in devs},
+                  lambda i, e, s, t, hold: reports.put([i, None if e is None else e.message,
+                                                        threading.current_thread().name]))
+    for dig, bl in ((digest, blob), (dr, br)):
+        ex.add_program(dig, bl)
+    reads = []
+    input_shard = ex._input_shard
+    def counting_input_shard(buffer, inp, s):
+        reads.append(buffer)
+        return input_shard(buffer, inp, s)
+    ex._input_shard = counting_input_shard
+    def numbered(i, execute):
+        return dataclasses.replace(execute, exec_id=i, seq=i)
+    # 5000 -> psum + 1, 8 times -> 5008; 5008 whole (from both halves) x10 -> 5009;
+    # 5008 again -> psum + 1 -> 5010. The first waits for its input: all are queued.
+    for k in range(8):
+        ex.submit(numbered(60 + k, node(digest, 5000 + k, 5001 + k)))
+    ex.submit(numbered(68, node(dr, 5008, 5009, (), ())))
+    ex.submit(numbered(69, node(digest, 5008, 5010)))
+    for d, r in zip(two, ([[0, 1]], [[1, 2]])):
+        ex.store.set(shard_key(5000, d.id, r), jax.device_put(np.zeros(1), d))
+    got = [reports.get(timeout=60) for _ in range(10)]
+    res["settle_reports"] = [[i, e] for i, e, _ in got]
+    res["settle_threads"] = [t for _, _, t in got]
+    res["settle_reads"] = list(reads)
+    res["settle_values"] = [[np.asarray(ex.store.entry(shard_key(b, d.id, r)).value).tolist()
+                             for d, r in zip(two, regs)]
+                            for b, regs in ((5008, ([[0, 1]], [[1, 2]])), (5009, ([[0, 2]], [[0, 2]])),
+                                            (5010, ([[0, 1]], [[1, 2]])))]
+    # storing a computation's outputs fails (a bug): its outputs fail with the
+    # error and its report carries it; nothing waits for ever
+    output_shards = executor_module._Prepared.output_shards
+    def failing_output_shards(self, k, o, out):
+        if o.buffer == 6001:
+            raise RuntimeError("injected")
+        return output_shards(self, k, o, out)
+    executor_module._Prepared.output_shards = failing_output_shards
+    for k in range(3):
+        ex.submit(numbered(70 + k, node(digest, 6000 + k, 6001 + k)))
+    for d, r in zip(two, ([[0, 1]], [[1, 2]])):
+        ex.store.set(shard_key(6000, d.id, r), jax.device_put(np.zeros(1), d))
+    res["settle_failed"] = [[i, e] for i, e, _ in (reports.get(timeout=60) for _ in range(3))]
+    res["settle_failed_stored"] = [[e.error.message if e.error else np.asarray(e.value).tolist()
+                                    for e in (ex.store.entry(shard_key(b, d.id, r))
+                                              for d, r in zip(two, ([[0, 1]], [[1, 2]])))]
+                                   for b in (6001, 6003)]
+    res["settle_nothing_more"] = reports.empty()
+    executor_module._Prepared.output_shards = output_shards
+    ex.stop()
     print(json.dumps(res))
 """)
 
@@ -399,3 +455,29 @@ def test_error_reports_survive_text_that_utf8_cannot_carry():
     done = m.ExecDone(1, err, 0.0, 1.0)
     assert codec.decode(b"k" * 32, codec.encode(b"k" * 32, done, msg_id=1, sender="w"))[1] == done
     assert "\\udce9" in err.message and _text("plain é") == "plain é"
+
+
+def test_back_to_back_computations_are_settled_beside_the_next_one(results):
+    # every report, in order, without errors
+    assert results["settle_reports"] == [[60 + k, None] for k in range(10)]
+    # while the next one ran, the settler thread reported (some; the executor
+    # thread settles what it must wait for itself), and the last one, with
+    # nothing after it, its own executor thread
+    assert "settle" in results["settle_threads"][:9]
+    assert results["settle_threads"][-1].startswith("exec_")
+    # the chain read its predecessors' outputs as they were: the store was read
+    # for the first one's input and for 5008 by the two that read it later
+    assert sorted(results["settle_reads"]) == [5000, 5000, 5008, 5008, 5008, 5008]
+    want = 0.0
+    for _ in range(8):
+        want = 2 * want + 1
+    assert results["settle_values"] == [[[want], [want]], [[10 * want] * 2] * 2,
+                                        [[2 * want + 1], [2 * want + 1]]]
+
+
+def test_a_failure_to_store_outputs_fails_them_and_is_reported(results):
+    err = "RuntimeError: injected"
+    assert results["settle_failed"] == [[70, err], [71, None], [72, None]]
+    # its outputs fail; the next one had read them as they were and went on
+    assert results["settle_failed_stored"] == [[err, err], [[7.0], [7.0]]]
+    assert results["settle_nothing_more"]
