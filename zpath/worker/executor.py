@@ -261,11 +261,14 @@ class Executor:
 
     # ---- settling: storing a computation's outputs and reporting it ---------
     def _settler(self) -> None:
-        while self._settle_wake.get() is not None:
+        while True:
+            token = self._settle_wake.get()
             try:
                 self._drain_settles()
-            except Exception:      # a bug: keep settling the others
+            except Exception:      # a bug: keep the thread for the others
                 log.exception("settler thread")
+            if token is None:      # stop
+                return
 
     def _drain_settles(self) -> None:
         """Settle, in order, the computations waiting to be (from any thread)."""
@@ -275,7 +278,12 @@ class Executor:
     def _drain_locked(self) -> None:
         while self._settles:
             ex, prepared, outs, index, nxt, done = self._settles.popleft()
-            error = self._settle(ex, prepared, outs, index)
+            try:
+                error = self._settle(ex, prepared, outs, index)
+            except Exception as e:      # a bug: it must still be reported
+                log.exception("settling computation %d", ex.exec_id)
+                error = m.ErrorInfo("RemoteError", _text(f"{type(e).__name__}: {e}"), self.rank,
+                                    ex.name, "")
             if error is not None:
                 done = (done[0], error) + done[2:]
             self._report(nxt, done)
@@ -292,9 +300,10 @@ class Executor:
                     store_set(("s", o.buffer, gid, region), data)
         except Exception as e:
             error = self._failed(ex, ex.exec_id, _as_is, e, None)
-        with self._lock:
-            self._finished.add(index)
-            self._run_frees()
+        finally:
+            with self._lock:
+                self._finished.add(index)
+                self._run_frees()
         return error
 
     def _short(self, ex: "m.Execute | FusedRun") -> bool:
@@ -322,15 +331,18 @@ class Executor:
         once the next ones started, its ``hold``), or _SETTLING; and what the
         next one may read as it is (``chain``: buffer id -> (array, sharding)).
 
-        A plain computation that this thread follows at once with another plain
-        one is settled (its outputs stored, its report given) by the settler
-        thread while that next one runs: between two computations on the same
-        devices, this thread only starts the next. Host work there holds up
-        both hosts of a collective (on this 2-core machine, 150 us of Python
-        between calls cost about 700 us per call; the same work beside the
-        call, about 160 us). The next one reads this one's outputs as they are
-        when it reads them in the same sharding, and waits for the settler
-        (``_wait``) when it reads them another way."""
+        A plain computation that ran, followed by another plain one that it
+        lets start (the head of its devices' queues), is settled (its outputs
+        stored, its report given) by the settler thread while that next one
+        runs: between the two, this thread only starts the next. Host work
+        there holds up every host of a collective (on this 2-core machine,
+        150 us of Python between calls cost about 700 us per call; the same
+        work beside the call, about 160 us). The next one reads this one's
+        outputs as they are when it reads them in the same sharding; before
+        it waits for any input that is not there yet (``_wait``), or fails,
+        this thread settles what the settler has not yet itself. Reports go
+        in order: every report given on this thread first settles those
+        pending."""
         start = time.time()
         t0 = time.perf_counter()
         ran = None
@@ -341,6 +353,8 @@ class Executor:
                 ran = self._execute(ex, _as_is, None, chain, lazy=True)
                 error = None
             except Exception as e:
+                if chain:     # its inputs from the one before are stored before they fail
+                    self._drain_settles()
                 error = self._failed(ex, ex.exec_id, _as_is, e, None)
         end = time.time()
         started: list[tuple[m.Execute, frozenset[int], int]] = []
@@ -359,8 +373,7 @@ class Executor:
         nxt = started[0] if started else None
         done = (ex.exec_id, error, start, end, time.perf_counter() - t0, behind, ex.hold)
         if ran is None:
-            if self._settles:      # reports go in order
-                self._drain_settles()
+            self._drain_settles()      # reports go in order (the settler may be at one)
             return nxt, done, None
         prepared, outs = ran
         if nxt is not None and type(nxt[0]) is not FusedRun:
