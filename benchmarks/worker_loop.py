@@ -18,6 +18,17 @@ times each after a warm-up):
 * ``plain``: one ``Execute`` per node submitted to the ``Executor`` (the path
   of plain calls on a host, minus the I/O thread and the controller).
 
+With ``--loop N`` each computation runs ``psum(x) + 1.`` N times in a
+``fori_loop`` (``--loop 128`` is the -F computation of
+benchmarks/island_dispatch.py). With ``--host-us U`` two more variants show
+what host work between two computations costs:
+
+* ``jax-each+host``: ``jax-each`` with U microseconds of Python (a busy loop)
+  on the calling thread before every call, as an executor that stores
+  outputs and reports before starting the next one does;
+* ``jax-each+beside``: the same work on another thread, handed over as each
+  call starts (as the worker's settler thread does, see ``Executor._run``).
+
 For each it prints the median wall time per computation, the CPU time per
 computation of process 0, and the ratio to ``jax-end``. A fused run waits
 for each computation as ``jax-each`` does, so the difference between them is
@@ -26,7 +37,7 @@ this machine's CPU client it was 0-20% faster than ``jax-each``, as JAX
 overlaps some of the next call with the current one). This is a benchmark
 that prints figures, not a test.
 
-    python benchmarks/worker_loop.py [--nodes 512] [--repeats 10] [--json out.json]
+    python benchmarks/worker_loop.py [--nodes 512] [--repeats 10] [--loop 1] [--host-us 0] [--json out.json]
 """
 from __future__ import annotations
 
@@ -41,9 +52,14 @@ import time
 from typing import Any
 
 VARIANTS = ("jax-end", "jax-each", "fused", "fused-execute", "plain")
+HOST_VARIANTS = ("jax-each+host", "jax-each+beside")
 
 
-def child(idx: int, port: int, nodes: int, repeats: int) -> None:
+def variants(host_us: float) -> tuple[str, ...]:
+    return VARIANTS + (HOST_VARIANTS if host_us > 0 else ())
+
+
+def child(idx: int, port: int, nodes: int, repeats: int, loop: int, host_us: float) -> None:
     import hashlib
     import threading
 
@@ -64,7 +80,15 @@ def child(idx: int, port: int, nodes: int, repeats: int) -> None:
         raise SystemExit(f"expected 2 devices, 1 per process; got {devs}, local {local}")
     mesh = Mesh(np.array(devs), ("i",))
     sh = NamedSharding(mesh, P("i"))
-    f = jax.jit(jax.shard_map(lambda x: jax.lax.psum(x, "i") + 1., mesh=mesh,
+
+    def step(x):
+        return jax.lax.psum(x, "i") + 1.
+
+    def looped(x):
+        # (the psum's result cast back to device-varying, so the carry keeps its type)
+        return jax.lax.fori_loop(0, loop, lambda i, y: jax.lax.pcast(step(y), "i", to="varying"), x)
+
+    f = jax.jit(jax.shard_map(step if loop == 1 else looped, mesh=mesh,
                               in_specs=P("i"), out_specs=P("i")))
     blob = bytes(jax.export.export(f)(jax.ShapeDtypeStruct((2,), np.float64, sharding=sh)).serialize())
     digest = hashlib.sha256(blob).hexdigest()
@@ -153,15 +177,41 @@ def child(idx: int, port: int, nodes: int, repeats: int) -> None:
         wait()
         return fetch(b)
 
+    def busy(seconds: float) -> None:
+        end = time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            pass
+
+    work: Any = __import__("queue").SimpleQueue()
+
+    def beside() -> None:
+        while (seconds := work.get()) is not None:
+            busy(seconds)
+
+    threading.Thread(target=beside, daemon=True).start()
+
+    def host_loop(here: bool) -> float:
+        x = make(0.)
+        for _ in range(nodes):
+            if here:
+                busy(host_us * 1e-6)
+            else:
+                work.put(host_us * 1e-6)
+            x = f(x)
+            x.block_until_ready()
+        return float(np.asarray(x.addressable_shards[0].data)[0])
+
     runs = {"jax-end": lambda: jax_loop(False), "jax-each": lambda: jax_loop(True),
-            "fused": lambda: fused(True), "fused-execute": lambda: fused(False), "plain": plain}
+            "fused": lambda: fused(True), "fused-execute": lambda: fused(False), "plain": plain,
+            "jax-each+host": lambda: host_loop(True), "jax-each+beside": lambda: host_loop(False)}
     want = np.float64(0.)
     with np.errstate(over="ignore"):
-        for _ in range(nodes):
+        for _ in range(nodes * loop):
             want = (want + want) + np.float64(1.)
-    times: dict[str, list[tuple[float, float]]] = {v: [] for v in VARIANTS}
+    names = variants(host_us)
+    times: dict[str, list[tuple[float, float]]] = {v: [] for v in names}
     for r in range(repeats + 1):              # the first round warms up
-        for v in (VARIANTS if r % 2 == 0 else VARIANTS[::-1]):
+        for v in (names if r % 2 == 0 else names[::-1]):
             c0, t0 = time.process_time(), time.perf_counter()
             got = runs[v]()
             t, c = time.perf_counter() - t0, time.process_time() - c0
@@ -170,6 +220,7 @@ def child(idx: int, port: int, nodes: int, repeats: int) -> None:
             if r:
                 times[v].append((t, c))
     ex.stop()
+    work.put(None)
     if idx == 0:
         print("RESULT " + json.dumps(times), flush=True)
     jax.distributed.shutdown()
@@ -179,13 +230,20 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="The worker executor's cost per computation vs. plain JAX.")
     p.add_argument("--nodes", type=int, default=512, help="chained computations per run (default 512)")
     p.add_argument("--repeats", type=int, default=10, help="timed runs per variant (default 10)")
+    p.add_argument("--loop", type=int, default=1,
+                   help="psum + 1 steps per computation, in a fori_loop (default 1; 128 is -F)")
+    p.add_argument("--host-us", type=float, default=0.0,
+                   help="also run jax-each with this much host work per call, between calls "
+                        "and beside them (default 0: not run)")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON here")
     p.add_argument("--child", nargs=2, type=int, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    if args.nodes < 1 or args.repeats < 1:
-        p.error("--nodes and --repeats must be at least 1")
+    if args.nodes < 1 or args.repeats < 1 or args.loop < 1:
+        p.error("--nodes, --repeats and --loop must be at least 1")
+    if args.host_us < 0:
+        p.error("--host-us must be >= 0")
     if args.child:
-        child(args.child[0], args.child[1], args.nodes, args.repeats)
+        child(args.child[0], args.child[1], args.nodes, args.repeats, args.loop, args.host_us)
         return 0
 
     here = os.path.dirname(os.path.abspath(__file__))
@@ -199,7 +257,8 @@ def main(argv: list[str] | None = None) -> int:
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
     port = free_port("127.0.0.1")
     cmd = [sys.executable, os.path.abspath(__file__), "--nodes", str(args.nodes),
-           "--repeats", str(args.repeats), "--child"]
+           "--repeats", str(args.repeats), "--loop", str(args.loop), "--host-us", str(args.host_us),
+           "--child"]
     procs = [subprocess.Popen(cmd + [str(i), str(port)], env=env, stdout=subprocess.PIPE, text=True)
              for i in range(2)]
     try:
@@ -215,20 +274,23 @@ def main(argv: list[str] | None = None) -> int:
     n = args.nodes
     res = {v: {"us_per_comp": statistics.median(t for t, _ in times[v]) / n * 1e6,
                "cpu_us_per_comp": statistics.median(c for _, c in times[v]) / n * 1e6,
-               "runs_s": [t for t, _ in times[v]]} for v in VARIANTS}
+               "runs_s": [t for t, _ in times[v]]} for v in variants(args.host_us)}
     base = res["jax-end"]["us_per_comp"]
-    print(f"psum(x) + 1. chained {n} times, 2 processes x 1 CPU device (gloo), "
-          f"median of {args.repeats} runs per variant")
-    head = f"{'variant':<13} {'us/comp':>9} {'CPU us/comp (process 0)':>24} {'vs jax-end':>11}"
+    what = "psum(x) + 1." if args.loop == 1 else f"{args.loop} x psum(x) + 1. (fori_loop)"
+    print(f"{what} chained {n} times, 2 processes x 1 CPU device (gloo), "
+          f"median of {args.repeats} runs per variant"
+          + (f"; host work {args.host_us:g} us per call" if args.host_us else ""))
+    head = f"{'variant':<15} {'us/comp':>9} {'CPU us/comp (process 0)':>24} {'vs jax-end':>11}"
     print(head)
     print("-" * len(head))
-    for v in VARIANTS:
+    for v in variants(args.host_us):
         r = res[v]
-        print(f"{v:<13} {r['us_per_comp']:>9.1f} {r['cpu_us_per_comp']:>24.1f} {base / r['us_per_comp']:>11.3f}")
-    print("(vs jax-end: throughput ratio, higher is better)")
+        print(f"{v:<15} {r['us_per_comp']:>9.1f} {r['cpu_us_per_comp']:>24.1f} {base / r['us_per_comp']:>11.3f}")
+    print("(us/comp: per call; vs jax-end: throughput ratio, higher is better)")
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump({"nodes": n, "repeats": args.repeats, "results": res}, fh, indent=1)
+            json.dump({"nodes": n, "repeats": args.repeats, "loop": args.loop, "host_us": args.host_us,
+                       "results": res}, fh, indent=1)
     return 0
 
 

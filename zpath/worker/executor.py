@@ -336,8 +336,9 @@ class Executor:
         stored, its report given) by the settler thread while that next one
         runs: between the two, this thread only starts the next. Host work
         there holds up every host of a collective (on this 2-core machine,
-        150 us of Python between calls cost about 700 us per call; the same
-        work beside the call, about 160 us). The next one reads this one's
+        150 us of Python between calls of a collective computation cost about
+        300 us per call; the same work beside the call, nothing measurable:
+        benchmarks/worker_loop.py --host-us). The next one reads this one's
         outputs as they are when it reads them in the same sharding; before
         it waits for any input that is not there yet (``_wait``), or fails,
         this thread settles what the settler has not yet itself. Reports go
