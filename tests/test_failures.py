@@ -363,5 +363,19 @@ def test_a_client_the_controller_dropped_fails_at_once(fragile, monkeypatch):
         del held, held2, late          # releases are not sent by a broken client
         time.sleep(1.0)
         assert len(breaks) == 1, breaks     # once: no goodbye, no answer, no second break
+        # nothing it put stays on the workers, the value of the call the
+        # controller refused included (ClientGone: the worker drops that Put)
+        from zpath.client import Client
+        other = Client(fragile.address, fragile.key, name="other")
+        try:
+            deadline = time.monotonic() + 10
+            while True:
+                st = other.request(m.StatusRequest(False))
+                if st.stores and all(h.shards == 0 for h in st.stores) and st.buffers == 0:
+                    break
+                assert time.monotonic() < deadline, st.stores
+                time.sleep(0.2)
+        finally:
+            other.close()
     finally:
         zp.shutdown()

@@ -1291,6 +1291,10 @@ class Controller:
         for rank, buffers in fails.items():
             self.to_host(rank, m.FailBuffers(buffers, err))
         self._release(self.directory.owned(peer.id), peer.id)
+        # and what it put that no call took (a call this controller refused, or
+        # made while it was being dropped): the workers free all of its buffers
+        for rank in list(self.worker_ident):
+            self.to_host(rank, m.ClientGone(peer.id))
         # its templates, and their fused programs on the hosts
         self._drop_templates(peer, [n for c, n in self.templates if c == peer.id])
         if self.memory_waiting:

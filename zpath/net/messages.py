@@ -604,6 +604,15 @@ class PieceChunk(Record):
     nbytes: int
 
 
+@message(59)
+class ClientGone(Record):
+    """Controller -> worker: client ``client`` left or was dropped. The worker
+    frees every buffer of its (ids ``client << 32 | n``) once the computations
+    that arrived before have finished, values it put that no call took
+    included, and drops its later ``Put``s."""
+    client: int
+
+
 @message(60)     # codec.BATCH_TYPE
 class Batch(Record):
     """Any -> one peer: several messages without buffers under one signature,

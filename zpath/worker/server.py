@@ -119,6 +119,7 @@ class Worker:
         self.pool = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="send")
         self.rank: int | None = None
         self.executor: Executor | None = None
+        self.gone_clients: set[int] = set()    # clients that left: their Puts are dropped
         self.device_ids: list[int] = []
         self.running = True
         self.last_controller = time.monotonic()
@@ -412,6 +413,13 @@ class Worker:
                 self.post_ctl(m.Pong(msg.seq, *self.store.stats(self.device_ids)))
             case m.Free():
                 self.executor.free_after_earlier(msg.buffers)
+            case m.ClientGone():
+                # what it put that no call took would stay for good otherwise
+                self.gone_clients.add(msg.client)
+                mine = self.store.buffers_of(msg.client)
+                if mine:
+                    self.executor.free_after_earlier(mine)
+                log.debug("client %d is gone: %d of its buffers freed", msg.client, len(mine))
             case m.HostDown():
                 if any(e[2] == msg.rank for e in self.shaped):
                     # what was queued on the emulated DCN link for it goes, and
@@ -519,6 +527,8 @@ class Worker:
     # ---- data messages -------------------------------------------------------
     def _handle_data(self, ident: bytes, msg_id: int, msg: Record, buffers: list) -> None:
         match msg:
+            case m.Put() if msg.buffer >> 32 in self.gone_clients:
+                log.debug("buffer %d: its client is gone; its Put dropped", msg.buffer)
             case m.Put() if self.store.was_freed(msg.buffer):
                 # freed before it came (the Free took the other connection; e.g.
                 # the controller rejected its call): keeping it would keep it for good

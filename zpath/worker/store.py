@@ -173,6 +173,12 @@ class Store:
                 freed.popitem(last=False)
         return n
 
+    def buffers_of(self, client: int) -> list[int]:
+        """The buffers of client ``client`` (ids ``client << 32 | n``) that have
+        shards here."""
+        with self._lock:
+            return [b for b in self._by_buffer if b >> 32 == client]
+
     def was_freed(self, buffer: int) -> bool:
         """Whether this buffer was freed lately: a client's Put for it that comes
         in now (after the Free, over the other connection; e.g. for a call the
