@@ -81,3 +81,43 @@ def test_a_copy_assembled_again_replaces_an_earlier_error_only():
     key8 = st.shard_key(8, 0, [[0, 4]])
     s.set(key8, "v", over_error=True)
     assert s.entry(key8).error is err
+
+
+def test_a_clients_buffers_are_found_by_its_id_prefix():
+    s = st.Store()
+    a, b, c = (3 << 32) | 1, (3 << 32) | 2, (4 << 32) | 1
+    for buf in (a, b, c):
+        s.set(st.shard_key(buf, 0, ((0, 1),)), buf)
+    s.set(st.shard_key(a, 1, ((1, 2),)), a)
+    s.fail_buffers([(3 << 32) | 9], st.m.ErrorInfo("RemoteError", "gone", None, "", ""))
+    assert sorted(s.buffers_of(3)) == [a, b, (3 << 32) | 9] and s.buffers_of(4) == [c]
+    assert s.buffers_of(5) == []
+    # freed without being remembered: gone from the index, a later Put not refused here
+    assert s.free_buffers([a, (3 << 32) | 9], remember=False) == 2
+    assert s.buffers_of(3) == [b] and not s.was_freed(a)
+    s.free_buffers([b])
+    assert s.buffers_of(3) == [] and s.was_freed(b)
+    # a waiter that goes away leaves no index entry behind
+    key = st.shard_key((6 << 32) | 1, 0, ((0, 1),))
+    s.when_done(key, cb := (lambda e: None))
+    assert s.buffers_of(6) == [(6 << 32) | 1]
+    s.forget(key, cb)
+    assert s.buffers_of(6) == []
+
+
+def test_id_ranges_merge_runs_and_answer_membership():
+    r = st.IdRanges()
+    for n in (5, 7, 6, 1, 10, 9, 3, 3):
+        r.add(n)
+    # ranges: [1], [3], [5-7], [9-10]
+    assert len(r) == 4
+    assert [n for n in range(12) if n in r] == [1, 3, 5, 6, 7, 9, 10]
+    r.add(2)                  # joins [1] and [3]
+    r.add(8)                  # joins [5-7] and [9-10]
+    assert len(r) == 2 and [n for n in range(12) if n in r] == [1, 2, 3, 5, 6, 7, 8, 9, 10]
+    r.add(4)
+    assert len(r) == 1 and 0 not in r and 11 not in r
+    big = st.IdRanges()
+    for n in range(1, 100_001):     # clients leave in order: one range
+        big.add(n)
+    assert len(big) == 1 and 100_000 in big and 100_001 not in big

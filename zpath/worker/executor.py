@@ -130,7 +130,7 @@ class Executor:
         self._arrived = 0
         self._unfinished: collections.deque[int] = collections.deque()
         self._finished: set[int] = set()
-        self._frees: collections.deque[tuple[int, list[int]]] = collections.deque()
+        self._frees: collections.deque[tuple[int, list[int], bool]] = collections.deque()
         # computations ready to start, taken by the executor threads; at most
         # one computation per device runs at a time, so one thread per device
         self._ready: queue.SimpleQueue[tuple[m.Execute, frozenset[int], int] | None] = queue.SimpleQueue()
@@ -174,11 +174,12 @@ class Executor:
                 self._queues[d].append(entry)
             self._try_start(entry)
 
-    def free_after_earlier(self, buffers: list[int]) -> None:
+    def free_after_earlier(self, buffers: list[int], remember: bool = True) -> None:
         """Free these buffers' shards once every computation that arrived before
-        now has finished (one of them may still read them)."""
+        now has finished (one of them may still read them); ``remember``: as
+        ``Store.free_buffers``."""
         with self._lock:
-            self._frees.append((self._arrived, buffers))
+            self._frees.append((self._arrived, buffers, remember))
             self._run_frees()
 
     def _run_frees(self) -> None:
@@ -187,7 +188,8 @@ class Executor:
             self._finished.discard(self._unfinished.popleft())
         oldest = self._unfinished[0] if self._unfinished else self._arrived
         while self._frees and self._frees[0][0] <= oldest:
-            self.store.free_buffers(self._frees.popleft()[1])
+            _, buffers, remember = self._frees.popleft()
+            self.store.free_buffers(buffers, remember=remember)
 
     def _try_start(self, entry: tuple[m.Execute, frozenset[int], int],
                    started: list | None = None) -> None:

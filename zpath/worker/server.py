@@ -33,7 +33,7 @@ from zpath.net import messages as m
 from zpath.net.codec import PROTOCOL_VERSION, Record
 from zpath.net.transport import BadMessage, Endpoint, Outbox, backoff, make_context, raw, unbatched
 from zpath.worker.executor import HOLD_SHORT_S, Executor, FusedRun
-from zpath.worker.store import Entry, Store, shard_key
+from zpath.worker.store import Entry, IdRanges, Store, shard_key
 
 log = logging.getLogger(__name__)
 
@@ -119,7 +119,7 @@ class Worker:
         self.pool = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="send")
         self.rank: int | None = None
         self.executor: Executor | None = None
-        self.gone_clients: set[int] = set()    # clients that left: their Puts are dropped
+        self.gone_clients = IdRanges()          # clients that left: their Puts are dropped
         self.device_ids: list[int] = []
         self.running = True
         self.last_controller = time.monotonic()
@@ -417,8 +417,8 @@ class Worker:
                 # what it put that no call took would stay for good otherwise
                 self.gone_clients.add(msg.client)
                 mine = self.store.buffers_of(msg.client)
-                if mine:
-                    self.executor.free_after_earlier(mine)
+                if mine:        # (not remembered as freed: its Puts are dropped anyway)
+                    self.executor.free_after_earlier(mine, remember=False)
                 log.debug("client %d is gone: %d of its buffers freed", msg.client, len(mine))
             case m.HostDown():
                 if any(e[2] == msg.rank for e in self.shaped):

@@ -5,6 +5,7 @@ for pieces in transit. An entry is created by whoever first names it (a waiter
 or the producer) and is *done* once it has a value or an error."""
 from __future__ import annotations
 
+import bisect
 import collections
 import threading
 import time
@@ -35,6 +36,7 @@ class Store:
         self._lock = threading.Lock()
         self._entries: dict[Hashable, Entry] = {}
         self._by_buffer: dict[int, set[Hashable]] = {}    # buffer -> its shard keys
+        self._by_client: dict[int, set[int]] = {}          # client -> its buffers here
         # buffers freed lately, oldest first (buffer ids are never used again)
         self._freed: collections.OrderedDict[int, float] = collections.OrderedDict()
         # buffers that will never come (their client left): their shards fail
@@ -50,7 +52,11 @@ class Store:
         if e is None:
             e = self._entries[key] = Entry()
             if key[0] == "s":
-                self._by_buffer.setdefault(key[1], set()).add(key)
+                keys = self._by_buffer.get(key[1])
+                if keys is None:
+                    keys = self._by_buffer[key[1]] = set()
+                    self._by_client.setdefault(key[1] >> 32, set()).add(key[1])
+                keys.add(key)
                 if self._failed and key[1] in self._failed:
                     e.error, e.done = self._failed[key[1]], True
         return e
@@ -150,34 +156,49 @@ class Store:
                     keys.discard(key)
                     if not keys:
                         del self._by_buffer[key[1]]
+                        self._unindex(key[1])
 
     def pop(self, key: Hashable) -> None:
         with self._lock:
             self._entries.pop(key, None)
 
-    def free_buffers(self, buffers: list[int], now: float | None = None) -> int:
+    def _unindex(self, buffer: int) -> None:
+        """With the lock held: ``buffer`` has no shards here any more."""
+        mine = self._by_client.get(buffer >> 32)
+        if mine is not None:
+            mine.discard(buffer)
+            if not mine:
+                del self._by_client[buffer >> 32]
+
+    def free_buffers(self, buffers: list[int], now: float | None = None, remember: bool = True) -> int:
         """Drop every shard of these buffers; returns how many were dropped.
-        The ids are remembered for FREED_MEMORY_S (see ``was_freed``)."""
+        The ids are remembered for FREED_MEMORY_S (see ``was_freed``) unless
+        ``remember`` is false (their client is gone: its Puts are dropped anyway)."""
         n = 0
         now = time.monotonic() if now is None else now
         with self._lock:
             freed = self._freed
             for b in buffers:
-                for k in self._by_buffer.pop(b, ()):
-                    if self._entries.pop(k, None) is not None:
-                        n += 1
+                keys = self._by_buffer.pop(b, None)
+                if keys is not None:
+                    self._unindex(b)
+                    for k in keys:
+                        if self._entries.pop(k, None) is not None:
+                            n += 1
                 self._failed.pop(b, None)
-                freed[b] = now
-                freed.move_to_end(b)
+                if remember:
+                    freed[b] = now
+                    freed.move_to_end(b)
             while freed and (len(freed) > FREED_MAX or next(iter(freed.values())) < now - FREED_MEMORY_S):
                 freed.popitem(last=False)
         return n
 
     def buffers_of(self, client: int) -> list[int]:
         """The buffers of client ``client`` (ids ``client << 32 | n``) that have
-        shards here."""
+        shards here, or were told they will never come."""
         with self._lock:
-            return [b for b in self._by_buffer if b >> 32 == client]
+            return list(self._by_client.get(client, ())) + \
+                [b for b in self._failed if b >> 32 == client and b not in self._by_buffer]
 
     def was_freed(self, buffer: int) -> bool:
         """Whether this buffer was freed lately: a client's Put for it that comes
@@ -197,6 +218,42 @@ class Store:
                 per[d] += getattr(e.value, "nbytes", 0)
         nbytes = sum(getattr(e.value, "nbytes", 0) for _, e in shards)
         return len(shards), nbytes, [per[d] for d in devices]
+
+
+class IdRanges:
+    """A set of non-negative ints kept as sorted, disjoint, inclusive ranges:
+    small when its members mostly come in runs (ids handed out in order, of
+    which most are in it, e.g. the clients that have left)."""
+
+    def __init__(self) -> None:
+        self._lo: list[int] = []       # range starts, sorted
+        self._hi: list[int] = []       # their ends
+
+    def __contains__(self, n: int) -> bool:
+        i = bisect.bisect_right(self._lo, n) - 1
+        return i >= 0 and n <= self._hi[i]
+
+    def __len__(self) -> int:
+        """How many ranges (not members)."""
+        return len(self._lo)
+
+    def add(self, n: int) -> None:
+        lo, hi = self._lo, self._hi
+        i = bisect.bisect_right(lo, n) - 1       # the range starting at or before n
+        if i >= 0 and n <= hi[i]:
+            return
+        joins_left = i >= 0 and hi[i] == n - 1
+        joins_right = i + 1 < len(lo) and lo[i + 1] == n + 1
+        if joins_left and joins_right:
+            hi[i] = hi[i + 1]
+            del lo[i + 1], hi[i + 1]
+        elif joins_left:
+            hi[i] = n
+        elif joins_right:
+            lo[i + 1] = n
+        else:
+            lo.insert(i + 1, n)
+            hi.insert(i + 1, n)
 
 
 def shard_key(buffer: int, device: int, region: Any) -> tuple:
