@@ -296,10 +296,8 @@ class Executor:
         failed (its outputs then fail with it)."""
         error = None
         try:
-            store_set = self.store.set
             for k, (o, out) in enumerate(zip(ex.outputs, outs, strict=True)):
-                for gid, region, data in prepared.output_shards(k, o, out):
-                    store_set(("s", o.buffer, gid, region), data)
+                self._store_output(prepared, k, o, o.buffer, out)
         except Exception as e:
             error = self._failed(ex, ex.exec_id, _as_is, e, None)
         finally:
@@ -307,6 +305,12 @@ class Executor:
                 self._finished.add(index)
                 self._run_frees()
         return error
+
+    def _store_output(self, prepared: "_Prepared", k: int, o: m.ExecOutput, buffer: int, out: Any) -> None:
+        """Store output ``k`` of a computation (``out``, as ``buffer``), shard by shard."""
+        store_set = self.store.set
+        for gid, region, data in prepared.output_shards(k, o, out):
+            store_set(("s", buffer, gid, region), data)
 
     def _short(self, ex: "m.Execute | FusedRun") -> bool:
         """Whether ``ex`` ran for less than SHORT_S last time."""
@@ -353,7 +357,7 @@ class Executor:
             error = self._run_fused(ex)
         else:
             try:
-                ran = self._execute(ex, _as_is, None, chain, lazy=True)
+                ran = self._execute(ex, _as_is, None, chain)
                 error = None
             except Exception as e:
                 if chain:     # its inputs from the one before are stored before they fail
@@ -426,8 +430,7 @@ class Executor:
                             if intermediate:
                                 unstored.add(b)
                             else:
-                                for gid, region, data in prepared.output_shards(k, o, got[k]):
-                                    self.store.set(("s", b, gid, region), data)
+                                self._store_output(prepared, k, o, b, got[k])
                     except Exception as e:
                         for c, *_ in outs:       # later ones read the error from the store
                             arrays.pop(first + c, None)
@@ -487,15 +490,15 @@ class Executor:
                 self.store.set(shard_key(buffer, d, r), error=error)
 
     def _execute(self, ex: m.Execute, buffer: Callable[[int], int] = _as_is,
-                 made: "_Made | None" = None, chain: dict[int, tuple] | None = None,
-                 lazy: bool = False) -> "tuple[_Prepared, Any] | None":
+                 made: "_Made | None" = None, chain: dict[int, tuple] | None = None
+                 ) -> "tuple[_Prepared, Any] | None":
         """Run one computation. In a fused run (``made``), an input made earlier
         in the run with the sharding this computation reads it in is passed on
         as the array it is, and the run's intermediates go to the store only if
         something reads them another way (the run frees them afterwards). So is
         an input in ``chain`` (the outputs of the computation just before, not
-        stored yet). With ``lazy`` the outputs are not stored: returns the
-        prepared program and the outputs, for ``_settle``."""
+        stored yet). Outside a fused run (no ``made``) the outputs are not
+        stored: returns the prepared program and the outputs, for ``_settle``."""
         prepared = self._prepare(ex)
         args, first_error = [], None
         for k, inp in enumerate(ex.inputs):
@@ -538,18 +541,15 @@ class Executor:
         else:
             self.jax.block_until_ready(outs)
         prepared.last_s = time.perf_counter() - t0
-        if lazy:
+        if made is None:
             return prepared, outs
-        store_set = self.store.set
         for k, (o, out) in enumerate(zip(ex.outputs, outs, strict=True)):
             b = buffer(o.buffer)
-            if made is not None:
-                made.arrays[b] = (out, prepared.out_shardings[k], prepared, k, o)
-                if b in made.intermediates:
-                    made.unstored.add(b)
-                    continue
-            for gid, region, data in prepared.output_shards(k, o, out):
-                store_set(("s", b, gid, region), data)
+            made.arrays[b] = (out, prepared.out_shardings[k], prepared, k, o)
+            if b in made.intermediates:
+                made.unstored.add(b)
+            else:
+                self._store_output(prepared, k, o, b, out)
 
     def _prepare(self, ex: m.Execute) -> "_Prepared":
         """The compiled function and input shardings for this program on these
