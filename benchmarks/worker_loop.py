@@ -61,6 +61,7 @@ def variants(host_us: float) -> tuple[str, ...]:
 
 def child(idx: int, port: int, nodes: int, repeats: int, loop: int, host_us: float) -> None:
     import hashlib
+    import queue
     import threading
 
     import jax
@@ -182,7 +183,7 @@ def child(idx: int, port: int, nodes: int, repeats: int, loop: int, host_us: flo
         while time.perf_counter() < end:
             pass
 
-    work: Any = __import__("queue").SimpleQueue()
+    work: queue.SimpleQueue[float | None] = queue.SimpleQueue()
 
     def beside() -> None:
         while (seconds := work.get()) is not None:
