@@ -308,7 +308,7 @@ jax.distributed.shutdown()
 
 
 def _stop(procs: list[subprocess.Popen], grace: float = 5.0) -> None:
-    from zpath.launcher import stop_processes
+    from zpath.cluster.launcher import stop_processes
     stop_processes(procs, grace)
 
 
@@ -322,7 +322,7 @@ class McBench:
         import queue
         import threading
 
-        from zpath.launcher import free_port
+        from zpath.cluster.launcher import free_port
 
         self.sync, self.timeout = sync, timeout
         env = dict(os.environ)

@@ -73,9 +73,9 @@ def run_clients(cluster: Any, weights: list[float], seconds: float, depth: int, 
     """Start one client process per weight, let them all run ``seconds``;
     returns {client id: weight}, the controller's timeline records of them and
     the time they were told to start (after each compiled and ran once)."""
-    from zpath.launcher import stop_processes
+    from zpath.cluster.launcher import stop_processes
     from zpath.net import messages as m
-    from zpath.testing import connected
+    from zpath.cluster.testing import connected
 
     procs = [subprocess.Popen([sys.executable, "-c", CLIENT, cluster.address, cluster.key.hex(), str(w),
                                str(seconds), str(depth), str(size)],
@@ -184,7 +184,7 @@ def main() -> int:
     ap.add_argument("--json", help="also write the figures here")
     args = ap.parse_args()
 
-    from zpath.launcher import LocalCluster
+    from zpath.cluster.launcher import LocalCluster
 
     print(f"# multitenancy: {platform.processor() or platform.machine()}, {os.cpu_count()} cores; "
           f"1 island x 1 host x 2 devices; computation {args.size}x{args.size} x6 tanh(y@y) per device",

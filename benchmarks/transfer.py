@@ -35,7 +35,7 @@ sys.path.insert(0, __file__.rsplit("/benchmarks/", 1)[0])
 import zmq   # noqa: E402
 
 import zpath as zp   # noqa: E402
-from zpath.launcher import LocalCluster   # noqa: E402
+from zpath.cluster.launcher import LocalCluster   # noqa: E402
 from zpath.net import messages as m   # noqa: E402
 from zpath.net.transport import Endpoint   # noqa: E402
 
@@ -97,7 +97,7 @@ class Mover:
         self.produce = zp.pmap(lambda v: v + 1, devices=a)
         self.consume = zp.pmap(lambda v: v[..., :1] * 2, devices=b)
         self.src, self.dst = a[0].host, b[0].host
-        self.stats = Stats(zp._cluster["current"].key, zp._cluster["current"].hosts)
+        self.stats = Stats(zp_session._cluster["current"].key, zp_session._cluster["current"].hosts)
 
     def time(self, nbytes: int, repeats: int) -> tuple[float, float]:
         """(median channel time, median wall time of the consumer call)."""

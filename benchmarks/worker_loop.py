@@ -251,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     root = os.path.dirname(here)
     sys.path[:0] = [root, here]
     from island_dispatch import on_sigterm
-    from zpath.launcher import free_port, stop_processes, worker_xla_flags
+    from zpath.cluster.launcher import free_port, stop_processes, worker_xla_flags
 
     signal.signal(signal.SIGTERM, on_sigterm)     # unwind through the finally that stops them
     env = dict(os.environ, XLA_FLAGS=worker_xla_flags(os.environ, 1))

@@ -2,7 +2,7 @@
 
 Every process a fixture starts is stopped by pid (SIGTERM, then SIGKILL after a
 grace period) and checked to be gone. The helpers come from zpath's pytest plugin
-(zpath/testing.py), which also provides zpath_cluster, zpath_client, kill_host..."""
+(zpath/cluster/testing.py), which also provides zpath_cluster, zpath_client, kill_host..."""
 from __future__ import annotations
 
 import os
@@ -12,7 +12,7 @@ os.environ.setdefault("ZPATH_FETCH_TIMEOUT", "60")
 
 import pytest
 
-from zpath.testing import assert_gone, connected, running_cluster  # noqa: F401  (used by test modules)
+from zpath.cluster.testing import assert_gone, connected, running_cluster  # noqa: F401  (used by test modules)
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,8 @@ import pytest
 import zmq
 
 import zpath as zp
-from zpath.launcher import LocalCluster
+from zpath.client import session as zp_session
+from zpath.cluster.launcher import LocalCluster
 from zpath.net import channels
 from zpath.net import messages as m
 from zpath.net.transport import Endpoint
@@ -24,7 +25,7 @@ pytestmark = pytest.mark.timeout(240)
 
 def channel_stats(cluster: LocalCluster, reset: bool = False) -> dict[int, m.ChannelStats]:
     """Every worker's data-plane counters, asked on its data port."""
-    from zpath.client import Client
+    from zpath.client.connection import Client
     st = Client(cluster.address, cluster.key, name="stats")
     try:
         hosts = {h.rank: h.data_address for h in st.request(m.StatusRequest(False)).hosts}
@@ -133,7 +134,7 @@ def test_ici_segments_are_reused(island, conn):
 
 def test_segments_gone_after_shutdown_and_after_sigkill():
     zp.init(islands=1, hosts_per_island=2, devices_per_host=1)
-    local = zp._cluster["current"].local
+    local = zp_session._cluster["current"].local
     prefix, pids = local.shm_prefix, local.pids
     try:
         a, b = pair(hosts=(0, 1))

@@ -12,7 +12,7 @@ import psutil
 import pytest
 
 import zpath as zp
-from zpath.launcher import LocalCluster, free_port
+from zpath.cluster.launcher import LocalCluster, free_port
 from tests.conftest import assert_gone
 
 pytestmark = pytest.mark.timeout(180)
@@ -421,7 +421,7 @@ def test_a_failed_start_says_where_its_logs_are(tmp_path):
 
 
 def test_zpath_down_removes_only_a_directory_zpath_up_made(tmp_path):
-    from zpath import state as cluster_state
+    from zpath.cluster import state as cluster_state
     mine = tmp_path / "my-logs"
     mine.mkdir()
     (mine / "cluster.key").write_text("00")

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 import zpath as zp
+from zpath.client import api as zp_api
 from zpath.net import messages as m
 from tests.conftest import running_cluster
 from tests.test_memory import empty, wait_for
@@ -159,7 +160,7 @@ def test_client_fails_what_waits_when_the_controller_goes(sig, monkeypatch):
     """A stopped controller tells its clients; a killed one is noticed by its
     silence (ZPATH_CONTROLLER_TIMEOUT, 2 s here): what waits fails with Broken,
     well before its own deadline, and so does every later use."""
-    import zpath.client as zc
+    import zpath.client.connection as zc
     monkeypatch.setattr(zc, "CONTROLLER_SILENCE_S", 2.0)
     with running_cluster(islands=1, hosts_per_island=1, devices_per_host=1,
                          env={"ZPATH_CONTROLLER_TIMEOUT": "2"}) as c:
@@ -169,7 +170,7 @@ def test_client_fails_what_waits_when_the_controller_goes(sig, monkeypatch):
             inc = zp.pmap(lambda x: x + 1., devices=d)
             done = inc(np.zeros(1))
             np.testing.assert_array_equal(done.result(timeout=30), [1.])
-            client = zp.api.current_client()
+            client = zp_api.current_client()
             put, client.put = client.put, lambda *a: None
             try:
                 never = inc(np.zeros(1))                 # its input never leaves: it never runs
@@ -199,7 +200,7 @@ def test_a_hung_host_loses_its_whole_island(tmp_path):
     """A host of a 2-host island that hangs (SIGSTOP: no connection reset tells
     the other one) is lost, and so is the other host, which shares its JAX
     runtime: nothing is left waiting on a collective that cannot finish."""
-    from zpath.testing import pause_host
+    from zpath.cluster.testing import pause_host
     with running_cluster(islands=1, hosts_per_island=2, devices_per_host=1, log_dir=str(tmp_path),
                          env={"ZPATH_HOST_TIMEOUT": "3"}) as c:
         conn = zp.connect(c.address, c.key)
@@ -226,11 +227,12 @@ def test_a_hung_host_loses_its_whole_island(tmp_path):
 CLIENT_WITHOUT_ITS_PUT = r'''
 import sys, time
 import numpy as np, zpath as zp
+from zpath.client import api as zp_api
 zp.connect(sys.argv[1], key=sys.argv[2], name="victim")
 d = zp.make_virtual_device_set().add_slice(devices=1, island=0).devices     # the device the test uses
 f = zp.pmap(lambda x: x * 2, devices=d)
 f(np.ones((1, 4))).result(timeout=60)
-client = zp.api.current_client()
+client = zp_api.current_client()
 client.put = lambda *a: None           # its input never leaves: the call waits for it
 y = f(np.ones((1, 4)))
 print("submitted", flush=True)
@@ -301,8 +303,8 @@ def test_a_client_that_gave_up_on_a_stalled_controller_says_goodbye(monkeypatch)
     fails with Broken and says goodbye (and stops its heartbeats), so once the
     controller runs again it frees what that client held rather than keep it
     for a client that will never use it."""
-    import zpath.client as zc
-    from zpath.client import Client
+    import zpath.client.connection as zc
+    from zpath.client.connection import Client
     monkeypatch.setattr(zc, "CONTROLLER_SILENCE_S", 2.0)
     with running_cluster(islands=1, hosts_per_island=1, devices_per_host=1) as c:
         zp.connect(c.address, c.key, name="impatient")
@@ -338,7 +340,7 @@ def test_a_client_the_controller_dropped_fails_at_once(fragile, monkeypatch):
     held is freed. When it speaks again, the controller's not_registered
     answer breaks it: its futures and later calls fail with Broken at once
     rather than wait out their fetch deadlines."""
-    import zpath.client as zc
+    import zpath.client.connection as zc
     monkeypatch.setattr(zc, "HEARTBEAT_S", 3600.0)
     breaks = []
     real_break = zc.Client._break
@@ -365,7 +367,7 @@ def test_a_client_the_controller_dropped_fails_at_once(fragile, monkeypatch):
         assert len(breaks) == 1, breaks     # once: no goodbye, no answer, no second break
         # nothing it put stays on the workers, the value of the call the
         # controller refused included (ClientGone: the worker drops that Put)
-        from zpath.client import Client
+        from zpath.client.connection import Client
         other = Client(fragile.address, fragile.key, name="other")
         try:
             deadline = time.monotonic() + 10

@@ -41,10 +41,10 @@ import pytest
 import zmq
 
 import zpath as zp
-from zpath.client import Client
+from zpath.client.connection import Client
 from zpath.net import codec
 from zpath.net import messages as m
-from zpath.testing import connected
+from zpath.cluster.testing import connected
 
 pytestmark = pytest.mark.timeout(240)
 

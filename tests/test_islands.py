@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import zpath as zp
-from zpath.launcher import LocalCluster
+from zpath.cluster.launcher import LocalCluster
 from zpath.net import messages as m
 from tests.conftest import assert_gone, connected, running_cluster
 

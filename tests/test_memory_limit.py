@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import zpath as zp
+from zpath.client import api as zp_api
 from zpath.net import messages as m
 from tests.conftest import connected, running_cluster
 
@@ -41,7 +42,7 @@ def test_calls_wait_for_memory_and_never_fitting_ones_fail(limited):
         with pytest.raises(zp.DeadlineExceeded):
             c.result(timeout=0.5)
         assert not d2.done()
-        st = zp.api.current_client().request(m.StatusRequest(False))
+        st = zp_api.current_client().request(m.StatusRequest(False))
         assert st.queued == 2 and st.running == 0
         assert [u.nbytes for u in st.devices if u.id == d[0].id] == [80_000]
         out = subprocess.run([sys.executable, "-m", "zpath", "status", limited.address], capture_output=True,
@@ -69,7 +70,7 @@ def test_inputs_of_a_call_that_can_never_fit_are_freed_even_when_they_come_late(
     different connections), in which case the worker drops them."""
     from tests.test_memory import empty, stores, wait_for
     with connected(limited) as conn:
-        client = zp.api.current_client()
+        client = zp_api.current_client()
         d = zp.make_virtual_device_set().add_slice(devices=1).devices
         grow = zp.jit(lambda x: np.ones(20000) * x.sum(), mesh=zp.Mesh(d, ("i",)))   # 160 kB out
         base = wait_for(conn, empty)     # what earlier tests held is freed

@@ -249,7 +249,7 @@ def test_a_first_run_that_raises_leaves_the_program_usable(client, monkeypatch):
     """The first run of a program defines its template: if it raises before
     the definition is sent, later runs define it again instead of naming a
     template the controller never got."""
-    from zpath import api
+    from zpath.client import api
     inc = zp.pmap(lambda x: x + 1., devices=devices(2, host=0))
 
     @zp.program
@@ -275,7 +275,7 @@ def test_a_run_racing_the_first_one_is_right(client, monkeypatch):
     plain program (the template is not defined yet), and is right."""
     import threading
     import time
-    from zpath import api
+    from zpath.client import api
     inc = zp.pmap(lambda x: x + 1., devices=devices(2, host=0))
 
     @zp.program
@@ -443,7 +443,7 @@ def test_a_call_reads_its_inputs_as_they_were_when_it_was_made(client, monkeypat
     """Client values go to the workers later, from the client's I/O thread:
     changing an array after the call (a reused input buffer) must not change
     what the call reads. Puts are held here until the array has changed."""
-    from zpath.client import Client
+    from zpath.client.connection import Client
 
     held = []
     send = Client.put

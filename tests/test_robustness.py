@@ -120,7 +120,7 @@ def test_a_rejected_call_does_not_poison_an_existing_buffer(client):
 def test_clients_cannot_use_each_others_buffers(cluster, client):
     """Another client can neither read this client's buffers nor name its buffer
     ids for new values; the owner's value stays usable."""
-    from zpath.client import Client
+    from zpath.client.connection import Client
     inc = zp.pmap(lambda x: x + 1, devices=devices(1))
     theirs = inc(np.zeros(1))
     theirs.result(timeout=60)

@@ -22,7 +22,7 @@ import pytest
 
 import zpath as zp
 from zpath.errors import ZpathError
-from zpath.launcher import free_port
+from zpath.cluster.launcher import free_port
 from tests.conftest import assert_gone
 
 pytestmark = pytest.mark.timeout(120)
@@ -168,7 +168,7 @@ def test_ssh_cluster_two_islands_compute_and_down(sshd, tmp_path):
 
 
 def _hosts(port: int, *extra: str) -> list:
-    from zpath.ssh import parse_hostfile
+    from zpath.cluster.ssh import parse_hostfile
     return parse_hostfile("\n".join([f"127.0.0.1 user=root port={port} island=0 devices=1 python={PY}",
                                      *extra]))
 
@@ -181,7 +181,7 @@ def _remove_logs(error: Exception) -> None:
 
 
 def test_unreachable_host_fails_fast_naming_it(sshd):
-    from zpath.ssh import SSHCluster
+    from zpath.cluster.ssh import SSHCluster
     port, opts, sshd_pid = sshd
     closed = free_port("127.0.0.1")
     t = time.monotonic()
@@ -195,7 +195,7 @@ def test_unreachable_host_fails_fast_naming_it(sshd):
 
 
 def test_host_without_zpath_fails_naming_it(sshd):
-    from zpath.ssh import SSHCluster
+    from zpath.cluster.ssh import SSHCluster
     port, opts, sshd_pid = sshd
     bare = "/usr/bin/python3"
     if not os.path.exists(bare) or subprocess.run([bare, "-c", "import zpath"], capture_output=True,
@@ -212,7 +212,7 @@ def test_host_without_zpath_fails_naming_it(sshd):
 
 
 def test_worker_dying_at_start_is_named(sshd):
-    from zpath.ssh import SSHCluster
+    from zpath.cluster.ssh import SSHCluster
     port, opts, sshd_pid = sshd
     with pytest.raises(ZpathError, match=r"host 127.0.0.1:\d+ \(hostfile line 2\): its worker exited "
                                          r"with code \d+ during start-up") as e:
@@ -257,9 +257,9 @@ def test_killed_launcher_leaves_nothing(sshd, tmp_path):
 
 def test_down_stops_remote_workers_by_pid_over_ssh(sshd):
     """The fallback of `zpath down` when its `zpath up` is gone: the remote
-    zpath.remote is stopped over ssh by pid, and its worker with it."""
-    from zpath.ssh import SSHCluster
-    from zpath.state import kill_remote
+    zpath.cluster.remote is stopped over ssh by pid, and its worker with it."""
+    from zpath.cluster.ssh import SSHCluster
+    from zpath.cluster.state import kill_remote
     port, opts, sshd_pid = sshd
     c = SSHCluster(_hosts(port), ssh_options=opts, connect_timeout=5, start_timeout=60)
     try:
@@ -279,7 +279,7 @@ def test_down_stops_remote_workers_by_pid_over_ssh(sshd):
 def test_a_two_host_island_whose_first_host_binds_another_address(sshd):
     """The island's jax.distributed coordinator listens where its first host's
     worker binds (bind=), and every host is told to reach it there."""
-    from zpath.ssh import SSHCluster, parse_hostfile
+    from zpath.cluster.ssh import SSHCluster, parse_hostfile
     port, opts, sshd_pid = sshd
     hosts = parse_hostfile(f"127.0.0.1 port={port} island=0 devices=1 python={PY} bind=127.0.0.2\n"
                            f"127.0.0.1 port={port} island=0 devices=1 python={PY}\n")
@@ -299,7 +299,7 @@ def test_a_two_host_island_whose_first_host_binds_another_address(sshd):
 
 
 def test_hostfile_parsing():
-    from zpath.ssh import HostfileError, parse_hostfile
+    from zpath.cluster.ssh import HostfileError, parse_hostfile
     hosts = parse_hostfile("# comment\n\n10.0.0.1 user=ml port=2222 island=1 devices=4 python=/v/py name=a"
                            "  # trailing\n10.0.0.2 island=0 devices=1\n")
     assert [(h.address, h.user, h.port, h.island, h.devices, h.python, h.name, h.line) for h in hosts] == [

@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 
 import zpath as zp
-from zpath.client import Client
+from zpath.client.connection import Client
 from zpath.errors import ProtocolError
-from zpath.launcher import stop_processes
+from zpath.cluster.launcher import stop_processes
 from zpath.net import messages as m
-from zpath.testing import connected, wait_until
+from zpath.cluster.testing import connected, wait_until
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -125,7 +125,7 @@ def _shares(cluster, weights: list[float], seconds: float) -> dict[float, float]
 
 @pytest.fixture(scope="module")
 def one_device():
-    from zpath.testing import running_cluster
+    from zpath.cluster.testing import running_cluster
     with running_cluster(islands=1, hosts_per_island=1, devices_per_host=1) as c:
         yield c
 

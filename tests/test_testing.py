@@ -1,4 +1,4 @@
-"""The pytest plugin in zpath/testing.py: registered through its entry point,
+"""The pytest plugin in zpath/cluster/testing.py: registered through its entry point,
 the cluster factory stops what it started, hosts can be paused, resumed and
 killed by rank or name."""
 from __future__ import annotations
@@ -10,7 +10,7 @@ import psutil
 import pytest
 
 import zpath as zp
-from zpath.testing import connected, kill_host, pause_host, resume_host
+from zpath.cluster.testing import connected, kill_host, pause_host, resume_host
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -384,7 +384,7 @@ def test_send_batch_leaves_out_only_what_cannot_be_encoded(pair):
 
 
 def test_client_fails_the_futures_of_every_call_it_could_not_send():
-    from zpath.client import Client
+    from zpath.client.connection import Client
     from zpath.errors import Broken
     from zpath.net import messages as m
 
@@ -420,7 +420,7 @@ def test_client_fetch_queued_for_a_host_it_has_since_heard_is_lost_looks_for_a_c
     """A Fetch still queued when its host's HostDown came cannot be sent: the
     fetch asks the controller for a copy (Locate) instead of failing; any other
     message for that host fails what waits on it."""
-    from zpath.client import Client, _Fetch
+    from zpath.client.connection import Client, _Fetch
     from zpath.errors import HostLost
     from zpath.net import messages as m
 

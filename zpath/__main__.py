@@ -1,5 +1,5 @@
 import sys
 
-from zpath.cli import main
+from zpath.cluster.cli import main
 
 sys.exit(main())

@@ -25,6 +25,7 @@ from zpath.controller.resources import LostHosts, ResourceManager
 from zpath.controller.scheduler import POLICIES, GangScheduler, Ready, TenantScheduler
 from zpath.controller import templates
 from zpath.errors import ProtocolError, ResourceError
+from zpath.process import die_with_parent
 from zpath.net import channels, codec
 from zpath.net import messages as m
 from zpath.net.codec import PROTOCOL_VERSION, Header, Record
@@ -1434,7 +1435,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--policy", choices=POLICIES, default=None,
                    help=f"multi-tenant scheduling policy (default: $ZPATH_SCHEDULER_POLICY or {POLICY})")
     args = p.parse_args(argv)
-    from zpath.launcher import die_with_parent
     die_with_parent()
     faulthandler.register(signal.SIGUSR1)  # `kill -USR1 <pid>` dumps every thread's stack
     logs.setup("controller")

@@ -23,7 +23,7 @@ from zpath import sharding
 from zpath.controller.directory import Buffer, Plan, _footprint, _footprint_of, _layouts_key, _spec_key
 from zpath.net import messages as m
 
-MAX_TEMPLATES = 1024          # per client (zpath.client.MAX_TEMPLATES)
+MAX_TEMPLATES = 1024          # per client (zpath.client.connection.MAX_TEMPLATES)
 MAX_TEMPLATE_BUFFERS = 1 << 20
 FUSE_TRIES = 3                # runs that may find a template not fusable before it is given up
 

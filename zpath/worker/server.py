@@ -28,6 +28,7 @@ import zmq
 
 from zpath import sharding
 from zpath.errors import ProtocolError, ZpathError
+from zpath.process import die_with_parent
 from zpath.net import channels
 from zpath.net import messages as m
 from zpath.net.codec import PROTOCOL_VERSION, Record
@@ -856,7 +857,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dcn-encrypt", action="store_true",
                    help="receive DCN pieces on a CURVE-encrypted port and encrypt those sent")
     args = p.parse_args(argv)
-    from zpath.launcher import die_with_parent
     die_with_parent()
     faulthandler.register(signal.SIGUSR1)  # `kill -USR1 <pid>` dumps every thread's stack
     logs.setup(f"worker[island {args.island}]")

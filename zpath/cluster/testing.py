@@ -19,7 +19,7 @@ the fixtures are available in any project with zpath installed:
 Example::
 
     import numpy as np, pytest, zpath as zp
-    from zpath.testing import connected, kill_host
+    from zpath.cluster.testing import connected, kill_host
 
     def test_survives_losing_island_1(zpath_cluster):
         cluster = zpath_cluster(islands=2, devices_per_host=1, env={"ZPATH_HOST_TIMEOUT": "3"})
@@ -60,7 +60,7 @@ def assert_gone(pids: list[int], timeout: float = 10.0) -> None:
 def running_cluster(**kwargs: Any) -> Iterator[Any]:
     """A ``LocalCluster(**kwargs)``, stopped at the end; checks that every
     process it started (workers added later included) is gone."""
-    from zpath.launcher import LocalCluster
+    from zpath.cluster.launcher import LocalCluster
 
     c = LocalCluster(**kwargs)
     try:
@@ -88,9 +88,9 @@ def _host_process(cluster: Any, host: int | str) -> tuple[str, subprocess.Popen]
     """The (process name, Popen) of a worker of a local cluster."""
     names = dict(getattr(cluster, "expected", {}))        # process name -> host name
     if isinstance(host, int):
-        from zpath.client import Client
+        from zpath.client.connection import Client
         from zpath.net import messages as m
-        c = Client(cluster.address, cluster.key, name="zpath.testing")
+        c = Client(cluster.address, cluster.key, name="zpath.cluster.testing")
         try:
             st = c.request(m.StatusRequest(False))
         finally:
@@ -161,7 +161,7 @@ def zpath_cluster() -> Iterator[Callable[..., Any]]:
 @pytest.fixture(scope="session")
 def zpath_session_cluster() -> Iterator[Any]:
     """One local cluster of the default shape for the whole test session."""
-    from zpath.launcher import default_shape
+    from zpath.cluster.launcher import default_shape
 
     with running_cluster(**default_shape()) as c:
         yield c

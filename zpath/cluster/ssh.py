@@ -9,9 +9,9 @@ Hostfile: one host per line, ``#`` starts a comment::
     10.0.0.13   user=ml port=2222 island=1 devices=8
 
 Each worker is started as ``ssh -o BatchMode=yes -o ConnectTimeout=T -p P
-U@address 'exec PYTHON -m zpath.remote --devices D -- <worker flags>'``. The
+U@address 'exec PYTHON -m zpath.cluster.remote --devices D -- <worker flags>'``. The
 cluster key goes to the ssh process's standard input (never a command line);
-``zpath.remote`` reads it, runs the worker, and stops it when its standard input
+``zpath.cluster.remote`` reads it, runs the worker, and stops it when its standard input
 closes, so a worker never outlives its ssh session. Hosts that share an island
 join one ``jax.distributed`` runtime whose coordinator is the island's first
 host."""
@@ -27,7 +27,7 @@ import shlex
 import socket
 import subprocess
 from zpath.errors import ZpathError
-from zpath.launcher import START_TIMEOUT_S, ClusterLauncher, dcn_flags, free_port
+from zpath.cluster.launcher import START_TIMEOUT_S, ClusterLauncher, dcn_flags, free_port
 
 log = logging.getLogger(__name__)
 
@@ -167,7 +167,7 @@ class SSHCluster(ClusterLauncher):
                     *(ssh_options or [])]
         self.islands = len({h.island for h in self.hosts})
         self.host_of: dict[str, HostSpec] = {}     # process name -> host
-        self.remote_pids: dict[str, int] = {}      # process name -> pid of zpath.remote there
+        self.remote_pids: dict[str, int] = {}      # process name -> pid of zpath.cluster.remote there
         super().__init__(log_dir=log_dir, env=env, policy=policy)
         self._launch(self.bind_host, start_timeout, controller_port)
         for name in self.host_of:
@@ -213,7 +213,7 @@ class SSHCluster(ClusterLauncher):
                       *(["--process-id", str(r)] if h.island in runtime else []), *self.dcn_flags]
             python = h.python or self.remote_python
             remote = " ".join(shlex.quote(a) for a in [
-                python, "-m", "zpath.remote", f"--devices={h.devices}", *setenv, "--", *worker])
+                python, "-m", "zpath.cluster.remote", f"--devices={h.devices}", *setenv, "--", *worker])
             env = {k: v for k, v in self._env.items() if k not in ("ZPATH_KEY", "ZPATH_PARENT_PID")}
             p = self._spawn(name, self.ssh_argv(h, "exec " + remote), env, stdin=subprocess.PIPE)
             self.expected[name] = host_name
@@ -253,7 +253,7 @@ class SSHCluster(ClusterLauncher):
 
     def _ask_to_stop(self, name: str, p: subprocess.Popen) -> None:
         if p.stdin is not None and name in self.host_of:
-            p.stdin.close()       # end-of-file there: zpath.remote stops the worker and exits
+            p.stdin.close()       # end-of-file there: zpath.cluster.remote stops the worker and exits
         else:
             super()._ask_to_stop(name, p)
 

@@ -1,12 +1,11 @@
 """Launchers: start a controller on this machine and one worker process per
-host (here for ``LocalCluster``, over SSH for ``zpath.ssh.SSHCluster``), wait
+host (here for ``LocalCluster``, over SSH for ``zpath.cluster.ssh.SSHCluster``), wait
 until every worker has registered, and stop them all.
 
 Every process it starts is stopped by pid: SIGTERM, then SIGKILL after a grace
 period (a process stuck inside XLA may ignore SIGTERM)."""
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import shutil
@@ -20,28 +19,12 @@ from typing import Any
 
 from zpath.errors import DeadlineExceeded, ZpathError
 from zpath.keys import new_key, write_key_file
+from zpath.process import PARENT_PID_ENV
 
 log = logging.getLogger(__name__)
 
 START_TIMEOUT_S = float(os.environ.get("ZPATH_START_TIMEOUT", "120"))
 GRACE_S = 5.0
-
-
-def die_with_parent() -> None:
-    """Called early in a controller or worker started by this launcher: ask the
-    kernel for SIGKILL when the launching process dies (Linux), so a crashed
-    launcher leaves no orphans. Done in the child, not with ``preexec_fn``, which
-    would force a plain fork() of a multithreaded (JAX) parent."""
-    parent = os.environ.pop("ZPATH_PARENT_PID", None)
-    if not parent:
-        return
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        return
-    if os.getppid() != int(parent):   # the parent died before we asked
-        os._exit(1)
 
 
 def stop_processes(procs: list[subprocess.Popen], grace: float = 5.0) -> None:
@@ -123,7 +106,7 @@ class ClusterLauncher:
         self.address = ""
         self._env = dict(os.environ, **(env or {}))
         self._env["ZPATH_KEY"] = self.key.hex()
-        self._env["ZPATH_PARENT_PID"] = str(os.getpid())
+        self._env[PARENT_PID_ENV] = str(os.getpid())
         self._env.pop("ZPATH_CONTROLLER", None)
         if policy is not None:
             self._env["ZPATH_SCHEDULER_POLICY"] = policy
@@ -184,7 +167,7 @@ class ClusterLauncher:
             raise DeadlineExceeded(f"{self.kind} did not start in time{missing}; logs in {self.dir}")
 
     def _wait_registered(self, deadline: float, watch: list | None = None) -> None:
-        from zpath.client import Client
+        from zpath.client.connection import Client
         from zpath.net import messages as m
 
         want = len(self.expected)       # workers added later are in it too

@@ -92,7 +92,7 @@ class Future:
         """Fetch the value. Raises the remote error if the computation failed, and
         :class:`~zpath.DeadlineExceeded` if it is not here within ``timeout``
         seconds (default ``ZPATH_FETCH_TIMEOUT``, 600)."""
-        from zpath.client import FETCH_TIMEOUT_S
+        from zpath.client.connection import FETCH_TIMEOUT_S
 
         if timeout is None:
             timeout = FETCH_TIMEOUT_S

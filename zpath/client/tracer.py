@@ -17,7 +17,7 @@ from typing import Any, Callable
 import numpy as np
 
 from zpath.errors import ZpathError
-from zpath.futures import Future
+from zpath.client.futures import Future
 from zpath.net import codec
 from zpath.net import messages as m
 
@@ -71,8 +71,8 @@ class Value:
 
 @dataclasses.dataclass
 class Node:
-    computation: Any                   # zpath.api.Computation
-    traced: Any                        # zpath.api._Traced
+    computation: Any                   # zpath.client.api.Computation
+    traced: Any                        # zpath.client.api._Traced
     inputs: list[Value]
     outputs: list[Value]
 
@@ -95,7 +95,7 @@ def record(computation: Any, args: tuple) -> Any:
     """Called by a compiled function while a program is traced."""
     import jax
 
-    from zpath.api import _aval
+    from zpath.client.api import _aval
 
     trace: _Trace = _state.trace
     if trace.client is None:
@@ -156,7 +156,7 @@ class ProgramFunction:
         input leaves to bind."""
         import jax
 
-        from zpath.api import _aval
+        from zpath.client.api import _aval
 
         if tracing():      # (before its arguments, which have no contents while tracing)
             raise ZpathError("@zp.program functions cannot be nested: call the inner one's "

@@ -1,6 +1,6 @@
-"""The remote side of an SSH launch: ``python -m zpath.remote [options] -- WORKER ARGS``.
+"""The remote side of an SSH launch: ``python -m zpath.cluster.remote [options] -- WORKER ARGS``.
 
-Run by ``zpath.ssh.SSHCluster`` as the command of one ssh session per host. It
+Run by ``zpath.cluster.ssh.SSHCluster`` as the command of one ssh session per host. It
 
 * reads the cluster key from the first line of its standard input (so the key
   never appears on a command line that ``ps`` shows) and passes it to the worker
@@ -41,7 +41,7 @@ def _read_key_line() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m zpath.remote")
+    p = argparse.ArgumentParser(prog="python -m zpath.cluster.remote")
     p.add_argument("--devices", type=int, default=0, help="emulated devices (XLA_FLAGS); 0: leave as is")
     p.add_argument("--setenv", action="append", default=[], metavar="NAME=VALUE")
     p.add_argument("worker_args", nargs=argparse.REMAINDER)
@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
         name, _, value = item.partition("=")
         env[name] = value
     if args.devices:
-        from zpath.launcher import worker_xla_flags
+        from zpath.cluster.launcher import worker_xla_flags
         env["XLA_FLAGS"] = worker_xla_flags(env, args.devices)
     env["ZPATH_KEY"] = key
     env["ZPATH_PARENT_PID"] = str(os.getpid())

@@ -3,7 +3,7 @@
 ``zpath up`` writes (mode 0600) the cluster's address, key file and log
 directory, its own pid, and every process it started: local pids with their
 start times (so a reused pid is never killed) and, for SSH workers, the ssh
-command that reaches the host and the pid of ``zpath.remote`` there."""
+command that reaches the host and the pid of ``zpath.cluster.remote`` there."""
 from __future__ import annotations
 
 import json
@@ -121,8 +121,8 @@ def _made_by_zpath_up(path: str) -> bool:
 
 
 def kill_remote(ssh_argv: list[str], pid: int, timeout: float = 20.0) -> bool:
-    """SIGTERM the ``zpath.remote`` process ``pid`` over ssh (checking it is one)."""
-    cmd = f"ps -o args= -p {int(pid)} | grep -q zpath.remote && kill -TERM {int(pid)}"
+    """SIGTERM the ``zpath.cluster.remote`` process ``pid`` over ssh (checking it is one)."""
+    cmd = f"ps -o args= -p {int(pid)} | grep -q zpath.cluster.remote && kill -TERM {int(pid)}"
     try:
         r = subprocess.run([*ssh_argv, cmd], stdin=subprocess.DEVNULL, capture_output=True,
                            timeout=timeout)

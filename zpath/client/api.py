@@ -11,7 +11,7 @@ import numpy as np
 
 from zpath import sharding
 from zpath.errors import Closed
-from zpath.futures import Future
+from zpath.client.futures import Future
 from zpath.net import messages as m
 
 _current: dict[str, Any] = {"client": None}
@@ -302,7 +302,7 @@ class Computation:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         import jax
 
-        from zpath import tracer
+        from zpath.client import tracer
 
         if kwargs:
             raise TypeError(f"{self.name}: keyword arguments are not supported; pass them positionally")

@@ -31,7 +31,7 @@ _port = _arg(int, lambda v: 0 <= v <= 65535, "a port number 0-65535 (0: a free o
 
 def _up(args: argparse.Namespace) -> int:
     from zpath import logs
-    from zpath import state as cluster_state
+    from zpath.cluster import state as cluster_state
 
     logs.setup("launcher")
     stop = threading.Event()
@@ -65,7 +65,7 @@ def _up(args: argparse.Namespace) -> int:
     if args.hostfile:
         import shlex
 
-        from zpath.ssh import SSHCluster, read_hostfile
+        from zpath.cluster.ssh import SSHCluster, read_hostfile
         hosts = read_hostfile(args.hostfile)
         print(f"starting {len(hosts)} host(s) over ssh...", file=sys.stderr, flush=True)
         cluster = SSHCluster(hosts, bind_host=args.bind_host, controller_port=args.controller_port,
@@ -74,7 +74,7 @@ def _up(args: argparse.Namespace) -> int:
                              connect_timeout=args.connect_timeout, log_dir=args.log_dir,
                              start_timeout=args.start_timeout, **dcn)
     else:
-        from zpath.launcher import LocalCluster
+        from zpath.cluster.launcher import LocalCluster
         print(f"starting {args.islands} island(s) x {args.hosts_per_island} host(s) x "
               f"{args.devices_per_host} device(s)...", file=sys.stderr, flush=True)
         cluster = LocalCluster(args.islands, args.hosts_per_island, args.devices_per_host,
@@ -119,7 +119,7 @@ def _up(args: argparse.Namespace) -> int:
 
 
 def _down(args: argparse.Namespace) -> int:
-    from zpath import state as cluster_state
+    from zpath.cluster import state as cluster_state
 
     path = args.state or cluster_state.default_path()
     for line in cluster_state.down(path, timeout=args.timeout):
@@ -128,8 +128,8 @@ def _down(args: argparse.Namespace) -> int:
 
 
 def _status(args: argparse.Namespace) -> int:
-    from zpath import state as cluster_state
-    from zpath.client import Client
+    from zpath.cluster import state as cluster_state
+    from zpath.client.connection import Client
     from zpath.errors import ZpathError
     from zpath.keys import key_from_env, parse_key
     from zpath.net import messages as m
@@ -213,7 +213,7 @@ def _friendly(command: str, fn: Any, *args: Any) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from zpath.launcher import default_shape
+    from zpath.cluster.launcher import default_shape
 
     shape = default_shape()
     p = argparse.ArgumentParser(prog="zpath", description="zpath: a single-controller runtime for JAX")

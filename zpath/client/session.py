@@ -1,0 +1,136 @@
+"""Connecting to a cluster from the user's process: ``init`` (start a local
+cluster and connect), ``connect`` (join a running one), ``shutdown``."""
+from __future__ import annotations
+
+import atexit
+import os
+import re
+import warnings
+from typing import Any
+
+from zpath.client.api import _current, whole_number
+from zpath.client.connection import CONNECT_TIMEOUT_S, Client
+from zpath.cluster.launcher import LocalCluster, default_shape
+from zpath.errors import ZpathError
+from zpath.keys import key_from_env, parse_key
+
+__all__ = ["Cluster", "init", "connect", "shutdown"]
+
+
+class Cluster:
+    """What ``init``/``connect`` return: the connection, and the local cluster
+    when ``init`` started one."""
+
+    def __init__(self, client: Any, local: Any = None) -> None:
+        self.client = client
+        self.local = local
+
+    @property
+    def address(self) -> str:
+        return self.client.address
+
+    @property
+    def key(self) -> bytes:
+        return self.client.ep.key
+
+    @property
+    def hosts(self) -> dict:
+        return self.client.hosts
+
+    def __repr__(self) -> str:
+        kind = "local" if self.local else "remote"
+        return f"Cluster({kind}, address={self.address!r}, hosts={len(self.hosts)})"
+
+
+_cluster: dict[str, Cluster | None] = {"current": None}
+
+
+def init(islands: int | None = None, hosts_per_island: int | None = None,
+         devices_per_host: int | None = None, *, weight: float = 1.0, **kwargs: Any) -> Cluster:
+    """Start a local cluster (controller + one worker process per host) and
+    connect to it with a proportional-share ``weight``. With ``ZPATH_CONTROLLER``
+    set, connect to that cluster instead. Other keyword arguments go to
+    :class:`zpath.cluster.launcher.LocalCluster` (e.g. ``policy``, ``dcn_gbps``)."""
+    if _cluster["current"] is not None:
+        raise ZpathError("already initialised: call zp.shutdown() first")
+    _check_weight(weight)
+    if os.environ.get("ZPATH_CONTROLLER"):
+        given = [k for k, v in (("islands", islands), ("hosts_per_island", hosts_per_island),
+                                ("devices_per_host", devices_per_host)) if v is not None] + list(kwargs)
+        if given:
+            warnings.warn(f"ZPATH_CONTROLLER is set: zp.init() connects to that cluster and "
+                          f"ignores {', '.join(given)}", stacklevel=2)
+        return connect(os.environ["ZPATH_CONTROLLER"], weight=weight)
+    shape = default_shape()
+    for k, v in (("islands", islands), ("hosts_per_island", hosts_per_island),
+                 ("devices_per_host", devices_per_host)):
+        if v is not None:
+            whole_number(k, v, 1)
+            shape[k] = v
+    local = LocalCluster(**shape, **kwargs)
+    try:
+        cluster = _attach(local.address, local.key, local, weight=weight)
+    except BaseException:
+        local.stop()
+        raise
+    if os.getpid() not in _at_exit:     # a script that ends without zp.shutdown() (an
+        atexit.register(_shutdown_at_exit, os.getpid())   # uncaught exception, say) still
+        _at_exit.append(os.getpid())                        # stops what it started
+    return cluster
+
+
+_at_exit: list[int] = []       # processes that registered the hook (a forked child needs its own)
+
+
+def _shutdown_at_exit(pid: int) -> None:
+    """``shutdown`` when the process that started the cluster exits (not a
+    child it forked: the cluster, its files and segments are the parent's)."""
+    if os.getpid() == pid:
+        shutdown()
+
+
+def connect(address: str, key: bytes | str | None = None, *, name: str = "client",
+            timeout: float | None = None, weight: float = 1.0) -> Cluster:
+    """Connect to a running cluster. The key comes from ``key`` (bytes or hex),
+    ``ZPATH_KEY`` or ``ZPATH_KEY_FILE``. ``weight`` is this client's share of
+    the devices under the proportional-share policy (its device time relative
+    to the other clients' that keep the same devices busy)."""
+    if _cluster["current"] is not None:
+        raise ZpathError("already connected: call zp.shutdown() first")
+    if not isinstance(address, str) or not re.match(r"^(tcp|ipc)://\S+$", address):
+        raise ZpathError(f"{address!r} is not a cluster address: expected tcp://HOST:PORT "
+                         "(as `zpath up` prints it)")
+    key = key_from_env() if key is None else parse_key(key)
+    return _attach(address, key, None, name=name, timeout=timeout, weight=weight)
+
+
+def _check_weight(weight: Any) -> None:
+    if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not 0 < weight <= 1e6:
+        raise ValueError(f"weight must be a number > 0 and <= 1e6, not {weight!r}")
+
+
+def _attach(address: str, key: bytes, local: Any, *, name: str = "client",
+            timeout: float | None = None, weight: float = 1.0) -> Cluster:
+    _check_weight(weight)
+    if timeout is not None and not timeout > 0:
+        raise ValueError(f"timeout must be a number of seconds > 0, not {timeout!r}")
+    client = Client(address, key, name=name, timeout=CONNECT_TIMEOUT_S if timeout is None else timeout,
+                    weight=float(weight))
+    cluster = Cluster(client, local)
+    _cluster["current"] = cluster
+    _current["client"] = client
+    return cluster
+
+
+def shutdown() -> None:
+    """Disconnect; also stop the local cluster if ``init`` started one."""
+    cluster = _cluster["current"]
+    _cluster["current"] = None
+    _current["client"] = None
+    if cluster is None:
+        return
+    try:
+        cluster.client.close()
+    finally:
+        if cluster.local is not None:
+            cluster.local.stop()

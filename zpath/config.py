@@ -1,0 +1,141 @@
+"""Configuration: one typed, frozen object per role.
+
+Each setting is a field with its environment variable and its documentation.
+Nothing reads the environment at import: a config is built once, in ``main()``
+(controller, worker, CLI) or ``init()``/``connect()`` (client), by
+``from_env()``, and handed down. Code under test builds one directly, or with
+``dataclasses.replace``.
+
+``settings()`` lists every setting; the README's configuration table must name
+each of them (a test checks it).
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any, Mapping, TypeVar
+
+from zpath.errors import ZpathError
+
+T = TypeVar("T")
+
+
+def setting(default: Any, env: str, doc: str) -> Any:
+    """A config field read from ``env`` by ``from_env``."""
+    return dataclasses.field(default=default, metadata={"env": env, "doc": doc})
+
+
+def _parse(kind: Any, env: str, text: str) -> Any:
+    try:
+        if kind in (bool, "bool"):
+            low = text.strip().lower()
+            if low in ("1", "true", "yes", "on"):
+                return True
+            if low in ("0", "false", "no", "off", ""):
+                return False
+            raise ValueError(text)
+        if kind in (int, "int"):
+            return int(float(text))
+        if kind in (float, "float"):
+            return float(text)
+        return text
+    except ValueError:
+        raise ZpathError(f"{env}={text!r} is not a valid {getattr(kind, '__name__', kind)}") from None
+
+
+class _FromEnv:
+    @classmethod
+    def from_env(cls: type[T], environ: Mapping[str, str] | None = None, **overrides: Any) -> T:
+        """Defaults, then the environment, then ``overrides`` (those that are
+        not None: flags the user gave)."""
+        environ = os.environ if environ is None else environ
+        values: dict[str, Any] = {}
+        for f in dataclasses.fields(cls):     # type: ignore[arg-type]
+            env = f.metadata.get("env")
+            if env and environ.get(env) not in (None, ""):
+                values[f.name] = _parse(f.type, env, environ[env])
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**values)
+
+
+@dataclasses.dataclass(frozen=True)
+class ControllerConfig(_FromEnv):
+    """The controller's settings."""
+    host_timeout_s: float = setting(10.0, "ZPATH_HOST_TIMEOUT",
+                                    "seconds a worker may stay silent before its host counts as lost")
+    client_timeout_s: float = setting(15.0, "ZPATH_CLIENT_TIMEOUT",
+                                      "seconds a client may stay silent before it counts as gone "
+                                      "(its work is cancelled, its buffers freed)")
+    device_memory_limit: int = setting(0, "ZPATH_DEVICE_MEMORY_LIMIT",
+                                       "bytes a device may hold (0: no limit); calls that would "
+                                       "exceed it wait for memory")
+    policy: str = setting("share", "ZPATH_SCHEDULER_POLICY",
+                          "multi-tenant scheduling policy: share (proportional share by client "
+                          "weight) or fifo")
+    window_ms: float = setting(20.0, "ZPATH_SCHEDULER_WINDOW_MS",
+                               "estimated milliseconds of work kept queued at a device under "
+                               "the share policy")
+    ping_interval_s: float = setting(1.0, "ZPATH_PING_INTERVAL",
+                                     "seconds between the controller's pings to its workers")
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerConfig(_FromEnv):
+    """A worker's settings (the rest of its shape comes from its command line)."""
+    controller_timeout_s: float = setting(15.0, "ZPATH_CONTROLLER_TIMEOUT",
+                                          "seconds without a word from the controller before a "
+                                          "worker (or a client) gives up on it")
+    shm: bool = setting(True, "ZPATH_SHM",
+                        "move same-machine transfers through shared memory (0: over ZeroMQ)")
+
+
+@dataclasses.dataclass(frozen=True)
+class ClientConfig(_FromEnv):
+    """The client library's settings."""
+    controller: str = setting("", "ZPATH_CONTROLLER",
+                              "a running cluster's address: zp.init() connects to it instead of "
+                              "starting a local cluster")
+    connect_timeout_s: float = setting(30.0, "ZPATH_CONNECT_TIMEOUT",
+                                       "seconds to wait for the controller's welcome")
+    fetch_timeout_s: float = setting(600.0, "ZPATH_FETCH_TIMEOUT",
+                                     "seconds a fetch (np.asarray of a future) waits by default")
+    controller_timeout_s: float = setting(15.0, "ZPATH_CONTROLLER_TIMEOUT",
+                                          "seconds without a word from the controller before a "
+                                          "worker (or a client) gives up on it")
+
+
+@dataclasses.dataclass(frozen=True)
+class ClusterConfig(_FromEnv):
+    """The launchers' and the CLI's settings."""
+    start_timeout_s: float = setting(120.0, "ZPATH_START_TIMEOUT",
+                                     "seconds `zpath up` and zp.init() wait for every host to register")
+    state: str = setting("", "ZPATH_STATE",
+                         "the state file of the cluster `zpath up` started "
+                         "(default ~/.zpath/cluster.json)")
+    keep_logs: bool = setting(False, "ZPATH_KEEP_LOGS",
+                              "keep a local cluster's log folder after it stops")
+    ssh_options: str = setting("", "ZPATH_SSH_OPTIONS", "extra options for ssh (`zpath up --hostfile`)")
+
+
+@dataclasses.dataclass(frozen=True)
+class CommonConfig(_FromEnv):
+    """Settings every role reads."""
+    key: str = setting("", "ZPATH_KEY", "the cluster key, hex (or ZPATH_KEY_FILE)")
+    key_file: str = setting("", "ZPATH_KEY_FILE", "a file holding the cluster key, hex")
+    log_level: str = setting("INFO", "ZPATH_LOG_LEVEL", "log level of the controller and workers")
+    shm_dir: str = setting("/dev/shm", "ZPATH_SHM_DIR", "where shared-memory segments are made")
+    machine_id: str = setting("", "ZPATH_MACHINE_ID",
+                              "this machine's identity for shared memory (default: boot id and "
+                              "host name); hosts with the same id share segments")
+
+
+ROLES = (CommonConfig, ControllerConfig, WorkerConfig, ClientConfig, ClusterConfig)
+
+
+def settings() -> list[tuple[str, str, Any, str]]:
+    """Every setting: (environment variable, role, default, documentation)."""
+    out = []
+    for cls in ROLES:
+        for f in dataclasses.fields(cls):
+            out.append((f.metadata["env"], cls.__name__, f.default, f.metadata["doc"]))
+    return out
