@@ -171,6 +171,10 @@ class TenantScheduler:
         return sum(len(q) for qs in self._queues.values() for c, q in qs.items()
                    if client is None or c == client)
 
+    def queued_items(self) -> list[Ready]:
+        """Every computation queued (not sent yet), on every island."""
+        return [r for qs in self._queues.values() for q in qs.values() for r in q]
+
     def can_send_now(self, ready: Ready) -> bool:
         """Nothing waits on its island and there is room on its devices: it may
         skip the queue (the common case of one client)."""
