@@ -417,4 +417,5 @@ class Dispatch:
         for exec_id, inf in self.in_flight.items():
             assert inf.hosts, f"computation {exec_id} in flight on no host"
             for h in inf.hosts:
-                assert self.rm.hosts[h].alive, f"computation {exec_id} in flight on lost host {h}"
+                host = self.rm.hosts.get(h)
+                assert host is not None and host.alive, f"computation {exec_id} in flight on lost host {h}"
