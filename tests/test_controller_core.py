@@ -14,7 +14,6 @@ import pytest
 from zpath.controller.core import ControllerCore, RemoveSegments, Send
 from zpath.controller.records import call_buffers
 from zpath.net import messages as m
-from zpath.net.codec import PROTOCOL_VERSION
 from tests.test_controller_tenancy import make_rig  # noqa: F401  (fixture)
 from tests.test_templates import define, run, sent
 
@@ -140,6 +139,22 @@ def test_rejected_messages_and_farewell(make_rig):
     # a message before Hello, and one a client may not send
     assert rig.c.handle(rig.now, b"stranger", 1, m.Release([1]), [])[0].msg.code == "not_registered"
     assert rig.c.handle(rig.now, a, 2, m.ExecDone(1, None, 0.0, 0.0), [])[0].msg.code == "bad_request"
+
+
+def test_explain_plans_on_a_scratch_directory_without_effect(make_rig):
+    rig = make_rig(hosts=((0, 1), (1, 1)))
+    a, _ = rig.client("a")
+    call, x = rig.call(a, 0)
+    rig.handle(a, call)
+    rig.drain()
+    reads, _ = rig.call(a, 1, x)                  # reads x from the other island
+    before = (dict(rig.c.directory.buffers), rig.c.calls, len(rig.log))
+    rig.handle(a, m.ExplainRequest([reads]))
+    (ident, ex), = sent(rig, before[2], m.Explanation)
+    assert ident == a and ex.nodes[0].hosts == [1] and ex.nodes[0].island == 1
+    assert [(t.buffer, t.src_host, t.dst_host, t.channel) for t in ex.nodes[0].transfers] == [(x, 0, 1, "DCN")]
+    assert (dict(rig.c.directory.buffers), rig.c.calls) == before[:2]
+    assert not sent(rig, before[2], m.Execute)
 
 
 def test_validate_state_finds_a_broken_invariant(make_rig):

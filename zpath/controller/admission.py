@@ -10,11 +10,13 @@ rest is planned; ``resume`` goes on."""
 from __future__ import annotations
 
 import collections
-from typing import Callable
-
-from zpath.net import messages as m
+from typing import TYPE_CHECKING, Callable
 
 from zpath.controller.records import HeldNode, ProgramRun, Submission, call_buffers
+from zpath.net import messages as m
+
+if TYPE_CHECKING:
+    from zpath.controller.peers import Peer
 
 
 def release_points(calls: list[m.Call], release: list[int]) -> dict[int, list[int]]:

@@ -5,6 +5,7 @@ computations in flight until every host reported them done."""
 from __future__ import annotations
 
 import collections
+import copy
 import logging
 from typing import TYPE_CHECKING, Any
 

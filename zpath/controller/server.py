@@ -23,7 +23,6 @@ from zpath.errors import ProtocolError
 from zpath.keys import key_from_env
 from zpath.net import channels, codec
 from zpath.net import messages as m
-from zpath.net.codec import Record
 from zpath.net.transport import BadMessage, Endpoint, make_context, unbatched
 from zpath.process import die_with_parent
 
