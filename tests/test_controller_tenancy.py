@@ -1,18 +1,24 @@
-"""The controller's dispatch path under multi-tenancy, in process: a Controller
-driven by hand with fake workers and clients (messages go through ``handle``
-and are recorded instead of sent). Covers held nodes released in long chains,
-nodes abandoned while they wait, memory-limit waiting, and clients that leave."""
+"""The controller's dispatch path under multi-tenancy, in process: a
+ControllerCore driven by hand with fake workers and clients and a fake clock
+(messages go through ``handle`` and what it returns is recorded; every state
+is checked with ``validate_state``). Covers held nodes released in long chains,
+nodes abandoned while they wait, memory-limit waiting, and clients that leave;
+and the socket loop's batching around it."""
 from __future__ import annotations
 
 import dataclasses
 import hashlib
 import itertools
+import logging
+from typing import Any, Callable
 
 import pytest
 
+from zpath.config import ControllerConfig
+from zpath.controller.core import ControllerCore, Effect, Send
 from zpath.controller.server import Controller
 from zpath.net import messages as m
-from zpath.net.codec import PROTOCOL_VERSION, Header
+from zpath.net.codec import PROTOCOL_VERSION
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -24,12 +30,16 @@ class Blob(bytes):
 
 
 class Rig:
-    def __init__(self, hosts=((0, 1),), window_ms: float = 20.0, solo_window_ms: float | None = None) -> None:
+    def __init__(self, hosts=((0, 1),), window_ms: float = 20.0, solo_window_ms: float | None = None,
+                 **config: Any) -> None:
         """``hosts``: (island, devices) per host; the solo window is the
         controller's default unless given."""
-        self.c = Controller(b"k" * 32, policy="share", window_ms=window_ms, solo_window_ms=solo_window_ms)
+        extra = {} if solo_window_ms is None else {"solo_window_ms": solo_window_ms}
+        self.config = ControllerConfig(policy="share", window_ms=window_ms, **extra, **config)
+        self.c = ControllerCore(self.config)
+        self.now = 1000.0                  # the fake clock
         self.log: list[tuple[bytes, m.Record]] = []
-        self.c.send = lambda ident, msg, parent=0, buffers=(): self.log.append((ident, msg))
+        self.effects: list[Effect] = []
         self.ids = itertools.count(1)
         for n, (island, ndev) in enumerate(hosts):
             self.handle(f"w{n}".encode(), m.RegisterWorker(
@@ -40,8 +50,27 @@ class Rig:
             blob = Blob(name.encode())
             self.programs[name] = (hashlib.sha256(blob).hexdigest(), blob)
 
+    def record(self, effects: list[Effect]) -> None:
+        """Record what the core decided; go on while it is busy; check its state."""
+        while True:
+            self.effects += effects
+            self.log += [(e.ident, e.msg) for e in effects if isinstance(e, Send)]
+            self.c.validate_state()
+            if not self.c.busy:
+                return
+            effects = self.c.resume(self.now)
+
     def handle(self, ident: bytes, msg: m.Record, buffers=()) -> None:
-        self.c.handle(ident, Header(1, 0, next(self.ids), 0, "x"), msg, list(buffers))
+        self.record(self.c.handle(self.now, ident, next(self.ids), msg, list(buffers)))
+
+    def run(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Call one of the core's internal events (e.g. a host lost) and record it."""
+        fn(*args)
+        self.record(self.c._take())
+
+    def tick(self, seconds: float = 0.0) -> None:
+        self.now += seconds
+        self.record(self.c.tick(self.now))
 
     def client(self, name: str) -> tuple[bytes, int]:
         ident = name.encode()
@@ -78,8 +107,7 @@ class Rig:
             self.finish(next(iter(self.c.in_flight)))
 
     def close(self) -> None:
-        self.c.sock.close(0)
-        self.c.ctx.term()
+        pass
 
     def idle(self) -> bool:
         c = self.c
@@ -138,7 +166,7 @@ def test_nodes_of_a_lost_host_fail_in_a_long_cascade(make_rig):
         call, prev = rig.call(a, 0, prev)
         calls.append(call)
     rig.handle(a, m.Program(1, "chain", "parallel", calls, []))
-    rig.c._host_lost(1, "test")
+    rig.run(rig.c._host_lost, 1, "test")
     rig.drain()
     assert {c.outputs[0].buffer for c in calls} <= rig.failed(a)
     assert rig.c._queued(ca) == 0
@@ -158,7 +186,7 @@ def test_a_sequential_node_after_an_abandoned_one_fails_instead_of_hanging(make_
     n1, o1 = rig.call(a, 0, x)                # reads x from host 1
     n2, o2 = rig.call(a, 0, o1)
     rig.handle(a, m.Program(1, "seq", "sequential", [n1, n2], [o1]))
-    rig.c._host_lost(1, "test")
+    rig.run(rig.c._host_lost, 1, "test")
     rig.drain()
     assert {o1, o2} <= rig.failed(a)
     err = rig.c.directory.buffers[o2].error
@@ -232,12 +260,30 @@ def test_bad_inputs_to_the_tenant_scheduler():
     assert dataclasses.is_dataclass(Ready)
 
 
-def test_what_one_received_message_makes_the_controller_send_goes_out_as_one_batch_per_peer(make_rig):
+@pytest.fixture
+def loop_on():
+    """A socket loop (server.Controller) around a rig's core."""
+    loops: list[Controller] = []
+
+    def make(rig: Rig) -> Controller:
+        ctl = Controller(b"k" * 32, config=rig.config)
+        ctl.core = rig.c
+        loops.append(ctl)
+        return ctl
+
+    yield make
+    for ctl in loops:
+        ctl.sock.close(0)
+        ctl.ctx.term()
+
+
+def test_what_one_received_message_makes_the_controller_send_goes_out_as_one_batch_per_peer(
+        make_rig, loop_on, caplog):
     rig = make_rig(hosts=((0, 2),))
-    del rig.c.send                        # the real send, with the socket calls recorded
+    ctl = loop_on(rig)
     sent: list[tuple[bytes, list[m.Record]]] = []
-    rig.c.ep.send_batch = lambda sock, msgs, to=None, block=True: sent.append((to, [e[0] for e in msgs])) or []
-    rig.c.ep.send = lambda sock, msg, to=None, parent=0, buffers=(), msg_id=0, block=True: \
+    ctl.ep.send_batch = lambda sock, msgs, to=None, block=True: sent.append((to, [e[0] for e in msgs])) or []
+    ctl.ep.send = lambda sock, msg, to=None, parent=0, buffers=(), msg_id=0, block=True: \
         sent.append((to, [msg, len(buffers)]))
     a, _ = rig.client("a")
     sent.clear()
@@ -246,61 +292,57 @@ def test_what_one_received_message_makes_the_controller_send_goes_out_as_one_bat
     for _ in range(40):
         call, prev = rig.call(a, 0, prev)
         calls.append(call)
-    rig.c._out = {}
-    rig.c._handle_safely(a, Header(1, 0, 1, 0, "x"), m.Program(1, "chain", "parallel", calls, []), [])
+    ctl._run(rig.c.handle(rig.now, a, 1, m.Program(1, "chain", "parallel", calls, []), []))
     # the program itself (it has a buffer) went at once; the nodes went out as
     # they were planned, in groups that double (after nodes 1, 2, 4, ..., 32),
     # so the workers start while the rest is planned; the last 8 are held
     assert [(to, type(x[0])) for to, x in sent[:1]] == [(b"w0", m.RegisterProgram)]
     assert [len(x) for _, x in sent[1:]] == [1, 1, 2, 4, 8, 16]
-    rig.c._flush_out()
+    ctl._flush_out()
     assert [len(x) for _, x in sent[1:]] == [1, 1, 2, 4, 8, 16, 8]
     assert all(to == b"w0" for to, _ in sent)
     execs = [x for _, xs in sent[1:] for x in xs if isinstance(x, m.Execute)]
     assert len(execs) == 40 and [x.seq for x in execs] == sorted(x.seq for x in execs)
+    rig.c.validate_state()
     # a single node is not flushed early: what handling its call sends goes together
     sent.clear()
     call, _ = rig.call(a, 0, prev)
-    rig.c._out = {}
-    rig.c._handle_safely(a, Header(1, 0, 2, 0, "x"), call, [])
+    ctl._run(rig.c.handle(rig.now, a, 2, call, []))
     assert sent == []
-    rig.c._flush_out()
+    ctl._flush_out()
     assert len(sent) == 1 and any(isinstance(x, m.Execute) for x in sent[0][1])
 
     # a message with buffers goes at once, after what was held for that peer
     sent.clear()
-    rig.c._out = {}
-    rig.c.send(b"w0", m.Ping(1))
-    rig.c.send(a, m.Ping(2))
-    rig.c.send(b"w0", m.Ping(3), buffers=[b"x"])
+    ctl._emit([Send(b"w0", m.Ping(1)), Send(a, m.Ping(2)), Send(b"w0", m.Ping(3), buffers=[b"x"])])
     assert sent == [(b"w0", [m.Ping(1)]), (b"w0", [m.Ping(3), 1])]
-    rig.c._flush_out()
-    assert sent[2:] == [(a, [m.Ping(2)])] and rig.c._out is None
-    # outside the handling of a message nothing is held
-    rig.c.send(a, m.Ping(4))
-    assert sent[3] == (a, [m.Ping(4), 0])
-    # a message that cannot be encoded fails where it is sent, as it would
-    # unbatched; what was held with it still goes
-    rig.c._out = {}
-    rig.c.send(a, m.Ping(5))
-    with pytest.raises(UnicodeEncodeError):
-        rig.c.send(a, m.Error("x", "\udcff"))
-    rig.c._flush_out()
+    ctl._flush_out()
+    assert sent[2:] == [(a, [m.Ping(2)])] and ctl._out == {}
+    # what is flushed alone goes alone
+    ctl._emit([Send(a, m.Ping(4))])
+    ctl._flush_out()
+    assert sent[3] == (a, [m.Ping(4)])
+    # a message that cannot be encoded fails where it is emitted (with a log
+    # line), as it would unbatched; what was held with it still goes
+    with caplog.at_level(logging.ERROR):
+        ctl._emit([Send(a, m.Ping(5)), Send(a, m.Error("x", "\udcff"))])
+    assert "cannot encode Error" in caplog.text and "UnicodeEncodeError" in caplog.text
+    ctl._flush_out()
     assert sent[4:] == [(a, [m.Ping(5)])]
 
 
-def test_a_batch_through_the_controller_socket_each_item_handled_and_a_bad_one_answered(make_rig):
+def test_a_batch_through_the_controller_socket_each_item_handled_and_a_bad_one_answered(make_rig, loop_on):
     import zmq
 
     from zpath.net import codec
     from zpath.net.transport import Endpoint, unbatched
 
     rig = make_rig()
-    del rig.c.send                           # the real send, over the socket
+    ctl = loop_on(rig)                       # the real send, over the socket
     ctx = zmq.Context()
     dealer = ctx.socket(zmq.DEALER)
     dealer.setsockopt(zmq.LINGER, 0)
-    dealer.connect(rig.c.address)
+    dealer.connect(ctl.address)
     try:
         ep = Endpoint(b"k" * 32, "client:t")
         hello = codec.pack_body(m.Hello("t", PROTOCOL_VERSION, 1.0))
@@ -311,7 +353,7 @@ def test_a_batch_through_the_controller_socket_each_item_handled_and_a_bad_one_a
         replies = []
         deadline = 50
         while len(replies) < 3 and deadline:
-            rig.c._recv_all()
+            ctl._recv_all()
             while dealer.poll(20):
                 _, header, got, buffers = ep.recv(dealer)
                 replies += [(h.parent, r) for h, r, _ in unbatched(header, got, buffers)]
@@ -319,6 +361,7 @@ def test_a_batch_through_the_controller_socket_each_item_handled_and_a_bad_one_a
         by_parent = {p: type(r) for p, r in replies}
         assert by_parent == {11: m.Welcome, 12: m.Error, 13: m.Status}, replies
         assert [r for p, r in replies if p == 12][0].code == "protocol"
+        rig.c.validate_state()
     finally:
         dealer.close()
         ctx.term()
@@ -401,8 +444,6 @@ def test_workers_may_hold_reports_only_of_a_client_alone_and_of_nothing_waited_f
     mark = len(short.log)
     short.handle(sa, short.call(sa, 0)[0])
     assert [e.hold for e in short.executes(mark)] == [False]
-    now = [1000.0]
-    rig.c.tenants.clock = lambda: now[0]
     a, _ = rig.client("a")
     rig.c.tenants._cost[(rig.programs["f"][0], (0,))] = 0.001      # measured
     mark = len(rig.log)
@@ -424,7 +465,7 @@ def test_workers_may_hold_reports_only_of_a_client_alone_and_of_nothing_waited_f
     rig.handle(a, rig.call(a, 0, x)[0])
     assert [e.hold for e in rig.executes(mark)] == [False, False]
     rig.drain()
-    now[0] += 2.0                                                    # b has gone quiet
+    rig.now += 2.0                                                   # b has gone quiet
     mark = len(rig.log)
     rig.handle(a, rig.call(a, 0, x)[0])
     rig.drain()

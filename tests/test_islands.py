@@ -301,13 +301,22 @@ def test_gang_order_control(client):
     np.testing.assert_array_equal(b.result(timeout=60), np.full((4, 4, 3), 8.))
 
 
+class _BrokenGangCluster(LocalCluster):
+    """A local cluster whose controller breaks the gang order (tests/controller_broken_gang.py)."""
+
+    def _spawn(self, name, argv, env, stdin=subprocess.DEVNULL):
+        if name == "controller":         # [python, -m, zpath.controller, *arguments]
+            argv = [sys.executable, os.path.join(os.path.dirname(__file__), "controller_broken_gang.py"),
+                    *argv[3:]]
+        return super()._spawn(name, argv, env, stdin)
+
+
 def test_broken_gang_order_deadlocks(tmp_path):
     """The same submissions with the gang order deliberately broken (host 1 gets
     multi-host computations pairwise swapped) do not complete: the collectives of
     the two hosts no longer match, and the hosts hang or abort inside gloo. So
     the order is what prevents the deadlock. Runs in its own cluster, then killed."""
-    c = LocalCluster(islands=1, hosts_per_island=2, devices_per_host=2,
-                     env={"ZPATH_DEBUG_BREAK_GANG_ORDER": "1"}, log_dir=str(tmp_path))
+    c = _BrokenGangCluster(islands=1, hosts_per_island=2, devices_per_host=2, log_dir=str(tmp_path))
     pids = c.pids
     try:
         zp.connect(c.address, c.key)

@@ -21,6 +21,23 @@ pytestmark = pytest.mark.timeout(180)
 LIMIT = 100_000          # bytes per device
 
 
+def status() -> m.Status:
+    """The controller's status; the answer also tells that what the client sent
+    before (calls, releases: one ordered connection) has been handled."""
+    return zp_api.current_client().request(m.StatusRequest(False))
+
+
+def until(pred, timeout: float = 20.0) -> m.Status:
+    """Poll the controller's status until ``pred`` holds (AssertionError after ``timeout``)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        st = status()
+        if pred(st):
+            return st
+        assert time.monotonic() < deadline, st
+        time.sleep(0.02)
+
+
 @pytest.fixture(scope="module")
 def limited():
     with running_cluster(islands=1, hosts_per_island=1, devices_per_host=1,
@@ -38,7 +55,7 @@ def test_calls_wait_for_memory_and_never_fitting_ones_fail(limited):
         np.testing.assert_array_equal(np.asarray(b)[:2], [2., 2.])
         c = double(b)                  # would need 120 kB: waits
         d2 = double(np.ones(3))        # submitted after it: waits behind it (order kept)
-        time.sleep(1.5)
+        until(lambda st: st.queued == 2)
         with pytest.raises(zp.DeadlineExceeded):
             c.result(timeout=0.5)
         assert not d2.done()
@@ -68,7 +85,7 @@ def test_inputs_of_a_call_that_can_never_fit_are_freed_even_when_they_come_late(
     """The values a client put for a call the controller fails are freed: when
     they came first, and when they come after the Free (Put and Free take
     different connections), in which case the worker drops them."""
-    from tests.test_memory import empty, stores, wait_for
+    from tests.test_memory import empty, wait_for
     with connected(limited) as conn:
         client = zp_api.current_client()
         d = zp.make_virtual_device_set().add_slice(devices=1).devices
@@ -87,16 +104,17 @@ def test_inputs_of_a_call_that_can_never_fit_are_freed_even_when_they_come_late(
         finally:
             client.put = put
         assert len(late) == 1
-        time.sleep(0.5)                  # the controller's Free reached the worker first
+        # the controller's Free reached the worker first: a call the controller
+        # sends the worker after it has run
+        double = zp.jit(lambda x: x * 2, mesh=zp.Mesh(d, ("i",)))
+        np.testing.assert_array_equal(double(np.ones(1)).result(timeout=30), [2.])
         put(*late[0])
         # a call after it on the same connection: once it ran, the late Put was handled
-        double = zp.jit(lambda x: x * 2, mesh=zp.Mesh(d, ("i",)))
         y = double(np.ones(3))
         np.testing.assert_array_equal(y.result(timeout=30), [2., 2., 2.])
         del y
         gc.collect()
-        time.sleep(2.5)                  # two refreshes of the workers' store figures
-        assert stores(conn) == base
+        assert wait_for(conn, lambda s: s == base) == base     # the workers' store figures refresh
 
 
 def test_a_call_waiting_for_memory_on_a_lost_host_fails_and_work_behind_it_goes_on(tmp_path):
@@ -117,8 +135,7 @@ def test_a_call_waiting_for_memory_on_a_lost_host_fails_and_work_behind_it_goes_
                 k.result(timeout=60)
             waiting = f1(x)                                 # 1 MiB more (input and output): waits
             behind = f0(np.ones((1, 2)))
-            time.sleep(0.5)
-            assert conn.client.request(m.StatusRequest(False)).queued == 2
+            assert until(lambda st: st.queued == 2).queued == 2
             dict(c.procs)["worker-i1-h0"].kill()
             with pytest.raises(zp.HostLost, match="island 1"):
                 waiting.result(timeout=30)
@@ -142,11 +159,10 @@ def test_a_future_dropped_while_its_call_waits_is_freed_and_long_programs_do_not
         hold.result(timeout=60)
         hold2.result(timeout=60)
         waiting = f(x)                                 # 64 kB more: waits
-        time.sleep(0.5)
-        assert conn.client.request(m.StatusRequest(False)).queued == 1
+        assert until(lambda st: st.queued == 1).queued == 1
         del waiting
         gc.collect()
-        time.sleep(0.5)                                # the release reached the controller
+        status()                                       # the release reached the controller
         del hold, hold2
         gc.collect()
 
@@ -209,10 +225,10 @@ def test_inputs_released_while_waiting_are_kept_and_a_client_leaving_with_waitin
         b = double(a)                            # 80 kB held
         b.result(timeout=30)
         c = double(b)                            # 120 kB: waits
-        time.sleep(0.5)
+        until(lambda st: st.queued == 1)
         del b                                    # released while c waits to read it
         gc.collect()
-        time.sleep(0.5)
+        status()                                 # the release reached the controller
         del a                                    # 40 kB freed: c fits
         gc.collect()
         np.testing.assert_array_equal(c.result(timeout=30)[:2], [4., 4.])
@@ -224,8 +240,7 @@ def test_inputs_released_while_waiting_are_kept_and_a_client_leaving_with_waitin
         b = double(a)
         b.result(timeout=30)
         waiting = [double(b), double(b)]         # both wait
-        time.sleep(0.5)
-        assert conn.client.request(m.StatusRequest(False)).queued == 2
+        assert until(lambda st: st.queued == 2).queued == 2
     with connected(limited) as conn:               # the first left (zp.shutdown: Goodbye)
         deadline = time.monotonic() + 10
         while True:

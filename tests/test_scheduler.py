@@ -7,6 +7,7 @@ import random
 import pytest
 
 from zpath.controller.scheduler import GangScheduler
+from tests.controller_broken_gang import BrokenGangScheduler
 from zpath.net import messages as m
 
 pytestmark = pytest.mark.timeout(30)
@@ -67,7 +68,7 @@ def test_every_host_sees_shared_computations_in_the_same_order():
 def test_broken_order_gives_hosts_different_orders():
     """The test-only switch really produces an inconsistent order (so the
     integration test that relies on it tests what it says)."""
-    s = GangScheduler(break_order=True)
+    s = BrokenGangScheduler()
     sent = []
     for _ in range(4):
         sent += s.dispatch(0, execs([0, 1]))

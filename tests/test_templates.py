@@ -211,7 +211,7 @@ def test_a_lost_host_fails_a_fused_run_s_results(make_rig):
     rig.drain()
     _, out = run(rig, a, 1, 2, 1)
     assert rig.c.in_flight
-    rig.c._host_lost(0, "test")
+    rig.run(rig.c._host_lost, 0, "test")
     assert rig.c.directory.buffers[out].error.kind == "HostLost"
     # later runs are not fused onto the lost host: they fail as plain calls
     n0 = len(rig.log)
@@ -297,7 +297,7 @@ def test_a_lost_host_fails_only_the_fused_results_it_held(make_rig):
     run on their own: losing one fails what it held, not the other's result."""
     rig = make_rig(hosts=((0, 1), (0, 1)))
     a, first, rf = fused_two_chains(rig)
-    rig.c._host_lost(1, "test")
+    rig.run(rig.c._host_lost, 1, "test")
     assert rig.c.directory.buffers[first].error is None
     assert rig.c.directory.buffers[first + 1].error.kind == "HostLost"
     assert first + 1 in rig.failed(a) and first not in rig.failed(a)
@@ -309,7 +309,7 @@ def test_a_fused_run_holds_its_devices_until_the_hosts_left_have_finished(make_r
     devices, until they have reported."""
     rig = make_rig(hosts=((0, 1), (0, 1)))
     a, first, rf = fused_two_chains(rig, finish=False)
-    rig.c._host_lost(1, "test")
+    rig.run(rig.c._host_lost, 1, "test")
     assert rf.exec_id in rig.c.in_flight and rig.c.in_flight[rf.exec_id].hosts == {0}
     assert rf.exec_id in rig.c.tenants._running
     assert rig.c.directory.buffers[first + 1].error.kind == "HostLost"
@@ -415,7 +415,7 @@ def test_locate_names_a_live_copy_of_the_client_s_own_buffer(make_rig):
     assert loc.error is None and loc.devices == [1] and loc.regions == [[[0, 1], [0, 4]]]
     assert locate(rig, b, out).error.kind == "HostLost"          # not b's buffer
     assert locate(rig, a, out + 99).error.kind == "HostLost"     # unknown
-    rig.c._host_lost(1, "test")
+    rig.run(rig.c._host_lost, 1, "test")
     loc = locate(rig, a, out)
     assert loc.error.kind == "HostLost" and "host 1" in loc.error.message and not loc.devices
 
@@ -446,7 +446,7 @@ def test_locate_names_a_copy_only_once_the_computation_that_makes_it_has_finishe
         (_, ex), = sent(rig, n0, m.Execute)
         err = None if outcome == "finished" else m.ErrorInfo("RemoteError", "boom", 0, "f", "")
         rig.handle(rig.c.worker_ident[0], m.ExecDone(ex.exec_id, err, 1000.0, 1000.001))
-    rig.c._host_lost(1, "test")
+    rig.run(rig.c._host_lost, 1, "test")
     loc = locate(rig, a, x)
     if outcome == "finished":
         assert loc.error is None and loc.devices == [0]
@@ -470,7 +470,7 @@ def abandoned_reader(rig, before_loss=lambda a, x: None):
                          [m.CallInput(x, AV, SPEC, False), m.CallInput(z, AV, SPEC, False)],
                          [m.CallOutput(out, AV, SPEC)]))
     before_loss(a, x)
-    rig.c._host_lost(2, "test")
+    rig.run(rig.c._host_lost, 2, "test")
     rig.drain()
     return a, x, out
 
@@ -481,7 +481,7 @@ def test_a_copy_planned_for_an_abandoned_node_is_never_located(make_rig):
     rig = make_rig(hosts=((0, 1), (1, 1), (2, 1)))
     a, x, out = abandoned_reader(rig)
     assert out in rig.failed(a) and x not in rig.failed(a)
-    rig.c._host_lost(1, "test")
+    rig.run(rig.c._host_lost, 1, "test")
     assert locate(rig, a, x).error.kind == "HostLost"
 
 
@@ -499,13 +499,13 @@ def test_a_copy_is_confirmed_after_an_unrelated_host_was_lost(make_rig, held):
         _fill_window(rig, 0)
     n0 = len(rig.log)
     rig.handle(a, rig.call(a, 0, x)[0])       # a copy of x on device 0
-    rig.c._host_lost(2, "unrelated")
+    rig.run(rig.c._host_lost, 2, "unrelated")
     if held:
         rig.drain()
     else:
         (_, ex), = sent(rig, n0, m.Execute)
         rig.handle(rig.c.worker_ident[0], m.ExecDone(ex.exec_id, None, 1000.0, 1000.001))
-    rig.c._host_lost(1, "test")
+    rig.run(rig.c._host_lost, 1, "test")
     loc = locate(rig, a, x)
     assert loc.error is None and loc.devices == [0]
 
@@ -521,7 +521,7 @@ def test_an_abandoned_node_s_copies_are_forgotten(make_rig):
     rig.handle(a, rig.call(a, 0, x)[0])       # reads x on device 0 again: a piece moves it
     assert [p for _, p in sent(rig, n0, m.SendPiece) if p.buffer == x]
     rig.drain()
-    rig.c._host_lost(1, "test")
+    rig.run(rig.c._host_lost, 1, "test")
     assert locate(rig, a, x).devices == [0]  # the copy that reader made
 
 
@@ -618,7 +618,7 @@ def test_an_input_left_only_in_an_abandoned_node_s_copy_fails(make_rig):
     _fill_window(rig, 0)
     c2, y = rig.call(a, 0, x)
     rig.handle(a, c2)
-    rig.c._host_lost(1, "test")
+    rig.run(rig.c._host_lost, 1, "test")
     rig.drain()
     assert {x, y} <= rig.failed(a)
     assert not rig.c.directory.buffers[x].layouts and rig.c.directory.buffers[x].error.kind == "HostLost"
@@ -645,7 +645,7 @@ def test_a_fused_run_s_intermediates_are_uncounted_when_it_cannot_finish(make_ri
     assert rig.c.directory.device_bytes[0] == own + others + 3 * 16 + held
     if end == "host lost":
         assert sent(rig, n0, m.RunFused)
-        rig.c._host_lost(0, "test")
+        rig.run(rig.c._host_lost, 0, "test")
         assert rig.c.directory.device_bytes[0] == 0 and not rig.c.in_flight
     else:
         assert not sent(rig, n0, m.RunFused)
@@ -686,7 +686,7 @@ def test_work_waiting_for_memory_resumes_after_a_lost_host_s_copies_are_forgotte
     call, z = rig.call(a, 1, x)
     rig.handle(a, call)
     assert rig.c.memory_waiting
-    rig.c._host_lost(0, "test")              # the run's intermediates on device 1 are free now
+    rig.run(rig.c._host_lost, 0, "test")              # the run's intermediates on device 1 are free now
     assert [p for i, p in sent(rig, n0, m.SendPiece) if p.buffer == x and i == rig.c.worker_ident[2]]
     assert rig.c.directory.buffers[x].error is None and z not in rig.failed(a)
 
@@ -738,7 +738,7 @@ def test_a_node_whose_only_copy_left_is_not_made_fails_instead_of_waiting(make_r
     rig.handle(a, m.Program(60, "s", "sequential", [c1, cm, ch], []))
     (e1,) = [e.exec_id for _, e in sent(rig, 0, m.Execute) if e.outputs[0].buffer == o1]
     n0 = len(rig.log)
-    rig.c._host_lost(1, "test")
+    rig.run(rig.c._host_lost, 1, "test")
     for eid in [e for e in rig.c.in_flight if e != e1]:    # the window's computations end
         rig.finish(eid)
     assert oh in rig.failed(a)

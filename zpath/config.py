@@ -19,6 +19,11 @@ from zpath.errors import ZpathError
 
 T = TypeVar("T")
 
+# seconds a worker may hold a computation's report back while work is queued
+# behind it (the worker decides; the controller lets it only where the solo
+# window is at least twice as long: see zpath/controller/holding.py)
+HOLD_DEEP_S = 0.05
+
 
 def setting(default: Any, env: str, doc: str) -> Any:
     """A config field read from ``env`` by ``from_env``."""
@@ -75,6 +80,10 @@ class ControllerConfig(_FromEnv):
     window_ms: float = setting(20.0, "ZPATH_SCHEDULER_WINDOW_MS",
                                "estimated milliseconds of work kept queued at a device under "
                                "the share policy")
+    solo_window_ms: float = setting(100.0, "ZPATH_SCHEDULER_SOLO_WINDOW_MS",
+                                    "the window while one client alone uses an island (has work "
+                                    "there, or had in the last second), for computations whose run "
+                                    "time was measured (at least the window)")
     ping_interval_s: float = setting(1.0, "ZPATH_PING_INTERVAL",
                                      "seconds between the controller's pings to its workers")
 

@@ -125,7 +125,7 @@ class Directory:
             if buf is None or buf.owner != owner:
                 continue
             del self.buffers[b]
-            self.device_bytes.subtract(_footprint(buf))
+            self.device_bytes.subtract(footprint(buf))
             hosts = {self.host_of(d) for lay in buf.layouts for devs in lay.values() for d in devs}
             for h in sorted(hosts | buf.stray):
                 frees.setdefault(h, []).append(b)
@@ -139,7 +139,7 @@ class Directory:
         for buf in self.buffers.values():
             if buf.error is not None or not buf.layouts:
                 continue
-            before = _footprint(buf)
+            before = footprint(buf)
             kept = []
             for lay in buf.layouts:
                 left = {r: [d for d in devs if d not in devices] for r, devs in lay.items()}
@@ -149,7 +149,7 @@ class Directory:
             buf.layouts = kept
             buf.unmade = [u for u in buf.unmade if any(u is k for k in kept)]
             self.device_bytes.subtract(before)
-            self.device_bytes.update(_footprint(buf))
+            self.device_bytes.update(footprint(buf))
             if not kept:
                 buf.error = error
                 failed.setdefault(buf.owner, []).append(buf.id)
@@ -163,12 +163,12 @@ class Directory:
             buf = self.buffers.get(b)
             if buf is None or not any(u is lay for u in buf.layouts):
                 continue
-            before = _footprint(buf)
+            before = footprint(buf)
             buf.layouts = [u for u in buf.layouts if u is not lay]
             buf.unmade = [u for u in buf.unmade if u is not lay]
             buf.stray = buf.stray.union(self.host_of(d) for devs in lay.values() for d in devs)
             self.device_bytes.subtract(before)
-            self.device_bytes.update(_footprint(buf))
+            self.device_bytes.update(footprint(buf))
             if not buf.layouts and buf.error is None:
                 buf.error = error
                 failed.append(b)
@@ -310,13 +310,13 @@ class Directory:
         ins = []
         for i in call.inputs:
             if i.put:
-                ins.append((tuple(i.aval.shape), i.aval.dtype, _spec_key(i.spec)))
+                ins.append((tuple(i.aval.shape), i.aval.dtype, spec_key(i.spec)))
                 continue
             buf = self.buffers.get(i.buffer)
             if buf is None or buf.error is not None:
                 return None
-            ins.append((tuple(i.aval.shape), i.aval.dtype, _spec_key(i.spec), _layouts_key(buf)))
-        outs = tuple((tuple(o.aval.shape), o.aval.dtype, _spec_key(o.spec)) for o in call.outputs)
+            ins.append((tuple(i.aval.shape), i.aval.dtype, spec_key(i.spec), layouts_key(buf)))
+        outs = tuple((tuple(o.aval.shape), o.aval.dtype, spec_key(o.spec)) for o in call.outputs)
         ids = [i.buffer for i in call.inputs] + [o.buffer for o in call.outputs]
         # which slots name one buffer: duplicates change the plan (a second read
         # sees the first one's copy; a second create replaces the first)
@@ -406,7 +406,7 @@ class Directory:
                 for d, r in zip(call.devices, regs, strict=True):
                     layout.setdefault(r, []).append(d)
                 ops.append((_NEW, k, tuple(i.aval.shape), i.aval.dtype, layout,
-                            _footprint_of([layout], i.aval.dtype)))
+                            footprint_of([layout], i.aval.dtype)))
                 for d, h, r in zip(call.devices, hosts, regs, strict=True):
                     shards[h][-1].append(m.ShardInput(d, sharding.to_wire(r), []))
                 continue
@@ -427,16 +427,16 @@ class Directory:
                 new.setdefault(r, []).append(d)
                 shards[h][-1].append(shard)
             if copied:
-                before = _footprint_of(lays, buf.dtype)
+                before = footprint_of(lays, buf.dtype)
                 lays.append(new)
-                after = _footprint_of(lays, buf.dtype)
+                after = footprint_of(lays, buf.dtype)
                 ops.append((_ADD, k, new, {d: n - before.get(d, 0) for d, n in after.items()}))
         for k, (o, regs) in enumerate(zip(call.outputs, out_regs, strict=True), len(call.inputs)):
             layout = {}
             for d, r in zip(call.devices, regs, strict=True):
                 layout.setdefault(r, []).append(d)
             ops.append((_NEW, k, tuple(o.aval.shape), o.aval.dtype, layout,
-                        _footprint_of([layout], o.aval.dtype)))
+                        footprint_of([layout], o.aval.dtype)))
         jax_ids = [self.jax_id_of(d) for d in call.devices]
         weight = 1 + len(call.devices) * (len(call.inputs) + len(call.outputs) + 1) + pieces_n + len(sends)
         return _Template(list(shards), [shards[h] for h in shards], sends, ops, jax_ids, weight)
@@ -452,10 +452,10 @@ class Directory:
         copies: list[tuple[int, dict]] = []
         for op in t.ops:
             if op[0] == _NEW:
-                _, k, shape, dtype, layout, footprint = op
+                _, k, shape, dtype, layout, fp = op
                 self.buffers[ids[k]] = Buffer(ids[k], shape, dtype, owner,
                                               [{r: list(devs) for r, devs in layout.items()}])
-                self.device_bytes.update(footprint)
+                self.device_bytes.update(fp)
             else:
                 _, k, layout, delta = op
                 buf, lay = self.buffers[ids[k]], {r: list(devs) for r, devs in layout.items()}
@@ -538,24 +538,24 @@ class _Template:
     cached_weight: int = 0
 
 
-def _spec_key(spec: m.Spec) -> tuple:
+def spec_key(spec: m.Spec) -> tuple:
     for e in spec:
         if e is not None and type(e) is not str:
             return tuple([e if e is None or type(e) is str else tuple(e) for e in spec])
     return tuple(spec)
 
 
-def _layouts_key(buf: Buffer) -> tuple:
+def layouts_key(buf: Buffer) -> tuple:
     """Which regions live on which devices, in order (the order picks the sources)."""
     return tuple(tuple((r, tuple(devs)) for r, devs in lay.items()) for lay in buf.layouts)
 
 
-def _footprint(buf: Buffer) -> dict[int, int]:
+def footprint(buf: Buffer) -> dict[int, int]:
     """Bytes a buffer holds per device: each region once per device."""
-    return _footprint_of(buf.layouts, buf.dtype)
+    return footprint_of(buf.layouts, buf.dtype)
 
 
-def _footprint_of(layouts: list[dict[Region, list[int]]], dtype: str) -> dict[int, int]:
+def footprint_of(layouts: list[dict[Region, list[int]]], dtype: str) -> dict[int, int]:
     seen: dict[int, set] = {}
     for lay in layouts:
         for r, devs in lay.items():

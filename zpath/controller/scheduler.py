@@ -10,25 +10,14 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import logging
 import time
 from typing import Any, Callable
 
 from zpath.net import messages as m
 
-log = logging.getLogger(__name__)
-
-
 class GangScheduler:
-    def __init__(self, break_order: bool = False) -> None:
-        """``break_order`` is for tests only: it deliberately gives odd-ranked
-        hosts multi-host computations in a different order from the others, to show
-        that the order is what prevents collectives from deadlocking."""
+    def __init__(self) -> None:
         self.next_seq: dict[int, int] = {}
-        self.break_order = break_order
-        self._held: dict[int, m.Execute] = {}
-        if break_order:
-            log.warning("gang order deliberately broken (test mode): collectives may deadlock")
 
     def dispatch(self, island: int, executes: dict[int, m.Execute], hold: bool = False
                  ) -> list[tuple[int, m.Execute]]:
@@ -39,16 +28,13 @@ class GangScheduler:
         self.next_seq[island] = seq + 1
         out = []
         for host, ex in sorted(executes.items()):
-            ex = dataclasses.replace(ex, seq=seq, hold=hold)
-            if self.break_order and len(executes) > 1 and host % 2 == 1:
-                held = self._held.pop(host, None)
-                if held is None:
-                    self._held[host] = ex       # sent after the next one
-                    continue
-                out += [(host, ex), (host, held)]
-                continue
-            out.append((host, ex))
+            out += self._place(host, dataclasses.replace(ex, seq=seq, hold=hold), len(executes))
         return out
+
+    def _place(self, host: int, ex: m.Execute, hosts: int) -> list[tuple[int, m.Execute]]:
+        """What to send ``host`` now for its part ``ex`` of a computation on
+        ``hosts`` hosts (a test subclass breaks the order here)."""
+        return [(host, ex)]
 
 
 # ---- multi-tenancy ----------------------------------------------------------
@@ -170,6 +156,10 @@ class TenantScheduler:
     def queued(self, client: int | None = None) -> int:
         return sum(len(q) for qs in self._queues.values() for c, q in qs.items()
                    if client is None or c == client)
+
+    def queued_items(self) -> list[Ready]:
+        """Every computation queued (not sent yet), on every island."""
+        return [r for qs in self._queues.values() for q in qs.values() for r in q]
 
     def can_send_now(self, ready: Ready) -> bool:
         """Nothing waits on its island and there is room on its devices: it may

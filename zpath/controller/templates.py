@@ -20,7 +20,7 @@ import copy
 import dataclasses
 
 from zpath import sharding
-from zpath.controller.directory import Buffer, Plan, _footprint, _footprint_of, _layouts_key, _spec_key
+from zpath.controller.directory import Buffer, Plan, footprint, footprint_of, layouts_key, spec_key
 from zpath.net import messages as m
 
 MAX_TEMPLATES = 1024          # per client (zpath.client.connection.MAX_TEMPLATES)
@@ -152,7 +152,7 @@ class ProgramTemplate:
             else:
                 buf = buffers.get(b)
                 keys.append(None if buf is None or buf.error is not None else
-                            (buf.owner, tuple(buf.shape), buf.dtype, _layouts_key(buf)))
+                            (buf.owner, tuple(buf.shape), buf.dtype, layouts_key(buf)))
         return keys
 
     def fuse(self, fused_id: int, version: int, plans: list[Plan], island_of: dict[int, int],
@@ -184,7 +184,7 @@ class ProgramTemplate:
             buf = buffers.get(first + c)
             if buf is None or buf.error is not None:
                 return None
-            results.append((c, *self._output(c), copy.deepcopy(buf.layouts), _footprint(buf)))
+            results.append((c, *self._output(c), copy.deepcopy(buf.layouts), footprint(buf)))
         per_host: dict[int, list[m.Execute]] = {}
         devices: set[int] = set()
         seen: dict[int, tuple] = {}
@@ -204,7 +204,7 @@ class ProgramTemplate:
                         lay = layouts.setdefault(-c - 1, {})
                         for sh in i.shards:
                             lay.setdefault(sharding.from_wire(sh.region), []).append(sh.device)
-        puts = [(s, aval, layouts[s], _footprint_of([layouts[s]], aval.dtype))
+        puts = [(s, aval, layouts[s], footprint_of([layouts[s]], aval.dtype))
                 for s, aval, _, put in seen.values() if put]
         transient = _transient(self.calls, plans, {c for c in self.release if c >= 0})
         release = [c for c in self.release if c >= 0]      # the values put are freed as buffers
@@ -238,11 +238,11 @@ def _transient(calls: list[tuple], plans: list[Plan], intermediates: set[int]) -
         ex = next(iter(plan.executes.values()))
         where = (tuple(ex.devices), tuple(ex.mesh_shape), tuple(ex.axis_names))
         for c, aval, spec in ins:
-            if c in intermediates and made.get(c) != (where, _spec_key(spec)):
+            if c in intermediates and made.get(c) != (where, spec_key(spec)):
                 add(aval, spec, ex)
         for c, aval, spec in outs:
             if c in intermediates:
-                made[c] = (where, _spec_key(spec))
+                made[c] = (where, spec_key(spec))
                 add(aval, spec, ex)
     return out
 
@@ -265,11 +265,11 @@ def fused_buffers(f: Fused, owner: int, inputs: list[int], first: int
     """Directory entries for a fused run's values put and results, with their
     bytes per device."""
     out = [(Buffer(inputs[s], tuple(aval.shape), aval.dtype, owner,
-                   [{r: list(devs) for r, devs in layout.items()}]), footprint)
-           for s, aval, layout, footprint in f.puts]
+                   [{r: list(devs) for r, devs in layout.items()}]), fp)
+           for s, aval, layout, fp in f.puts]
     out += [(Buffer(first + c, tuple(aval.shape), aval.dtype, owner,
-                    [{r: list(devs) for r, devs in lay.items()} for lay in layouts]), footprint)
-            for c, aval, _, layouts, footprint in f.results]
+                    [{r: list(devs) for r, devs in lay.items()} for lay in layouts]), fp)
+            for c, aval, _, layouts, fp in f.results]
     return out
 
 

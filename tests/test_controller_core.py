@@ -1,0 +1,212 @@
+"""The controller core as a pure state machine: driven with fake peers and a
+fake clock, no sockets and no sleeps (timeouts are exercised by advancing the
+clock), its state checked with ``validate_state`` after every event (the Rig
+of test_controller_tenancy does that)."""
+from __future__ import annotations
+
+import ast
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from zpath.controller.core import ControllerCore, RemoveSegments, Send
+from zpath.controller.records import call_buffers
+from zpath.net import messages as m
+from tests.test_controller_tenancy import make_rig  # noqa: F401  (fixture)
+from tests.test_templates import define, run, sent
+
+pytestmark = pytest.mark.timeout(60)
+
+CONTROLLER = pathlib.Path(__file__).parent.parent / "zpath" / "controller"
+
+
+def test_ticks_ping_the_workers_and_a_silent_worker_is_lost_when_the_clock_passes_its_timeout(make_rig):
+    rig = make_rig(hosts=((0, 1), (1, 1)), host_timeout_s=10.0, client_timeout_s=30.0)
+    a, _ = rig.client("a")
+    call, out = rig.call(a, 1)
+    rig.handle(a, call)                            # runs on host 1, which goes silent
+    mark = len(rig.log)
+    rig.tick(1.0)
+    assert sorted(i for i, _ in sent(rig, mark, m.Ping)) == [b"w0", b"w1"]
+    seqs = {x.seq for _, x in sent(rig, mark, m.Ping)}
+    rig.tick(1.0)
+    assert {x.seq for _, x in sent(rig, mark, m.Ping)} - seqs    # each round its own seq
+    for _ in range(9):                             # host 0 and the client answer; host 1 does not
+        rig.now += 1.0
+        rig.handle(b"w0", m.Pong(0, 0, 0, [0]))
+        rig.handle(a, m.Ping(1))
+        rig.tick()
+        assert rig.c.rm.hosts[1].alive == (rig.now - 1000.0 <= 10.0)
+    assert not rig.c.late(rig.now)
+    assert not rig.c.rm.hosts[1].alive and rig.c.rm.hosts[0].alive
+    assert out in rig.failed(a)
+    assert {i for i, x in rig.log if isinstance(x, m.HostDown) and x.rank == 1} == {a, b"w0"}
+    assert not rig.c.in_flight and b"w1" not in rig.c.peers
+
+
+def test_a_silent_client_is_treated_as_gone_and_everything_it_holds_is_freed(make_rig):
+    rig = make_rig(host_timeout_s=10.0, client_timeout_s=15.0)
+    a, ca = rig.client("a")
+    call, out = rig.call(a, 0)
+    rig.handle(a, call)
+    rig.drain()
+    assert out in rig.c.directory.buffers
+    for _ in range(20):
+        rig.now += 1.0
+        rig.handle(b"w0", m.Pong(0, 0, 0, [0]))    # the worker answers, the client does not
+        assert rig.c.late(rig.now) == (a in rig.c.peers and rig.now - 1000.0 > 15.0)
+        rig.tick()
+        assert (a in rig.c.peers) == (rig.now - 1000.0 <= 15.0)
+    assert a not in rig.c.peers and out not in rig.c.directory.buffers
+    assert (b"w0", m.ClientGone(ca)) in rig.log
+    assert rig.idle()
+
+
+def test_time_the_loop_was_held_up_does_not_count_as_silence(make_rig):
+    rig = make_rig(host_timeout_s=10.0)
+    rig.now += 12.0
+    assert rig.c.late(rig.now)
+    rig.c.stalled(rig.now, 5.0)                   # the loop was busy for 5 s beyond its tolerance
+    assert not rig.c.late(rig.now)
+    rig.tick()
+    assert rig.c.rm.hosts[0].alive
+    rig.tick(4.0)
+    assert not rig.c.rm.hosts[0].alive
+
+
+def test_a_long_program_stops_at_flush_points_and_resume_goes_on(make_rig):
+    """Planning stops after nodes 1, 2, 4, 8, ... (``busy``) so that the loop
+    sends what is ready; ``resume`` goes on; nothing else differs."""
+    rig = make_rig()
+    a, _ = rig.client("a")
+    rig.c.tenants._cost[(rig.programs["f"][0], (0,))] = 1e-6      # the window takes them all
+    calls, prev = [], None
+    for _ in range(40):
+        call, prev = rig.call(a, 0, prev)
+        calls.append(call)
+    groups = []
+    out = rig.c.handle(rig.now, a, 1, m.Program(1, "chain", "parallel", calls, []), [])
+    while True:
+        rig.c.validate_state()
+        groups.append(sum(isinstance(e, Send) and isinstance(e.msg, m.Execute) for e in out))
+        if not rig.c.busy:
+            break
+        out = rig.c.resume(rig.now)
+    assert groups == [1, 1, 2, 4, 8, 16, 8]
+    assert not rig.c.resume(rig.now)               # not busy: nothing to do
+    # one call is planned at once
+    out = rig.c.handle(rig.now, a, 2, rig.call(a, 0, prev)[0], [])
+    assert not rig.c.busy and sum(isinstance(e.msg, m.Execute) for e in out) == 1
+
+
+def test_a_template_is_fused_once_its_stopped_first_run_is_planned(make_rig):
+    """The fusion that follows a template's first run waits for the end of that
+    run's planning, across flush points; its next run goes fused."""
+    rig = make_rig(hosts=((0, 1),))
+    a, _ = rig.client("a")
+    rig.c.tenants._cost[(rig.programs["f"][0], (0,))] = 1e-6      # the window takes them all
+    define(rig, a, 1, [0] * 6, 0)                 # stops after nodes 1, 2, 4
+    assert len(rig.executes()) == 6 and rig.c.templates[(rig.c.peers[a].id, 1)].fused is not None
+    rig.drain()
+    mark = len(rig.log)
+    run(rig, a, 1, 6, 1)
+    assert len(sent(rig, mark, m.RunFused)) == 1 and not sent(rig, mark, m.Execute)
+    rig.drain()
+
+
+def test_a_lost_host_of_this_machine_has_its_segments_removed(make_rig):
+    rig = make_rig(hosts=((0, 1), (1, 1)))
+    rig.c.machine = "machine1"
+    rig.c.rm.hosts[1].pid = 4242
+    rig.run(rig.c._host_lost, 1, "test")
+    assert RemoveSegments(1, 4242) in rig.effects
+    rig.c.machine = "elsewhere"
+    rig.c.rm.hosts[0].pid = 4343
+    rig.run(rig.c._host_lost, 0, "test")
+    assert RemoveSegments(0, 4343) not in rig.effects
+
+
+def test_rejected_messages_and_farewell(make_rig):
+    rig = make_rig()
+    a, _ = rig.client("a")
+    out = rig.c.reject(rig.now, a, 5, "bad signature")
+    assert out == [Send(a, m.Error("protocol", "bad signature"), 5)]
+    assert rig.c.reject(rig.now, None, 0, "garbage") == []
+    out = rig.c.farewell("bye")
+    assert sorted(e.ident for e in out) == [b"a", b"w0"] and all(e.msg == m.Shutdown("bye") for e in out)
+    # a message before Hello, and one a client may not send
+    assert rig.c.handle(rig.now, b"stranger", 1, m.Release([1]), [])[0].msg.code == "not_registered"
+    assert rig.c.handle(rig.now, a, 2, m.ExecDone(1, None, 0.0, 0.0), [])[0].msg.code == "bad_request"
+
+
+def test_explain_plans_on_a_scratch_directory_without_effect(make_rig):
+    rig = make_rig(hosts=((0, 1), (1, 1)))
+    a, _ = rig.client("a")
+    call, x = rig.call(a, 0)
+    rig.handle(a, call)
+    rig.drain()
+    reads, _ = rig.call(a, 1, x)                  # reads x from the other island
+    before = (dict(rig.c.directory.buffers), rig.c.calls, len(rig.log))
+    rig.handle(a, m.ExplainRequest([reads]))
+    (ident, ex), = sent(rig, before[2], m.Explanation)
+    assert ident == a and ex.nodes[0].hosts == [1] and ex.nodes[0].island == 1
+    assert [(t.buffer, t.src_host, t.dst_host, t.channel) for t in ex.nodes[0].transfers] == [(x, 0, 1, "DCN")]
+    assert (dict(rig.c.directory.buffers), rig.c.calls) == before[:2]
+    assert not sent(rig, before[2], m.Execute)
+
+
+def test_validate_state_finds_a_broken_invariant(make_rig):
+    rig = make_rig()
+    a, _ = rig.client("a")
+    rig.c.tenants._cost[(rig.programs["g"][0], (0,))] = 1.0
+    for _ in range(3):                           # the window takes two: the third is held
+        rig.handle(a, rig.call(a, 0, program="g")[0])
+    held = rig.c.held_nodes()
+    assert len(held) == 1
+    rig.c.validate_state()
+    b = call_buffers(held[0].call)[0]
+    rig.c.pinned[b] += 1
+    with pytest.raises(AssertionError, match="pins"):
+        rig.c.validate_state()
+    rig.c.pinned[b] -= 1
+    rig.c.validate_state()
+    rig.c.in_flight[next(iter(rig.c.in_flight))].hosts.add(7)
+    with pytest.raises(AssertionError, match="in flight on lost host 7"):
+        rig.c.validate_state()
+
+
+def test_the_core_reads_no_clock_no_environment_and_owns_no_socket():
+    """Only server.py (the loop) reads the clock or touches sockets; nothing in
+    the controller reads the environment; the controller imports neither the
+    worker, the cluster tools nor jax."""
+    for path in sorted(CONTROLLER.glob("*.py")):
+        tree = ast.parse(path.read_text())
+        names = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
+        attrs = {(n.value.id, n.attr) for n in ast.walk(tree)
+                 if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name)}
+        imports = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        imports |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+        assert ("os", "environ") not in attrs and "getenv" not in {a for _, a in attrs}, path
+        assert not any(i.startswith(("zpath.worker", "zpath.cluster", "jax")) for i in imports), path
+        for fn in ast.walk(tree):          # no imports inside functions
+            if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                assert not any(isinstance(n, (ast.Import, ast.ImportFrom)) for n in ast.walk(fn)), \
+                    (path, fn.name)
+        if path.name not in ("server.py", "scheduler.py"):
+            assert ("time", "monotonic") not in attrs and "zmq" not in imports | names, path
+    code = ("import sys, zpath.controller.server\n"
+            "print(sorted(k for k in sys.modules if k.split('.')[0] == 'jax' or "
+            "k.startswith(('zpath.worker', 'zpath.cluster'))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def test_a_core_is_built_from_config_alone():
+    from zpath.config import ControllerConfig
+    c = ControllerCore(ControllerConfig(policy="fifo", window_ms=5.0, solo_window_ms=50.0,
+                                        device_memory_limit=123))
+    assert c.tenants.policy == "fifo" and c.tenants.window_s == 0.005 and c.tenants.solo_window_s == 0.05
+    assert c.memory_limit == 123
+    c.validate_state()

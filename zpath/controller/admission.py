@@ -1,0 +1,358 @@
+"""Admission: submissions (a call, a program, a template's plain calls) are
+planned node by node in arrival order; under a per-device memory limit a node
+that does not fit waits, with everything behind it, until memory is freed
+(``memory_waiting``). What a waiting or held node reads or writes is pinned: a
+release of it is deferred until the node is planned or sent.
+
+A long submission stops at nodes 1, 2, 4, 8, ... planned (``_continuation``,
+``busy``) so that the loop sends what is ready and the workers start while the
+rest is planned; ``resume`` goes on."""
+from __future__ import annotations
+
+import collections
+from typing import TYPE_CHECKING, Callable
+
+from zpath.controller.records import HeldNode, ProgramRun, Submission, call_buffers
+from zpath.net import messages as m
+
+if TYPE_CHECKING:
+    from zpath.controller.peers import Peer
+
+
+def release_points(calls: list[m.Call], release: list[int]) -> dict[int, list[int]]:
+    """For the buffers a program releases: the index of the node after which
+    none reads them (the last that reads or writes each), as node -> buffers.
+    A buffer no node names is left to the end of the program."""
+    last: dict[int, int] = {}
+    for k, call in enumerate(calls):
+        for i in call.inputs:
+            last[i.buffer] = k
+        for o in call.outputs:
+            last[o.buffer] = k
+    out: dict[int, list[int]] = {}
+    for b in release:
+        if b in last:
+            out.setdefault(last[b], []).append(b)
+    return out
+
+
+class Admission:
+    """Mixin of ControllerCore: memory waiting, pins and deferred releases."""
+
+    def _init_admission(self, memory_limit: int) -> None:
+        self.memory_limit = memory_limit
+        # submissions waiting for device memory, in arrival order (each resumes at
+        # its first unplanned node); while any waits, new ones queue behind it
+        self.memory_waiting: collections.deque[Submission] = collections.deque()
+        self._resuming = False
+        # buffers read or written by held nodes: their release waits until the node is sent
+        self.pinned: collections.Counter[int] = collections.Counter()
+        self.deferred: dict[int, int] = {}               # pinned buffer -> owner that released it
+        self._arrivals = 0
+        # planning stopped at a flush point: the submission to go on with, or
+        # None for the head of memory_waiting (see busy, resume)
+        self._continuation: tuple[Submission | None] | None = None
+
+    @property
+    def busy(self) -> bool:
+        """Planning stopped at a flush point: send what was returned, then
+        call ``resume`` (before handling anything else)."""
+        return self._continuation is not None
+
+    def _go_on(self) -> None:
+        cont, self._continuation = self._continuation, None
+        if cont is None:
+            return
+        sub = cont[0]
+        if sub is None:
+            self._resume_waiting()
+            return
+        done = self._advance(sub)
+        if done is None:                 # another flush point
+            self._continuation = (sub,)
+        elif not done:
+            self.memory_waiting.append(sub)
+        elif sub.then is not None:
+            sub.then(sub)
+
+    def _call(self, ident: bytes, peer: Peer, call: m.Call) -> None:
+        # a one-node program; the values the client put for it have no future and
+        # are freed once it was sent (workers free after it ran)
+        self._submit(ident, peer, [call], "parallel", [i.buffer for i in call.inputs if i.put])
+
+    def _program(self, ident: bytes, peer: Peer, prog: m.Program) -> None:
+        """A traced program: plan every node now; send them all at once
+        (parallel) or each once the nodes it reads have finished (sequential)."""
+        if prog.dispatch not in ("parallel", "sequential"):
+            err = m.ErrorInfo("CallFailed", f"unknown dispatch mode {prog.dispatch!r}", None, prog.name, "")
+            for call in prog.calls:
+                self._fail_call(ident, peer.id, call, err)
+            return
+        self._submit(ident, peer, prog.calls, prog.dispatch, prog.release)
+
+    def _submit(self, ident: bytes, peer: Peer, calls: list[m.Call], dispatch: str,
+                release: list[int], record: bool = False,
+                then: Callable[[Submission], None] | None = None) -> Submission:
+        """Plan a submission now, or queue it behind those waiting for memory;
+        ``then`` is called once it was planned in full without waiting."""
+        self._arrivals += 1
+        sub = Submission(ident, peer, calls, dispatch,
+                         ProgramRun(peer, release, len(calls), sequential=dispatch == "sequential"),
+                         seq=self._arrivals, record=[] if record else None, then=then)
+        if self.memory_waiting:          # keep arrival order behind waiting work
+            self._pin_waiting(sub)
+            self.memory_waiting.append(sub)
+            return sub
+        done = self._advance(sub)
+        if done is None:                 # the loop sends what is ready, then resume goes on
+            self._continuation = (sub,)
+        elif not done:
+            self.memory_waiting.append(sub)
+        elif then is not None:
+            then(sub)
+        return sub
+
+    def _node_done(self, sub: Submission, k: int, call: m.Call) -> None:
+        """Node ``k`` of a submission was planned (or failed): it no longer pins
+        what it reads and writes for a wait for memory, and the program's buffers
+        it was the last to read are released (held nodes that still read them keep
+        them until sent; workers free them after the computations before have run)."""
+        if sub.pinned_from is not None and k >= sub.pinned_from:
+            self._unpin(call_buffers(call))
+        if sub.release_at:
+            done = sub.release_at.pop(k, None)
+            if done:
+                self._release(done, sub.peer.id)
+
+    def _drop_waiting(self, sub: Submission) -> None:
+        """A waiting submission of a client that left: free what the client put
+        for its calls not planned yet, unpin them, release the program's values."""
+        for call in sub.calls[sub.next:]:
+            self._free_puts(call)
+            if sub.pinned_from is not None:
+                self._unpin(call_buffers(call))
+        sub.run.sent = sub.run.total
+        self._maybe_release(sub.run)
+
+    def _pin_waiting(self, sub: Submission) -> None:
+        """A submission starts waiting for memory: pin what its calls not
+        planned yet read and write, so a release of their inputs or of their
+        outputs' futures meanwhile waits until they are planned."""
+        if sub.pinned_from is None:
+            sub.pinned_from = sub.next
+            for call in sub.calls[sub.next:]:
+                self.pinned.update(call_buffers(call))
+
+    def _resume_waiting(self) -> None:
+        """Memory was freed: continue waiting submissions, oldest first. Not
+        re-entered: frees made while a submission advances are seen by the
+        outer call (it checks memory again for every node)."""
+        if self._resuming:
+            return
+        self._resuming = True
+        try:
+            while self.memory_waiting:
+                sub = self.memory_waiting[0]
+                if sub.peer.gone:
+                    self.memory_waiting.popleft()
+                    self._drop_waiting(sub)
+                    continue
+                done = self._advance(sub)
+                if done is None:               # stopped at a flush point: resume goes on
+                    self._continuation = (None,)
+                    return
+                if not done:
+                    if not self._backfill():
+                        return
+                    continue                   # memory may have been freed: the head again
+                if self.memory_waiting and self.memory_waiting[0] is sub:
+                    self.memory_waiting.popleft()
+        finally:
+            self._resuming = False
+
+    def _backfill(self) -> bool:
+        """The head of the memory queue must wait. A later submission that keeps
+        alive a value whose future was dropped (its release waits for it) and
+        depends on nothing still waiting (every input it reads exists, or is made
+        by its own earlier nodes) goes ahead if it fits: otherwise a head that
+        needs that value's memory would wait for ever. Everything else keeps
+        arrival order. Returns whether one was planned in full (and left the queue)."""
+        for sub in list(self.memory_waiting)[1:]:
+            if sub.peer.gone or not self._holds_deferred(sub) or not self._independent(sub):
+                continue
+            if self._advance(sub, pause=False):
+                self.memory_waiting.remove(sub)
+                return True
+        return False
+
+    def _holds_deferred(self, sub: Submission) -> bool:
+        return any(b in self.deferred for call in sub.calls[sub.next:] for b in call_buffers(call))
+
+    def _independent(self, sub: Submission) -> bool:
+        made = set()
+        for call in sub.calls[sub.next:]:
+            for i in call.inputs:
+                if not i.put and i.buffer not in made and i.buffer not in self.directory.buffers:
+                    return False
+            made.update(o.buffer for o in call.outputs)
+        return True
+
+    def _fits(self, sub: Submission, call: m.Call) -> str:
+        """"ok", "wait" (for memory to be freed), or "failed": a call that can
+        never fit under the per-device limit fails at once."""
+        if not self.memory_limit:
+            return "ok"
+        for d in call.devices:
+            dev = self.rm.devices.get(d)
+            if dev is None or not self.rm.hosts[dev.host].alive:
+                return "ok"               # planning rejects it (HostLost), rather than wait for ever
+        for i in call.inputs:
+            if not i.put:
+                buf = self.directory.buffers.get(i.buffer)
+                if buf is None or buf.error is not None:
+                    return "ok"           # planning rejects it (its input is gone or failed)
+        for d, n in self.directory.needs(call).items():
+            if n > self.memory_limit:
+                err = m.ErrorInfo("ResourceError", f"call needs {n} bytes on device {d}, more than "
+                                  f"the per-device limit of {self.memory_limit} bytes", None, "", "")
+                self._fail_call(sub.ident, sub.peer.id, call, err)
+                return "failed"
+            if self.directory.device_bytes[d] + n > self.memory_limit:
+                return "wait"
+        return "ok"
+
+    def _advance(self, sub: Submission, pause: bool = True) -> bool | None:
+        """Plan a submission's nodes in order and send each when it may go; stop
+        (returning False) at a node that must wait for memory. A node is held
+        until every held node whose output it reads has been sent (so it never
+        reaches a worker ahead of its producer), and in sequential mode until the
+        nodes of its program it reads have finished. Returns None (``pause``)
+        when it stopped at a flush point: after nodes 1, 2, 4, 8, ... of those
+        planned in this pass, what is ready goes out, so the workers start
+        while the rest of a long program is planned; calling it again goes on."""
+        ident, peer, calls, dispatch, run = sub.ident, sub.peer, sub.calls, sub.dispatch, sub.run
+        producer, exec_ids = sub.producer, sub.exec_ids
+        if not sub.paused:
+            sub.first = sub.next
+        sub.paused = False
+        if self.memory_limit and run.release and len(calls) > 1 and sub.release_at is None:
+            sub.release_at = release_points(calls, run.release)
+        while sub.next < len(calls):
+            k, call = sub.next, calls[sub.next]
+            fits = self._fits(sub, call)
+            if fits == "wait":
+                self._pin_waiting(sub)
+                return False
+            sub.next += 1
+            if fits == "failed":
+                self._free_puts(call)        # what the client put for it
+                run.sent += 1
+                self._node_done(sub, k, call)
+                continue
+            preds = {producer[i.buffer] for i in call.inputs if i.buffer in producer}
+            for o in call.outputs:
+                producer[o.buffer] = k
+            planned = self._plan(ident, peer, call)
+            if planned is None:
+                run.sent += 1
+                self._node_done(sub, k, call)
+                continue
+            if sub.record is not None:
+                sub.record.append(planned[0])
+            exec_ids[k] = next(iter(planned[0].executes.values())).exec_id
+            waits = self._held_producers(call)
+            if dispatch == "sequential":
+                # predecessors that have not finished (after a wait for memory,
+                # some may have finished or been abandoned already)
+                self.unfinished.add(exec_ids[k])
+                waits |= {exec_ids[p] for p in preds if exec_ids.get(p) in self.unfinished}
+            plan = planned[0]
+            self._start(HeldNode(run, call, planned, waits, exec_ids[k],
+                                 self.rm.hosts[next(iter(plan.executes))].island))
+            self._node_done(sub, k, call)
+            done = sub.next - sub.first
+            if pause and done & (done - 1) == 0 and sub.next < len(calls):
+                # (the last group goes with whatever else handling this
+                # message sends)
+                sub.paused = True
+                return None
+        self._maybe_release(run)
+        return True
+
+    def _unpin(self, buffers: list[int]) -> None:
+        """Take one pin off each of ``buffers`` (a call may name one twice);
+        releases deferred meanwhile go ahead for those no longer pinned."""
+        self.pinned.subtract(buffers)
+        ready = []
+        for b in dict.fromkeys(buffers):
+            if self.pinned.get(b, 0) <= 0:
+                self.pinned.pop(b, None)
+                if b in self.deferred:
+                    ready.append(b)
+        for b in ready:
+            owner = self.deferred.pop(b, None)
+            if owner is not None:
+                self._release([b], owner)
+
+    def _maybe_release(self, run: ProgramRun) -> None:
+        """Once every node of a program was sent, free its intermediates and the
+        values the client put for it (workers free after the nodes ran)."""
+        if run.sent == run.total and not run.released:
+            run.released = True
+            self._release(run.release, run.peer.id)
+
+    def _release(self, buffers: list[int], owner: int) -> None:
+        """Free buffers the owner no longer needs, except those a held node still
+        reads or writes: those wait until it has been sent."""
+        now = []
+        deferred = False
+        for b in buffers:
+            if self.pinned.get(b, 0) > 0:
+                self.deferred[b] = owner
+                deferred = True
+            else:
+                now.append(b)
+        if self.copies_dropped:
+            self.copies_dropped.difference_update(now)
+        self._free(self.directory.release(now, owner))
+        if deferred and self.memory_waiting:
+            self._resume_waiting()      # a waiting call that keeps it alive may go ahead
+
+    def _free(self, frees: dict[int, list[int]]) -> None:
+        for rank, buffers in frees.items():
+            if rank in self.worker_ident:
+                self.to_host(rank, m.Free(buffers))
+        if frees and self.memory_waiting:
+            self._resume_waiting()
+
+    def _free_puts(self, call: m.Call) -> None:
+        """Shards the client already put for a call that will not run: free them
+        where they went."""
+        puts = [i.buffer for i in call.inputs if i.put and i.buffer not in self.directory.buffers]
+        hosts = {self.rm.devices[d].host for d in call.devices if d in self.rm.devices}
+        if puts:
+            self._free({h: puts for h in hosts})
+
+    def validate_admission(self) -> None:
+        """Waiting submissions are in arrival order, unfinished, and the pins
+        are exactly what held nodes and waiting submissions read and write."""
+        seqs = [s.seq for s in self.memory_waiting]
+        assert seqs == sorted(seqs), f"memory_waiting out of arrival order: {seqs}"
+        assert not self._resuming
+        for s in self.memory_waiting:
+            assert s.next < len(s.calls), "a planned submission still waits for memory"
+            assert s.pinned_from is not None and s.pinned_from <= s.next, "a waiting submission is not pinned"
+        expected: collections.Counter[int] = collections.Counter()
+        for held in self.held_nodes():
+            expected.update(call_buffers(held.call))
+        subs = list(self.memory_waiting)
+        if self._continuation is not None and self._continuation[0] is not None:
+            subs.append(self._continuation[0])
+        for s in subs:
+            if s.pinned_from is not None:
+                for call in s.calls[s.next:]:
+                    expected.update(call_buffers(call))
+        pinned = collections.Counter({b: n for b, n in self.pinned.items() if n > 0})
+        assert +expected == pinned, f"pins {dict(pinned)} != held and waiting buffers {dict(+expected)}"
+        for b in self.deferred:
+            assert self.pinned.get(b, 0) > 0, f"release of buffer {b} deferred but it is not pinned"

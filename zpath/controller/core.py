@@ -1,0 +1,197 @@
+"""The controller's decisions as a pure state machine: events in (a message
+with the time it arrived, a tick of the clock), messages out.
+
+``ControllerCore`` owns no socket, reads no clock and no environment: the loop
+(server.py) passes the time with every event and sends the ``Send`` records it
+returns (and carries out the other effects, ``RemoveSegments``). Its concerns
+live in one module each, mixed into the core: peers.py (registration, status,
+timeline), admission.py (memory waiting, pins, deferred releases),
+dispatch.py (the held-node graph, copy repair, the tenant scheduler, what is
+in flight), fusion.py (templates and fused runs), failures.py (host loss,
+client departure). ``validate_state`` checks the invariants of each."""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from zpath.config import ControllerConfig
+from zpath.controller.admission import Admission
+from zpath.controller.directory import Directory
+from zpath.controller.dispatch import Dispatch
+from zpath.controller.failures import Failures
+from zpath.controller.fusion import Fusion
+from zpath.controller.peers import Peers
+from zpath.controller.records import Effect, RemoveSegments, Send
+from zpath.controller.resources import ResourceManager
+from zpath.controller.scheduler import GangScheduler, TenantScheduler
+from zpath.net import messages as m
+from zpath.net.codec import Record
+
+__all__ = ["ControllerCore", "Effect", "RemoveSegments", "Send"]
+
+log = logging.getLogger(__name__)
+
+
+class ControllerCore(Peers, Admission, Dispatch, Fusion, Failures):
+    """Every decision of the controller. Events: ``handle`` (a message),
+    ``tick`` (pings, liveness), ``resume`` (go on planning while ``busy``),
+    ``reject`` (a message that could not be decoded), ``farewell`` (shutdown).
+    Each returns the effects to carry out, in order."""
+
+    def __init__(self, config: ControllerConfig, machine: str = "",
+                 gang: GangScheduler | None = None) -> None:
+        """``machine``: this machine's id (lost hosts on it: their segments
+        are removed); ``gang``: the gang scheduler (tests may give another)."""
+        self.config = config
+        self.machine = machine
+        self.now = 0.0                     # the time of the event being handled
+        self._out: list[Effect] = []
+        self.rm = ResourceManager()
+        self.directory = Directory(lambda d: self.rm.devices[d].host,
+                                   lambda h: self.rm.hosts[h].data_address,
+                                   lambda d: self.rm.devices[d].jax_id, self.rm.route,
+                                   mapping_version=lambda: self.rm.version)
+        self.scheduler = gang if gang is not None else GangScheduler()
+        self.tenants = TenantScheduler(config.policy, window_s=config.window_ms / 1000,
+                                       solo_window_s=config.solo_window_ms / 1000,
+                                       clock=lambda: self.now)
+        self._init_peers()
+        self._init_admission(config.device_memory_limit)
+        self._init_dispatch()
+        self._init_fusion()
+
+    # ---- output ----------------------------------------------------------------
+    def send(self, ident: bytes, msg: Record, parent: int = 0, buffers: Any = ()) -> None:
+        self._out.append(Send(ident, msg, parent, buffers))
+
+    def reply_error(self, ident: bytes, parent: int, code: str, text: str) -> None:
+        self.send(ident, m.Error(code, text), parent)
+
+    def to_host(self, rank: int, msg: Record, buffers: Any = ()) -> None:
+        ident = self.worker_ident.get(rank)
+        if ident is None:
+            log.warning("host %d is gone: %s not sent", rank, type(msg).__name__)
+            return
+        self.send(ident, msg, buffers=buffers)
+
+    def _take(self) -> list[Effect]:
+        out, self._out = self._out, []
+        return out
+
+    # ---- events ----------------------------------------------------------------
+    def handle(self, now: float, ident: bytes, parent: int, msg: Record, buffers: list) -> list[Effect]:
+        """A message from ``ident`` (``parent``: its id, for the answer)."""
+        self.now = now
+        try:
+            self._handle(ident, parent, msg, buffers)
+        except Exception:  # a handler bug must not take the controller down
+            peer = self.peers.get(ident)
+            log.exception("error handling %s from %s", type(msg).__name__,
+                          f"{peer.role} {peer.id}" if peer else repr(ident))
+            if isinstance(msg, m.Call) and peer is not None:   # fail its futures, don't leave them waiting
+                self._fail_call(ident, peer.id, msg, m.ErrorInfo(
+                    "RemoteError", "the controller failed planning this call (see its log)", None, "", ""))
+            else:
+                self.reply_error(ident, parent, "internal",
+                                 f"controller failed handling {type(msg).__name__}")
+        return self._take()
+
+    def tick(self, now: float) -> list[Effect]:
+        """Ping every worker; a worker silent past its timeout is lost, a client
+        has left."""
+        self.now = now
+        self._pings()
+        try:
+            self._check_liveness(now)
+        except Exception:  # a bug here must not take the controller down
+            log.exception("error while checking hosts and clients")
+        return self._take()
+
+    def resume(self, now: float) -> list[Effect]:
+        """Go on with the planning that stopped at a flush point (``busy``)."""
+        self.now = now
+        try:
+            self._go_on()
+        except Exception:
+            log.exception("error while planning")
+        return self._take()
+
+    def reject(self, now: float, ident: bytes | None, parent: int, why: str) -> list[Effect]:
+        """A message that could not be decoded."""
+        self.now = now
+        who = self.peers.get(ident) if ident else None
+        log.warning("rejected message from %s: %s", f"{who.role} {who.id}" if who else repr(ident), why)
+        if ident is not None:
+            self.reply_error(ident, parent, "protocol", why)
+        return self._take()
+
+    def farewell(self, reason: str) -> list[Effect]:
+        """Shutting down: the workers stop, the clients fail what waits."""
+        for ident in self.worker_ident.values():
+            self.send(ident, m.Shutdown(reason))
+        for peer in self.peers.values():
+            if peer.role == "client":
+                self.send(peer.ident, m.Shutdown(reason))
+        return self._take()
+
+    def validate_state(self) -> None:
+        """Check every component's invariants (AssertionError if one is broken)."""
+        self.validate_peers()
+        self.validate_admission()
+        self.validate_dispatch()
+        self.validate_fusion()
+
+    # ---- messages --------------------------------------------------------------
+    def _handle(self, ident: bytes, parent: int, msg: Record, buffers: list) -> None:
+        peer = self.peers.get(ident)
+        if peer is not None:
+            peer.last_seen = self.now
+        match msg:
+            case m.RegisterWorker():
+                self._register_worker(ident, parent, msg)
+            case m.Hello():
+                self._hello(ident, parent, msg)
+            case m.StatusRequest():
+                self._status(ident, parent)
+            case m.Pong() if peer is not None:
+                self._pong(peer, msg)
+            case m.Ping() if peer is not None:
+                self.send(ident, m.Pong(msg.seq, 0, 0, []), parent)
+            case m.Goodbye() if peer is None:
+                pass            # a connection already dropped: nothing to answer
+            case _ if peer is None:
+                self.reply_error(ident, parent, "not_registered",
+                                 f"{type(msg).__name__} before Hello/RegisterWorker")
+            case m.AllocSlice() if peer.role == "client":
+                self._alloc_slice(ident, parent, msg)
+            case m.RegisterProgram() if peer.role == "client":
+                self._register_program(ident, parent, msg, buffers)
+            case m.Call() if peer.role == "client":
+                self._call(ident, peer, msg)
+            case m.Program() if peer.role == "client":
+                self._program(ident, peer, msg)
+            case m.DefineProgram() if peer.role == "client":
+                self._define_program(ident, parent, peer, msg)
+            case m.RunProgram() if peer.role == "client":
+                self._run_program(ident, peer, msg)
+            case m.DropTemplates() if peer.role == "client":
+                self._drop_templates(peer, msg.templates)
+            case m.ExplainRequest() if peer.role == "client":
+                self._explain(ident, parent, peer, msg)
+            case m.Locate() if peer.role == "client":
+                self.send(ident, self._locate(peer.id, msg.buffer), parent)
+            case m.ExecDone() if peer.role == "worker":
+                self._exec_done(peer.id, msg)
+            case m.TimelineRequest():
+                recs = list(self.timeline)[-msg.limit:] if msg.limit > 0 else []
+                self.send(ident, m.Timeline(recs), parent)
+            case m.Release() if peer.role == "client":
+                self._release(msg.buffers, peer.id)
+            case m.Goodbye() if peer.role == "client":
+                log.info("client %d (%s) disconnected: %s", peer.id, peer.name, msg.reason)
+                self._client_left(peer)
+            case m.Error():
+                log.warning("%s %d reported an error: %s: %s", peer.role, peer.id, msg.code, msg.message)
+            case _:
+                self.reply_error(ident, parent, "bad_request",
+                                 f"{type(msg).__name__} is not accepted from a {peer.role}")

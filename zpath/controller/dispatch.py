@@ -1,0 +1,422 @@
+"""Dispatch: planning a call, the held-node graph (nodes waiting to be sent:
+for the computations they read to finish, for held producers to be sent, or
+for their turn in the multi-tenant scheduler), copy repair, and the
+computations in flight until every host reported them done."""
+from __future__ import annotations
+
+import collections
+import copy
+import logging
+from typing import TYPE_CHECKING, Any
+
+from zpath import sharding
+from zpath.controller.holding import may_hold
+from zpath.controller.records import HeldNode, InFlight, call_buffers
+from zpath.controller.directory import Directory, Plan, PlanError
+from zpath.controller.resources import LostHosts
+from zpath.controller.scheduler import Ready
+from zpath.errors import ResourceError
+from zpath.net import messages as m
+
+if TYPE_CHECKING:
+    from zpath.controller.peers import Peer
+
+log = logging.getLogger(__name__)
+
+
+class Dispatch:
+    """Mixin of ControllerCore: the held-node graph, copy repair, pumping the
+    tenant scheduler, computations in flight."""
+
+    def _init_dispatch(self) -> None:
+        # exec_id -> what it is, until every host reported
+        self.in_flight: dict[int, InFlight] = {}
+        # held nodes, by what they wait for: an exec id (it finished) or
+        # ("sent", exec id) (that held node was sent)
+        self.waiters: dict[Any, list[HeldNode]] = {}
+        self.held_outputs: dict[int, int] = {}           # output buffer of a held node -> its exec id
+        # buffers some of whose planned copies were dropped: nodes not sent yet
+        # that read them are repaired before they go (until the buffer is freed)
+        self.copies_dropped: set[int] = set()
+        # buffer -> layouts of its copies that held nodes (not sent yet) are to make
+        self.unsent_copies: dict[int, list[dict]] = {}
+        self.unfinished: set[int] = set()   # exec ids of sequential programs' nodes not finished
+        # held nodes whose waits are over, sent by one loop (never by recursion:
+        # a chain of thousands of held nodes would overflow the stack)
+        self._released: collections.deque[HeldNode] = collections.deque()
+        self._releasing = False
+        self.calls = 0
+
+    def held_nodes(self) -> list[HeldNode]:
+        """Every node planned and not sent yet (held)."""
+        seen: dict[int, HeldNode] = {}
+        for waiting in self.waiters.values():
+            for h in waiting:
+                seen[id(h)] = h
+        for r in self.tenants.queued_items():
+            seen[id(r.item)] = r.item
+        for h in self._released:
+            seen[id(h)] = h
+        return list(seen.values())
+
+    def _plan(self, ident: bytes, peer: Peer, call: m.Call, directory: Directory | None = None
+              ) -> tuple[Plan, str] | None:
+        """Plan one call, or fail it: its outputs are poisoned and the client is
+        told (CallFailed). ``directory`` (a scratch copy) plans without effect."""
+        self.calls += directory is None
+        prog = self.programs.get(call.program)
+        try:
+            if prog is None:
+                raise PlanError("not_found", f"program {call.program[:12]} is not registered")
+            try:
+                self.rm.check_spmd(call.devices)
+            except LostHosts as e:
+                lost = self.rm.hosts[e.hosts[0]]
+                raise PlanError("resource", str(e), m.ErrorInfo(
+                    "HostLost", f"host {lost.rank} ({lost.name}, island {lost.island}) was lost"
+                    f"{': ' + lost.lost_why if lost.lost_why else ''}; this computation cannot run there",
+                    lost.rank, prog[0], "")) from None
+            except ResourceError as e:
+                raise PlanError("resource", str(e)) from None
+            theirs = [b for b in [o.buffer for o in call.outputs] + [i.buffer for i in call.inputs if i.put]
+                      if b >> 32 != peer.id]
+            if theirs:
+                raise PlanError("bad_request", f"buffer ids {theirs[:4]} are not this client's "
+                                f"(client {peer.id} names new buffers {peer.id} << 32 | n)")
+            return (directory or self.directory).plan(call, peer.id, prog[0]), prog[0]
+        except PlanError as e:
+            if directory is not None:
+                raise
+            err = e.error or m.ErrorInfo("CallFailed", f"call rejected: {e}", None,
+                                         prog[0] if prog else "", "")
+            self._fail_call(ident, peer.id, call, err)
+            self._free_puts(call)
+            return None
+
+    def _fail_call(self, ident: bytes, client: int, call: m.Call, err: m.ErrorInfo) -> None:
+        """Fail a call that will not run: its outputs are poisoned (so consumers fail
+        with the same cause) and the client is told. Only outputs that are new and
+        in the sender's own id range: never an existing buffer, nor one another
+        client may still create."""
+        outs = [o.buffer for o in call.outputs if o.buffer not in self.directory.buffers]
+        self.directory.poison([b for b in outs if b >> 32 == client], client, err)
+        self.send(ident, m.CallFailed(call.call_id, outs, err))
+
+    def _dispatch(self, peer: Peer, call: m.Call, plan: Plan, name: str, hold: bool = False) -> int:
+        """Send a planned call to its hosts in gang order (``hold``: see
+        ``Execute.hold``); returns its exec id."""
+        drop_after: list[tuple[int, m.DropFused]] = []
+        for rank in plan.executes:
+            for digest in plan.programs if plan.programs is not None else [call.program]:
+                if digest not in self.host_programs[rank]:
+                    pname, blob = self.programs[digest]
+                    self.to_host(rank, m.RegisterProgram(digest, pname), buffers=[blob])
+                    self.host_programs[rank].add(digest)
+            if plan.setup is not None:
+                define = plan.setup[rank]
+                if define.fused not in self.host_fused.setdefault(rank, set()):
+                    self.to_host(rank, define)
+                    if define.fused in self.fused_live:
+                        self.host_fused[rank].add(define.fused)
+                    else:                 # dropped while this run waited: forgotten after it
+                        drop_after.append((rank, m.DropFused([define.fused])))
+        for rank, piece in plan.sends:
+            self.to_host(rank, piece)
+        island = self.rm.hosts[next(iter(plan.executes))].island
+        ordered = self.scheduler.dispatch(island, plan.executes, hold)
+        exec_id = next(iter(plan.executes.values())).exec_id
+        self.in_flight[exec_id] = InFlight(
+            peer.id, peer.ident, name, island, self.scheduler.next_seq[island] - 1, call.devices,
+            set(plan.executes), collections.Counter(self.rm.devices[d].host for d in call.devices),
+            [o.buffer for o in call.outputs],
+            [(piece.piece_id, src, piece.dst_host) for src, piece in plan.sends],
+            [i.buffer for i in call.inputs if i.put], plan.setup is not None, plan.copies,
+            plan.transient)
+        for rank, ex in ordered:
+            self.to_host(rank, ex)
+        for rank, drop in drop_after:
+            self.to_host(rank, drop)
+        return exec_id
+
+    def _held_producers(self, call: m.Call) -> set:
+        """What a node must wait for before it is sent: the held nodes whose
+        outputs it reads (as ("sent", exec id))."""
+        return {("sent", self.held_outputs[i.buffer]) for i in call.inputs
+                if i.buffer in self.held_outputs}
+
+    def _start(self, held: HeldNode) -> None:
+        """A planned node goes to the multi-tenant scheduler now, or is held
+        until what it waits for has happened."""
+        if not held.waits:
+            self._ready(held, holding=False)
+            return
+        for w in held.waits:
+            self.waiters.setdefault(w, []).append(held)
+        self._hold(held)
+
+    def _hold(self, held: HeldNode) -> None:
+        """A node is not sent yet: buffers it reads or writes are not freed, and
+        nodes that read its outputs wait until it is sent."""
+        self.pinned.update(call_buffers(held.call))
+        for o in held.call.outputs:
+            self.held_outputs[o.buffer] = held.exec_id
+        for b, lay in held.planned[0].copies:
+            self.unsent_copies.setdefault(b, []).append(lay)
+
+    def _unhold(self, held: HeldNode) -> None:
+        for o in held.call.outputs:
+            self.held_outputs.pop(o.buffer, None)
+        for b, lay in held.planned[0].copies:
+            left = [u for u in self.unsent_copies.get(b, ()) if u is not lay]
+            if left:
+                self.unsent_copies[b] = left
+            else:
+                self.unsent_copies.pop(b, None)
+        self._unpin(call_buffers(held.call))
+
+    def _ready(self, held: HeldNode, holding: bool) -> None:
+        """A node may go once the multi-tenant scheduler gives it its turn: at
+        once when nothing waits on its island and its devices have room, else
+        it queues (held) behind its client's earlier nodes."""
+        if held.run.peer.gone:            # its client left meanwhile
+            self._abandon(held, holding)
+            return
+        call = held.call
+        ready = Ready(held.run.peer.id, held.island, tuple(call.devices),
+                      (call.program, tuple(call.devices)), held)
+        if self.tenants.can_send_now(ready):
+            self._send(ready, holding)
+            return
+        if not holding:
+            self._hold(held)
+        self.tenants.add(ready)
+        self._pump(held.island)
+
+    def _pump(self, island: int) -> None:
+        """Send what the multi-tenant scheduler lets go on an island."""
+        while (ready := self.tenants.pick(island)) is not None:
+            self._send(ready, holding=True)
+
+    def _send(self, ready: Ready, holding: bool) -> None:
+        """Dispatch a node whose turn it is (or fail it, if a host it needs was
+        lost while it waited)."""
+        held = ready.item
+        run = held.run
+        err = self._unsendable(held)
+        if err is None and (self.copies_dropped or self.unsent_copies):
+            err = self._repair(held)
+        if err is not None:
+            self._abandon(held, holding, err)
+            return
+        hold = may_hold(self.tenants, held.island, run.peer.id, run.sequential, self.memory_limit)
+        exec_id = self._dispatch(run.peer, held.call, *held.planned, hold=hold)
+        self.tenants.sent(exec_id, ready)
+        run.sent += 1
+        if holding:
+            self._unhold(held)
+            self._maybe_release(run)
+            self._trigger(("sent", exec_id))      # nodes that waited for this one to be sent
+
+    def _drop_copies(self, copies: list[tuple[int, dict]], error: m.ErrorInfo) -> list[int]:
+        """Forget copies that will never hold data (``Directory.drop_copies``);
+        nodes planned to read them, and not sent yet, read another copy when
+        they go (``_send``). Returns the buffers left with no copy."""
+        self.copies_dropped.update(b for b, _ in copies if b in self.directory.buffers)
+        return self.directory.drop_copies(copies, error)
+
+    def _repair(self, held: HeldNode) -> m.ErrorInfo | None:
+        """A node about to be sent may have been planned to read a copy that
+        will never be made, or that a node not sent yet (so queued behind it)
+        is to make: it reads those shards from a copy that holds data instead
+        (``Directory.repair``). With none left, it cannot run: why."""
+        dropped, unsent = self.copies_dropped, self.unsent_copies
+        copies = held.planned[0].copies
+
+        def own(b: int, lay: dict) -> bool:
+            return any(lay is o for _, o in copies)
+        affected = {i.buffer for i in held.call.inputs if i.buffer in dropped or (
+            i.buffer in unsent and not all(own(i.buffer, u) for u in unsent[i.buffer]))}
+        if not affected:
+            return None
+
+        def unusable(b: int, lay: dict) -> bool:
+            return any(lay is u for u in unsent.get(b, ())) and not own(b, lay)
+        lost = self.directory.repair(held.planned[0], affected, unusable, own)
+        if not lost:
+            return None
+        return m.ErrorInfo("HostLost", f"buffer {lost[0]} has no copy that holds data left (the copies "
+                           "planned for it cannot be made)", None, held.planned[1], "")
+
+    def _unsendable(self, held: HeldNode) -> m.ErrorInfo | None:
+        """Why a node that waited can no longer run: an input failed meanwhile, or
+        a host it runs on or reads from was lost."""
+        for i in held.call.inputs:
+            buf = self.directory.buffers.get(i.buffer)
+            if buf is not None and buf.error is not None:
+                return buf.error
+        plan = held.planned[0]
+        for h in [*plan.executes, *(src for src, _ in plan.sends)]:
+            host = self.rm.hosts[h]
+            if not host.alive:
+                return m.ErrorInfo("HostLost", f"host {h} ({host.name}, island {host.island}) was lost "
+                                   "before this computation could run", h, held.planned[1], "")
+        return None
+
+    def _abandon(self, held: HeldNode, holding: bool, err: m.ErrorInfo | None = None) -> None:
+        """A node that will never be sent: its client left, or it cannot run
+        (``err``: its outputs fail with it, so their consumers fail too)."""
+        run = held.run
+        self._release_transient(held.planned[0].transient)
+        # its plan recorded copies of its inputs it will never make: forget them
+        # (an input left with no copy fails)
+        lost = self._drop_copies(held.planned[0].copies, err or m.ErrorInfo(
+            "Abandoned", "its last copy was planned for a computation that was abandoned", None, "", ""))
+        if err is not None:
+            outs = [o.buffer for o in held.call.outputs]
+            self.directory.poison(outs, run.peer.id, err)
+            # inputs it would have read from a lost host fail too (rather than
+            # be read from nowhere)
+            gone = [p.buffer for src, p in held.planned[0].sends if not self.rm.hosts[src].alive]
+            self.directory.poison(gone, run.peer.id, err)
+            if not run.peer.gone:
+                self.send(run.peer.ident, m.CallFailed(held.call.call_id, outs + lost, err))
+        run.sent += 1
+        if holding:
+            self._unhold(held)
+        self._maybe_release(run)
+        # nodes waiting for it to be sent, or (sequential) to finish: they go on,
+        # and fail with its error when they read its outputs
+        self.unfinished.discard(held.exec_id)
+        self._trigger(("sent", held.exec_id))
+        self._trigger(held.exec_id)
+
+    def _exec_finished(self, exec_id: int, devices: Any = None) -> None:
+        """Every host finished a computation: send the held nodes waiting on it,
+        and what the multi-tenant scheduler now has room for (once one of its
+        ``devices`` is down to half a window, when they are given)."""
+        self.unfinished.discard(exec_id)
+        self._trigger(exec_id)
+        done = self.tenants.finished(exec_id)
+        if done is not None and (devices is None or self.tenants.low(devices, done[0])):
+            self._pump(done[0])
+
+    def _trigger(self, key: Any) -> None:
+        for held in self.waiters.pop(key, ()):
+            held.waits.discard(key)
+            if not held.waits:
+                self._released.append(held)
+        if self._releasing:
+            return                        # the loop below, further up the stack, sends it
+        self._releasing = True
+        try:
+            while self._released:
+                self._send_held(self._released.popleft())
+        finally:
+            self._releasing = False
+
+    def _send_held(self, held: HeldNode) -> None:
+        if held.run.peer.gone:
+            self._abandon(held, holding=True)
+        else:
+            self._ready(held, holding=True)
+
+    def _exec_done(self, host: int, msg: m.ExecDone) -> None:
+        info = self.in_flight.get(msg.exec_id)
+        if msg.error is not None:
+            log.info("computation %d failed on host %d: %s", msg.exec_id, host, msg.error.message)
+        if info is None:
+            return
+        if info.fused and msg.error is not None and msg.error.kind == "FusedUnknown":
+            # the host did not run it, so nothing there will ever hold its results
+            # (it cannot poison what it does not know): they fail here
+            mine = [b for b in info.outputs if (buf := self.directory.buffers.get(b)) is not None
+                    and any(self.rm.devices[d].host == host for lay in buf.layouts
+                            for devs in lay.values() for d in devs)]
+            self.directory.poison(mine, info.client, msg.error)
+            if mine and info.client_ident in self.peers:
+                self.send(info.client_ident, m.CallFailed(0, mine, msg.error))
+        self.timeline.append(m.ExecRecord(msg.exec_id, info.seq, info.island, host, info.client,
+                                          info.name, info.devices, msg.start, msg.end,
+                                          msg.error is None))
+        self.tenants.host_done(msg.exec_id, msg.end - msg.start, info.host_devices[host])
+        info.hosts.discard(host)
+        info.error = info.error or msg.error
+        if not info.hosts:
+            if info.error is None:
+                self.directory.confirm(info.copies)
+            elif info.copies:
+                # a copy of a failed computation may hold its error: nothing
+                # reads it (an input left with no copy at all fails with it)
+                lost = self._drop_copies(info.copies, info.error)
+                if lost and info.client_ident in self.peers:
+                    self.send(info.client_ident, m.CallFailed(0, lost, info.error))
+            self._release_transient(info.transient)
+            del self.in_flight[msg.exec_id]
+            self._exec_finished(msg.exec_id, info.devices)
+
+    def _explain(self, ident: bytes, parent: int, peer: Peer, req: m.ExplainRequest) -> None:
+        """Plan a program on a scratch copy of the directory and describe it."""
+        scratch = Directory(self.directory.host_of, self.directory.address_of, self.directory.jax_id_of)
+        for call in req.calls:
+            for i in call.inputs:
+                buf = self.directory.buffers.get(i.buffer)
+                if buf is not None and i.buffer not in scratch.buffers:
+                    scratch.buffers[i.buffer] = copy.deepcopy(buf)
+        nodes = []
+        for k, call in enumerate(req.calls):
+            try:
+                plan, name = self._plan(ident, peer, call, directory=scratch)
+            except PlanError as e:
+                self.reply_error(ident, parent, "bad_request", f"node {k}: {e}")
+                return
+            transfers = []
+            for src, piece in plan.sends:
+                same = self.rm.hosts[src].island == self.rm.hosts[piece.dst_host].island
+                transfers.append(m.TransferInfo(piece.buffer, src, piece.dst_host,
+                                                sharding.nbytes(piece.sub, scratch.buffers[piece.buffer].dtype),
+                                                "ICI" if same else "DCN"))
+            for h, ex in plan.executes.items():
+                for inp in ex.inputs:
+                    for shard in inp.shards:
+                        for p in shard.pieces:
+                            if p.piece_id == 0:
+                                transfers.append(m.TransferInfo(inp.buffer, h, h,
+                                                                sharding.nbytes(p.sub, inp.aval.dtype), "local"))
+            hosts = sorted(plan.executes)
+            nodes.append(m.NodePlan(call.call_id, name, self.rm.hosts[hosts[0]].island, hosts,
+                                    call.devices, transfers))
+        self.send(ident, m.Explanation(nodes), parent)
+
+    def validate_dispatch(self) -> None:
+        """The held-node graph is consistent: waiters list held nodes under
+        what they wait for, held outputs and unsent copies are those of held
+        nodes, and computations in flight run on live hosts."""
+        assert not self._released and not self._releasing, "released held nodes left unsent"
+        held = self.held_nodes()
+        by_exec = {h.exec_id: h for h in held}
+        for key, waiting in self.waiters.items():
+            assert waiting, f"empty waiter list for {key!r}"
+            for h in waiting:
+                assert key in h.waits, f"node {h.exec_id} listed under {key!r} it does not wait for"
+            if isinstance(key, tuple):
+                assert key[0] == "sent" and key[1] in by_exec, f"waits for {key!r}, not a held node"
+            else:
+                assert key in self.unfinished, f"waits for computation {key}, which is not unfinished"
+        for h in held:
+            for w in h.waits:
+                assert any(x is h for x in self.waiters.get(w, ())), \
+                    f"node {h.exec_id} waits for {w!r} but is not listed there"
+        for b, e in self.held_outputs.items():
+            assert e in by_exec and any(o.buffer == b for o in by_exec[e].call.outputs), \
+                f"held output {b} of {e}: no held node makes it"
+        unsent: collections.Counter[tuple[int, int]] = collections.Counter()
+        for h in held:
+            for b, lay in h.planned[0].copies:
+                unsent[(b, id(lay))] += 1
+        listed = collections.Counter((b, id(lay)) for b, lays in self.unsent_copies.items() for lay in lays)
+        assert unsent == listed, "unsent copies differ from the held nodes' planned copies"
+        for exec_id, inf in self.in_flight.items():
+            assert inf.hosts, f"computation {exec_id} in flight on no host"
+            for h in inf.hosts:
+                host = self.rm.hosts.get(h)
+                assert host is not None and host.alive, f"computation {exec_id} in flight on lost host {h}"

@@ -1,0 +1,185 @@
+"""Peers: workers and clients registering, status and timeline requests,
+buffer locations, the programs clients register."""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import hashlib
+import logging
+
+from zpath import sharding
+from zpath.errors import ResourceError
+from zpath.net import messages as m
+from zpath.net.codec import PROTOCOL_VERSION
+
+log = logging.getLogger(__name__)
+
+MAX_WEIGHT = 1e6
+MAX_PROGRAM_BYTES = 256 << 20
+TIMELINE_RECORDS = 100_000
+
+
+@dataclasses.dataclass
+class Peer:
+    role: str                # "worker" or "client"
+    id: int                  # host rank or client id
+    name: str
+    last_seen: float
+    ident: bytes = b""
+    weight: float = 1.0
+    gone: bool = False
+
+
+class Peers:
+    """Mixin of ControllerCore: registration, status, timeline."""
+
+    def _init_peers(self) -> None:
+        self.peers: dict[bytes, Peer] = {}
+        self.worker_ident: dict[int, bytes] = {}
+        self.client_ids = 0
+        self.host_stores: dict[int, tuple[int, int]] = {}   # rank -> (shards, bytes) from Pong
+        self.device_held: dict[int, int] = {}               # device -> bytes its worker holds (Pong)
+        self.timeline: collections.deque[m.ExecRecord] = collections.deque(maxlen=TIMELINE_RECORDS)
+        self.programs: dict[str, tuple[str, bytes]] = {}
+        self.host_programs: dict[int, set[str]] = {}
+        self._ping_seq = 0
+
+    def _pings(self) -> None:
+        self._ping_seq += 1
+        for ident in self.worker_ident.values():
+            self.send(ident, m.Ping(self._ping_seq))
+
+    def _hello(self, ident: bytes, parent: int, msg: m.Hello) -> None:
+        if msg.protocol != PROTOCOL_VERSION:
+            self.reply_error(ident, parent, "protocol",
+                             f"client speaks protocol {msg.protocol}, controller {PROTOCOL_VERSION}")
+            return
+        if not 0 < msg.weight <= MAX_WEIGHT:
+            self.reply_error(ident, parent, "bad_request",
+                             f"weight must be > 0 and <= {MAX_WEIGHT:g}, not {msg.weight!r}")
+            return
+        if ident in self.peers:
+            self.reply_error(ident, parent, "bad_request", "already connected")
+            return
+        self.client_ids += 1
+        self.peers[ident] = Peer("client", self.client_ids, msg.name, self.now, ident, msg.weight)
+        self.tenants.add_client(self.client_ids, msg.weight)
+        log.info("client %d (%s, weight %g) connected", self.client_ids, msg.name, msg.weight)
+        self.send(ident, m.Welcome(self.client_ids, self._host_infos()), parent)
+
+    def _status(self, ident: bytes, parent: int) -> None:
+        stores = [m.HostStatus(r, *self.host_stores.get(r, (0, 0))) for r in self.rm.hosts]
+        lost = [m.HostInfo(h.rank, h.island, h.name, h.data_address,
+                           [self._device_info(d) for d in h.devices])
+                for h in self.rm.hosts.values() if not h.alive]
+        self.send(ident, m.Status(self._host_infos(), stores, self._client_status(),
+                                  len(self.directory.buffers), len(self.programs), self.calls,
+                                  lost, len(self.in_flight), self._queued(),
+                                  [m.DeviceUsage(d.id, d.host, self.directory.device_bytes[d.id],
+                                                 self.device_held.get(d.id, 0))
+                                   for d in self.rm.devices.values()],
+                                  self.tenants.policy), parent)
+
+    def _pong(self, peer: Peer, msg: m.Pong) -> None:
+        if peer.role == "worker":
+            self.host_stores[peer.id] = (msg.shards, msg.nbytes)
+            devices = self.rm.hosts[peer.id].devices
+            if len(msg.device_bytes) == len(devices):
+                self.device_held.update(zip(devices, msg.device_bytes, strict=True))
+
+    def _alloc_slice(self, ident: bytes, parent: int, msg: m.AllocSlice) -> None:
+        try:
+            sid, devs = self.rm.alloc_slice(msg.devices, island=msg.island, host=msg.host)
+        except ResourceError as e:
+            self.reply_error(ident, parent, "resource", str(e))
+            return
+        self.send(ident, m.SliceAllocated(sid, [self._device_info(d) for d in devs]), parent)
+
+    def _locate(self, client: int, buffer: int) -> m.Location:
+        """A surviving copy of a client's buffer: the first layout whose every
+        region is on a live host (the directory forgets copies on lost hosts)."""
+        buf = self.directory.buffers.get(buffer)
+        if buf is None or buf.owner != client:
+            return m.Location(buffer, [], [], m.ErrorInfo(
+                "HostLost", f"buffer {buffer} is not known (its last copy may have been lost)", None, "", ""))
+        if buf.error is not None:
+            return m.Location(buffer, [], [], buf.error)
+        for lay in buf.made_layouts():
+            devices = [next((d for d in devs if self.rm.hosts[self.rm.devices[d].host].alive), None)
+                       for devs in lay.values()]
+            if lay and None not in devices:
+                return m.Location(buffer, [sharding.to_wire(r) for r in lay], devices, None)
+        return m.Location(buffer, [], [], m.ErrorInfo(
+            "HostLost", f"no copy of buffer {buffer} is left on a live host", None, "", ""))
+
+    def _queued(self, client: int | None = None) -> int:
+        held = {id(h) for waiting in self.waiters.values() for h in waiting
+                if client is None or h.run.peer.id == client}
+        return len(held) + self.tenants.queued(client) + sum(
+            len(s.calls) - s.next for s in self.memory_waiting if client is None or s.peer.id == client)
+
+    def _client_status(self) -> list[m.ClientStatus]:
+        running = collections.Counter(inf.client for inf in self.in_flight.values())
+        return [m.ClientStatus(p.id, p.name, p.weight, self.tenants.used[p.id], running[p.id],
+                               self._queued(p.id))
+                for p in self.peers.values() if p.role == "client"]
+
+    def _register_worker(self, ident: bytes, parent: int, msg: m.RegisterWorker) -> None:
+        if msg.protocol != PROTOCOL_VERSION:
+            self.reply_error(ident, parent, "protocol",
+                             f"worker speaks protocol {msg.protocol}, controller {PROTOCOL_VERSION}")
+            return
+        if ident in self.peers:
+            self.reply_error(ident, parent, "bad_request", "already registered")
+            return
+        try:
+            host = self.rm.add_host(name=msg.name, island=msg.island, data_address=msg.data_address,
+                                    pid=msg.pid, platform=msg.platform, num_devices=msg.num_devices,
+                                    jax_ids=msg.jax_ids,
+                                    runtime=msg.coordinator if msg.num_processes > 1 else "",
+                                    machine=msg.machine, public_key=msg.public_key,
+                                    dcn_address=msg.dcn_address)
+        except ResourceError as e:
+            self.reply_error(ident, parent, "resource", str(e))
+            return
+        self.peers[ident] = Peer("worker", host.rank, msg.name, self.now, ident)
+        self.worker_ident[host.rank] = ident
+        self.host_programs[host.rank] = set()
+        log.info("host %d registered: %s island %d, %d %s devices, data %s", host.rank, msg.name,
+                 msg.island, msg.num_devices, msg.platform, msg.data_address)
+        self.send(ident, m.Registered(host.rank, [self._device_info(d) for d in host.devices]), parent)
+
+    def _register_program(self, ident: bytes, parent: int, msg: m.RegisterProgram,
+                          buffers: list) -> None:
+        if len(buffers) != 1 or buffers[0].nbytes > MAX_PROGRAM_BYTES:
+            self.reply_error(ident, parent, "bad_request", "RegisterProgram needs one buffer "
+                             f"of at most {MAX_PROGRAM_BYTES} bytes")
+            return
+        blob = bytes(buffers[0])
+        if hashlib.sha256(blob).hexdigest() != msg.digest:
+            self.reply_error(ident, parent, "bad_request", f"program {msg.name!r}: sha256 does not "
+                             "match its digest")
+            return
+        self.programs.setdefault(msg.digest, (msg.name, blob))
+
+    def _device_info(self, d: int) -> m.DeviceInfo:
+        dev = self.rm.devices[d]
+        return m.DeviceInfo(dev.id, dev.host, dev.island, dev.local_index, dev.jax_id)
+
+    def _host_infos(self) -> list[m.HostInfo]:
+        return [m.HostInfo(h.rank, h.island, h.name, h.data_address,
+                           [self._device_info(d) for d in h.devices])
+                for h in self.rm.hosts.values() if h.alive]
+
+    def validate_peers(self) -> None:
+        """Workers and their idents agree; every live host has its worker."""
+        for rank, ident in self.worker_ident.items():
+            p = self.peers.get(ident)
+            assert p is not None and p.role == "worker" and p.id == rank, f"host {rank}: no worker peer"
+            assert self.rm.hosts[rank].alive, f"lost host {rank} still has a worker"
+        for p in self.peers.values():
+            assert not p.gone, f"{p.role} {p.id} gone but still a peer"
+            if p.role == "worker":
+                assert self.worker_ident.get(p.id) == p.ident, f"worker {p.id} not in worker_ident"
+        for h in self.rm.hosts.values():
+            assert not h.alive or h.rank in self.worker_ident, f"live host {h.rank} has no worker"

@@ -1,0 +1,109 @@
+"""The controller's records: a submission being planned, a program's run,
+a node held before it is sent, a computation in flight."""
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Any, Callable
+
+from zpath.controller.directory import Plan
+from zpath.net import messages as m
+from zpath.net.codec import Record
+
+if TYPE_CHECKING:
+    from zpath.controller.peers import Peer
+
+
+@dataclasses.dataclass
+class ProgramRun:
+    """One submitted program: how many of its nodes have been sent."""
+    peer: Peer
+    release: list[int]
+    total: int
+    sent: int = 0
+    released: bool = False
+    sequential: bool = False          # dispatch="sequential": nodes wait for others' ExecDone
+
+
+@dataclasses.dataclass
+class Submission:
+    """Calls submitted together (a program, or one call), planned in order;
+    ``next`` is the first node not planned yet (it waits for memory)."""
+    ident: bytes
+    peer: Peer
+    calls: list[m.Call]
+    dispatch: str
+    run: ProgramRun
+    seq: int = 0                      # arrival order
+    next: int = 0
+    producer: dict[int, int] = dataclasses.field(default_factory=dict)
+    exec_ids: dict[int, int] = dataclasses.field(default_factory=dict)
+    # it waited for memory: the outputs of its calls from here on are pinned
+    # (a release of one before its call is planned waits for the plan)
+    pinned_from: int | None = None
+    # under a memory limit: node index -> the program's buffers to release once
+    # that node (their last reader) is planned, so a long program frees as it goes
+    release_at: dict[int, list[int]] | None = None
+    record: list[Any] | None = None   # its plans, in order (to fuse a template)
+    # planning stopped at a flush point (see _advance); ``first``: the node
+    # that planning pass started at
+    paused: bool = False
+    first: int = 0
+    # called once it is planned in full without waiting for memory
+    then: Callable[[Submission], None] | None = None
+
+
+@dataclasses.dataclass
+class InFlight:
+    """A dispatched computation until every host reported it finished."""
+    client: int
+    client_ident: bytes
+    name: str
+    island: int
+    seq: int
+    devices: list[int]
+    hosts: set[int]                        # hosts still running it
+    host_devices: dict[int, int]           # host -> how many of its devices it uses
+    outputs: list[int]
+    pieces: list[tuple[int, int, int]]     # (piece id, source host, destination host)
+    puts: list[int] = dataclasses.field(default_factory=list)   # inputs its client puts
+    fused: bool = False                    # a fused run (its outputs live on several hosts)
+    copies: list[tuple[int, dict]] = dataclasses.field(default_factory=list)   # see Plan.copies
+    transient: dict[int, int] | None = None                                     # see Plan.transient
+    error: m.ErrorInfo | None = None       # the first error a host reported
+
+
+@dataclasses.dataclass
+class HeldNode:
+    """A node waiting to be sent: for computations it reads to finish
+    (sequential programs), for held producers to be sent, or for its turn in
+    the multi-tenant scheduler."""
+    run: ProgramRun
+    call: m.Call
+    planned: tuple[Plan, str]
+    waits: set
+    exec_id: int
+    island: int
+
+
+def call_buffers(call: m.Call) -> list[int]:
+    return [i.buffer for i in call.inputs] + [o.buffer for o in call.outputs]
+
+
+@dataclasses.dataclass(frozen=True)
+class Send:
+    """A message for one peer (``parent``: the message it answers)."""
+    ident: bytes
+    msg: Record
+    parent: int = 0
+    buffers: Any = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class RemoveSegments:
+    """A lost host of this machine: remove the shared-memory segments of its
+    process ``pid``."""
+    rank: int
+    pid: int
+
+
+Effect = Send | RemoveSegments
