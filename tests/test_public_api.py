@@ -37,6 +37,17 @@ def test_controller_and_cluster_tools_do_not_import_jax():
     assert out.stdout.strip() == "[]"
 
 
+def test_the_cli_starts_without_the_wire_protocol():
+    """`zpath down` and `zpath --help` import neither numpy nor the message
+    records (most of a second to import)."""
+    code = ("import sys, zpath.cluster.cli\n"
+            "print(sorted(m for m in sys.modules if m in ('numpy', 'zpath.net.messages', "
+            "'zpath.client.connection', 'zpath.cluster.launcher')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+
+
 def test_client_and_cluster_tools_do_not_import_the_controller_or_the_workers():
     """The client library and the cluster tooling talk to the controller and
     the workers over the wire only (the CLI runs their main(), importing it then)."""
@@ -74,9 +85,13 @@ CLIENT_AND_CLUSTER = sorted(p for d in ("client", "cluster") for p in (ROOT / "z
 
 def test_client_and_cluster_import_at_module_top():
     """No imports inside functions in zpath/client and zpath/cluster, but the
-    CLI's, of the controller's and the worker's main() (run only by
-    `zpath controller`/`zpath worker`: the worker's imports JAX)."""
-    allowed = {("cli.py", "zpath.controller.server"), ("cli.py", "zpath.worker.server")}
+    CLI's: of the controller's and the worker's main() (run only by `zpath
+    controller`/`zpath worker`: the worker's imports JAX), and of the launchers
+    and the connection, only by the subcommands that use them (so that `zpath
+    down` and `zpath --help` start fast: see test_the_cli_starts_without_the_wire_protocol)."""
+    allowed = {("cli.py", "zpath.controller.server"), ("cli.py", "zpath.worker.server"),
+               ("cli.py", "zpath.cluster.ssh"), ("cli.py", "zpath.cluster.launcher"),
+               ("cli.py", "zpath.client.connection"), ("cli.py", "zpath.net")}
     found = [(p.name, line, mod) for p in CLIENT_AND_CLUSTER for line, mod in _imports(p)[1]
              if (p.name, mod) not in allowed]
     assert not found

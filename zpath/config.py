@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from types import MappingProxyType
 from typing import Any, Mapping, TypeVar
 
 from zpath.errors import ZpathError
@@ -22,6 +23,11 @@ T = TypeVar("T")
 
 # multi-tenant scheduling policies of the controller (ControllerConfig.policy)
 POLICIES = ("fifo", "share")
+
+# the shape of a local cluster when none is given (zp.init(), `zpath up`): two
+# single-host islands of two devices (one worker process per core on a 2-core machine)
+DEFAULT_SHAPE: Mapping[str, int] = MappingProxyType({"islands": 2, "hosts_per_island": 1,
+                                                     "devices_per_host": 2})
 
 # ZPATH_* variables that are not settings: set by zpath for its own children
 INTERNAL_ENV = {

@@ -15,14 +15,15 @@ from typing import Any
 import zmq
 
 from zpath import logs
-from zpath.client.connection import Client
 from zpath.cluster import state as cluster_state
-from zpath.cluster.launcher import LocalCluster, default_shape
-from zpath.cluster.ssh import SSHCluster, read_hostfile
-from zpath.config import ClientConfig, ClusterConfig, CommonConfig
+from zpath.config import DEFAULT_SHAPE, ClientConfig, ClusterConfig, CommonConfig
 from zpath.errors import ZpathError
 from zpath.keys import key_from_config, parse_key
-from zpath.net import messages as m
+
+# The launchers and the client connection are imported by the subcommands that
+# use them (`up`, `status`): they bring the wire protocol and numpy, which take
+# most of a second to import, and `zpath down`, `zpath --help` or a usage error
+# need neither. `zpath controller`/`zpath worker` import only their own main().
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,6 +89,7 @@ def _up(args: argparse.Namespace, cfg: Settings) -> int:
     dcn = dict(dcn_latency_ms=args.dcn_latency_ms, dcn_gbps=args.dcn_gbps, dcn_encrypt=args.dcn_encrypt,
                policy=args.policy)
     if args.hostfile:
+        from zpath.cluster.ssh import SSHCluster, read_hostfile   # lazy: see the top
         hosts = read_hostfile(args.hostfile)
         print(f"starting {len(hosts)} host(s) over ssh...", file=sys.stderr, flush=True)
         cluster = SSHCluster(hosts, bind_host=args.bind_host, controller_port=args.controller_port,
@@ -96,6 +98,7 @@ def _up(args: argparse.Namespace, cfg: Settings) -> int:
                              connect_timeout=args.connect_timeout, log_dir=args.log_dir,
                              start_timeout=args.start_timeout, config=cfg.cluster, **dcn)
     else:
+        from zpath.cluster.launcher import LocalCluster           # lazy: see the top
         print(f"starting {args.islands} island(s) x {args.hosts_per_island} host(s) x "
               f"{args.devices_per_host} device(s)...", file=sys.stderr, flush=True)
         cluster = LocalCluster(args.islands, args.hosts_per_island, args.devices_per_host,
@@ -147,6 +150,8 @@ def _down(args: argparse.Namespace, cfg: Settings) -> int:
 
 
 def _status(args: argparse.Namespace, cfg: Settings) -> int:
+    from zpath.client.connection import Client     # lazy: see the top
+    from zpath.net import messages as m
     address = args.address or cfg.client.controller
     key = None
     if not address:
@@ -235,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     except ZpathError as e:
         print(f"zpath: {e}", file=sys.stderr)
         return 2
-    shape = default_shape()
+    shape = DEFAULT_SHAPE
     p = argparse.ArgumentParser(prog="zpath", description="zpath: a single-controller runtime for JAX")
     sub = p.add_subparsers(dest="command", required=True)
     up = sub.add_parser("up", help="run a cluster (local, or over ssh with --hostfile) in the foreground")

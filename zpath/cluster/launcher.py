@@ -20,7 +20,7 @@ from typing import Any
 import zmq
 
 from zpath.client.connection import Client
-from zpath.config import POLICIES, ClusterConfig
+from zpath.config import DEFAULT_SHAPE, POLICIES, ClusterConfig
 from zpath.errors import DeadlineExceeded, ZpathError
 from zpath.keys import new_key, write_key_file
 from zpath.net import messages as m
@@ -57,7 +57,7 @@ def free_port(host: str) -> int:
 def default_shape() -> dict[str, int]:
     """A shape that suits a small machine: two single-host islands with two
     devices each (one worker process per core on a 2-core machine)."""
-    return {"islands": 2, "hosts_per_island": 1, "devices_per_host": 2}
+    return dict(DEFAULT_SHAPE)
 
 
 def worker_xla_flags(env: dict[str, str], devices: int) -> str:
