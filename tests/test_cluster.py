@@ -13,6 +13,7 @@ import pytest
 
 import zpath as zp
 from zpath.cluster.launcher import LocalCluster, free_port
+from zpath.cluster.testing import wait_until
 from tests.conftest import assert_gone
 
 pytestmark = pytest.mark.timeout(180)
@@ -432,6 +433,20 @@ def test_zpath_down_removes_only_a_directory_zpath_up_made(tmp_path):
     assert mine.is_dir() and not path.exists()
 
 
+def _flock_held(path: str, pid: int) -> bool:
+    """Whether process ``pid`` holds a flock on ``path`` (Linux: /proc/locks)."""
+    try:
+        inode = os.stat(path).st_ino
+    except FileNotFoundError:
+        return False
+    with open("/proc/locks") as f:
+        for line in f:
+            fields = line.split()       # 1: FLOCK ADVISORY WRITE PID MAJ:MIN:INODE START END
+            if fields[1] == "FLOCK" and int(fields[4]) == pid and int(fields[5].rsplit(":", 1)[1]) == inode:
+                return True
+    return False
+
+
 def test_zpath_up_outlives_a_lost_worker_and_refuses_a_second_up(tmp_path):
     """`zpath up` keeps the cluster up when a worker dies (its host is lost,
     the rest serves); a second `zpath up` with the same state file is refused
@@ -447,11 +462,10 @@ def test_zpath_up_outlives_a_lost_worker_and_refuses_a_second_up(tmp_path):
     children: list = []
     log_dir = None
     try:
-        deadline = time.monotonic() + 60
-        while not os.path.exists(str(state) + ".lock"):     # the first one takes the lock
-            assert time.monotonic() < deadline and p.poll() is None
-            time.sleep(0.02)
-        time.sleep(0.2)          # (it opens the file, then locks it)
+        # the first one takes the lock (it makes the file, then locks it)
+        wait_until(lambda: p.poll() is not None or _flock_held(str(state) + ".lock", p.pid), 60,
+                   interval=0.02, what="the first `zpath up` holding the state file's lock")
+        assert p.poll() is None, p.stderr.read()
         second = subprocess.run(up, capture_output=True, text=True, timeout=60, env=env)
         assert second.returncode == 1 and "another `zpath up` is running" in second.stderr, second.stderr
         address = None
@@ -469,9 +483,8 @@ def test_zpath_up_outlives_a_lost_worker_and_refuses_a_second_up(tmp_path):
             return subprocess.run([sys.executable, "-m", "zpath", "status", "--state", str(state)],
                                   capture_output=True, text=True, timeout=60, env=env)
         deadline = time.monotonic() + 30
-        while "LOST" not in (st := status()).stdout:
+        while "LOST" not in (st := status()).stdout:      # (each try takes a while: a poll)
             assert time.monotonic() < deadline, st.stdout + st.stderr
-            time.sleep(0.5)
         lines = st.stdout.splitlines()      # (ranks follow the order the workers registered in)
         assert st.returncode == 0 and "1 host(s)" in lines[0], st.stdout
         assert any(ln.strip().startswith("island 0 host") and "LOST" not in ln for ln in lines), st.stdout

@@ -15,6 +15,7 @@ import pytest
 
 import zpath as zp
 from zpath.client import api as zp_api
+from zpath.config import ClientConfig
 from zpath.net import messages as m
 from tests.conftest import running_cluster
 from tests.test_memory import empty, wait_for
@@ -160,11 +161,9 @@ def test_client_fails_what_waits_when_the_controller_goes(sig, monkeypatch):
     """A stopped controller tells its clients; a killed one is noticed by its
     silence (ZPATH_CONTROLLER_TIMEOUT, 2 s here): what waits fails with Broken,
     well before its own deadline, and so does every later use."""
-    import zpath.client.connection as zc
-    monkeypatch.setattr(zc, "CONTROLLER_SILENCE_S", 2.0)
     with running_cluster(islands=1, hosts_per_island=1, devices_per_host=1,
                          env={"ZPATH_CONTROLLER_TIMEOUT": "2"}) as c:
-        conn = zp.connect(c.address, c.key)
+        conn = zp.connect(c.address, c.key, config=ClientConfig(controller_timeout_s=2.0))
         try:
             d = zp.make_virtual_device_set().add_slice(devices=1).devices
             inc = zp.pmap(lambda x: x + 1., devices=d)
@@ -303,11 +302,9 @@ def test_a_client_that_gave_up_on_a_stalled_controller_says_goodbye(monkeypatch)
     fails with Broken and says goodbye (and stops its heartbeats), so once the
     controller runs again it frees what that client held rather than keep it
     for a client that will never use it."""
-    import zpath.client.connection as zc
     from zpath.client.connection import Client
-    monkeypatch.setattr(zc, "CONTROLLER_SILENCE_S", 2.0)
     with running_cluster(islands=1, hosts_per_island=1, devices_per_host=1) as c:
-        zp.connect(c.address, c.key, name="impatient")
+        zp.connect(c.address, c.key, name="impatient", config=ClientConfig(controller_timeout_s=2.0))
         other = None
         try:
             d = zp.make_virtual_device_set().add_slice(devices=1).devices
@@ -319,7 +316,6 @@ def test_a_client_that_gave_up_on_a_stalled_controller_says_goodbye(monkeypatch)
             with pytest.raises(zp.Broken, match="no answer"):
                 zp.make_virtual_device_set().add_slice(devices=1)
             controller.send_signal(signal.SIGCONT)
-            monkeypatch.setattr(zc, "CONTROLLER_SILENCE_S", 15.0)
             other = Client(c.address, c.key, name="other")        # while "impatient" is still open
             deadline = time.monotonic() + 10
             while True:

@@ -3,12 +3,15 @@ dispatched in parallel or sequentially."""
 from __future__ import annotations
 
 import gc
-import time
+import threading
 
 import numpy as np
 import pytest
 
 import zpath as zp
+from zpath.client import api
+from zpath.cluster.testing import wait_until
+from zpath.net import codec
 from zpath.net import messages as m
 from tests.test_memory import empty, wait_for
 
@@ -249,7 +252,6 @@ def test_a_first_run_that_raises_leaves_the_program_usable(client, monkeypatch):
     """The first run of a program defines its template: if it raises before
     the definition is sent, later runs define it again instead of naming a
     template the controller never got."""
-    from zpath.client import api
     inc = zp.pmap(lambda x: x + 1., devices=devices(2, host=0))
 
     @zp.program
@@ -273,28 +275,30 @@ def test_a_first_run_that_raises_leaves_the_program_usable(client, monkeypatch):
 def test_a_run_racing_the_first_one_is_right(client, monkeypatch):
     """Another thread's run while the first run is still being sent goes as a
     plain program (the template is not defined yet), and is right."""
-    import threading
-    import time
-    from zpath.client import api
     inc = zp.pmap(lambda x: x + 1., devices=devices(2, host=0))
 
     @zp.program
     def q(v):
         return inc(v)
     real, calls = api.Computation.put, []
+    sending, go_on = threading.Event(), threading.Event()
 
-    def slow_first(self, *a, **k):
+    def held_first(self, *a, **k):
         calls.append(1)
-        if len(calls) == 1:
-            time.sleep(0.5)
+        if len(calls) == 1:          # the first run stops while it is being sent
+            sending.set()
+            go_on.wait(60)
         return real(self, *a, **k)
-    monkeypatch.setattr(api.Computation, "put", slow_first)
+    monkeypatch.setattr(api.Computation, "put", held_first)
     out = {}
     t = threading.Thread(target=lambda: out.setdefault("a", q(np.zeros(2)).result(timeout=60)))
     t.start()
-    time.sleep(0.1)
-    np.testing.assert_array_equal(q(np.ones(2)).result(timeout=60), [2., 2.])
-    t.join(60)
+    try:
+        assert sending.wait(60)
+        np.testing.assert_array_equal(q(np.ones(2)).result(timeout=60), [2., 2.])
+    finally:
+        go_on.set()
+        t.join(60)
     np.testing.assert_array_equal(out["a"], [1., 1.])
     for k in range(3):
         np.testing.assert_array_equal(q(np.full(2, float(k))).result(timeout=60), [k + 1.] * 2)
@@ -312,9 +316,9 @@ def test_collected_programs_drop_their_templates(client):
     assert client.client._templates_live == live + 1      # the last p is alive
     del p
     gc.collect()
-    deadline = time.monotonic() + 10                       # the client's I/O thread counts it
-    while client.client._templates_live != live and time.monotonic() < deadline:
-        time.sleep(0.05)
+    # the client's I/O thread counts it
+    wait_until(lambda: client.client._templates_live == live, 10, interval=0.05,
+               what="the collected program's template dropped")
     assert client.client._templates_live == live
 
 
@@ -481,8 +485,6 @@ def test_a_program_too_large_for_one_message_fails_where_it_is_called(client, mo
     """The controller refuses a message over codec.MAX_BODY_BYTES; a program
     that large fails at the call, before its client values are put (they
     would stay on the workers, unknown to the controller)."""
-    from zpath.net import codec
-
     d = devices(2)
     inc = zp.pmap(lambda x: x + 1., devices=d)
 
@@ -496,8 +498,13 @@ def test_a_program_too_large_for_one_message_fails_where_it_is_called(client, mo
     for p in progs:
         with pytest.raises(zp.ZpathError, match="split it into smaller programs"):
             p(np.arange(2.))
-    time.sleep(1.5)               # store sizes are reported every second
-    assert empty(wait_for(client, lambda s: True))
     monkeypatch.undo()
+    # nothing reached a worker: once the stores report a value made after the
+    # failures (reports come every second), they hold exactly its two shards
+    marker = inc(np.arange(2.))
+    np.testing.assert_array_equal(marker.result(timeout=60), [1., 2.])
+    wait_for(client, lambda s: (sum(n for n, _ in s.values()), sum(b for _, b in s.values())) == (2, 16))
+    del marker
+    wait_for(client, empty)
     for p in progs:
         np.testing.assert_array_equal(p(np.arange(2.)).result(timeout=60), [20., 21.])

@@ -1,8 +1,12 @@
 """The public names of ``zpath`` are pinned: a change to them is a decision."""
+import ast
+import pathlib
 import subprocess
 import sys
 
 import zpath
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 PUBLIC = {"init", "connect", "shutdown", "Cluster", "pmap", "jit", "program", "ProgramFunction", "Mesh",
           "P", "make_virtual_device_set", "VirtualDeviceSet", "VirtualDevice", "Slice", "Future",
@@ -31,3 +35,80 @@ def test_controller_and_cluster_tools_do_not_import_jax():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+def test_the_cli_starts_without_the_wire_protocol():
+    """`zpath down` and `zpath --help` import neither numpy nor the message
+    records (most of a second to import)."""
+    code = ("import sys, zpath.cluster.cli\n"
+            "print(sorted(m for m in sys.modules if m in ('numpy', 'zpath.net.messages', "
+            "'zpath.client.connection', 'zpath.cluster.launcher')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+
+
+def test_client_and_cluster_tools_do_not_import_the_controller_or_the_workers():
+    """The client library and the cluster tooling talk to the controller and
+    the workers over the wire only (the CLI runs their main(), importing it then)."""
+    code = ("import sys, zpath.client.session, zpath.client.tracer, zpath.cluster.cli, zpath.cluster.ssh, "
+            "zpath.cluster.remote, zpath.cluster.state, zpath.cluster.testing\n"
+            "print(sorted(m for m in sys.modules if m.startswith(('zpath.controller', 'zpath.worker'))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+
+
+def _imports(path: pathlib.Path) -> tuple[set[str], list[tuple[int, str]]]:
+    """The zpath modules ``path`` imports at module level, and every import
+    inside a function (line, module)."""
+    top: set[str] = set()
+    inner: list[tuple[int, str]] = []
+    tree = ast.parse(path.read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            for sub in ast.walk(node):
+                if isinstance(sub, ast.Import):
+                    inner += [(sub.lineno, a.name) for a in sub.names]
+                elif isinstance(sub, ast.ImportFrom):
+                    inner.append((sub.lineno, sub.module or ""))
+    for node in tree.body:
+        if isinstance(node, ast.Import):
+            top |= {a.name for a in node.names if a.name.startswith("zpath")}
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("zpath"):
+            top |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
+    return top, inner
+
+
+CLIENT_AND_CLUSTER = sorted(p for d in ("client", "cluster") for p in (ROOT / "zpath" / d).glob("*.py"))
+
+
+def test_client_and_cluster_import_at_module_top():
+    """No imports inside functions in zpath/client and zpath/cluster, but the
+    CLI's: of the controller's and the worker's main() (run only by `zpath
+    controller`/`zpath worker`: the worker's imports JAX), and of the launchers
+    and the connection, only by the subcommands that use them (so that `zpath
+    down` and `zpath --help` start fast: see test_the_cli_starts_without_the_wire_protocol)."""
+    allowed = {("cli.py", "zpath.controller.server"), ("cli.py", "zpath.worker.server"),
+               ("cli.py", "zpath.cluster.ssh"), ("cli.py", "zpath.cluster.launcher"),
+               ("cli.py", "zpath.client.connection"), ("cli.py", "zpath.net")}
+    found = [(p.name, line, mod) for p in CLIENT_AND_CLUSTER for line, mod in _imports(p)[1]
+             if (p.name, mod) not in allowed]
+    assert not found
+
+
+def test_client_and_cluster_modules_import_no_cycle():
+    graph = {}
+    for p in CLIENT_AND_CLUSTER:
+        name = f"zpath.{p.parent.name}.{p.stem}"
+        graph[name] = {m for m in _imports(p)[0] if m != name}
+    modules = set(graph)
+    edges = {a: {b for b in deps if b in modules} for a, deps in graph.items()}
+
+    def reaches(start: str, goal: str, seen: set[str]) -> bool:
+        for nxt in edges[start]:
+            if nxt == goal or (nxt not in seen and (seen.add(nxt) or reaches(nxt, goal, seen))):
+                return True
+        return False
+    cycles = [m for m in modules if reaches(m, m, set())]
+    assert not cycles

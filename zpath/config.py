@@ -6,13 +6,15 @@ Nothing reads the environment at import: a config is built once, in ``main()``
 ``from_env()``, and handed down. Code under test builds one directly, or with
 ``dataclasses.replace``.
 
-``settings()`` lists every setting; the README's configuration table must name
-each of them (a test checks it).
+``settings()`` lists every setting; ``python -m zpath.config`` prints them as
+the markdown table of docs/configuration-table.md (tests/test_config.py checks
+that every ``ZPATH_*`` name in the code is one of them, or one of ``INTERNAL_ENV``).
 """
 from __future__ import annotations
 
 import dataclasses
 import os
+from types import MappingProxyType
 from typing import Any, Mapping, TypeVar
 
 from zpath.errors import ZpathError
@@ -23,6 +25,20 @@ T = TypeVar("T")
 # behind it (the worker decides; the controller lets it only where the solo
 # window is at least twice as long: see zpath/controller/holding.py)
 HOLD_DEEP_S = 0.05
+
+# multi-tenant scheduling policies of the controller (ControllerConfig.policy)
+POLICIES = ("fifo", "share")
+
+# the shape of a local cluster when none is given (zp.init(), `zpath up`): two
+# single-host islands of two devices (one worker process per core on a 2-core machine)
+DEFAULT_SHAPE: Mapping[str, int] = MappingProxyType({"islands": 2, "hosts_per_island": 1,
+                                                     "devices_per_host": 2})
+
+# ZPATH_* variables that are not settings: set by zpath for its own children
+INTERNAL_ENV = {
+    "ZPATH_PARENT_PID": "the launcher's pid, put in a child's environment so that it dies "
+                        "with the launcher (zpath/process.py)",
+}
 
 
 def setting(default: Any, env: str, doc: str) -> Any:
@@ -40,12 +56,17 @@ def _parse(kind: Any, env: str, text: str) -> Any:
                 return False
             raise ValueError(text)
         if kind in (int, "int"):
-            return int(float(text))
+            number = float(text)
+            if not number.is_integer():
+                raise ValueError(text)
+            return int(number)
         if kind in (float, "float"):
             return float(text)
         return text
     except ValueError:
-        raise ZpathError(f"{env}={text!r} is not a valid {getattr(kind, '__name__', kind)}") from None
+        what = {"bool": "boolean (1/0, true/false, yes/no, on/off)", "int": "whole number",
+                "float": "number"}.get(getattr(kind, "__name__", kind), str(kind))
+        raise ZpathError(f"{env}={text!r} is not a valid {what}") from None
 
 
 class _FromEnv:
@@ -103,35 +124,41 @@ class ClientConfig(_FromEnv):
     """The client library's settings."""
     controller: str = setting("", "ZPATH_CONTROLLER",
                               "a running cluster's address: zp.init() connects to it instead of "
-                              "starting a local cluster")
+                              "starting a local cluster (and `zpath status` shows it)")
     connect_timeout_s: float = setting(30.0, "ZPATH_CONNECT_TIMEOUT",
                                        "seconds to wait for the controller's welcome")
     fetch_timeout_s: float = setting(600.0, "ZPATH_FETCH_TIMEOUT",
-                                     "seconds a fetch (np.asarray of a future) waits by default")
+                                     "seconds a fetch (np.asarray of a future, Future.result()) "
+                                     "waits by default")
     controller_timeout_s: float = setting(15.0, "ZPATH_CONTROLLER_TIMEOUT",
                                           "seconds without a word from the controller before a "
-                                          "worker (or a client) gives up on it")
+                                          "client gives up on it (what waits fails with Broken)")
 
 
 @dataclasses.dataclass(frozen=True)
 class ClusterConfig(_FromEnv):
     """The launchers' and the CLI's settings."""
     start_timeout_s: float = setting(120.0, "ZPATH_START_TIMEOUT",
-                                     "seconds `zpath up` and zp.init() wait for every host to register")
+                                     "seconds `zpath up`, zp.init() and the pytest plugin's "
+                                     "clusters wait for every host to register")
     state: str = setting("", "ZPATH_STATE",
                          "the state file of the cluster `zpath up` started "
                          "(default ~/.zpath/cluster.json)")
     keep_logs: bool = setting(False, "ZPATH_KEEP_LOGS",
-                              "keep a local cluster's log folder after it stops")
+                              "keep the log folder a cluster made (it holds the key file) after "
+                              "it stops, or after `zpath down` stops it")
     ssh_options: str = setting("", "ZPATH_SSH_OPTIONS", "extra options for ssh (`zpath up --hostfile`)")
 
 
 @dataclasses.dataclass(frozen=True)
 class CommonConfig(_FromEnv):
     """Settings every role reads."""
-    key: str = setting("", "ZPATH_KEY", "the cluster key, hex (or ZPATH_KEY_FILE)")
-    key_file: str = setting("", "ZPATH_KEY_FILE", "a file holding the cluster key, hex")
-    log_level: str = setting("INFO", "ZPATH_LOG_LEVEL", "log level of the controller and workers")
+    key: str = setting("", "ZPATH_KEY", "the cluster key, hex (or ZPATH_KEY_FILE); what "
+                       "zp.connect() and `zpath status` sign with when given no key")
+    key_file: str = setting("", "ZPATH_KEY_FILE", "a file holding the cluster key, hex "
+                            "(read when ZPATH_KEY is not set)")
+    log_level: str = setting("INFO", "ZPATH_LOG_LEVEL", "log level of the controller, the workers "
+                             "and `zpath up` (DEBUG, INFO, WARNING, ERROR)")
     shm_dir: str = setting("/dev/shm", "ZPATH_SHM_DIR", "where shared-memory segments are made")
     machine_id: str = setting("", "ZPATH_MACHINE_ID",
                               "this machine's identity for shared memory (default: boot id and "
@@ -148,3 +175,24 @@ def settings() -> list[tuple[str, str, Any, str]]:
         for f in dataclasses.fields(cls):
             out.append((f.metadata["env"], cls.__name__, f.default, f.metadata["doc"]))
     return out
+
+
+def _default_text(value: Any) -> str:
+    if isinstance(value, bool):
+        return "`1`" if value else "`0`"
+    if value == "":
+        return "(none)"
+    return f"`{value:g}`" if isinstance(value, float) else f"`{value}`"
+
+
+def markdown_table() -> str:
+    """Every setting as a markdown table (docs/configuration-table.md)."""
+    lines = ["| Variable | Role | Default | Meaning |", "|---|---|---|---|"]
+    for env, role, default, doc in settings():
+        doc = " ".join(doc.split()).replace("|", "\\|")
+        lines.append(f"| `{env}` | {role.removesuffix('Config').lower()} | {_default_text(default)} | {doc} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    print(markdown_table(), end="")

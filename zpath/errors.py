@@ -1,5 +1,39 @@
-"""One family of errors for everything zpath raises."""
+"""One family of errors for everything zpath raises, and the kinds of error
+that travel between processes."""
 from __future__ import annotations
+
+from enum import StrEnum
+
+
+class ErrorKind(StrEnum):
+    """What went wrong, as it travels in ``ErrorInfo.kind`` (a failed value or
+    computation) and ``Error.code`` (a refused message). Both ends use these
+    names; the values are the wire strings (a ``str``, so a record holds either).
+    A receiver treats a value it does not know as ``REMOTE_ERROR``."""
+    # ErrorInfo.kind: why a computation failed or a value cannot be had
+    REMOTE_ERROR = "RemoteError"           # a computation raised on a worker (or a bad piece)
+    HOST_LOST = "HostLost"                 # a host that held or needed it was lost
+    DEADLINE_EXCEEDED = "DeadlineExceeded"  # an input did not arrive in time
+    RESOURCE_ERROR = "ResourceError"       # it needs more device memory than a device may hold
+    CALL_FAILED = "CallFailed"             # the controller rejected the call or program run
+    ABANDONED = "Abandoned"                # its last copy was planned for an abandoned computation
+    FUSED_UNKNOWN = "FusedUnknown"         # a worker did not know the fused program it was told to run
+    # Error.code: why a message was refused
+    PROTOCOL = "protocol"                  # malformed, unsigned, unknown type or version
+    BAD_REQUEST = "bad_request"            # well formed, but not acceptable
+    NOT_FOUND = "not_found"                # names a program or buffer that is not known
+    NOT_REGISTERED = "not_registered"      # the sender is not (or no longer) a known client
+    RESOURCE = "resource"                  # devices or memory cannot be had
+    INTERNAL = "internal"                  # the receiver failed handling it (see its log)
+
+    @classmethod
+    def of(cls, text: str) -> "ErrorKind":
+        """The kind a received string names; REMOTE_ERROR for one not known
+        (a newer peer's)."""
+        try:
+            return cls(text)
+        except ValueError:
+            return cls.REMOTE_ERROR
 
 
 class ZpathError(Exception):

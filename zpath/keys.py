@@ -1,12 +1,14 @@
 """The per-cluster key that signs every message.
 
 It travels in the environment (``ZPATH_KEY``, hex) or a file named by
-``ZPATH_KEY_FILE``, never on a command line where ``ps`` would show it."""
+``ZPATH_KEY_FILE`` (CommonConfig), never on a command line where ``ps`` would
+show it."""
 from __future__ import annotations
 
 import os
 import secrets
 
+from zpath.config import CommonConfig
 from zpath.errors import ZpathError
 
 
@@ -32,10 +34,12 @@ def parse_key(key: bytes | str, where: str = "the key") -> bytes:
     return bytes(key)
 
 
-def key_from_env() -> bytes:
-    if os.environ.get("ZPATH_KEY"):
-        return parse_key(os.environ["ZPATH_KEY"], "ZPATH_KEY")
-    path = os.environ.get("ZPATH_KEY_FILE")
+def key_from_config(common: CommonConfig) -> bytes:
+    """The cluster key a configuration names: ``key`` (ZPATH_KEY), else the
+    file ``key_file`` (ZPATH_KEY_FILE)."""
+    if common.key:
+        return parse_key(common.key, "ZPATH_KEY")
+    path = common.key_file
     if path:
         try:
             with open(path) as f:
@@ -44,6 +48,12 @@ def key_from_env() -> bytes:
             raise ZpathError(f"cannot read the key file ZPATH_KEY_FILE={path}: {e.strerror}") from None
         return parse_key(text, f"the key in {path}")
     raise ZpathError("no cluster key: set ZPATH_KEY (hex) or ZPATH_KEY_FILE")
+
+
+def key_from_env() -> bytes:
+    """The cluster key of this process's environment (for a ``main()`` that
+    builds no CommonConfig of its own)."""
+    return key_from_config(CommonConfig.from_env())
 
 
 def write_key_file(path: str, key: bytes) -> None:

@@ -2,11 +2,14 @@
 from __future__ import annotations
 
 import logging
-import os
+
+from zpath.config import CommonConfig
 
 
 def setup(role: str, level: str | None = None) -> None:
-    level = level or os.environ.get("ZPATH_LOG_LEVEL", "INFO")
+    """Log to stderr, each line naming ``role``, at ``level`` (default: the
+    environment's CommonConfig.log_level, ZPATH_LOG_LEVEL)."""
+    level = level or CommonConfig.from_env().log_level
     root = logging.getLogger()
     for h in list(root.handlers):
         root.removeHandler(h)

@@ -7,11 +7,17 @@ import functools
 import hashlib
 from typing import Any, Callable, Sequence
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+from jax.sharding import AbstractMesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from zpath import sharding
-from zpath.errors import Closed
+from zpath.client import tracer
+from zpath.client.avals import Aval, aval_of
 from zpath.client.futures import Future
+from zpath.errors import Closed
 from zpath.net import messages as m
 
 _current: dict[str, Any] = {"client": None}
@@ -118,18 +124,8 @@ class _Traced:
     blob: bytes
     in_specs: list[list]
     out_specs: list[list]
-    out_avals: list[tuple[tuple[int, ...], np.dtype]]
+    out_avals: list[Aval]
     out_tree: Any
-
-
-def _aval(x: Any) -> tuple[tuple[int, ...], np.dtype]:
-    if isinstance(x, Future):
-        return x.shape, x.dtype
-    a = np.asarray(x)
-    if a.dtype.kind in "OUSMm" or a.dtype.fields is not None:      # (bfloat16 and float8 are "V")
-        raise TypeError(f"cannot pass a {type(x).__name__} (dtype {a.dtype}) to a zpath computation: "
-                        "inputs are numeric arrays, scalars or futures")
-    return a.shape, a.dtype
 
 
 class Computation:
@@ -157,9 +153,6 @@ class Computation:
         functools.update_wrapper(self, fn)
 
     def _leaf_specs(self, args: tuple, in_tree: Any, n: int) -> list[Any]:
-        import jax
-        from jax.sharding import PartitionSpec as P
-
         if self.pmap_axis is not None:
             return [P(self.pmap_axis)] * n
         specs = self.in_specs
@@ -181,12 +174,7 @@ class Computation:
         return out
 
     def _trace(self, args: tuple, leaves: list, in_tree: Any,
-               avals: list[tuple[tuple[int, ...], np.dtype]]) -> _Traced:
-        import jax
-        import jax.numpy as jnp
-        from jax.sharding import AbstractMesh, NamedSharding
-        from jax.sharding import PartitionSpec as P
-
+               avals: list[Aval]) -> _Traced:
         am = AbstractMesh(self.mesh.shape, self.mesh.axis_names)
         leaf_specs = self._leaf_specs(args, in_tree, len(leaves))
         structs = [jax.ShapeDtypeStruct(s, d, sharding=NamedSharding(am, spec))
@@ -245,7 +233,7 @@ class Computation:
             out_avals=out_avals, out_tree=exported.out_tree)
 
     def prepare(self, args: tuple, leaves: list, in_tree: Any,
-                avals: list[tuple[tuple[int, ...], np.dtype]]) -> _Traced:
+                avals: list[Aval]) -> _Traced:
         """Check the inputs against the devices and trace/export the function for
         this input signature (once; cached). Errors are raised here, at the call
         site, before anything is dispatched."""
@@ -293,17 +281,13 @@ class Computation:
         return m.Call(self.client.new_call_id(), traced.digest, list(self.mesh.shape),
                       list(self.mesh.axis_names), self.mesh.device_ids, inputs, outs)
 
-    def future(self, buffer: int, aval: tuple[tuple[int, ...], np.dtype], spec: list) -> Future:
+    def future(self, buffer: int, aval: Aval, spec: list) -> Future:
         fut = Future(self.client, buffer, aval[0], aval[1], self.mesh.device_ids,
                      list(self.mesh.shape), list(self.mesh.axis_names), spec)
         self.client.track(fut)
         return fut
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        import jax
-
-        from zpath.client import tracer
-
         if kwargs:
             raise TypeError(f"{self.name}: keyword arguments are not supported; pass them positionally")
         if tracer.tracing():
@@ -313,7 +297,7 @@ class Computation:
         for x in leaves:
             if isinstance(x, Future) and x._client is not client:
                 raise ValueError(f"{self.name}: an input future belongs to another connection")
-        avals = [_aval(x) for x in leaves]
+        avals = [aval_of(x) for x in leaves]
         values = [x if isinstance(x, Future) else np.asarray(x) for x in leaves]
         traced = self.prepare(args, leaves, in_tree, avals)
         inputs = []

@@ -20,7 +20,8 @@ import numpy as np
 import zmq
 
 from zpath import sharding
-from zpath.errors import (Broken, Closed, DeadlineExceeded, HostLost, ProtocolError,
+from zpath.config import ClientConfig
+from zpath.errors import (Broken, Closed, DeadlineExceeded, ErrorKind, HostLost, ProtocolError,
                           RemoteError, ResourceError, ZpathError)
 from zpath.net import messages as m
 from zpath.net.codec import PROTOCOL_VERSION, Record
@@ -28,26 +29,30 @@ from zpath.net.transport import BadMessage, Endpoint, Outbox, make_context, unba
 
 log = logging.getLogger(__name__)
 
-CONNECT_TIMEOUT_S = float(os.environ.get("ZPATH_CONNECT_TIMEOUT", "30"))
 REQUEST_TIMEOUT_S = 60.0
-FETCH_TIMEOUT_S = float(os.environ.get("ZPATH_FETCH_TIMEOUT", "600"))
 HEARTBEAT_S = 1.0
-# a controller silent this long (it answers every heartbeat) is taken to be gone
-CONTROLLER_SILENCE_S = float(os.environ.get("ZPATH_CONTROLLER_TIMEOUT", "15"))
 MAX_TEMPLATES = 1024          # program templates per connection (the controller's limit too)
 
 
 def error_from_info(info: m.ErrorInfo) -> ZpathError:
-    match info.kind:
-        case "HostLost":
+    """The exception a failed value raises in the user's code."""
+    match ErrorKind.of(info.kind):
+        case ErrorKind.HOST_LOST:
             return HostLost(info.message)
-        case "DeadlineExceeded":
+        case ErrorKind.DEADLINE_EXCEEDED:
             return DeadlineExceeded(info.message)
-        case "ResourceError":
+        case ErrorKind.RESOURCE_ERROR:
             return ResourceError(info.message)
         case _:
             return RemoteError(info.message, host=info.host, computation=info.computation,
                                remote_traceback=info.traceback)
+
+
+def error_from_reply(reply: m.Error) -> ZpathError:
+    """The exception a refused request raises."""
+    if ErrorKind.of(reply.code) == ErrorKind.RESOURCE:
+        return ResourceError(reply.message)
+    return ZpathError(f"controller: {reply.message}")
 
 
 class _Fetch:
@@ -63,9 +68,18 @@ class _Fetch:
 
 
 class Client:
+    """A connection to a controller. ``config``: its settings (default: the
+    defaults, not the environment: ``zp.init``/``zp.connect`` build one from
+    it); ``timeout``: seconds to wait for the welcome (default
+    ``config.connect_timeout_s``)."""
+
     def __init__(self, address: str, key: bytes, *, name: str = "client",
-                 timeout: float = CONNECT_TIMEOUT_S, weight: float = 1.0) -> None:
+                 timeout: float | None = None, weight: float = 1.0,
+                 config: ClientConfig | None = None) -> None:
         self.address = address
+        self.config = ClientConfig() if config is None else config
+        if timeout is None:
+            timeout = self.config.connect_timeout_s
         self.ctx = make_context()
         self.ep = Endpoint(key, f"client:{name}:{os.getpid()}")
         self.ctl = self.ctx.socket(zmq.DEALER)
@@ -179,9 +193,7 @@ class Client:
         finally:
             self._pending.pop(msg_id, None)
         if isinstance(reply, m.Error):
-            if reply.code == "resource":
-                raise ResourceError(reply.message)
-            raise ZpathError(f"controller: {reply.message}")
+            raise error_from_reply(reply)
         return reply
 
     def learn(self, devices: list[m.DeviceInfo]) -> None:
@@ -293,7 +305,9 @@ class Client:
                 # answers, so its silence tells us the same)
                 self._send(self.ctl, m.Ping(0), (), 0)
                 last_ping = now
-            if now - self._last_heard > CONTROLLER_SILENCE_S and self._broken is None and not stop:
+            # a controller silent this long (it answers every heartbeat) is taken to be gone
+            if now - self._last_heard > self.config.controller_timeout_s and self._broken is None \
+                    and not stop:
                 self._break(f"no answer from the zpath controller at {self.address} for "
                             f"{now - self._last_heard:.0f}s: it is gone or cannot be reached")
         for s in [self.ctl, *self._data.values()]:
@@ -439,7 +453,7 @@ class Client:
                 if sock is not None:          # and what is queued for it (a big Put) goes
                     self._poller.unregister(sock)
                     sock.close(linger=0)
-            case m.Error() if msg.code == "not_registered":
+            case m.Error() if msg.code == ErrorKind.NOT_REGISTERED:
                 # the controller no longer knows this connection: it heard
                 # nothing from it for longer than its client timeout (a process
                 # that was stopped, e.g.) and freed everything it held; there is

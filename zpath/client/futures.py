@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 
 from zpath import sharding
-from zpath.errors import DeadlineExceeded, ZpathError
+from zpath.errors import DeadlineExceeded, RemoteError, ZpathError
 
 
 MAX_TIMEOUT_S = 1e7      # (a wait longer than the platform's limit raises OverflowError)
@@ -91,11 +91,10 @@ class Future:
     def result(self, timeout: float | None = None) -> np.ndarray:
         """Fetch the value. Raises the remote error if the computation failed, and
         :class:`~zpath.DeadlineExceeded` if it is not here within ``timeout``
-        seconds (default ``ZPATH_FETCH_TIMEOUT``, 600)."""
-        from zpath.client.connection import FETCH_TIMEOUT_S
-
+        seconds (default: the connection's ClientConfig.fetch_timeout_s,
+        ``ZPATH_FETCH_TIMEOUT``, 600)."""
         if timeout is None:
-            timeout = FETCH_TIMEOUT_S
+            timeout = self._client.config.fetch_timeout_s
         elif isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) \
                 or not 0 < timeout <= MAX_TIMEOUT_S:
             raise ValueError(f"timeout must be a number of seconds > 0 and <= {MAX_TIMEOUT_S:g} "
@@ -150,8 +149,6 @@ def _fresh(error: BaseException) -> BaseException:
     """A new exception equal to ``error``: raising the stored one would attach a
     traceback that refers back to this future (a reference cycle that keeps it,
     and its buffer, alive until the cyclic collector runs)."""
-    from zpath.errors import RemoteError
-
     if isinstance(error, RemoteError):
         return RemoteError(error.message, host=error.host, computation=error.computation,
                            remote_traceback=error.remote_traceback)

@@ -9,10 +9,11 @@ import warnings
 from typing import Any
 
 from zpath.client.api import _current, whole_number
-from zpath.client.connection import CONNECT_TIMEOUT_S, Client
+from zpath.client.connection import Client
 from zpath.cluster.launcher import LocalCluster, default_shape
+from zpath.config import ClientConfig, ClusterConfig, CommonConfig
 from zpath.errors import ZpathError
-from zpath.keys import key_from_env, parse_key
+from zpath.keys import key_from_config, parse_key
 
 __all__ = ["Cluster", "init", "connect", "shutdown"]
 
@@ -46,30 +47,36 @@ _cluster: dict[str, Cluster | None] = {"current": None}
 
 
 def init(islands: int | None = None, hosts_per_island: int | None = None,
-         devices_per_host: int | None = None, *, weight: float = 1.0, **kwargs: Any) -> Cluster:
+         devices_per_host: int | None = None, *, weight: float = 1.0,
+         config: ClientConfig | None = None, cluster_config: ClusterConfig | None = None,
+         **kwargs: Any) -> Cluster:
     """Start a local cluster (controller + one worker process per host) and
     connect to it with a proportional-share ``weight``. With ``ZPATH_CONTROLLER``
     set, connect to that cluster instead. Other keyword arguments go to
-    :class:`zpath.cluster.launcher.LocalCluster` (e.g. ``policy``, ``dcn_gbps``)."""
+    :class:`zpath.cluster.launcher.LocalCluster` (e.g. ``policy``, ``dcn_gbps``).
+    ``config``/``cluster_config``: the client's and the launcher's settings
+    (default: from the environment, see ``python -m zpath.config``)."""
     if _cluster["current"] is not None:
         raise ZpathError("already initialised: call zp.shutdown() first")
     _check_weight(weight)
-    if os.environ.get("ZPATH_CONTROLLER"):
+    config = ClientConfig.from_env() if config is None else config
+    if config.controller:
         given = [k for k, v in (("islands", islands), ("hosts_per_island", hosts_per_island),
                                 ("devices_per_host", devices_per_host)) if v is not None] + list(kwargs)
         if given:
             warnings.warn(f"ZPATH_CONTROLLER is set: zp.init() connects to that cluster and "
                           f"ignores {', '.join(given)}", stacklevel=2)
-        return connect(os.environ["ZPATH_CONTROLLER"], weight=weight)
+        return connect(config.controller, weight=weight, config=config)
+    cluster_config = ClusterConfig.from_env() if cluster_config is None else cluster_config
     shape = default_shape()
     for k, v in (("islands", islands), ("hosts_per_island", hosts_per_island),
                  ("devices_per_host", devices_per_host)):
         if v is not None:
             whole_number(k, v, 1)
             shape[k] = v
-    local = LocalCluster(**shape, **kwargs)
+    local = LocalCluster(**shape, config=cluster_config, **kwargs)
     try:
-        cluster = _attach(local.address, local.key, local, weight=weight)
+        cluster = _attach(local.address, local.key, local, weight=weight, config=config)
     except BaseException:
         local.stop()
         raise
@@ -90,18 +97,22 @@ def _shutdown_at_exit(pid: int) -> None:
 
 
 def connect(address: str, key: bytes | str | None = None, *, name: str = "client",
-            timeout: float | None = None, weight: float = 1.0) -> Cluster:
+            timeout: float | None = None, weight: float = 1.0,
+            config: ClientConfig | None = None) -> Cluster:
     """Connect to a running cluster. The key comes from ``key`` (bytes or hex),
     ``ZPATH_KEY`` or ``ZPATH_KEY_FILE``. ``weight`` is this client's share of
     the devices under the proportional-share policy (its device time relative
-    to the other clients' that keep the same devices busy)."""
+    to the other clients' that keep the same devices busy). ``timeout``: seconds
+    to wait for the controller's welcome (default ``config.connect_timeout_s``);
+    ``config``: the client's settings (default: from the environment)."""
     if _cluster["current"] is not None:
         raise ZpathError("already connected: call zp.shutdown() first")
     if not isinstance(address, str) or not re.match(r"^(tcp|ipc)://\S+$", address):
         raise ZpathError(f"{address!r} is not a cluster address: expected tcp://HOST:PORT "
                          "(as `zpath up` prints it)")
-    key = key_from_env() if key is None else parse_key(key)
-    return _attach(address, key, None, name=name, timeout=timeout, weight=weight)
+    key = key_from_config(CommonConfig.from_env()) if key is None else parse_key(key)
+    config = ClientConfig.from_env() if config is None else config
+    return _attach(address, key, None, name=name, timeout=timeout, weight=weight, config=config)
 
 
 def _check_weight(weight: Any) -> None:
@@ -109,13 +120,12 @@ def _check_weight(weight: Any) -> None:
         raise ValueError(f"weight must be a number > 0 and <= 1e6, not {weight!r}")
 
 
-def _attach(address: str, key: bytes, local: Any, *, name: str = "client",
+def _attach(address: str, key: bytes, local: Any, *, config: ClientConfig, name: str = "client",
             timeout: float | None = None, weight: float = 1.0) -> Cluster:
     _check_weight(weight)
     if timeout is not None and not timeout > 0:
         raise ValueError(f"timeout must be a number of seconds > 0, not {timeout!r}")
-    client = Client(address, key, name=name, timeout=CONNECT_TIMEOUT_S if timeout is None else timeout,
-                    weight=float(weight))
+    client = Client(address, key, name=name, timeout=timeout, weight=float(weight), config=config)
     cluster = Cluster(client, local)
     _cluster["current"] = cluster
     _current["client"] = client

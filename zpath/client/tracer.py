@@ -14,10 +14,12 @@ import threading
 import weakref
 from typing import Any, Callable
 
+import jax
 import numpy as np
 
-from zpath.errors import ZpathError
+from zpath.client.avals import aval_of
 from zpath.client.futures import Future
+from zpath.errors import ZpathError
 from zpath.net import codec
 from zpath.net import messages as m
 
@@ -86,17 +88,11 @@ class _Trace:
 def _constant(x: Any) -> np.ndarray:
     """A value from outside a program, as jax.jit takes it: the value it has
     when traced (a copy, unless a JAX array, which cannot change)."""
-    import jax
-
     return np.asarray(x) if isinstance(x, jax.Array) else np.array(x, copy=True)
 
 
 def record(computation: Any, args: tuple) -> Any:
     """Called by a compiled function while a program is traced."""
-    import jax
-
-    from zpath.client.api import _aval
-
     trace: _Trace = _state.trace
     if trace.client is None:
         trace.client = computation.client
@@ -111,7 +107,7 @@ def record(computation: Any, args: tuple) -> Any:
         elif isinstance(x, Future):
             values.append(Value(x.shape, x.dtype, ("future", x)))
         else:
-            shape, dtype = _aval(x)
+            shape, dtype = aval_of(x)
             a = _constant(x)
             values.append(Value(shape, dtype, ("const", a)))
     avals = [(v.shape, v.dtype) for v in values]
@@ -154,15 +150,11 @@ class ProgramFunction:
     def trace(self, *args: Any) -> tuple[Traced, list]:
         """The traced graph for these inputs (cached per input signature) and the
         input leaves to bind."""
-        import jax
-
-        from zpath.client.api import _aval
-
         if tracing():      # (before its arguments, which have no contents while tracing)
             raise ZpathError("@zp.program functions cannot be nested: call the inner one's "
                              "compiled functions directly")
         leaves, in_tree = jax.tree_util.tree_flatten(args, is_leaf=lambda x: isinstance(x, Future))
-        avals = [_aval(x) for x in leaves]
+        avals = [aval_of(x) for x in leaves]
         bound = [x if isinstance(x, Future) else np.asarray(x) for x in leaves]
         key = (in_tree, tuple((s, d.str) for s, d in avals))
         traced = self._cache.get(key)
@@ -246,8 +238,6 @@ class ProgramFunction:
         client.post(msg, body=body)
 
     def __call__(self, *args: Any) -> Any:
-        import jax
-
         traced, bound = self.trace(*args)
         client = traced.client
         if self.dispatch == "parallel":
@@ -272,8 +262,6 @@ class ProgramFunction:
         """The first run of a pattern: a whole Program, kept by the controller as
         template ``number`` (DefineProgram). The template is recorded only once
         that message is posted, so no run of it can reach the controller first."""
-        import jax
-
         client = traced.client
         try:
             slots: list[int] = []
@@ -298,8 +286,6 @@ class ProgramFunction:
         """Run a defined template again: one small RunProgram message (the
         buffers of its slots, in order, and where its new buffers start).
         Client values are put as their first reader reads them, as _lower does."""
-        import jax
-
         client = traced.client
         if traced.layout is None:
             slots, position = [], {}

@@ -2,12 +2,41 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
+import re
+import shlex
 import signal
 import sys
 import threading
 from typing import Any
+
+import zmq
+
+from zpath import logs
+from zpath.cluster import state as cluster_state
+from zpath.config import DEFAULT_SHAPE, ClientConfig, ClusterConfig, CommonConfig
+from zpath.errors import ZpathError
+from zpath.keys import key_from_config, parse_key
+
+# The launchers and the client connection are imported by the subcommands that
+# use them (`up`, `status`): they bring the wire protocol and numpy, which take
+# most of a second to import, and `zpath down`, `zpath --help` or a usage error
+# need neither. `zpath controller`/`zpath worker` import only their own main().
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """The settings the subcommands read, built from the environment once, in
+    ``main()`` (``zpath controller``/``zpath worker`` build their own)."""
+    common: CommonConfig
+    client: ClientConfig
+    cluster: ClusterConfig
+
+    @classmethod
+    def from_env(cls) -> "Settings":
+        return cls(CommonConfig.from_env(), ClientConfig.from_env(), ClusterConfig.from_env())
 
 
 def _arg(convert: Any, ok: Any, what: str) -> Any:
@@ -29,11 +58,8 @@ _positive = _arg(float, lambda v: 0 < v < float("inf"), "a number > 0")
 _port = _arg(int, lambda v: 0 <= v <= 65535, "a port number 0-65535 (0: a free one)")
 
 
-def _up(args: argparse.Namespace) -> int:
-    from zpath import logs
-    from zpath.cluster import state as cluster_state
-
-    logs.setup("launcher")
+def _up(args: argparse.Namespace, cfg: Settings) -> int:
+    logs.setup("launcher", cfg.common.log_level)
     stop = threading.Event()
     caught: list[int] = []
 
@@ -43,7 +69,7 @@ def _up(args: argparse.Namespace) -> int:
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, on_signal)
-    state_path = args.state or cluster_state.default_path()
+    state_path = args.state or cluster_state.default_path(cfg.cluster.state)
     # held until this process ends (however it ends): a second `zpath up` with
     # this state file, even one started while this one is still starting, stops here
     lock = cluster_state.lock(state_path)
@@ -63,24 +89,22 @@ def _up(args: argparse.Namespace) -> int:
     dcn = dict(dcn_latency_ms=args.dcn_latency_ms, dcn_gbps=args.dcn_gbps, dcn_encrypt=args.dcn_encrypt,
                policy=args.policy)
     if args.hostfile:
-        import shlex
-
-        from zpath.cluster.ssh import SSHCluster, read_hostfile
+        from zpath.cluster.ssh import SSHCluster, read_hostfile   # lazy: see the top
         hosts = read_hostfile(args.hostfile)
         print(f"starting {len(hosts)} host(s) over ssh...", file=sys.stderr, flush=True)
         cluster = SSHCluster(hosts, bind_host=args.bind_host, controller_port=args.controller_port,
                              coordinator_port=args.coordinator_port, remote_python=args.remote_python,
-                             ssh_options=shlex.split(args.ssh_options or os.environ.get("ZPATH_SSH_OPTIONS", "")),
+                             ssh_options=shlex.split(args.ssh_options or cfg.cluster.ssh_options),
                              connect_timeout=args.connect_timeout, log_dir=args.log_dir,
-                             start_timeout=args.start_timeout, **dcn)
+                             start_timeout=args.start_timeout, config=cfg.cluster, **dcn)
     else:
-        from zpath.cluster.launcher import LocalCluster
+        from zpath.cluster.launcher import LocalCluster           # lazy: see the top
         print(f"starting {args.islands} island(s) x {args.hosts_per_island} host(s) x "
               f"{args.devices_per_host} device(s)...", file=sys.stderr, flush=True)
         cluster = LocalCluster(args.islands, args.hosts_per_island, args.devices_per_host,
                                log_dir=args.log_dir, bind_host=args.bind_host or "127.0.0.1",
                                start_timeout=args.start_timeout, controller_port=args.controller_port,
-                               **dcn)
+                               config=cfg.cluster, **dcn)
     # Ctrl-C: 130, as a shell reports it; SIGTERM (e.g. from `zpath down`): a clean stop
     interrupted = lambda: 130 if signal.SIGINT in caught else 0  # noqa: E731
     if stop.is_set():                 # interrupted while it started
@@ -118,27 +142,21 @@ def _up(args: argparse.Namespace) -> int:
     return interrupted()
 
 
-def _down(args: argparse.Namespace) -> int:
-    from zpath.cluster import state as cluster_state
-
-    path = args.state or cluster_state.default_path()
-    for line in cluster_state.down(path, timeout=args.timeout):
+def _down(args: argparse.Namespace, cfg: Settings) -> int:
+    path = args.state or cluster_state.default_path(cfg.cluster.state)
+    for line in cluster_state.down(path, timeout=args.timeout, keep_logs=cfg.cluster.keep_logs):
         print(line)
     return 0
 
 
-def _status(args: argparse.Namespace) -> int:
-    from zpath.cluster import state as cluster_state
-    from zpath.client.connection import Client
-    from zpath.errors import ZpathError
-    from zpath.keys import key_from_env, parse_key
+def _status(args: argparse.Namespace, cfg: Settings) -> int:
+    from zpath.client.connection import Client     # lazy: see the top
     from zpath.net import messages as m
-
-    address = args.address or os.environ.get("ZPATH_CONTROLLER")
+    address = args.address or cfg.client.controller
     key = None
     if not address:
         # the cluster a `zpath up` on this machine runs (its state file has both)
-        path = args.state or cluster_state.default_path()
+        path = args.state or cluster_state.default_path(cfg.cluster.state)
         if not os.path.exists(path):
             print("zpath status: give the controller address, set ZPATH_CONTROLLER, or run it where "
                   f"`zpath up` runs (no state file {path})", file=sys.stderr)
@@ -152,14 +170,15 @@ def _status(args: argparse.Namespace) -> int:
         if up_pid and not cluster_state.alive(up_pid, st.get("launcher_create_time")):
             raise ZpathError(f"the cluster of state file {path} is not running (its `zpath up`, "
                              f"pid {up_pid}, has exited); `zpath down` cleans up after it")
-        if not (os.environ.get("ZPATH_KEY") or os.environ.get("ZPATH_KEY_FILE")) and st.get("key_file"):
+        if not (cfg.common.key or cfg.common.key_file) and st.get("key_file"):
             try:
                 with open(st["key_file"]) as f:
                     key = parse_key(f.read(), f"the key in {st['key_file']}")
             except OSError as e:
                 raise ZpathError(f"cannot read the key file {st['key_file']}: {e.strerror}") from None
     _check_address(address)
-    c = Client(address, key or key_from_env(), name="status", timeout=args.timeout)
+    c = Client(address, key or key_from_config(cfg.common), name="status", timeout=args.timeout,
+               config=cfg.client)
     try:
         st = c.request(m.StatusRequest(True), timeout=args.timeout)
     finally:
@@ -187,9 +206,6 @@ def _status(args: argparse.Namespace) -> int:
 
 
 def _check_address(address: str) -> None:
-    import re
-
-    from zpath.errors import ZpathError
     if not re.match(r"^(tcp|ipc)://\S+$", address):
         raise ZpathError(f"{address!r} is not a controller address: expected tcp://HOST:PORT")
 
@@ -197,9 +213,6 @@ def _check_address(address: str) -> None:
 def _friendly(command: str, fn: Any, *args: Any) -> int:
     """Run a subcommand; an expected failure (a zpath error, a bad address or
     file, a port in use) is one line on stderr and exit code 1, not a traceback."""
-    import zmq
-
-    from zpath.errors import ZpathError
     try:
         return fn(*args)
     except KeyboardInterrupt:
@@ -213,9 +226,21 @@ def _friendly(command: str, fn: Any, *args: Any) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from zpath.cluster.launcher import default_shape
-
-    shape = default_shape()
+    argv = sys.argv[1:] if argv is None else argv
+    # the controller's and the worker's own main(), imported only to run it: the
+    # worker's imports JAX, which no other subcommand needs (nor the controller)
+    if argv and argv[0] == "controller":
+        from zpath.controller.server import main as controller_main
+        return _friendly("controller", controller_main, argv[1:])
+    if argv and argv[0] == "worker":
+        from zpath.worker.server import main as worker_main
+        return _friendly("worker", worker_main, argv[1:])
+    try:
+        cfg = Settings.from_env()
+    except ZpathError as e:
+        print(f"zpath: {e}", file=sys.stderr)
+        return 2
+    shape = DEFAULT_SHAPE
     p = argparse.ArgumentParser(prog="zpath", description="zpath: a single-controller runtime for JAX")
     sub = p.add_subparsers(dest="command", required=True)
     up = sub.add_parser("up", help="run a cluster (local, or over ssh with --hostfile) in the foreground")
@@ -235,9 +260,8 @@ def main(argv: list[str] | None = None) -> int:
     up.add_argument("--ssh-options", help="with --hostfile: extra ssh arguments, e.g. \"-i KEY\" "
                     "(default $ZPATH_SSH_OPTIONS)")
     up.add_argument("--connect-timeout", type=_positive_int, default=10, help="ssh ConnectTimeout (s)")
-    up.add_argument("--start-timeout", type=_positive,
-                    default=float(os.environ.get("ZPATH_START_TIMEOUT", "120")),
-                    help="seconds for every worker to register")
+    up.add_argument("--start-timeout", type=_positive, default=cfg.cluster.start_timeout_s,
+                    help="seconds for every worker to register (default $ZPATH_START_TIMEOUT or 120)")
     up.add_argument("--state", help="state file for `zpath down` (default $ZPATH_STATE or ~/.zpath/cluster.json)")
     up.add_argument("--log-dir", help="where process logs and the key file go (default: a temp dir)")
     up.add_argument("--dcn-latency-ms", type=_non_negative, default=0.0,
@@ -263,18 +287,11 @@ def main(argv: list[str] | None = None) -> int:
     st.set_defaults(fn=_status)
     sub.add_parser("controller", help="run a controller (see zpath controller --help)", add_help=False)
     sub.add_parser("worker", help="run a worker (see zpath worker --help)", add_help=False)
-    argv = sys.argv[1:] if argv is None else argv
-    if argv and argv[0] == "controller":
-        from zpath.controller.server import main as controller_main
-        return _friendly("controller", controller_main, argv[1:])
-    if argv and argv[0] == "worker":
-        from zpath.worker.server import main as worker_main
-        return _friendly("worker", worker_main, argv[1:])
     args, extra = p.parse_known_args(argv)
     if extra:            # the subcommand's usage, not the top level's
         {"up": up, "down": dn, "status": st}[args.command].error(
             f"unrecognized arguments: {' '.join(extra)}")
-    return _friendly(args.command, args.fn, args)
+    return _friendly(args.command, args.fn, args, cfg)
 
 
 if __name__ == "__main__":

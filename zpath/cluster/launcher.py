@@ -17,13 +17,18 @@ import tempfile
 import time
 from typing import Any
 
+import zmq
+
+from zpath.client.connection import Client
+from zpath.config import DEFAULT_SHAPE, POLICIES, ClusterConfig
 from zpath.errors import DeadlineExceeded, ZpathError
 from zpath.keys import new_key, write_key_file
+from zpath.net import messages as m
+from zpath.net.channels import cleanup, shm_prefix
 from zpath.process import PARENT_PID_ENV
 
 log = logging.getLogger(__name__)
 
-START_TIMEOUT_S = float(os.environ.get("ZPATH_START_TIMEOUT", "120"))
 GRACE_S = 5.0
 
 
@@ -52,7 +57,7 @@ def free_port(host: str) -> int:
 def default_shape() -> dict[str, int]:
     """A shape that suits a small machine: two single-host islands with two
     devices each (one worker process per core on a 2-core machine)."""
-    return {"islands": 2, "hosts_per_island": 1, "devices_per_host": 2}
+    return dict(DEFAULT_SHAPE)
 
 
 def worker_xla_flags(env: dict[str, str], devices: int) -> str:
@@ -67,7 +72,6 @@ def dcn_flags(dcn_latency_ms: float, dcn_gbps: float, dcn_encrypt: bool) -> list
     if dcn_latency_ms < 0 or dcn_gbps < 0:
         raise ValueError("dcn_latency_ms and dcn_gbps must be >= 0")
     if dcn_encrypt:
-        import zmq
         if not zmq.has("curve"):
             raise ZpathError(f"dcn_encrypt needs CURVE, but this libzmq ({zmq.zmq_version()}) "
                              "was built without it")
@@ -87,14 +91,15 @@ class ClusterLauncher:
     kind = "cluster"
 
     def __init__(self, *, log_dir: str | None = None, env: dict[str, str] | None = None,
-                 policy: str | None = None) -> None:
+                 policy: str | None = None, config: ClusterConfig | None = None) -> None:
         """``policy``: the controller's multi-tenant scheduling policy, "share"
-        (proportional share, the default) or "fifo"."""
-        from zpath.controller.scheduler import POLICIES
+        (proportional share, the default) or "fifo". ``config``: the launcher's
+        settings (default: the defaults, not the environment; ``zpath up``,
+        ``zp.init()`` and the pytest plugin build one from it)."""
         if policy is not None and policy not in POLICIES:
             raise ValueError(f"unknown scheduling policy {policy!r} (choose from {', '.join(POLICIES)})")
+        self.config = ClusterConfig() if config is None else config
         self.key = new_key()
-        from zpath.net.channels import shm_prefix
         self.shm_prefix = shm_prefix(self.key)    # names of its shared-memory segments
         self._own_dir = log_dir is None
         self.dir = log_dir or tempfile.mkdtemp(prefix="zpath-")
@@ -167,9 +172,6 @@ class ClusterLauncher:
             raise DeadlineExceeded(f"{self.kind} did not start in time{missing}; logs in {self.dir}")
 
     def _wait_registered(self, deadline: float, watch: list | None = None) -> None:
-        from zpath.client.connection import Client
-        from zpath.net import messages as m
-
         want = len(self.expected)       # workers added later are in it too
         c = Client(self.address, self.key, name="launcher")
         try:
@@ -202,7 +204,7 @@ class ClusterLauncher:
     def stop(self, grace: float = GRACE_S, keep_logs: bool = False) -> None:
         """Stop every process this cluster started: SIGTERM, then SIGKILL. The
         log directory goes too if the cluster made it, unless ``keep_logs``
-        or ZPATH_KEEP_LOGS."""
+        or ``config.keep_logs`` (ZPATH_KEEP_LOGS)."""
         for name, p in reversed(self.procs):
             if p.poll() is None:
                 try:
@@ -225,9 +227,8 @@ class ClusterLauncher:
                         pass
         self.procs.clear()
         # segments of workers on this machine that died without cleaning up (SIGKILL)
-        from zpath.net.channels import cleanup
         cleanup(self.shm_prefix)
-        if self._own_dir and not keep_logs and not os.environ.get("ZPATH_KEEP_LOGS"):
+        if self._own_dir and not keep_logs and not self.config.keep_logs:
             shutil.rmtree(self.dir, ignore_errors=True)
 
     def __enter__(self) -> "ClusterLauncher":
@@ -244,24 +245,28 @@ class LocalCluster(ClusterLauncher):
 
     def __init__(self, islands: int = 2, hosts_per_island: int = 1, devices_per_host: int = 2, *,
                  log_dir: str | None = None, bind_host: str = "127.0.0.1",
-                 start_timeout: float = START_TIMEOUT_S, env: dict[str, str] | None = None,
+                 start_timeout: float | None = None, env: dict[str, str] | None = None,
                  dcn_latency_ms: float = 0.0, dcn_gbps: float = 0.0, dcn_encrypt: bool = False,
-                 policy: str | None = None, controller_port: int = 0) -> None:
+                 policy: str | None = None, controller_port: int = 0,
+                 config: ClusterConfig | None = None) -> None:
         """``dcn_latency_ms``/``dcn_gbps`` emulate a data-centre network between
         islands (added one-way latency, bandwidth cap of each host's link; 0: none);
         ``dcn_encrypt`` encrypts traffic between islands with CURVE; ``policy``
         is the multi-tenant scheduling policy ("share" or "fifo");
-        ``controller_port``: the controller's port (0: a free one)."""
+        ``controller_port``: the controller's port (0: a free one);
+        ``start_timeout``: seconds for every worker to register (default
+        ``config.start_timeout_s``)."""
         for name, v in (("islands", islands), ("hosts_per_island", hosts_per_island),
                         ("devices_per_host", devices_per_host)):
             if int(v) < 1:
                 raise ValueError(f"{name} must be at least 1, got {v}")
         self.islands, self.hosts_per_island, self.devices_per_host = islands, hosts_per_island, devices_per_host
         self.dcn_flags = dcn_flags(dcn_latency_ms, dcn_gbps, dcn_encrypt)
-        super().__init__(log_dir=log_dir, env=env, policy=policy)
+        super().__init__(log_dir=log_dir, env=env, policy=policy, config=config)
         self.bind_host = bind_host
         self._worker_env = dict(self._env, XLA_FLAGS=worker_xla_flags(self._env, devices_per_host))
-        self._launch(bind_host, start_timeout, controller_port)
+        self._launch(bind_host, self.config.start_timeout_s if start_timeout is None else start_timeout,
+                     controller_port)
 
     def _spawn_worker(self, island: int, h: int, runtime: list[str]) -> tuple[str, subprocess.Popen]:
         name, host = f"worker-i{island}-h{h}", f"local-i{island}-h{h}"
@@ -281,14 +286,16 @@ class LocalCluster(ClusterLauncher):
             for h in range(self.hosts_per_island):
                 self._spawn_worker(island, h, [*runtime, *(["--process-id", str(h)] if runtime else [])])
 
-    def add_worker(self, island: int, timeout: float = START_TIMEOUT_S) -> str:
+    def add_worker(self, island: int, timeout: float | None = None) -> str:
         """Start one more worker (a new host) on a single-host island, e.g. to
-        replace a lost one; returns its process name once it has registered."""
+        replace a lost one; returns its process name once it has registered
+        (within ``timeout`` s, default ``config.start_timeout_s``)."""
         if self.hosts_per_island != 1:
             raise ZpathError("hosts can be added only to single-host islands (a multi-host "
                              "island's JAX runtime has a fixed size)")
         n = sum(1 for name, _ in self.procs if name.startswith(f"worker-i{island}-"))
         name, p = self._spawn_worker(island, n, [])
+        timeout = self.config.start_timeout_s if timeout is None else timeout
         self._wait_registered(time.monotonic() + timeout, watch=[(name, p)])
         return name
 

@@ -27,6 +27,9 @@ import subprocess
 import sys
 import threading
 
+from zpath.cluster.launcher import worker_xla_flags
+from zpath.process import PARENT_PID_ENV
+
 GRACE_S = 5.0
 
 
@@ -60,10 +63,9 @@ def main(argv: list[str] | None = None) -> int:
         name, _, value = item.partition("=")
         env[name] = value
     if args.devices:
-        from zpath.cluster.launcher import worker_xla_flags
         env["XLA_FLAGS"] = worker_xla_flags(env, args.devices)
     env["ZPATH_KEY"] = key
-    env["ZPATH_PARENT_PID"] = str(os.getpid())
+    env[PARENT_PID_ENV] = str(os.getpid())
     for name in ("ZPATH_KEY_FILE", "ZPATH_CONTROLLER"):
         env.pop(name, None)
 

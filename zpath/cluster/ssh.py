@@ -26,13 +26,17 @@ import re
 import shlex
 import socket
 import subprocess
+
+from zpath.cluster.launcher import ClusterLauncher, dcn_flags, free_port
+from zpath.config import ClusterConfig
 from zpath.errors import ZpathError
-from zpath.cluster.launcher import START_TIMEOUT_S, ClusterLauncher, dcn_flags, free_port
+from zpath.process import PARENT_PID_ENV
 
 log = logging.getLogger(__name__)
 
 CONNECT_TIMEOUT_S = 10
-# Local ZPATH_* settings passed on to remote workers (never the key or addresses).
+# Local ZPATH_* settings passed on to remote workers (never the key or addresses;
+# tests/test_config.py checks that each is a setting of zpath/config.py).
 FORWARDED_ENV = ("ZPATH_LOG_LEVEL", "ZPATH_CONTROLLER_TIMEOUT", "ZPATH_SHM", "ZPATH_FETCH_TIMEOUT",
                  "ZPATH_DEVICE_MEMORY_LIMIT")
 
@@ -147,16 +151,18 @@ class SSHCluster(ClusterLauncher):
                  controller_port: int = 0, coordinator_port: int = 0,
                  remote_python: str = "python3", ssh: str = "ssh", ssh_options: list[str] | None = None,
                  connect_timeout: int = CONNECT_TIMEOUT_S, log_dir: str | None = None,
-                 start_timeout: float = START_TIMEOUT_S, env: dict[str, str] | None = None,
+                 start_timeout: float | None = None, env: dict[str, str] | None = None,
                  dcn_latency_ms: float = 0.0, dcn_gbps: float = 0.0, dcn_encrypt: bool = False,
-                 policy: str | None = None) -> None:
+                 policy: str | None = None, config: ClusterConfig | None = None) -> None:
         """``hosts``: parsed hostfile lines or a hostfile path. ``bind_host``: the
         address the controller listens on (default: this machine's address on
         the route to the first host). ``coordinator_port``: base port of the
         ``jax.distributed`` coordinators of multi-host islands (island i uses
         base + i; 0: a free port when the island's first host is this machine,
         else a random one in 20000-29999). ``ssh_options``: extra ssh arguments
-        (e.g. ``["-i", "key"]``)."""
+        (e.g. ``["-i", "key"]``; ``zpath up`` gives ``config.ssh_options``, ZPATH_SSH_OPTIONS).
+        ``start_timeout``: seconds for every worker to register (default
+        ``config.start_timeout_s``)."""
         self.hosts = read_hostfile(hosts) if isinstance(hosts, str) else list(hosts)
         self.dcn_flags = dcn_flags(dcn_latency_ms, dcn_gbps, dcn_encrypt)
         self.bind_host = bind_host or route_address(self.hosts[0].address)
@@ -168,8 +174,9 @@ class SSHCluster(ClusterLauncher):
         self.islands = len({h.island for h in self.hosts})
         self.host_of: dict[str, HostSpec] = {}     # process name -> host
         self.remote_pids: dict[str, int] = {}      # process name -> pid of zpath.cluster.remote there
-        super().__init__(log_dir=log_dir, env=env, policy=policy)
-        self._launch(self.bind_host, start_timeout, controller_port)
+        super().__init__(log_dir=log_dir, env=env, policy=policy, config=config)
+        self._launch(self.bind_host, self.config.start_timeout_s if start_timeout is None else start_timeout,
+                     controller_port)
         for name in self.host_of:
             pid = self._remote_pid(name)
             if pid:
@@ -214,7 +221,7 @@ class SSHCluster(ClusterLauncher):
             python = h.python or self.remote_python
             remote = " ".join(shlex.quote(a) for a in [
                 python, "-m", "zpath.cluster.remote", f"--devices={h.devices}", *setenv, "--", *worker])
-            env = {k: v for k, v in self._env.items() if k not in ("ZPATH_KEY", "ZPATH_PARENT_PID")}
+            env = {k: v for k, v in self._env.items() if k not in ("ZPATH_KEY", PARENT_PID_ENV)}
             p = self._spawn(name, self.ssh_argv(h, "exec " + remote), env, stdin=subprocess.PIPE)
             self.expected[name] = host_name
             self.host_of[name] = h

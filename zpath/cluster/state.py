@@ -6,11 +6,13 @@ start times (so a reused pid is never killed) and, for SSH workers, the ssh
 command that reaches the host and the pid of ``zpath.cluster.remote`` there."""
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shutil
 import signal
 import subprocess
+import tempfile
 import time
 from typing import Any
 
@@ -19,8 +21,10 @@ import psutil
 from zpath.errors import ZpathError
 
 
-def default_path() -> str:
-    return os.environ.get("ZPATH_STATE") or os.path.join(os.path.expanduser("~"), ".zpath", "cluster.json")
+def default_path(configured: str = "") -> str:
+    """The state file: ``configured`` (ClusterConfig.state, ZPATH_STATE) or
+    ~/.zpath/cluster.json."""
+    return configured or os.path.join(os.path.expanduser("~"), ".zpath", "cluster.json")
 
 
 def _create_time(pid: int) -> float | None:
@@ -53,8 +57,6 @@ def lock(path: str) -> Any:
     holds it. The lock lasts until the file is closed or the process ends,
     however it ends. A path that cannot be used fails here, before anything
     has started."""
-    import fcntl
-
     if os.path.isdir(path):
         raise ZpathError(f"the state file {path} is a directory")
     try:
@@ -112,8 +114,6 @@ def _made_by_zpath_up(path: str) -> bool:
     """Whether ``path`` looks like the temporary directory a launcher makes
     (``<tmp>/zpath-*`` holding a cluster key): what ``zpath down`` may
     remove, whatever a (perhaps edited) state file says."""
-    import tempfile
-
     path = os.path.realpath(path)
     return (os.path.dirname(path) == os.path.realpath(tempfile.gettempdir())
             and os.path.basename(path).startswith("zpath-") and os.path.isdir(path)
@@ -131,11 +131,12 @@ def kill_remote(ssh_argv: list[str], pid: int, timeout: float = 20.0) -> bool:
     return r.returncode == 0
 
 
-def down(path: str, timeout: float = 30.0) -> list[str]:
+def down(path: str, timeout: float = 30.0, keep_logs: bool = False) -> list[str]:
     """Stop the cluster described in the state file ``path``: ask its ``zpath
     up`` to stop (SIGTERM) and wait for it; if that process is gone or does not
     stop in time, stop the remote workers over ssh and kill the local processes
-    listed. Returns what it did, one line each."""
+    listed, and remove the log directory it made unless ``keep_logs``
+    (ClusterConfig.keep_logs). Returns what it did, one line each."""
     state = read_state(path)
     done: list[str] = []
     up_pid, up_created = state.get("launcher_pid", 0), state.get("launcher_create_time")
@@ -167,7 +168,7 @@ def down(path: str, timeout: float = 30.0) -> list[str]:
     # as its own stop would have removed it
     log_dir = state.get("log_dir")
     if state.get("own_log_dir") and log_dir and os.path.isdir(log_dir) \
-            and not os.environ.get("ZPATH_KEEP_LOGS"):
+            and not keep_logs:
         if _made_by_zpath_up(log_dir):
             shutil.rmtree(log_dir, ignore_errors=True)
             done.append(f"removed its log directory {log_dir}")

@@ -40,7 +40,12 @@ from typing import Any, Callable, Iterator
 import psutil
 import pytest
 
+import zpath as zp
+from zpath.client.connection import Client
+from zpath.cluster.launcher import LocalCluster, default_shape
+from zpath.config import ClusterConfig
 from zpath.errors import ZpathError
+from zpath.net import messages as m
 
 
 def assert_gone(pids: list[int], timeout: float = 10.0) -> None:
@@ -59,9 +64,10 @@ def assert_gone(pids: list[int], timeout: float = 10.0) -> None:
 @contextlib.contextmanager
 def running_cluster(**kwargs: Any) -> Iterator[Any]:
     """A ``LocalCluster(**kwargs)``, stopped at the end; checks that every
-    process it started (workers added later included) is gone."""
-    from zpath.cluster.launcher import LocalCluster
-
+    process it started (workers added later included) is gone. Its settings
+    (``config``) come from the environment unless given (ZPATH_START_TIMEOUT,
+    ZPATH_KEEP_LOGS)."""
+    kwargs.setdefault("config", ClusterConfig.from_env())
     c = LocalCluster(**kwargs)
     try:
         yield c
@@ -75,8 +81,6 @@ def running_cluster(**kwargs: Any) -> Iterator[Any]:
 def connected(cluster: Any, name: str = "test") -> Iterator[Any]:
     """``zp.connect`` to ``cluster`` (anything with ``address`` and ``key``);
     ``zp.shutdown()`` at the end."""
-    import zpath as zp
-
     conn = zp.connect(cluster.address, cluster.key, name=name)
     try:
         yield conn
@@ -88,8 +92,6 @@ def _host_process(cluster: Any, host: int | str) -> tuple[str, subprocess.Popen]
     """The (process name, Popen) of a worker of a local cluster."""
     names = dict(getattr(cluster, "expected", {}))        # process name -> host name
     if isinstance(host, int):
-        from zpath.client.connection import Client
-        from zpath.net import messages as m
         c = Client(cluster.address, cluster.key, name="zpath.cluster.testing")
         try:
             st = c.request(m.StatusRequest(False))
@@ -161,8 +163,6 @@ def zpath_cluster() -> Iterator[Callable[..., Any]]:
 @pytest.fixture(scope="session")
 def zpath_session_cluster() -> Iterator[Any]:
     """One local cluster of the default shape for the whole test session."""
-    from zpath.cluster.launcher import default_shape
-
     with running_cluster(**default_shape()) as c:
         yield c
 
