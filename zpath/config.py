@@ -19,6 +19,14 @@ from zpath.errors import ZpathError
 
 T = TypeVar("T")
 
+# How long a worker may hold a finished computation's report to send it with
+# the next ones' (one Batch): a short computation followed at once by another
+# short one, and at most (half the queued work's time) one that the controller
+# let hold (Execute.hold) with a deep queue behind it. Both ends need them: the
+# worker holds, the controller leaves room for the hold in its windows.
+HOLD_SHORT_S = 0.002
+HOLD_DEEP_S = 0.05
+
 
 def setting(default: Any, env: str, doc: str) -> Any:
     """A config field read from ``env`` by ``from_env``."""
