@@ -30,7 +30,7 @@ from zpath.net import channels, codec
 from zpath.net import messages as m
 from zpath.net.codec import PROTOCOL_VERSION, Header, Record
 from zpath.net.transport import BadMessage, Endpoint, make_context, unbatched
-from zpath.worker.executor import HOLD_DEEP_S
+from zpath.config import HOLD_DEEP_S
 
 log = logging.getLogger(__name__)
 
