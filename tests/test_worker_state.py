@@ -10,7 +10,7 @@ import pytest
 from zpath.ids import buffer_id, client_of, serial_of
 from zpath.net import channels
 from zpath.net import messages as m
-from zpath.worker.state import (FETCH_HEAP_MIN, IDLE_WAIT_S, MAX_FETCH_TIMEOUT_S, FusedRun,
+from zpath.worker.state import (FETCH_HEAP_MIN, IDLE_WAIT_S, MAX_FETCH_TIMEOUT_S, Chunks, FusedRun,
                                 ShapedLink, WorkerState, fetch_timeout)
 
 pytestmark = pytest.mark.timeout(30)
@@ -25,7 +25,7 @@ class Clock:
         return self.now
 
 
-def checked(state: WorkerState | ShapedLink):
+def checked(state: WorkerState | ShapedLink | Chunks):
     """Call ``validate_state`` after every call of one of the state's methods."""
     class Proxy:
         def __getattr__(self, name):
@@ -190,3 +190,42 @@ def test_the_shaped_link_paces_pieces_and_forgets_a_lost_peer():
 def test_an_unshaped_link_is_inactive():
     link = ShapedLink(channels.Shaper())
     assert not link.active
+
+
+def _typed(aval: m.Aval, flat: np.ndarray) -> np.ndarray:
+    return flat.view(np.dtype(aval.dtype)).reshape(aval.shape)
+
+
+def test_chunks_assemble_a_piece_and_a_refused_piece_drops_its_later_chunks():
+    chunks = checked(Chunks(_typed))
+    av = m.Aval([4], "float32")
+    data = np.arange(4, dtype=np.float32).view(np.uint8)
+    assert chunks.take(m.PieceChunk(1, av, 0, 16), [data[:8]]) is None
+    got = chunks.take(m.PieceChunk(1, av, 8, 16), [data[8:]])
+    np.testing.assert_array_equal(got, np.arange(4, dtype=np.float32))
+    # a chunk past the piece's end: refused, and so are its later chunks,
+    # until the last one (then nothing is left of it)
+    assert chunks.take(m.PieceChunk(2, av, 0, 16), [data[:8]]) is None
+    with pytest.raises(ValueError):
+        chunks.take(m.PieceChunk(2, av, 12, 16), [data[:8]])
+    chunks.refuse(2)
+    assert chunks.take(m.PieceChunk(2, av, 8, 16), [data[8:]]) is None
+    assert chunks.partial == {}
+    # a piece that failed (FailPieces) while it came
+    assert chunks.take(m.PieceChunk(3, av, 0, 16), [data[:8]]) is None
+    chunks.forget(3)
+    assert chunks.partial == {}
+
+
+def test_shared_memory_pieces_are_lent_while_the_budget_allows():
+    s = checked(WorkerState(15.0, 0.0))
+    big = channels.ZERO_COPY_RECV
+    assert not s.lend(0, big - 1)                          # small: copied out
+    assert not s.lend(channels.XLA_ALIGN // 2, big)        # XLA would copy it anyway
+    n = channels.LEND_MAX_BYTES // big
+    for _ in range(n):
+        assert s.lend(0, big)
+        s.lent(big)
+    assert not s.lend(0, big)                              # over the budget: copied out
+    s.returned(big)
+    assert s.lend(0, big)

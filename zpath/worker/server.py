@@ -37,7 +37,7 @@ from zpath.net import messages as m
 from zpath.net.codec import PROTOCOL_VERSION, Record
 from zpath.net.transport import BadMessage, Endpoint, Outbox, backoff, make_context, unbatched
 from zpath.worker.executor import Executor
-from zpath.worker.state import FusedRun, PendingFetch, ShapedLink, WorkerState
+from zpath.worker.state import Chunks, FusedRun, PendingFetch, ShapedLink, WorkerState
 from zpath.worker.store import Entry, PieceKey, Store, shard_key
 
 try:       # internal APIs of JAX, to bind gloo (see _gloo_listens_on)
@@ -115,14 +115,11 @@ class Worker:
         # (peer identity, segment) of pieces lent in their segment that nothing
         # refers to any more; filled by finalizers, acknowledged by the I/O thread
         self.freed_segments: queue.SimpleQueue[tuple[bytes, str, int]] = queue.SimpleQueue()
-        self.lent_bytes = 0       # of pieces lent now (I/O thread only)
         self.stats = dict.fromkeys(m.ChannelStats.__dataclass_fields__, 0)
         # recent (piece id, wall time) of sends begun and pieces stored, for benchmarks
         self.sent_at: collections.deque = collections.deque(maxlen=256)
         self.received_at: collections.deque = collections.deque(maxlen=256)
-        # shaped DCN pieces arriving as PieceChunks: piece id -> [array, its bytes,
-        # bytes received], or None once refused (later chunks are dropped)
-        self.partial: dict[int, list | None] = {}
+        self.chunks = Chunks(_array)     # shaped DCN pieces arriving as PieceChunks
         self.poller = zmq.Poller()
         self.peer_socks: dict[int, zmq.Socket] = {}
         self.peer_addrs: dict[int, tuple[str, str]] = {}   # rank -> (address, CURVE key)
@@ -204,16 +201,7 @@ class Worker:
             poller.register(self.dcn, zmq.POLLIN)
         self.state.heard_from_controller(time.monotonic())
         while self.running:
-            wait = min(self._expire_fetches(), self._send_shaped())
-            if self.chaining:       # the executor holds short reports: it will hold more
-                wait = min(wait, HOLD_SHORT_S)
-            # (wait_until before held_timeout: a report held in between wakes us)
-            ms = max(1, math.ceil(wait * 1000))
-            self.outbox.wait_until = time.monotonic() + ms / 1000
-            held = self.outbox.held_timeout()
-            if held is not None and held < wait:
-                ms = math.ceil(held * 1000)       # 0 when due: just look, then send them
-                self.outbox.wait_until = time.monotonic() + ms / 1000
+            ms = self._poll_ms(min(self._expire_fetches(), self._send_shaped()))
             events = dict(poller.poll(timeout=ms))
             if self.ctl in events:
                 self._drain(self.ctl, router=False)
@@ -237,6 +225,20 @@ class Worker:
         except Exception as e:
             log.warning("could not send the last messages: %s", e)
         self.close()
+
+    def _poll_ms(self, wait: float) -> int:
+        """Milliseconds the loop may wait for its sockets: ``wait`` (seconds,
+        at least 1 ms), or less so that held reports go at their deadline."""
+        if self.chaining:       # the executor holds short reports: it will hold more
+            wait = min(wait, HOLD_SHORT_S)
+        # (wait_until before held_timeout: a report held in between wakes us)
+        ms = max(1, math.ceil(wait * 1000))
+        self.outbox.wait_until = time.monotonic() + ms / 1000
+        held = self.outbox.held_timeout()
+        if held is not None and held < wait:
+            ms = math.ceil(held * 1000)       # 0 when due: just look, then send them
+            self.outbox.wait_until = time.monotonic() + ms / 1000
+        return ms
 
     def close(self) -> None:
         if self.executor is not None:
@@ -406,7 +408,7 @@ class Worker:
                 self.store.fail_buffers(msg.buffers, msg.error)
             case m.FailPieces():
                 for piece_id in msg.piece_ids:
-                    self.partial.pop(piece_id, None)
+                    self.chunks.forget(piece_id)
                     self.store.set(PieceKey(piece_id), error=msg.error)
             case m.Shutdown():
                 log.info("controller asked us to exit: %s", msg.reason)
@@ -449,7 +451,7 @@ class Worker:
                 ident, segment, size = self.freed_segments.get_nowait()
             except queue.Empty:
                 break
-            self.lent_bytes -= size
+            self.state.returned(size)
             by_peer.setdefault(ident, []).append(segment)
         for ident, segments in by_peer.items():
             try:
@@ -526,9 +528,9 @@ class Worker:
             case m.PieceChunk():
                 key = PieceKey(msg.piece_id)
                 try:
-                    arr = self._take_chunk(msg, buffers)
+                    arr = self.chunks.take(msg, buffers)
                 except (ValueError, TypeError) as e:
-                    self.partial[msg.piece_id] = None
+                    self.chunks.refuse(msg.piece_id)
                     self.post_data(ident, m.Error("bad_request", str(e)), parent=msg_id)
                     self.store.set(key, error=m.ErrorInfo("RemoteError", f"bad PieceChunk: {e}",
                                                           self.rank, "", ""))
@@ -541,14 +543,13 @@ class Worker:
                 key = PieceKey(msg.piece_id)
                 lent = False
                 try:
-                    if msg.size >= channels.ZERO_COPY_RECV and msg.offset % channels.XLA_ALIGN == 0 \
-                            and self.lent_bytes + msg.size <= channels.LEND_MAX_BYTES:
+                    if self.state.lend(msg.offset, msg.size):
                         # no copy: the piece stays in the segment, acknowledged
                         # once nothing here refers to it (see _ack_freed)
                         raw = self.shm_in.view(msg.segment, msg.offset, msg.size, msg.drop,
                                                self._freed_callback(ident, msg.segment, msg.size))
                         lent = True
-                        self.lent_bytes += msg.size
+                        self.state.lent(msg.size)
                     else:
                         raw = self.shm_in.take(msg.segment, msg.offset, msg.size, msg.drop)
                 except (OSError, ValueError) as err:
@@ -586,31 +587,6 @@ class Worker:
             case _:
                 self.post_data(ident, m.Error("bad_request", f"{type(msg).__name__} is not "
                                               "accepted on the data port"), parent=msg_id)
-
-    def _take_chunk(self, msg: m.PieceChunk, buffers: list) -> np.ndarray | None:
-        """Copy a chunk into its piece; the piece's array once it is complete."""
-        if msg.piece_id in self.partial and self.partial[msg.piece_id] is None:
-            if msg.offset + (buffers[0].nbytes if buffers else 0) >= msg.nbytes:
-                del self.partial[msg.piece_id]      # the refused piece's last chunk
-            return None
-        if len(buffers) != 1:
-            raise ValueError(f"expected one data buffer, got {len(buffers)}")
-        part = self.partial.get(msg.piece_id)
-        if part is None:
-            flat = channels.recv_buffers.get(max(msg.nbytes, 0))     # device_put takes it over
-            part = self.partial[msg.piece_id] = [_array(msg.aval, [flat]), flat, 0]
-        arr, flat, got = part
-        size = buffers[0].nbytes
-        if msg.nbytes != flat.nbytes or msg.offset < 0 or msg.offset + size > flat.nbytes \
-                or got + size > flat.nbytes:
-            raise ValueError(f"chunk [{msg.offset}, {msg.offset + size}) does not fit piece "
-                             f"{msg.piece_id} of {flat.nbytes} bytes ({got} received)")
-        flat[msg.offset:msg.offset + size] = np.frombuffer(buffers[0], np.uint8)
-        part[2] = got + size
-        if part[2] < flat.nbytes:
-            return None
-        del self.partial[msg.piece_id]
-        return arr
 
     def _reply_fetch(self, p: PendingFetch, e: Entry) -> None:
         if not p.claim():

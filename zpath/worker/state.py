@@ -7,10 +7,11 @@ they return. Everything here is touched by the I/O thread only, except
 
 * :class:`WorkerState` — the fused programs this host knows (DefineFused,
   DropFused, RunFused), the clients that left (their later Puts are dropped),
-  the fetches waiting for a shard with their deadlines, and when the
-  controller was last heard from.
+  the fetches waiting for a shard with their deadlines, when the controller
+  was last heard from, and the bytes of shared-memory pieces lent now.
 * :class:`ShapedLink` — the emulated DCN link's queue: when each piece (or
   chunk of one) is handed to TCP.
+* :class:`Chunks` — shaped DCN pieces arriving as PieceChunks, until whole.
 * :class:`IdRanges` — a compact set of ids (the departed clients).
 
 ``validate_state()`` checks each one's invariants; tests call it after every
@@ -24,7 +25,9 @@ import heapq
 import itertools
 import math
 import threading
-from typing import Any
+from typing import Any, Callable
+
+import numpy as np
 
 from zpath.ids import client_of
 from zpath.net import channels
@@ -171,6 +174,7 @@ class WorkerState:
         self.fetches: list[tuple[float, int, PendingFetch]] = []
         self.fetch_heap_limit = FETCH_HEAP_MIN
         self._arrivals = itertools.count()
+        self.lent_bytes = 0        # of shared-memory pieces lent now (see lend)
 
     # ---- the controller ------------------------------------------------------
     def heard_from_controller(self, now: float) -> None:
@@ -207,6 +211,22 @@ class WorkerState:
     def put_from_gone_client(self, buffer: int) -> bool:
         """Whether a Put of this buffer comes from a client that has left (dropped)."""
         return client_of(buffer) in self.gone_clients
+
+    # ---- shared-memory pieces ------------------------------------------------
+    def lend(self, offset: int, size: int) -> bool:
+        """Whether a ShmPiece of ``size`` bytes at ``offset`` in its segment is
+        taken as it lies there (no copy: XLA adopts it, and the segment is
+        acknowledged once nothing refers to it) rather than copied out; the
+        caller calls :meth:`lent` once it is."""
+        return size >= channels.ZERO_COPY_RECV and offset % channels.XLA_ALIGN == 0 \
+            and self.lent_bytes + size <= channels.LEND_MAX_BYTES
+
+    def lent(self, size: int) -> None:
+        self.lent_bytes += size
+
+    def returned(self, size: int) -> None:
+        """A lent piece is no longer referred to (its segment is acknowledged)."""
+        self.lent_bytes -= size
 
     # ---- fetches -------------------------------------------------------------
     def fetch(self, ident: bytes, msg: m.Fetch, now: float) -> PendingFetch:
@@ -257,6 +277,7 @@ class WorkerState:
         assert all(e[0] == e[2].deadline for e in h)
         assert self.fetch_heap_limit >= FETCH_HEAP_MIN
         assert len(h) <= self.fetch_heap_limit + 1
+        assert 0 <= self.lent_bytes <= channels.LEND_MAX_BYTES
 
 
 class ShapedLink:
@@ -316,3 +337,57 @@ class ShapedLink:
             assert h[(i - 1) // 2][:2] <= h[i][:2], "shaped heap order"
         assert all(math.isfinite(e[0]) for e in h)
         assert len({e[1] for e in h}) == len(h), "sequence numbers are unique"
+
+
+class Chunks:
+    """Shaped DCN pieces arriving as PieceChunks (see :class:`ShapedLink`),
+    each copied into its piece's array as it comes. ``make(aval, flat)`` types
+    a piece's bytes as its array (ValueError or TypeError if it cannot)."""
+
+    def __init__(self, make: Callable[[m.Aval, np.ndarray], np.ndarray]) -> None:
+        self.make = make
+        # piece id -> [array, its bytes, bytes received], or None once refused
+        # (its later chunks are dropped)
+        self.partial: dict[int, list | None] = {}
+
+    def take(self, msg: m.PieceChunk, buffers: list) -> np.ndarray | None:
+        """Copy a chunk into its piece; the piece's array once it is complete.
+        A chunk that does not fit raises ValueError (or TypeError): the caller
+        then calls :meth:`refuse`."""
+        if msg.piece_id in self.partial and self.partial[msg.piece_id] is None:
+            if msg.offset + (buffers[0].nbytes if buffers else 0) >= msg.nbytes:
+                del self.partial[msg.piece_id]      # the refused piece's last chunk
+            return None
+        if len(buffers) != 1:
+            raise ValueError(f"expected one data buffer, got {len(buffers)}")
+        part = self.partial.get(msg.piece_id)
+        if part is None:
+            flat = channels.recv_buffers.get(max(msg.nbytes, 0))     # device_put takes it over
+            part = self.partial[msg.piece_id] = [self.make(msg.aval, flat), flat, 0]
+        arr, flat, got = part
+        size = buffers[0].nbytes
+        if msg.nbytes != flat.nbytes or msg.offset < 0 or msg.offset + size > flat.nbytes \
+                or got + size > flat.nbytes:
+            raise ValueError(f"chunk [{msg.offset}, {msg.offset + size}) does not fit piece "
+                             f"{msg.piece_id} of {flat.nbytes} bytes ({got} received)")
+        flat[msg.offset:msg.offset + size] = np.frombuffer(buffers[0], np.uint8)
+        part[2] = got + size
+        if part[2] < flat.nbytes:
+            return None
+        del self.partial[msg.piece_id]
+        return arr
+
+    def refuse(self, piece_id: int) -> None:
+        """The piece is refused (a bad chunk): its later chunks are dropped."""
+        self.partial[piece_id] = None
+
+    def forget(self, piece_id: int) -> None:
+        """The piece failed (FailPieces): what came of it goes."""
+        self.partial.pop(piece_id, None)
+
+    def validate_state(self) -> None:
+        for piece_id, part in self.partial.items():
+            if part is not None:
+                arr, flat, got = part
+                assert 0 <= got < flat.nbytes, (piece_id, got, flat.nbytes)
+                assert arr.nbytes == flat.nbytes, piece_id
