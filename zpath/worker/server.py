@@ -583,7 +583,7 @@ class Worker:
                 pending = self.state.fetch(ident, msg, time.monotonic())
                 pending.key = shard_key(msg.buffer, msg.device, msg.region)
                 pending.cb = lambda e, p=pending: self.pool.submit(self._reply_fetch, p, e)
-                self.store.when_done(key, pending.cb)
+                self.store.when_done(pending.key, pending.cb)
             case _:
                 self.post_data(ident, m.Error("bad_request", f"{type(msg).__name__} is not "
                                               "accepted on the data port"), parent=msg_id)
