@@ -14,7 +14,7 @@ from zpath.ids import buffer_id
 from zpath.net import messages as m
 from zpath.worker.executor import Executor
 from zpath.worker.server import Worker
-from zpath.worker.store import shard_key
+from zpath.worker.store import PieceKey, shard_key
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -88,3 +88,19 @@ def test_a_run_of_an_unknown_fused_program_is_reported_failed(worker):
     assert kind == "ctl" and done.exec_id == 11
     assert done.error.kind == "FusedUnknown" and "fused program 4 is unknown here" in done.error.message
     worker.state.validate_state()
+
+
+def test_a_piece_in_chunks_is_stored_once_whole(worker):
+    av = m.Aval([4], "float32")
+    data = np.arange(4, dtype=np.float32).view(np.uint8)
+    worker._handle_data(b"peer", 1, m.PieceChunk(3, av, 0, 16), [data[:8]])
+    assert not worker.store.is_done(PieceKey(3))
+    worker._handle_data(b"peer", 2, m.PieceChunk(3, av, 8, 16), [data[8:]])
+    e = worker.store.entry(PieceKey(3))
+    assert e.done and e.error is None and e.value.tolist() == [0.0, 1.0, 2.0, 3.0]
+    # a chunk that does not fit fails the piece and is answered with an error
+    worker._handle_data(b"peer", 3, m.PieceChunk(4, av, 12, 16), [data[:8]])
+    [(kind, target, reply)] = sent(worker)
+    assert (kind, target) == ("data", b"peer") and reply.code == "bad_request"
+    assert worker.store.entry(PieceKey(4)).error.message.startswith("bad PieceChunk")
+    worker.chunks.validate_state()

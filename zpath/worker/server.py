@@ -119,7 +119,8 @@ class Worker:
         # recent (piece id, wall time) of sends begun and pieces stored, for benchmarks
         self.sent_at: collections.deque = collections.deque(maxlen=256)
         self.received_at: collections.deque = collections.deque(maxlen=256)
-        self.chunks = Chunks(_array)     # shaped DCN pieces arriving as PieceChunks
+        # shaped DCN pieces arriving as PieceChunks
+        self.chunks = Chunks(lambda aval, flat: _array(aval, [flat]))
         self.poller = zmq.Poller()
         self.peer_socks: dict[int, zmq.Socket] = {}
         self.peer_addrs: dict[int, tuple[str, str]] = {}   # rank -> (address, CURVE key)
