@@ -3,9 +3,14 @@
 * control: a DEALER to the controller (programs, Execute, SendPiece, Ping).
 * data: a ROUTER other workers and clients connect to (Put, Piece, Fetch).
 
-The I/O thread owns both sockets and one DEALER per peer; the executor thread
-runs computations; replies that wait on a shard are sent from a small pool once
-the shard is done."""
+The I/O thread owns both sockets and one DEALER per peer: it receives, hands
+each event and the time to the pure state (``state.py``: fused programs,
+departed clients, fetch deadlines, controller silence, the shaped DCN queue,
+chunked pieces) or to the executor, and sends what they give back. The
+executor threads run computations; replies that wait on a shard are sent from
+a small pool once the shard is done. Configuration (``WorkerConfig``,
+``CommonConfig``) is built in ``main()`` and passed down (see
+docs/design-worker.md)."""
 from __future__ import annotations
 
 import argparse
