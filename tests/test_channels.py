@@ -414,7 +414,7 @@ def test_a_piece_that_comes_after_its_consumer_failed_is_not_kept():
     import jax
 
     from zpath.worker.executor import Executor
-    from zpath.worker.store import Store
+    from zpath.worker.store import PieceKey, Store
 
     store, done = Store(), queue.Queue()
     dev = jax.devices()[0]
@@ -427,8 +427,8 @@ def test_a_piece_that_comes_after_its_consumer_failed_is_not_kept():
                             [m.ExecOutput(6, av, [None])]))
         i, err = done.get(timeout=30)
         assert i == 1 and err is not None and "never sent" in err.message   # no such program
-        store.set(("p", 77), np.zeros(4, np.float32))      # the piece comes late
-        e = store.entry(("p", 77))
+        store.set(PieceKey(77), np.zeros(4, np.float32))      # the piece comes late
+        e = store.entry(PieceKey(77))
         assert e.error is not None and e.value is None     # refused: nothing keeps it
     finally:
         ex.stop()

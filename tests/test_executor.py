@@ -17,7 +17,7 @@ import threading
 
 import pytest
 
-from zpath.worker.store import Store
+from zpath.worker.store import Store, shard_key
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -471,7 +471,7 @@ def test_computations_the_controller_lets_hold_with_a_deep_queue_are_reported_wi
 
 def test_store_wait_set_and_callbacks():
     store = Store()
-    key = ("s", 1, 0, ((0, 1),))
+    key = shard_key(1, 0, [[0, 1]])
     assert not store.wait(key, 0.01).done          # times out
     seen = []
     store.when_done(key, lambda e: seen.append(e.value))

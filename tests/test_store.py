@@ -1,6 +1,11 @@
 """The worker's object store: freed buffer ids are remembered for a while, so a
 client's Put that comes after the Free is dropped rather than kept for good."""
+import threading
+
+from zpath.ids import buffer_id
+from zpath.net import messages as m
 from zpath.worker import store as st
+from zpath.worker.state import IdRanges
 
 
 def test_freed_buffers_are_remembered_until_they_expire():
@@ -41,8 +46,6 @@ def test_a_forgotten_waiter_leaves_no_entry():
 
 
 def test_failed_buffers_fail_their_waiters_and_later_shards():
-    import threading
-    from zpath.net import messages as m
     s = st.Store()
     err = m.ErrorInfo("RemoteError", "client left", None, "", "")
     key, later = st.shard_key(5, 0, [[0, 2]]), st.shard_key(5, 1, [[0, 2]])
@@ -62,7 +65,6 @@ def test_failed_buffers_fail_their_waiters_and_later_shards():
 
 
 def test_a_copy_assembled_again_replaces_an_earlier_error_only():
-    from zpath.net import messages as m
     s = st.Store()
     err = m.ErrorInfo("RemoteError", "boom", 0, "f", "")
     key = st.shard_key(7, 0, [[0, 4]])
@@ -85,31 +87,32 @@ def test_a_copy_assembled_again_replaces_an_earlier_error_only():
 
 def test_a_clients_buffers_are_found_by_its_id_prefix():
     s = st.Store()
-    a, b, c = (3 << 32) | 1, (3 << 32) | 2, (4 << 32) | 1
+    a, b, c = buffer_id(3, 1), buffer_id(3, 2), buffer_id(4, 1)
     for buf in (a, b, c):
         s.set(st.shard_key(buf, 0, ((0, 1),)), buf)
     s.set(st.shard_key(a, 1, ((1, 2),)), a)
-    s.fail_buffers([(3 << 32) | 9], st.m.ErrorInfo("RemoteError", "gone", None, "", ""))
-    assert sorted(s.buffers_of(3)) == [a, b, (3 << 32) | 9] and s.buffers_of(4) == [c]
+    s.fail_buffers([buffer_id(3, 9)], m.ErrorInfo("RemoteError", "gone", None, "", ""))
+    assert sorted(s.buffers_of(3)) == [a, b, buffer_id(3, 9)] and s.buffers_of(4) == [c]
     assert s.buffers_of(5) == []
     # freed without being remembered: gone from the index, a later Put not refused here
-    assert s.free_buffers([a, (3 << 32) | 9], remember=False) == 2
+    assert s.free_buffers([a, buffer_id(3, 9)], remember=False) == 2
     assert s.buffers_of(3) == [b] and not s.was_freed(a)
     s.free_buffers([b])
     assert s.buffers_of(3) == [] and s.was_freed(b)
     # a waiter that goes away leaves no index entry behind
-    key = st.shard_key((6 << 32) | 1, 0, ((0, 1),))
+    key = st.shard_key(buffer_id(6, 1), 0, ((0, 1),))
     s.when_done(key, cb := (lambda e: None))
-    assert s.buffers_of(6) == [(6 << 32) | 1]
+    assert s.buffers_of(6) == [buffer_id(6, 1)]
     s.forget(key, cb)
     assert s.buffers_of(6) == []
 
 
 def test_id_ranges_merge_runs_and_answer_membership():
-    r = st.IdRanges()
+    r = IdRanges()
     for n in (5, 7, 6, 1, 10, 9, 3, 3):
         r.add(n)
     # ranges: [1], [3], [5-7], [9-10]
+    r.validate_state()
     assert len(r) == 4
     assert [n for n in range(12) if n in r] == [1, 3, 5, 6, 7, 9, 10]
     r.add(2)                  # joins [1] and [3]
@@ -117,7 +120,8 @@ def test_id_ranges_merge_runs_and_answer_membership():
     assert len(r) == 2 and [n for n in range(12) if n in r] == [1, 2, 3, 5, 6, 7, 8, 9, 10]
     r.add(4)
     assert len(r) == 1 and 0 not in r and 11 not in r
-    big = st.IdRanges()
+    big = IdRanges()
     for n in range(1, 100_001):     # clients leave in order: one range
         big.add(n)
+    big.validate_state()
     assert len(big) == 1 and 100_000 in big and 100_001 not in big

@@ -21,11 +21,6 @@ from zpath.errors import ZpathError
 
 T = TypeVar("T")
 
-# seconds a worker may hold a computation's report back while work is queued
-# behind it (the worker decides; the controller lets it only where the solo
-# window is at least twice as long: see zpath/controller/holding.py)
-HOLD_DEEP_S = 0.05
-
 # multi-tenant scheduling policies of the controller (ControllerConfig.policy)
 POLICIES = ("fifo", "share")
 
@@ -39,6 +34,14 @@ INTERNAL_ENV = {
     "ZPATH_PARENT_PID": "the launcher's pid, put in a child's environment so that it dies "
                         "with the launcher (zpath/process.py)",
 }
+
+# How long a worker may hold a finished computation's report to send it with
+# the next ones' (one Batch): a short computation followed at once by another
+# short one, and at most (half the queued work's time) one that the controller
+# let hold (Execute.hold) with a deep queue behind it. Both ends need them: the
+# worker holds, the controller leaves room for the hold in its windows.
+HOLD_SHORT_S = 0.002
+HOLD_DEEP_S = 0.05
 
 
 def setting(default: Any, env: str, doc: str) -> Any:

@@ -38,7 +38,9 @@ from typing import Any, Callable
 
 import numpy as np
 
-SHM_DIR = os.environ.get("ZPATH_SHM_DIR", "/dev/shm")
+# where segments are made unless a caller names another folder (the worker
+# passes CommonConfig.shm_dir, ZPATH_SHM_DIR)
+SHM_DIR = "/dev/shm"
 # pieces at least this big are lent to the receiver in their segment (no copy
 # there); smaller ones are copied out and their segment is free again at once
 ZERO_COPY_RECV = 1 << 20
@@ -147,13 +149,13 @@ class RecvBuffers:
 recv_buffers = RecvBuffers()
 
 
-def machine_id() -> str:
+def machine_id(override: str = "") -> str:
     """Identifies this machine (and its /dev/shm) for this boot: the kernel's
     boot id and the host name (containers on one kernel share the boot id but
-    not /dev/shm, and have their own host names). ``ZPATH_MACHINE_ID`` overrides."""
-    env = os.environ.get("ZPATH_MACHINE_ID")
-    if env:
-        return env
+    not /dev/shm, and have their own host names). ``override`` (when not
+    empty: CommonConfig.machine_id, ZPATH_MACHINE_ID) is returned as it is."""
+    if override:
+        return override
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
             boot = f.read().strip()
@@ -167,16 +169,16 @@ def shm_prefix(key: bytes) -> str:
     return "zpath-" + hashlib.sha256(b"zpath-shm:" + key).hexdigest()[:8]
 
 
-def shm_available() -> bool:
-    return os.path.isdir(SHM_DIR) and os.access(SHM_DIR, os.W_OK)
+def shm_available(shm_dir: str = SHM_DIR) -> bool:
+    return os.path.isdir(shm_dir) and os.access(shm_dir, os.W_OK)
 
 
-def cleanup(prefix: str, pid: int | None = None) -> int:
-    """Unlink segments named ``prefix-*`` (only ``prefix-pid-*`` with a pid).
-    Returns how many were removed."""
+def cleanup(prefix: str, pid: int | None = None, shm_dir: str = SHM_DIR) -> int:
+    """Unlink segments named ``prefix-*`` in ``shm_dir`` (only ``prefix-pid-*``
+    with a pid). Returns how many were removed."""
     pattern = f"{prefix}-{pid}-*" if pid is not None else f"{prefix}-*"
     n = 0
-    for path in glob.glob(os.path.join(SHM_DIR, pattern)):
+    for path in glob.glob(os.path.join(shm_dir, pattern)):
         try:
             os.unlink(path)
             n += 1
@@ -185,9 +187,9 @@ def cleanup(prefix: str, pid: int | None = None) -> int:
     return n
 
 
-def segments(prefix: str) -> list[str]:
-    """Names of the segments with this prefix that exist now."""
-    return sorted(os.path.basename(p) for p in glob.glob(os.path.join(SHM_DIR, f"{prefix}-*")))
+def segments(prefix: str, shm_dir: str = SHM_DIR) -> list[str]:
+    """Names of the segments with this prefix that exist now in ``shm_dir``."""
+    return sorted(os.path.basename(p) for p in glob.glob(os.path.join(shm_dir, f"{prefix}-*")))
 
 
 class _Segment:
@@ -205,10 +207,11 @@ def _close(mm: mmap.mmap) -> None:
 
 
 class ShmSender:
-    """Sending side: per-peer pools of segments. Thread-safe."""
+    """Sending side: per-peer pools of segments in ``shm_dir``. Thread-safe."""
 
-    def __init__(self, prefix: str) -> None:
+    def __init__(self, prefix: str, shm_dir: str = SHM_DIR) -> None:
         self.prefix = f"{prefix}-{os.getpid()}"
+        self.shm_dir = shm_dir
         self._lock = threading.Lock()
         self._ids = itertools.count()
         self._pools: dict[int, list[_Segment]] = {}
@@ -244,7 +247,7 @@ class ShmSender:
     def _create(self, n: int) -> _Segment:
         cap = max(MIN_SEGMENT, 1 << max(0, n - 1).bit_length())
         name = f"{self.prefix}-{next(self._ids)}"
-        path = os.path.join(SHM_DIR, name)
+        path = os.path.join(self.shm_dir, name)
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
             # reserve the pages now: a full /dev/shm fails here (and the piece
@@ -288,7 +291,7 @@ class ShmSender:
             self._drops.setdefault(peer, []).append(seg.name)
             _close(seg.mm)
             try:
-                os.unlink(os.path.join(SHM_DIR, seg.name))   # normally the peer did
+                os.unlink(os.path.join(self.shm_dir, seg.name))   # normally the peer did
             except OSError:
                 pass
 
@@ -303,7 +306,7 @@ class ShmSender:
                 self._by_name.pop(seg.name, None)
                 _close(seg.mm)
                 try:
-                    os.unlink(os.path.join(SHM_DIR, seg.name))
+                    os.unlink(os.path.join(self.shm_dir, seg.name))
                 except OSError:
                     pass
         return len(pool)
@@ -319,15 +322,16 @@ class ShmSender:
                     _close(seg.mm)
             self._pools.clear()
             self._by_name.clear()
-        cleanup(self.prefix.rsplit("-", 1)[0], os.getpid())
+        cleanup(self.prefix.rsplit("-", 1)[0], os.getpid(), self.shm_dir)
 
 
 class ShmReceiver:
     """Receiving side: maps segments (unlinking their names); takes pieces out
     with a copy (:meth:`take`), or lends them without one (:meth:`view`)."""
 
-    def __init__(self, buffers: RecvBuffers | None = None) -> None:
+    def __init__(self, buffers: RecvBuffers | None = None, shm_dir: str = SHM_DIR) -> None:
         self._maps: dict[str, mmap.mmap] = {}
+        self.shm_dir = shm_dir
         self.buffers = buffers if buffers is not None else recv_buffers
 
     def _map(self, name: str, offset: int, size: int, drop: list[str]) -> mmap.mmap:
@@ -339,7 +343,7 @@ class ShmReceiver:
             raise ValueError(f"bad segment name {name!r}")
         mm = self._maps.get(name)
         if mm is None:
-            path = os.path.join(SHM_DIR, name)
+            path = os.path.join(self.shm_dir, name)
             # read-write: a lent piece becomes a device buffer, which XLA may write
             fd = os.open(path, os.O_RDWR)
             try:

@@ -19,50 +19,34 @@ import time
 import traceback
 from typing import Any, Callable
 
+import jax
 import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from zpath import sharding
+from zpath.config import HOLD_DEEP_S, HOLD_SHORT_S
 from zpath.net import channels
 from zpath.net import messages as m
-from zpath.worker.store import Store, shard_key
+from zpath.worker.state import FusedRun
+from zpath.worker.store import PieceKey, ShardKey, Store, shard_key
+
+try:       # JAX's array class, whose constructor can skip the checks that
+    # make_array_from_single_device_arrays does (an internal name: None if gone)
+    from jax._src.array import ArrayImpl as _ArrayImpl
+except ImportError:  # pragma: no cover
+    _ArrayImpl = None
 
 log = logging.getLogger(__name__)
 
 INPUT_TIMEOUT_S = 300.0
-# A computation that ran for less than this, followed at once by another that
-# ran for less than this last time, is reported with ``hold`` (see Executor._loop).
+# Held reports (see Executor._loop): a computation that ran for less than
+# SHORT_S, followed at once by another that ran for less than that last time,
+# is reported with a hold of HOLD_SHORT_S; one that the controller let hold
+# (Execute.hold) with at least DEEP_QUEUE computations queued behind it on its
+# devices, with up to HOLD_DEEP_S (both in zpath.config: the controller
+# needs them too).
 SHORT_S = 0.001
-# how long a finished computation's report may wait to go with the next ones':
-# a short computation followed at once by another short one, and (at most, half
-# the queued work's time) one that the controller let hold (Execute.hold) with
-# at least DEEP_QUEUE computations queued behind it on its devices
-HOLD_SHORT_S = 0.002
-HOLD_DEEP_S = 0.05
 DEEP_QUEUE = 4
-
-
-class FusedRun:
-    """One run of a fused program (this host's part): its computations, in
-    order, as ``Execute`` templates whose buffer ids are codes (``n >= 0``:
-    ``first + n``; ``n < 0``: ``inputs[-n - 1]``); ``release`` (codes) are its
-    intermediates. The executor runs it as one computation on the union of
-    their devices, and reports it once. ``plan`` is a one-item list shared by
-    the runs of one fused program, where the executor keeps what it worked out
-    on the first run (see ``_FusedPlan``)."""
-
-    __slots__ = ("exec_id", "seq", "name", "devices", "executes", "inputs", "first", "release", "plan",
-                 "hold")
-
-    def __init__(self, exec_id: int, seq: int, name: str, devices: list[int],
-                 executes: list[m.Execute], inputs: list[int], first: int, release: list[int],
-                 plan: list | None = None, hold: bool = False) -> None:
-        self.exec_id, self.seq, self.name, self.devices = exec_id, seq, name, devices
-        self.executes, self.inputs, self.first, self.release = executes, inputs, first, release
-        self.plan = plan if plan is not None else [None]
-        self.hold = hold          # as RunFused.hold
-
-    def buffer(self, code: int) -> int:
-        return self.first + code if code >= 0 else self.inputs[-code - 1]
 
 
 _SETTLING = object()     # (_run: the settler thread reports this one)
@@ -103,10 +87,8 @@ class Executor:
         when nothing held should wait any more.
         ``local_devices`` maps global device id -> jax Device; ``jax_devices``
         maps JAX id -> jax Device for every device of this host's island runtime."""
-        import jax
-
         self.jax = jax
-        self.array_impl = _array_impl()
+        self.array_impl = _ArrayImpl
         self.store = store
         self.devices = local_devices
         self.jax_devices = jax_devices or {d.id: d for d in local_devices.values()}
@@ -310,7 +292,7 @@ class Executor:
         """Store output ``k`` of a computation (``out``, as ``buffer``), shard by shard."""
         store_set = self.store.set
         for gid, region, data in prepared.output_shards(k, o, out):
-            store_set(("s", buffer, gid, region), data)
+            store_set(ShardKey(buffer, gid, region), data)
 
     def _short(self, ex: "m.Execute | FusedRun") -> bool:
         """Whether ``ex`` ran for less than SHORT_S last time."""
@@ -387,7 +369,7 @@ class Executor:
             self._settles.append((ex, prepared, outs, index, nxt, done))
             self._settle_wake.put(True)
             return nxt, _SETTLING, {o.buffer: (out, prepared.out_shardings[k])
-                                    for k, (o, out) in enumerate(zip(ex.outputs, outs))}
+                                    for k, (o, out) in enumerate(zip(ex.outputs, outs, strict=True))}
         with self._settle_lock:      # after those before it
             self._drain_locked()
             error = self._settle(ex, prepared, outs, index)
@@ -410,7 +392,7 @@ class Executor:
         first, error = run.first, None
         made = _Made({run.buffer(c) for c in run.release})
         arrays, unstored = made.arrays, made.unstored
-        for sub, step in zip(run.executes, plan.steps):
+        for sub, step in zip(run.executes, plan.steps, strict=True):
             if step is not None:
                 prepared, ins, outs = step
                 try:
@@ -479,8 +461,8 @@ class Executor:
                     if p.piece_id:
                         # dropped if it came; refused if it comes later (an
                         # error stays), so a late piece is not kept forever
-                        self.store.pop(("p", p.piece_id))
-                        self.store.set(("p", p.piece_id), error=error)
+                        self.store.pop(PieceKey(p.piece_id))
+                        self.store.set(PieceKey(p.piece_id), error=error)
         return error
 
     def _poison_output(self, ex: m.Execute, o: m.ExecOutput, buffer: int, error: m.ErrorInfo) -> None:
@@ -521,7 +503,7 @@ class Executor:
                         made.unstored.discard(b)
                         _, _, source, slot, o = got
                         for gid, region, data in source.output_shards(slot, o, got[0]):
-                            self.store.set(("s", b, gid, region), data)
+                            self.store.set(ShardKey(b, gid, region), data)
             for s in inp.shards:
                 try:
                     shards.append(self._input_shard(b, inp, s))
@@ -562,8 +544,6 @@ class Executor:
         prepared = self.compiled.get(key)
         if prepared is not None:
             return prepared
-        from jax.sharding import Mesh, NamedSharding, PartitionSpec
-
         exported = self.programs.get(ex.program)
         if exported is None:
             raise RuntimeError(f"program {ex.program[:12]} was never sent to this host")
@@ -584,7 +564,7 @@ class Executor:
     def _input_shard(self, buffer: int, inp: m.ExecInput, s: m.ShardInput) -> Any:
         """The input shard of ``buffer`` for one local device: already stored,
         or assembled from pieces (and then stored, so later calls reuse it)."""
-        key = ("s", buffer, s.device, tuple(tuple(x) for x in s.region))    # shard_key
+        key = shard_key(buffer, s.device, s.region)
         if not s.pieces and all(a != b for a, b in s.region):    # the common case: stored
             return self._wait(key, buffer)
         region = sharding.from_wire(s.region)
@@ -617,8 +597,8 @@ class Executor:
                         src = self._wait(shard_key(buffer, p.device, p.region), buffer)
                         data = np.asarray(src)[sharding.local_slices(sub, sharding.from_wire(p.region))]
                     else:
-                        data = self._wait(("p", p.piece_id), buffer)
-                        self.store.pop(("p", p.piece_id))
+                        data = self._wait(PieceKey(p.piece_id), buffer)
+                        self.store.pop(PieceKey(p.piece_id))
                     out[sharding.local_slices(sub, region)] = data
                 value = self.jax.device_put(out, dev)
         except InputError as e:
@@ -635,14 +615,14 @@ class Executor:
                 sharding.from_wire(s.pieces[0].sub) != region:
             return None
         p = s.pieces[0]
-        data = self._wait(("p", p.piece_id), buffer)
+        data = self._wait(PieceKey(p.piece_id), buffer)
         if not isinstance(data, np.ndarray) or data.shape != sharding.region_shape(region) or \
                 data.dtype != np.dtype(inp.aval.dtype):
             return None     # left in the store for the assembly below, which copies or fails
-        self.store.pop(("p", p.piece_id))
+        self.store.pop(PieceKey(p.piece_id))
         return data
 
-    def _wait(self, key: tuple, buffer: int) -> Any:
+    def _wait(self, key: ShardKey | PieceKey, buffer: int) -> Any:
         if not self.store.is_done(key):
             # (it may be an output the settler has yet to store; and reports
             # must not stay held while this waits)
@@ -718,8 +698,8 @@ class _Prepared:
         return ex.jax_ids == jax_ids and ex.mesh_shape == mesh_shape and \
             ex.axis_names == axis_names and len(ex.inputs) == len(in_specs) and \
             len(ex.outputs) == len(out_specs) and \
-            all(i.spec == s for i, s in zip(ex.inputs, in_specs)) and \
-            all(o.spec == s for o, s in zip(ex.outputs, out_specs))
+            all(i.spec == s for i, s in zip(ex.inputs, in_specs, strict=True)) and \
+            all(o.spec == s for o, s in zip(ex.outputs, out_specs, strict=True))
 
     def input_array(self, k: int, inp: m.ExecInput, shards: list) -> Any:
         """The global jax.Array of input ``k`` from this host's shards (in
@@ -728,7 +708,7 @@ class _Prepared:
         fast = self.in_fast[k]
         if fast is not None and fast[0] == shape and len(shards) == len(fast[3]):
             _, dtype, shard_shape, device_sets, aval = fast
-            for a, devs in zip(shards, device_sets):
+            for a, devs in zip(shards, device_sets, strict=True):
                 if a.dtype != dtype or a.shape != shard_shape or a.sharding.device_set != devs:
                     break
             else:   # what make_array_from_single_device_arrays checks holds
@@ -750,9 +730,9 @@ class _Prepared:
         arrays = getattr(out, "_arrays", None)
         if fast is not None and fast[0] == shape and arrays is not None and len(arrays) == len(fast[1]):
             if not fast[2]:
-                return [(gid, region, a) for (gid, region, _), a in zip(fast[1], arrays)]
+                return [(gid, region, a) for (gid, region, _), a in zip(fast[1], arrays, strict=True)]
             return [(gid, region, a if empty is None else self._empty(empty, out.dtype, gid))
-                    for (gid, region, empty), a in zip(fast[1], arrays)]
+                    for (gid, region, empty), a in zip(fast[1], arrays, strict=True)]
         gid = self.executor.gid
         plan, result = [], []
         for sh in out.addressable_shards:
@@ -764,7 +744,7 @@ class _Prepared:
             plan.append((gid[sh.device], region, empty))
             result.append((gid[sh.device], region, data))
         if arrays is not None and len(arrays) == len(plan) and \
-                all(a is sh.data for a, sh in zip(arrays, out.addressable_shards)):
+                all(a is sh.data for a, sh in zip(arrays, out.addressable_shards, strict=True)):
             self.out_fast[k] = (shape, plan, any(e is not None for _, _, e in plan))
         return result
 
@@ -780,16 +760,6 @@ def _text(s: str) -> str:
         return s
     except UnicodeEncodeError:
         return s.encode("utf-8", "backslashreplace").decode("utf-8")
-
-
-def _array_impl() -> Any:
-    """JAX's array class, whose constructor can skip the checks that
-    make_array_from_single_device_arrays does (None if this JAX lacks it)."""
-    try:
-        from jax._src.array import ArrayImpl
-    except ImportError:
-        return None
-    return ArrayImpl
 
 
 def _freeze(spec: list) -> tuple:

@@ -3,56 +3,75 @@
 * control: a DEALER to the controller (programs, Execute, SendPiece, Ping).
 * data: a ROUTER other workers and clients connect to (Put, Piece, Fetch).
 
-The I/O thread owns both sockets and one DEALER per peer; the executor thread
-runs computations; replies that wait on a shard are sent from a small pool once
-the shard is done."""
+The I/O thread owns both sockets and one DEALER per peer: it receives, hands
+each event and the time to the pure state (``state.py``: fused programs,
+departed clients, fetch deadlines, controller silence, the shaped DCN queue,
+chunked pieces) or to the executor, and sends what they give back. The
+executor threads run computations; replies that wait on a shard are sent from
+a small pool once the shard is done. Configuration (``WorkerConfig``,
+``CommonConfig``) is built in ``main()`` and passed down (see
+docs/design-worker.md)."""
 from __future__ import annotations
 
+import argparse
 import collections
 import concurrent.futures
 import faulthandler
 import gc
-import heapq
 import logging
 import math
 import os
 import queue
 import signal
 import socket
-import threading
 import time
 from typing import Any
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import zmq
 
-from zpath import sharding
+from zpath import logs, sharding
+from zpath.config import HOLD_SHORT_S, CommonConfig, WorkerConfig
 from zpath.errors import ProtocolError, ZpathError
+from zpath.keys import key_from_env
 from zpath.process import die_with_parent
 from zpath.net import channels
 from zpath.net import messages as m
 from zpath.net.codec import PROTOCOL_VERSION, Record
-from zpath.net.transport import BadMessage, Endpoint, Outbox, backoff, make_context, raw, unbatched
-from zpath.worker.executor import HOLD_SHORT_S, Executor, FusedRun
-from zpath.worker.store import Entry, IdRanges, Store, shard_key
+from zpath.net.transport import BadMessage, Endpoint, Outbox, backoff, make_context, unbatched
+from zpath.worker.executor import Executor
+from zpath.worker.state import Chunks, FusedRun, PendingFetch, ShapedLink, WorkerState
+from zpath.worker.store import Entry, PieceKey, Store, shard_key
+
+try:       # internal APIs of JAX, to bind gloo (see _gloo_listens_on)
+    from jax._src import distributed as _jax_distributed
+    from jax._src import xla_bridge as _xla_bridge
+    from jax._src.lib import _jax as _jaxlib
+except ImportError as e:  # pragma: no cover
+    _gloo_missing: Exception | None = e
+else:
+    _gloo_missing = None
 
 log = logging.getLogger(__name__)
 
-CONTROLLER_SILENCE_S = float(os.environ.get("ZPATH_CONTROLLER_TIMEOUT", "15"))
 REGISTER_TIMEOUT_S = 60.0
-MAX_FETCH_TIMEOUT_S = 3600.0
 
 
 class Worker:
     def __init__(self, key: bytes, controller: str, island: int, *,
                  bind_host: str = "127.0.0.1", name: str | None = None,
                  coordinator: str = "", num_processes: int = 1, process_id: int = 0,
-                 dcn_latency_ms: float = 0.0, dcn_gbps: float = 0.0, dcn_encrypt: bool = False) -> None:
-        import jax
-
+                 dcn_latency_ms: float = 0.0, dcn_gbps: float = 0.0, dcn_encrypt: bool = False,
+                 config: WorkerConfig | None = None, common: CommonConfig | None = None) -> None:
+        self.config = config = config if config is not None else WorkerConfig()
+        self.common = common = common if common is not None else CommonConfig()
         if dcn_encrypt and not zmq.has("curve"):
             raise ZpathError("--dcn-encrypt needs CURVE, but this libzmq was built without it")
-        self.shaper = channels.Shaper(dcn_latency_ms, dcn_gbps)   # ValueError if negative
+        # ValueError if negative
+        self.shaped = ShapedLink(channels.Shaper(dcn_latency_ms, dcn_gbps))
+        self.state = WorkerState(config.controller_timeout_s, time.monotonic())
 
         jax.config.update("jax_enable_x64", True)
         self.coordinator = coordinator if num_processes > 1 else ""
@@ -94,43 +113,30 @@ class Worker:
             self.dcn.curve_secretkey = self.secret_key
             self.dcn.curve_publickey = self.public_key
             self.dcn_address = f"tcp://{bind_host}:{self.dcn.bind_to_random_port(f'tcp://{bind_host}')}"
-        self.machine = channels.machine_id()
-        self.use_shm = channels.shm_available() and os.environ.get("ZPATH_SHM", "1") != "0"
-        self.shm_out = channels.ShmSender(channels.shm_prefix(key))
-        self.shm_in = channels.ShmReceiver()
+        self.machine = channels.machine_id(common.machine_id)
+        self.use_shm = config.shm and channels.shm_available(common.shm_dir)
+        self.shm_out = channels.ShmSender(channels.shm_prefix(key), common.shm_dir)
+        self.shm_in = channels.ShmReceiver(shm_dir=common.shm_dir)
         # (peer identity, segment) of pieces lent in their segment that nothing
         # refers to any more; filled by finalizers, acknowledged by the I/O thread
         self.freed_segments: queue.SimpleQueue[tuple[bytes, str, int]] = queue.SimpleQueue()
-        self.lent_bytes = 0       # of pieces lent now (I/O thread only)
         self.stats = dict.fromkeys(m.ChannelStats.__dataclass_fields__, 0)
         # recent (piece id, wall time) of sends begun and pieces stored, for benchmarks
         self.sent_at: collections.deque = collections.deque(maxlen=256)
         self.received_at: collections.deque = collections.deque(maxlen=256)
-        self.shaped: list[tuple[float, int, int, Record, Any]] = []   # heap of DCN sends
-        self._shaped_seq = 0
-        # shaped DCN pieces arriving as PieceChunks: piece id -> [array, its bytes,
-        # bytes received], or None once refused (later chunks are dropped)
-        self.partial: dict[int, list | None] = {}
+        # shaped DCN pieces arriving as PieceChunks
+        self.chunks = Chunks(lambda aval, flat: _array(aval, [flat]))
         self.poller = zmq.Poller()
         self.peer_socks: dict[int, zmq.Socket] = {}
         self.peer_addrs: dict[int, tuple[str, str]] = {}   # rank -> (address, CURVE key)
         self.outbox = Outbox()
-        self.chaining = False       # the executor's last report was held
+        self.chaining = False       # held reports: the executor's last report was held
         self.store = Store()
         self.pool = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="send")
         self.rank: int | None = None
         self.executor: Executor | None = None
-        self.gone_clients = IdRanges()          # clients that left: their Puts are dropped
         self.device_ids: list[int] = []
         self.running = True
-        self.last_controller = time.monotonic()
-        self.fetch_deadlines: list[tuple[float, int, _PendingFetch]] = []   # heap
-        self.fetch_heap_limit = 1024
-        self.profiler: _Profiler | None = None
-        # fused programs (DefineFused): id -> (definition, its devices, slots it reads)
-        # fused program -> (its definition, its local devices, how many inputs
-        # it reads, what the executor keeps for its runs: FusedRun.plan)
-        self.fused: dict[int, tuple[m.DefineFused, list[int], int, list]] = {}
 
     # ---- start-up ------------------------------------------------------------
     def register(self) -> None:
@@ -150,7 +156,7 @@ class Worker:
                 reply = replies[0] if replies else None
                 match reply:
                     case m.Registered():
-                        self.rank = reply.rank
+                        self.rank = self.state.rank = reply.rank
                         devices = {d.id: self.local[d.local_index] for d in reply.devices}
                         self.device_ids = [d.id for d in reply.devices]   # Pong reports in this order
                         self.executor = Executor(self.store, devices, self._exec_done,
@@ -199,18 +205,9 @@ class Worker:
         poller.register(self.outbox.fd, zmq.POLLIN)
         if self.dcn is not None:
             poller.register(self.dcn, zmq.POLLIN)
-        self.last_controller = time.monotonic()
+        self.state.heard_from_controller(time.monotonic())
         while self.running:
-            wait = min(0.5, self._expire_fetches(), self._send_shaped())
-            if self.chaining:       # the executor holds short reports: it will hold more
-                wait = min(wait, HOLD_SHORT_S)
-            # (wait_until before held_timeout: a report held in between wakes us)
-            ms = max(1, math.ceil(wait * 1000))
-            self.outbox.wait_until = time.monotonic() + ms / 1000
-            held = self.outbox.held_timeout()
-            if held is not None and held < wait:
-                ms = math.ceil(held * 1000)       # 0 when due: just look, then send them
-                self.outbox.wait_until = time.monotonic() + ms / 1000
+            ms = self._poll_ms(min(self._expire_fetches(), self._send_shaped()))
             events = dict(poller.poll(timeout=ms))
             if self.ctl in events:
                 self._drain(self.ctl, router=False)
@@ -225,17 +222,29 @@ class Worker:
             for s in self.peer_socks.values():
                 if s in events:
                     self._drain_peer(s)
-            if time.monotonic() - self.last_controller > CONTROLLER_SILENCE_S:
-                log.error("no word from the controller for %.0fs: exiting", CONTROLLER_SILENCE_S)
+            if self.state.controller_lost(time.monotonic()):
+                log.error("no word from the controller for %.0fs: exiting", self.state.controller_timeout_s)
                 self.running = False
         try:      # reports still held go out with the rest
             self.outbox.release()
             self._flush()
         except Exception as e:
             log.warning("could not send the last messages: %s", e)
-        if self.profiler is not None:
-            self.profiler.dump()
         self.close()
+
+    def _poll_ms(self, wait: float) -> int:
+        """Milliseconds the loop may wait for its sockets: ``wait`` (seconds,
+        at least 1 ms), or less so that held reports go at their deadline."""
+        if self.chaining:       # the executor holds short reports: it will hold more
+            wait = min(wait, HOLD_SHORT_S)
+        # (wait_until before held_timeout: a report held in between wakes us)
+        ms = max(1, math.ceil(wait * 1000))
+        self.outbox.wait_until = time.monotonic() + ms / 1000
+        held = self.outbox.held_timeout()
+        if held is not None and held < wait:
+            ms = math.ceil(held * 1000)       # 0 when due: just look, then send them
+            self.outbox.wait_until = time.monotonic() + ms / 1000
+        return ms
 
     def close(self) -> None:
         if self.executor is not None:
@@ -262,8 +271,8 @@ class Worker:
                     to_ctl.append((msg, 0, 0))
                 elif kind == "data":
                     self.ep.send(self.data, msg, to=target, buffers=buffers, parent=parent, block=False)
-                elif kind == "dcn" and self.shaper.active:
-                    self._shape(target, msg, buffers)
+                elif kind == "dcn" and self.shaped.active:
+                    self.shaped.send(target, msg, buffers, time.monotonic())
                 else:
                     self.ep.send(self._peer(target), msg, buffers=buffers, block=False)
             except zmq.Again:
@@ -279,41 +288,16 @@ class Worker:
             except Exception as e:
                 log.error("cannot send %d messages to the controller: %s", len(to_ctl), e)
 
-    def _shape(self, rank: int, msg: Record, buffers: Any) -> None:
-        """Emulated DCN link: queue the piece to be handed to TCP when the link
-        would deliver it; a capped piece larger than a chunk goes as PieceChunks
-        paced at the cap, so the real transfer overlaps the pacing."""
-        nbytes = channels.piece_nbytes(buffers)
-        now = time.monotonic()
-        if not (isinstance(msg, m.Piece) and len(buffers) == 1):
-            sends = [(self.shaper.due(nbytes, now), msg, buffers)]
-        else:
-            plan = self.shaper.chunks(nbytes, now)
-            if len(plan) == 1:
-                sends = [(plan[0][2], msg, buffers)]
-            else:
-                flat = raw(buffers[0])          # C-contiguous (see _send_piece): a view
-                sends = [(due, m.PieceChunk(msg.piece_id, msg.aval, off, nbytes), [flat[off:off + size]])
-                         for off, size, due in plan]
-        for due, msg, buffers in sends:
-            self._shaped_seq += 1
-            heapq.heappush(self.shaped, (due, self._shaped_seq, rank, msg, buffers))
-
     def _send_shaped(self) -> float:
         """Send the shaped DCN messages that are due; returns seconds to the next."""
-        while self.shaped:
-            due, _, rank, msg, buffers = self.shaped[0]
-            now = time.monotonic()
-            if due > now:
-                return due - now
-            heapq.heappop(self.shaped)
+        for rank, msg, buffers in self.shaped.take_due(time.monotonic()):
             try:
                 self.ep.send(self._peer(rank), msg, buffers=buffers, block=False)
             except zmq.Again:
                 log.error("peer %s is not reading (queue full): dropped %s", rank, type(msg).__name__)
             except Exception as e:
                 log.error("cannot send %s: %s", type(msg).__name__, e)
-        return 0.5
+        return self.shaped.next_due_in(time.monotonic())
 
     def _peer(self, rank: int) -> zmq.Socket:
         s = self.peer_socks.get(rank)
@@ -368,7 +352,7 @@ class Worker:
                 budget -= 1
                 continue
             if not router:
-                self.last_controller = time.monotonic()
+                self.state.heard_from_controller(time.monotonic())
             msgs = unbatched(header, msg, buffers)
             budget -= len(msgs)
             for header, msg, buffers in msgs:
@@ -396,13 +380,9 @@ class Worker:
             case m.RunFused():
                 self._run_fused(msg)
             case m.DefineFused():
-                codes = [c for ex in msg.executes for c in
-                         [*(i.buffer for i in ex.inputs), *(o.buffer for o in ex.outputs)]] + msg.release
-                devices = sorted({d for ex in msg.executes for d in ex.devices})
-                self.fused[msg.fused] = (msg, devices, max([0, *(-c for c in codes)]), [None])
+                self.state.define_fused(msg)
             case m.DropFused():
-                for f in msg.fused:
-                    self.fused.pop(f, None)
+                self.state.drop_fused(msg)
             case m.SendPiece():
                 self.peer_addrs.setdefault(msg.dst_host, (msg.dst_address, msg.dst_key))
                 key = shard_key(msg.buffer, msg.device, msg.region)
@@ -416,17 +396,13 @@ class Worker:
                 self.executor.free_after_earlier(msg.buffers)
             case m.ClientGone():
                 # what it put that no call took would stay for good otherwise
-                self.gone_clients.add(msg.client)
+                self.state.client_gone(msg.client)
                 mine = self.store.buffers_of(msg.client)
                 if mine:        # (not remembered as freed: its Puts are dropped anyway)
                     self.executor.free_after_earlier(mine, remember=False)
                 log.debug("client %d is gone: %d of its buffers freed", msg.client, len(mine))
             case m.HostDown():
-                if any(e[2] == msg.rank for e in self.shaped):
-                    # what was queued on the emulated DCN link for it goes, and
-                    # gives back the link time it had booked
-                    self.shaped = self.shaper.repace(self.shaped, lambda e: e[2] == msg.rank,
-                                                     time.monotonic())
+                self.shaped.drop_peer(msg.rank, time.monotonic())
                 n = self.shm_out.forget(msg.rank)
                 self.peer_addrs.pop(msg.rank, None)
                 sock = self.peer_socks.pop(msg.rank, None)
@@ -438,8 +414,8 @@ class Worker:
                 self.store.fail_buffers(msg.buffers, msg.error)
             case m.FailPieces():
                 for piece_id in msg.piece_ids:
-                    self.partial.pop(piece_id, None)
-                    self.store.set(("p", piece_id), error=msg.error)
+                    self.chunks.forget(piece_id)
+                    self.store.set(PieceKey(piece_id), error=msg.error)
             case m.Shutdown():
                 log.info("controller asked us to exit: %s", msg.reason)
                 self.running = False
@@ -454,18 +430,13 @@ class Worker:
         """Queue a fused program's run as one computation (its place in the gang
         order is the run's), then free its intermediates once it has run."""
         assert self.executor is not None
-        known = self.fused.get(msg.fused)
-        if known is None or known[2] > len(msg.inputs):
-            why = "is unknown here" if known is None else "reads more inputs than the run gives"
+        run = self.state.run_fused(msg)
+        if not isinstance(run, FusedRun):
             now = time.time()
-            self.post_ctl(m.ExecDone(msg.exec_id, m.ErrorInfo(
-                "FusedUnknown", f"fused program {msg.fused} {why}", self.rank, "", ""), now, now))
+            self.post_ctl(m.ExecDone(msg.exec_id, run, now, now))
             return
-        d, devices, _, plan = known
-        run = FusedRun(msg.exec_id, msg.seq, f"fused program {msg.fused}", devices, d.executes,
-                       msg.inputs, msg.first_buffer, d.release, plan, msg.hold)
         self.executor.submit(run)
-        self.executor.free_after_earlier([run.buffer(c) for c in d.release])
+        self.executor.free_after_earlier([run.buffer(c) for c in run.release])
 
     def _freed_callback(self, ident: bytes, segment: str, size: int) -> Any:
         """For a piece lent in its segment: once nothing refers to it, queue the
@@ -486,7 +457,7 @@ class Worker:
                 ident, segment, size = self.freed_segments.get_nowait()
             except queue.Empty:
                 break
-            self.lent_bytes -= size
+            self.state.returned(size)
             by_peer.setdefault(ident, []).append(segment)
         for ident, segments in by_peer.items():
             try:
@@ -528,7 +499,7 @@ class Worker:
     # ---- data messages -------------------------------------------------------
     def _handle_data(self, ident: bytes, msg_id: int, msg: Record, buffers: list) -> None:
         match msg:
-            case m.Put() if msg.buffer >> 32 in self.gone_clients:
+            case m.Put() if self.state.put_from_gone_client(msg.buffer):
                 log.debug("buffer %d: its client is gone; its Put dropped", msg.buffer)
             case m.Put() if self.store.was_freed(msg.buffer):
                 # freed before it came (the Free took the other connection; e.g.
@@ -536,7 +507,7 @@ class Worker:
                 log.debug("buffer %d was freed before its Put came: dropped", msg.buffer)
             case m.Put() | m.Piece() if not getattr(msg, "error", None):
                 key = shard_key(msg.buffer, msg.device, msg.region) if isinstance(msg, m.Put) \
-                    else ("p", msg.piece_id)
+                    else PieceKey(msg.piece_id)
                 try:
                     arr = _array(msg.aval, buffers)
                     if isinstance(msg, m.Put):
@@ -559,13 +530,13 @@ class Worker:
                 elif not self.store.set(key, arr, unless_freed=msg.buffer):
                     log.debug("buffer %d was freed while its Put came in: dropped", msg.buffer)
             case m.Piece():
-                self.store.set(("p", msg.piece_id), error=msg.error)
+                self.store.set(PieceKey(msg.piece_id), error=msg.error)
             case m.PieceChunk():
-                key = ("p", msg.piece_id)
+                key = PieceKey(msg.piece_id)
                 try:
-                    arr = self._take_chunk(msg, buffers)
+                    arr = self.chunks.take(msg, buffers)
                 except (ValueError, TypeError) as e:
-                    self.partial[msg.piece_id] = None
+                    self.chunks.refuse(msg.piece_id)
                     self.post_data(ident, m.Error("bad_request", str(e)), parent=msg_id)
                     self.store.set(key, error=m.ErrorInfo("RemoteError", f"bad PieceChunk: {e}",
                                                           self.rank, "", ""))
@@ -575,17 +546,16 @@ class Worker:
                     self.received_at.append([msg.piece_id, time.time()])
                     self.store.set(key, arr)
             case m.ShmPiece():
-                key = ("p", msg.piece_id)
+                key = PieceKey(msg.piece_id)
                 lent = False
                 try:
-                    if msg.size >= channels.ZERO_COPY_RECV and msg.offset % channels.XLA_ALIGN == 0 \
-                            and self.lent_bytes + msg.size <= channels.LEND_MAX_BYTES:
+                    if self.state.lend(msg.offset, msg.size):
                         # no copy: the piece stays in the segment, acknowledged
                         # once nothing here refers to it (see _ack_freed)
                         raw = self.shm_in.view(msg.segment, msg.offset, msg.size, msg.drop,
                                                self._freed_callback(ident, msg.segment, msg.size))
                         lent = True
-                        self.lent_bytes += msg.size
+                        self.state.lent(msg.size)
                     else:
                         raw = self.shm_in.take(msg.segment, msg.offset, msg.size, msg.drop)
                 except (OSError, ValueError) as err:
@@ -616,51 +586,15 @@ class Worker:
             case m.Fetch():
                 # answered when the shard is done, or with an error at the
                 # deadline; no thread waits meanwhile
-                key = shard_key(msg.buffer, msg.device, msg.region)
-                timeout = msg.timeout_s if msg.timeout_s == msg.timeout_s else 0.0   # NaN
-                timeout = min(max(timeout, 0.0), MAX_FETCH_TIMEOUT_S)
-                pending = _PendingFetch(ident, msg)
-                if len(self.fetch_deadlines) > self.fetch_heap_limit:
-                    # answered fetches stay in the heap until their deadline; drop
-                    # them now and then (amortised: the limit doubles with what is
-                    # really pending) so a busy client cannot grow it for long
-                    self.fetch_deadlines = [e for e in self.fetch_deadlines if not e[2].answered]
-                    heapq.heapify(self.fetch_deadlines)
-                    self.fetch_heap_limit = max(1024, 2 * len(self.fetch_deadlines))
-                heapq.heappush(self.fetch_deadlines, (time.monotonic() + timeout, id(pending), pending))
-                pending.key = key
+                pending = self.state.fetch(ident, msg, time.monotonic())
+                pending.key = shard_key(msg.buffer, msg.device, msg.region)
                 pending.cb = lambda e, p=pending: self.pool.submit(self._reply_fetch, p, e)
-                self.store.when_done(key, pending.cb)
+                self.store.when_done(pending.key, pending.cb)
             case _:
                 self.post_data(ident, m.Error("bad_request", f"{type(msg).__name__} is not "
                                               "accepted on the data port"), parent=msg_id)
 
-    def _take_chunk(self, msg: m.PieceChunk, buffers: list) -> np.ndarray | None:
-        """Copy a chunk into its piece; the piece's array once it is complete."""
-        if msg.piece_id in self.partial and self.partial[msg.piece_id] is None:
-            if msg.offset + (buffers[0].nbytes if buffers else 0) >= msg.nbytes:
-                del self.partial[msg.piece_id]      # the refused piece's last chunk
-            return None
-        if len(buffers) != 1:
-            raise ValueError(f"expected one data buffer, got {len(buffers)}")
-        part = self.partial.get(msg.piece_id)
-        if part is None:
-            flat = channels.recv_buffers.get(max(msg.nbytes, 0))     # device_put takes it over
-            part = self.partial[msg.piece_id] = [_array(msg.aval, [flat]), flat, 0]
-        arr, flat, got = part
-        size = buffers[0].nbytes
-        if msg.nbytes != flat.nbytes or msg.offset < 0 or msg.offset + size > flat.nbytes \
-                or got + size > flat.nbytes:
-            raise ValueError(f"chunk [{msg.offset}, {msg.offset + size}) does not fit piece "
-                             f"{msg.piece_id} of {flat.nbytes} bytes ({got} received)")
-        flat[msg.offset:msg.offset + size] = np.frombuffer(buffers[0], np.uint8)
-        part[2] = got + size
-        if part[2] < flat.nbytes:
-            return None
-        del self.partial[msg.piece_id]
-        return arr
-
-    def _reply_fetch(self, p: "_PendingFetch", e: Entry) -> None:
+    def _reply_fetch(self, p: PendingFetch, e: Entry) -> None:
         if not p.claim():
             return          # already answered at its deadline
         if e.error is not None:
@@ -671,43 +605,15 @@ class Worker:
                                              None), [data])
 
     def _expire_fetches(self) -> float:
-        """Answer fetches whose deadline passed; returns seconds to the next one."""
+        """Answer fetches whose deadline passed; returns seconds to look again."""
         now = time.monotonic()
-        while self.fetch_deadlines and self.fetch_deadlines[0][0] <= now:
-            _, _, p = heapq.heappop(self.fetch_deadlines)
-            if p.claim():
-                self.store.forget(p.key, p.cb)
-                err = m.ErrorInfo("DeadlineExceeded", f"buffer {p.msg.buffer} was not ready on host "
-                                  f"{self.rank} within {p.msg.timeout_s:.1f}s", self.rank, "", "")
-                self.post_data(p.ident, m.FetchReply(p.msg.request, m.Aval([], ""), err))
-        return self.fetch_deadlines[0][0] - now if self.fetch_deadlines else 0.5
-
-
-class _PendingFetch:
-    """A fetch waiting for its shard; answered once (value, error or deadline)."""
-
-    def __init__(self, ident: bytes, msg: m.Fetch) -> None:
-        self.ident, self.msg = ident, msg
-        self.key: Any = None                       # the store entry it waits for
-        self.cb: Any = None                        # and its callback there
-        self._lock = threading.Lock()
-        self._answered = False
-
-    @property
-    def answered(self) -> bool:
-        return self._answered
-
-    def claim(self) -> bool:
-        with self._lock:
-            if self._answered:
-                return False
-            self._answered = True
-            return True
+        for p in self.state.expire_fetches(now):
+            self.store.forget(p.key, p.cb)
+            self.post_data(p.ident, m.FetchReply(p.msg.request, m.Aval([], ""), self.state.deadline_error(p)))
+        return self.state.next_deadline_in(now)
 
 
 def _array(aval: m.Aval, buffers: list) -> np.ndarray:
-    import jax.numpy as jnp
-
     if len(buffers) != 1:
         raise ValueError(f"expected one data buffer, got {len(buffers)}")
     try:
@@ -738,15 +644,15 @@ def _gloo_listens_on(address: str) -> None:
     first use of a device; it replaces JAX's CPU backend factory (an internal
     API: if it has changed, gloo keeps its default and a warning says so)."""
     try:
-        from jax._src import distributed, xla_bridge
-        from jax._src.lib import _jax
+        if _gloo_missing is not None:
+            raise _gloo_missing
 
         def make_cpu_client() -> Any:
-            collectives = _jax.make_gloo_tcp_collectives(
-                distributed_client=distributed.global_state.client, hostname=address)
-            return xla_bridge.make_cpu_client(collectives=collectives)
+            collectives = _jaxlib.make_gloo_tcp_collectives(
+                distributed_client=_jax_distributed.global_state.client, hostname=address)
+            return _xla_bridge.make_cpu_client(collectives=collectives)
 
-        xla_bridge.register_backend_factory("cpu", make_cpu_client, priority=0, fail_quietly=False)
+        _xla_bridge.register_backend_factory("cpu", make_cpu_client, priority=0, fail_quietly=False)
     except Exception as e:  # noqa: BLE001 (an internal API of another project)
         log.warning("cannot bind gloo to %s (%s: %s); it uses the host name's address",
                     address, type(e).__name__, e)
@@ -756,91 +662,7 @@ class _Stopped(Exception):
     """Asked to stop (SIGTERM, SIGINT) while registering."""
 
 
-class _Profiler:
-    """``ZPATH_PROFILE=<dir>``: profile every thread of this worker with cProfile
-    (one profile per thread, timed by the thread's CPU clock, so waits do not
-    count) and write ``<dir>/<name>.prof`` (all threads merged) and
-    ``<dir>/<name>.threads`` (CPU seconds per OS thread) at exit. For finding
-    where the worker's CPU time goes; it slows the worker down
-    (``ZPATH_PROFILE_CALLS=0``: the CPU per thread only, which does not)."""
-
-    def __init__(self, out_dir: str, name: str) -> None:
-        self.out_dir, self.name = out_dir, name
-        self.profiles: list[Any] = []
-        self.cpu_at_start = _thread_cpu()
-        self.lock = threading.Lock()
-
-    @classmethod
-    def start(cls, out_dir: str, name: str) -> "_Profiler | None":
-        if not out_dir:
-            return None
-        import cProfile
-
-        self = cls(out_dir, name)
-        if os.environ.get("ZPATH_PROFILE_CALLS", "1") == "0":
-            return self                   # the CPU per thread only
-
-        def begin(*_: Any) -> None:       # first profile event of a new thread
-            prof = cProfile.Profile(time.thread_time_ns, 1e-9)
-            with self.lock:
-                self.profiles.append(prof)
-            prof.enable()                 # replaces this hook for the thread
-
-        threading.setprofile(begin)
-        begin()
-        return self
-
-    def dump(self) -> None:
-        import pstats
-
-        name = self.name
-        threading.setprofile(None)
-        with self.lock:
-            profiles = list(self.profiles)
-        for prof in profiles:
-            prof.disable()
-        os.makedirs(self.out_dir, exist_ok=True)
-        stats = None
-        for prof in profiles:
-            try:
-                stats = pstats.Stats(prof) if stats is None else stats.add(prof)
-            except TypeError:             # a thread that never recorded anything
-                pass
-        if stats is not None:
-            stats.dump_stats(os.path.join(self.out_dir, f"{name}.prof"))
-        before = self.cpu_at_start
-        with open(os.path.join(self.out_dir, f"{name}.threads"), "w") as f:
-            for tid, (tname, cpu) in sorted(_thread_cpu().items()):
-                f.write(f"{tid}\t{tname}\t{cpu - before.get(tid, ('', 0.0))[1]:.3f}\n")
-
-
-def _thread_cpu() -> dict[int, tuple[str, float]]:
-    """CPU seconds of each thread of this process: OS thread id -> (name, seconds)."""
-    names = {t.native_id: t.name for t in threading.enumerate()}
-    tick = os.sysconf("SC_CLK_TCK")
-    out: dict[int, tuple[str, float]] = {}
-    try:
-        tids = os.listdir("/proc/self/task")
-    except OSError:                       # not Linux
-        return out
-    for tid in tids:
-        try:
-            with open(f"/proc/self/task/{tid}/stat") as st:
-                text = st.read()
-        except OSError:
-            continue
-        fields = text[text.rindex(")") + 2:].split()
-        out[int(tid)] = (names.get(int(tid), text[text.index("(") + 1:text.rindex(")")]),
-                         (int(fields[11]) + int(fields[12])) / tick)
-    return out
-
-
 def main(argv: list[str] | None = None) -> int:
-    import argparse
-
-    from zpath import logs
-    from zpath.keys import key_from_env
-
     p = argparse.ArgumentParser(prog="zpath worker", description="Run a zpath worker host.")
     p.add_argument("--controller", required=True, help="controller address, e.g. tcp://127.0.0.1:5555")
     p.add_argument("--island", type=int, default=0, help="island this host belongs to")
@@ -870,10 +692,15 @@ def main(argv: list[str] | None = None) -> int:
         log.error("--dcn-encrypt needs CURVE, but this libzmq (%s) was built without it",
                   zmq.zmq_version())
         return 2
+    try:
+        config, common = WorkerConfig.from_env(), CommonConfig.from_env()
+    except ZpathError as e:
+        log.error("%s", e)
+        return 2
     w = Worker(key_from_env(), args.controller, args.island, bind_host=args.bind_host, name=args.name,
                coordinator=args.coordinator, num_processes=args.num_processes,
                process_id=args.process_id, dcn_latency_ms=args.dcn_latency_ms,
-               dcn_gbps=args.dcn_gbps, dcn_encrypt=args.dcn_encrypt)
+               dcn_gbps=args.dcn_gbps, dcn_encrypt=args.dcn_encrypt, config=config, common=common)
     signal.signal(signal.SIGTERM, w.stop)
     signal.signal(signal.SIGINT, w.stop)
     try:
@@ -887,7 +714,6 @@ def main(argv: list[str] | None = None) -> int:
         w.close()
         return 1
     logs.setup(f"worker[host {w.rank}]")
-    w.profiler = _Profiler.start(os.environ.get("ZPATH_PROFILE", ""), f"worker-{w.rank}")
     # What start-up made (JAX, XLA's Python objects: ~100k) lives as long as the
     # process: keep it out of the collector's full passes, which otherwise
     # stall this host for 50-90 ms every second or two of busy work.

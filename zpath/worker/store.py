@@ -1,17 +1,38 @@
 """The worker's shard of the object store.
 
-Keys are ``("s", buffer, device, region)`` for shards and ``("p", piece_id)``
-for pieces in transit. An entry is created by whoever first names it (a waiter
-or the producer) and is *done* once it has a value or an error."""
+Keys are :class:`ShardKey` (buffer, device, region) for shards and
+:class:`PieceKey` (piece id) for pieces in transit. An entry is created by
+whoever first names it (a waiter or the producer) and is *done* once it has a
+value or an error."""
 from __future__ import annotations
 
-import bisect
 import collections
 import threading
 import time
-from typing import Any, Callable, Hashable
+from typing import Any, Callable, NamedTuple
 
+from zpath.ids import client_of
 from zpath.net import messages as m
+
+
+class ShardKey(NamedTuple):
+    """One shard of a buffer: the part ``region`` of it on device ``device``."""
+    buffer: int
+    device: int
+    region: tuple[tuple[int, int], ...]
+
+
+class PieceKey(NamedTuple):
+    """A piece of a shard sent by another host, until its reader takes it."""
+    piece_id: int
+
+
+Key = ShardKey | PieceKey
+
+
+def shard_key(buffer: int, device: int, region: Any) -> ShardKey:
+    """The key of a shard, its region given as on the wire (lists)."""
+    return ShardKey(buffer, device, tuple(tuple(x) for x in region))
 
 
 class Entry:
@@ -34,31 +55,32 @@ FREED_MAX = 65_536
 class Store:
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._entries: dict[Hashable, Entry] = {}
-        self._by_buffer: dict[int, set[Hashable]] = {}    # buffer -> its shard keys
+        self._entries: dict[Key, Entry] = {}
+        self._by_buffer: dict[int, set[ShardKey]] = {}    # buffer -> its shard keys
         self._by_client: dict[int, set[int]] = {}          # client -> its buffers here
         # buffers freed lately, oldest first (buffer ids are never used again)
         self._freed: collections.OrderedDict[int, float] = collections.OrderedDict()
         # buffers that will never come (their client left): their shards fail
         self._failed: dict[int, m.ErrorInfo] = {}
 
-    def entry(self, key: Hashable) -> Entry:
+    def entry(self, key: Key) -> Entry:
         with self._lock:
             return self._entry(key)
 
-    def _entry(self, key: Hashable) -> Entry:
+    def _entry(self, key: Key) -> Entry:
         """With the lock held: the entry, made if new."""
         e = self._entries.get(key)
         if e is None:
             e = self._entries[key] = Entry()
-            if key[0] == "s":
-                keys = self._by_buffer.get(key[1])
+            if type(key) is ShardKey:
+                b = key.buffer
+                keys = self._by_buffer.get(b)
                 if keys is None:
-                    keys = self._by_buffer[key[1]] = set()
-                    self._by_client.setdefault(key[1] >> 32, set()).add(key[1])
+                    keys = self._by_buffer[b] = set()
+                    self._by_client.setdefault(client_of(b), set()).add(b)
                 keys.add(key)
-                if self._failed and key[1] in self._failed:
-                    e.error, e.done = self._failed[key[1]], True
+                if self._failed and b in self._failed:
+                    e.error, e.done = self._failed[b], True
         return e
 
     def fail_buffers(self, buffers: list[int], error: m.ErrorInfo) -> None:
@@ -83,7 +105,7 @@ class Store:
             for cb in callbacks:
                 cb(e)
 
-    def set(self, key: Hashable, value: Any = None, error: m.ErrorInfo | None = None,
+    def set(self, key: Key, value: Any = None, error: m.ErrorInfo | None = None,
             unless_freed: int | None = None, over_error: bool = False) -> bool:
         """Give the entry its value or error (once: later ones are ignored,
         except that with ``over_error`` a value replaces an error: a copy
@@ -97,7 +119,7 @@ class Store:
             e = self._entry(key)
             if e.done:
                 if over_error and e.error is not None and error is None and \
-                        not (key[0] == "s" and key[1] in self._failed):
+                        not (type(key) is ShardKey and key.buffer in self._failed):
                     e.value, e.error = value, None
                 return True
             e.value, e.error, e.done = value, error, True
@@ -110,12 +132,12 @@ class Store:
             cb(e)
         return True
 
-    def is_done(self, key: Hashable) -> bool:
+    def is_done(self, key: Key) -> bool:
         """Whether the entry has its value or error (without waiting)."""
         e = self._entries.get(key)      # one dict lookup: atomic, no lock needed
         return e is not None and e.done
 
-    def wait(self, key: Hashable, timeout: float) -> Entry:
+    def wait(self, key: Key, timeout: float) -> Entry:
         """The entry once it is done, or when ``timeout`` seconds have passed
         (check ``done``)."""
         with self._lock:
@@ -128,7 +150,7 @@ class Store:
         event.wait(timeout)
         return e
 
-    def when_done(self, key: Hashable, cb: Callable[[Entry], None]) -> None:
+    def when_done(self, key: Key, cb: Callable[[Entry], None]) -> None:
         """Call ``cb(entry)`` once the entry is done (now, if it already is)."""
         with self._lock:
             e = self._entry(key)
@@ -137,7 +159,7 @@ class Store:
                 return
         cb(e)
 
-    def forget(self, key: Hashable, cb: Callable[[Entry], None]) -> None:
+    def forget(self, key: Key, cb: Callable[[Entry], None]) -> None:
         """``cb`` no longer waits for the entry (a fetch that expired): drop the
         entry too if it is not done and nothing else waits for it, so fetches of
         values that never come (e.g. a failed call's outputs) leave nothing."""
@@ -151,24 +173,25 @@ class Store:
                 pass
             if not e.callbacks and e.event is None:
                 del self._entries[key]
-                keys = self._by_buffer.get(key[1]) if key[0] == "s" else None
+                keys = self._by_buffer.get(key.buffer) if type(key) is ShardKey else None
                 if keys is not None:
                     keys.discard(key)
                     if not keys:
-                        del self._by_buffer[key[1]]
-                        self._unindex(key[1])
+                        del self._by_buffer[key.buffer]
+                        self._unindex(key.buffer)
 
-    def pop(self, key: Hashable) -> None:
+    def pop(self, key: Key) -> None:
         with self._lock:
             self._entries.pop(key, None)
 
     def _unindex(self, buffer: int) -> None:
         """With the lock held: ``buffer`` has no shards here any more."""
-        mine = self._by_client.get(buffer >> 32)
+        client = client_of(buffer)
+        mine = self._by_client.get(client)
         if mine is not None:
             mine.discard(buffer)
             if not mine:
-                del self._by_client[buffer >> 32]
+                del self._by_client[client]
 
     def free_buffers(self, buffers: list[int], now: float | None = None, remember: bool = True) -> int:
         """Drop every shard of these buffers; returns how many were dropped.
@@ -194,11 +217,11 @@ class Store:
         return n
 
     def buffers_of(self, client: int) -> list[int]:
-        """The buffers of client ``client`` (ids ``client << 32 | n``) that have
-        shards here, or were told they will never come."""
+        """The buffers of client ``client`` (see zpath.ids) that have shards
+        here, or were told they will never come."""
         with self._lock:
             return list(self._by_client.get(client, ())) + \
-                [b for b in self._failed if b >> 32 == client and b not in self._by_buffer]
+                [b for b in self._failed if client_of(b) == client and b not in self._by_buffer]
 
     def was_freed(self, buffer: int) -> bool:
         """Whether this buffer was freed lately: a client's Put for it that comes
@@ -211,50 +234,10 @@ class Store:
         """(number of shards held (done: with a value or an error), bytes they
         hold, those bytes per device of ``devices``)."""
         with self._lock:
-            shards = [(k[2], e) for k, e in self._entries.items() if k[0] == "s" and e.done]
+            shards = [(k.device, e) for k, e in self._entries.items() if type(k) is ShardKey and e.done]
         per = dict.fromkeys(devices, 0)
         for d, e in shards:
             if d in per:
                 per[d] += getattr(e.value, "nbytes", 0)
         nbytes = sum(getattr(e.value, "nbytes", 0) for _, e in shards)
         return len(shards), nbytes, [per[d] for d in devices]
-
-
-class IdRanges:
-    """A set of non-negative ints kept as sorted, disjoint, inclusive ranges:
-    small when its members mostly come in runs (ids handed out in order, of
-    which most are in it, e.g. the clients that have left)."""
-
-    def __init__(self) -> None:
-        self._lo: list[int] = []       # range starts, sorted
-        self._hi: list[int] = []       # their ends
-
-    def __contains__(self, n: int) -> bool:
-        i = bisect.bisect_right(self._lo, n) - 1
-        return i >= 0 and n <= self._hi[i]
-
-    def __len__(self) -> int:
-        """How many ranges (not members)."""
-        return len(self._lo)
-
-    def add(self, n: int) -> None:
-        lo, hi = self._lo, self._hi
-        i = bisect.bisect_right(lo, n) - 1       # the range starting at or before n
-        if i >= 0 and n <= hi[i]:
-            return
-        joins_left = i >= 0 and hi[i] == n - 1
-        joins_right = i + 1 < len(lo) and lo[i + 1] == n + 1
-        if joins_left and joins_right:
-            hi[i] = hi[i + 1]
-            del lo[i + 1], hi[i + 1]
-        elif joins_left:
-            hi[i] = n
-        elif joins_right:
-            lo[i + 1] = n
-        else:
-            lo.insert(i + 1, n)
-            hi.insert(i + 1, n)
-
-
-def shard_key(buffer: int, device: int, region: Any) -> tuple:
-    return ("s", buffer, device, tuple(tuple(x) for x in region))

@@ -1,0 +1,231 @@
+"""The worker's decisions as pure state (zpath/worker/state.py): events in,
+what to do out, on a fake clock; ``validate_state()`` after every event."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from zpath.ids import buffer_id, client_of, serial_of
+from zpath.net import channels
+from zpath.net import messages as m
+from zpath.worker.state import (FETCH_HEAP_MIN, IDLE_WAIT_S, MAX_FETCH_TIMEOUT_S, Chunks, FusedRun,
+                                ShapedLink, WorkerState, fetch_timeout)
+
+pytestmark = pytest.mark.timeout(30)
+
+
+class Clock:
+    def __init__(self, now: float = 1000.0) -> None:
+        self.now = now
+
+    def advance(self, s: float) -> float:
+        self.now += s
+        return self.now
+
+
+def checked(state: WorkerState | ShapedLink | Chunks):
+    """Call ``validate_state`` after every call of one of the state's methods."""
+    class Proxy:
+        def __getattr__(self, name):
+            attr = getattr(state, name)
+            if not callable(attr):
+                return attr
+
+            def call(*a, **k):
+                out = attr(*a, **k)
+                state.validate_state()
+                return out
+            return call
+    state.validate_state()
+    return Proxy()
+
+
+def execute(inputs: list[int], outputs: list[int], devices: list[int]) -> m.Execute:
+    av = m.Aval([2], "float32")
+    return m.Execute(0, 0, "p" * 64, "f", [len(devices)], ["i"], devices, devices,
+                     [m.ExecInput(b, av, ["i"], []) for b in inputs],
+                     [m.ExecOutput(b, av, ["i"]) for b in outputs])
+
+
+def fetch(request: int, buffer: int, timeout_s: float) -> m.Fetch:
+    return m.Fetch(request, buffer, 0, [[0, 2]], timeout_s)
+
+
+def test_buffer_ids_pack_the_client():
+    b = buffer_id(7, 42)
+    assert client_of(b) == 7 and serial_of(b) == 42
+    assert b == (7 << 32) | 42
+    assert client_of(buffer_id(0, 2 ** 32 - 1)) == 0
+
+
+def test_fused_programs_are_defined_run_and_dropped():
+    clock = Clock()
+    raw = WorkerState(15.0, clock.now)
+    raw.rank = 3
+    s = checked(raw)
+    # reads inputs -1 and -2 (codes), makes 0 and 1; releases 0; devices 2, 0, 1
+    define = m.DefineFused(9, [execute([-1, -2], [0], [2, 0]), execute([0], [1], [1, 0])], [0])
+    s.define_fused(define)
+    assert raw.fused[9].devices == [0, 1, 2] and raw.fused[9].reads == 2
+    run = s.run_fused(m.RunFused(100, 5, 9, [buffer_id(1, 1), buffer_id(1, 2)], buffer_id(1, 10), True))
+    assert isinstance(run, FusedRun)
+    assert (run.exec_id, run.seq, run.devices, run.hold) == (100, 5, [0, 1, 2], True)
+    assert [run.buffer(c) for c in run.release] == [buffer_id(1, 10)]       # what is freed after it
+    assert run.buffer(-2) == buffer_id(1, 2) and run.buffer(1) == buffer_id(1, 11)
+    again = s.run_fused(m.RunFused(101, 6, 9, [buffer_id(1, 3), buffer_id(1, 4)], buffer_id(1, 20)))
+    assert again.plan is run.plan and not again.hold        # runs share what the executor learns
+    # a run that gives fewer inputs than the program reads, and an unknown one
+    err = s.run_fused(m.RunFused(102, 7, 9, [buffer_id(1, 3)], buffer_id(1, 30)))
+    assert err == m.ErrorInfo("FusedUnknown", "fused program 9 reads more inputs than the run gives",
+                              3, "", "")
+    s.drop_fused(m.DropFused([9, 12]))                      # 12 was never defined: no matter
+    err = s.run_fused(m.RunFused(103, 8, 9, [1, 2], 100))
+    assert err == m.ErrorInfo("FusedUnknown", "fused program 9 is unknown here", 3, "", "")
+    # defined again (the controller fused it again): a fresh plan
+    s.define_fused(define)
+    assert s.run_fused(m.RunFused(104, 9, 9, [1, 2], 100)).plan is not run.plan
+
+
+def test_puts_of_departed_clients_are_dropped():
+    s = checked(WorkerState(15.0, 0.0))
+    for c in (5, 3, 4, 9):
+        s.client_gone(c)
+    assert len(s.gone_clients) == 2                         # [3-5], [9]
+    assert s.put_from_gone_client(buffer_id(4, 1))
+    assert s.put_from_gone_client(buffer_id(9, 2 ** 32 - 1))
+    assert not s.put_from_gone_client(buffer_id(6, 1)) and not s.put_from_gone_client(buffer_id(2, 7))
+
+
+def test_a_silent_controller_is_given_up_after_its_timeout():
+    clock = Clock()
+    s = checked(WorkerState(15.0, clock.now))
+    assert not s.controller_lost(clock.advance(15.0))       # not more than the timeout yet
+    s.heard_from_controller(clock.now)
+    assert not s.controller_lost(clock.advance(14.9))
+    assert s.controller_lost(clock.advance(0.2))
+
+
+def test_fetches_are_answered_once_at_their_deadline_or_before():
+    clock = Clock()
+    raw = WorkerState(15.0, clock.now)
+    raw.rank = 1
+    s = checked(raw)
+    assert s.next_deadline_in(clock.now) == IDLE_WAIT_S
+    a = s.fetch(b"c1", fetch(1, 11, 2.0), clock.now)
+    b = s.fetch(b"c1", fetch(2, 12, 0.25), clock.now)
+    c = s.fetch(b"c2", fetch(3, 13, 1.0), clock.now)
+    assert s.next_deadline_in(clock.now) == pytest.approx(0.25)
+    assert s.expire_fetches(clock.advance(0.2)) == []
+    assert s.next_deadline_in(clock.now) == pytest.approx(0.05)
+    assert c.claim()                                    # its shard came: answered with it
+    assert s.expire_fetches(clock.advance(0.9)) == [b]  # c's deadline passed too, but it was answered
+    assert not b.claim()                                # a value that comes now is not sent
+    err = s.deadline_error(b)
+    assert err.kind == "DeadlineExceeded" and err.host == 1 and "buffer 12" in err.message
+    assert s.next_deadline_in(clock.now) == IDLE_WAIT_S         # a: 0.9 s away; looked at twice a second
+    assert s.next_deadline_in(clock.now + 0.7) == pytest.approx(0.2)
+    assert s.expire_fetches(clock.advance(5.0)) == [a]
+    assert raw.fetches == []
+
+
+def test_fetch_timeouts_are_clamped():
+    assert fetch_timeout(float("nan")) == 0.0
+    assert fetch_timeout(-3.0) == 0.0
+    assert fetch_timeout(math.inf) == MAX_FETCH_TIMEOUT_S
+    assert fetch_timeout(2.5) == 2.5
+    clock = Clock()
+    s = checked(WorkerState(15.0, clock.now))
+    p = s.fetch(b"c", fetch(1, 1, float("nan")), clock.now)
+    q = s.fetch(b"c", fetch(2, 1, 1e12), clock.now)
+    assert s.expire_fetches(clock.now) == [p]
+    assert q.deadline == clock.now + MAX_FETCH_TIMEOUT_S
+
+
+def test_answered_fetches_do_not_grow_the_heap_for_long():
+    clock = Clock()
+    raw = WorkerState(15.0, clock.now)
+    s = checked(raw)
+    waiting = [s.fetch(b"c", fetch(0, 1, 100.0), clock.now) for _ in range(10)]
+    for k in range(5 * FETCH_HEAP_MIN):             # a busy client: each answered at once
+        assert s.fetch(b"c", fetch(k, 2, 100.0), clock.now).claim()
+    assert len(raw.fetches) <= FETCH_HEAP_MIN + 1
+    # the ones still waiting were kept, and expire at their deadline
+    assert s.expire_fetches(clock.advance(100.0)) == waiting
+
+
+def test_the_shaped_link_paces_pieces_and_forgets_a_lost_peer():
+    clock = Clock(0.0)
+    # 10 ms latency, 8 Gbit/s = 1 GB/s; chunks of 1 MiB
+    link = checked(ShapedLink(channels.Shaper(10.0, 8.0)))
+    assert link.active and link.next_due_in(clock.now) == IDLE_WAIT_S
+    av = m.Aval([1 << 19], "float32")
+    big = np.zeros(1 << 19, np.float32)                     # 2 MiB: two chunks
+    link.send(1, m.Piece(7, av, None), [big], clock.now)
+    small = m.Piece(8, m.Aval([4], "float32"), None)
+    link.send(2, small, [np.zeros(4, np.float32)], clock.now)
+    first_due = (1 << 20) / 1e9 + 0.010
+    assert link.next_due_in(clock.now) == pytest.approx(first_due)
+    assert link.take_due(clock.advance(first_due - 1e-6)) == []
+    [(rank, chunk, bufs)] = link.take_due(clock.advance(2e-6))
+    assert rank == 1 and chunk == m.PieceChunk(7, av, 0, 2 << 20) and bufs[0].nbytes == 1 << 20
+    got = link.take_due(clock.advance(1.0))
+    assert [(r, type(msg).__name__) for r, msg, _ in got] == [(1, "PieceChunk"), (2, "Piece")]
+    assert got[0][1].offset == 1 << 20 and got[1][1] is small
+
+    # host 1 is lost: its queued pieces go, and the link time they booked is
+    # given back to the others
+    clock.advance(10.0)
+    link.send(1, m.Piece(9, av, None), [big], clock.now)
+    link.send(2, small, [np.zeros(4, np.float32)], clock.now)
+    assert link.next_due_in(clock.now) == pytest.approx(first_due)
+    link.drop_peer(1, clock.now)
+    link.drop_peer(5, clock.now)                             # nothing queued for it
+    assert link.next_due_in(clock.now) == pytest.approx(16 / 1e9 + 0.010)
+    [(rank, msg, _)] = link.take_due(clock.advance(1.0))
+    assert rank == 2 and msg is small
+
+
+def test_an_unshaped_link_is_inactive():
+    link = ShapedLink(channels.Shaper())
+    assert not link.active
+
+
+def _typed(aval: m.Aval, flat: np.ndarray) -> np.ndarray:
+    return flat.view(np.dtype(aval.dtype)).reshape(aval.shape)
+
+
+def test_chunks_assemble_a_piece_and_a_refused_piece_drops_its_later_chunks():
+    chunks = checked(Chunks(_typed))
+    av = m.Aval([4], "float32")
+    data = np.arange(4, dtype=np.float32).view(np.uint8)
+    assert chunks.take(m.PieceChunk(1, av, 0, 16), [data[:8]]) is None
+    got = chunks.take(m.PieceChunk(1, av, 8, 16), [data[8:]])
+    np.testing.assert_array_equal(got, np.arange(4, dtype=np.float32))
+    # a chunk past the piece's end: refused, and so are its later chunks,
+    # until the last one (then nothing is left of it)
+    assert chunks.take(m.PieceChunk(2, av, 0, 16), [data[:8]]) is None
+    with pytest.raises(ValueError):
+        chunks.take(m.PieceChunk(2, av, 12, 16), [data[:8]])
+    chunks.refuse(2)
+    assert chunks.take(m.PieceChunk(2, av, 8, 16), [data[8:]]) is None
+    assert chunks.partial == {}
+    # a piece that failed (FailPieces) while it came
+    assert chunks.take(m.PieceChunk(3, av, 0, 16), [data[:8]]) is None
+    chunks.forget(3)
+    assert chunks.partial == {}
+
+
+def test_shared_memory_pieces_are_lent_while_the_budget_allows():
+    s = checked(WorkerState(15.0, 0.0))
+    big = channels.ZERO_COPY_RECV
+    assert not s.lend(0, big - 1)                          # small: copied out
+    assert not s.lend(channels.XLA_ALIGN // 2, big)        # XLA would copy it anyway
+    n = channels.LEND_MAX_BYTES // big
+    for _ in range(n):
+        assert s.lend(0, big)
+        s.lent(big)
+    assert not s.lend(0, big)                              # over the budget: copied out
+    s.returned(big)
+    assert s.lend(0, big)

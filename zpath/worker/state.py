@@ -1,0 +1,393 @@
+"""The worker's decisions, as plain state given ``now``.
+
+No sockets, threads or clocks here: the I/O thread (``server.Worker``) reads
+the clock, hands each event and ``now`` to these classes, and carries out what
+they return. Everything here is touched by the I/O thread only, except
+:meth:`PendingFetch.claim` (any thread: the fetch is answered once).
+
+* :class:`WorkerState` — the fused programs this host knows (DefineFused,
+  DropFused, RunFused), the clients that left (their later Puts are dropped),
+  the fetches waiting for a shard with their deadlines, when the controller
+  was last heard from, and the bytes of shared-memory pieces lent now.
+* :class:`ShapedLink` — the emulated DCN link's queue: when each piece (or
+  chunk of one) is handed to TCP.
+* :class:`Chunks` — shaped DCN pieces arriving as PieceChunks, until whole.
+* :class:`IdRanges` — a compact set of ids (the departed clients).
+
+``validate_state()`` checks each one's invariants; tests call it after every
+event.
+"""
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import heapq
+import itertools
+import math
+import threading
+from typing import Any, Callable
+
+import numpy as np
+
+from zpath.ids import client_of
+from zpath.net import channels
+from zpath.net import messages as m
+from zpath.net.codec import Record
+from zpath.net.transport import raw
+
+# a client's fetch waits at most this long for its shard, whatever it asks
+MAX_FETCH_TIMEOUT_S = 3600.0
+# the fetch heap is compacted (answered fetches dropped) beyond this many entries
+FETCH_HEAP_MIN = 1024
+# the I/O thread looks at its deadlines at least this often (seconds)
+IDLE_WAIT_S = 0.5
+
+
+class IdRanges:
+    """A set of non-negative ints kept as sorted, disjoint, inclusive ranges:
+    small when its members mostly come in runs (ids handed out in order, of
+    which most are in it, e.g. the clients that have left)."""
+
+    def __init__(self) -> None:
+        self._lo: list[int] = []       # range starts, sorted
+        self._hi: list[int] = []       # their ends
+
+    def __contains__(self, n: int) -> bool:
+        i = bisect.bisect_right(self._lo, n) - 1
+        return i >= 0 and n <= self._hi[i]
+
+    def __len__(self) -> int:
+        """How many ranges (not members)."""
+        return len(self._lo)
+
+    def add(self, n: int) -> None:
+        lo, hi = self._lo, self._hi
+        i = bisect.bisect_right(lo, n) - 1       # the range starting at or before n
+        if i >= 0 and n <= hi[i]:
+            return
+        joins_left = i >= 0 and hi[i] == n - 1
+        joins_right = i + 1 < len(lo) and lo[i + 1] == n + 1
+        if joins_left and joins_right:
+            hi[i] = hi[i + 1]
+            del lo[i + 1], hi[i + 1]
+        elif joins_left:
+            hi[i] = n
+        elif joins_right:
+            lo[i + 1] = n
+        else:
+            lo.insert(i + 1, n)
+            hi.insert(i + 1, n)
+
+    def validate_state(self) -> None:
+        assert len(self._lo) == len(self._hi)
+        for k, (a, b) in enumerate(zip(self._lo, self._hi, strict=True)):
+            assert 0 <= a <= b, (a, b)
+            if k:
+                # disjoint and not adjacent (adjacent ranges are merged)
+                assert self._hi[k - 1] + 1 < a, (self._hi[k - 1], a)
+
+
+class FusedRun:
+    """One run of a fused program (this host's part): its computations, in
+    order, as ``Execute`` templates whose buffer ids are codes (``n >= 0``:
+    ``first + n``; ``n < 0``: ``inputs[-n - 1]``); ``release`` (codes) are its
+    intermediates. The executor runs it as one computation on the union of
+    their devices, and reports it once. ``plan`` is a one-item list shared by
+    the runs of one fused program, where the executor keeps what it worked out
+    on the first run (see ``executor._FusedPlan``)."""
+
+    __slots__ = ("exec_id", "seq", "name", "devices", "executes", "inputs", "first", "release", "plan",
+                 "hold")
+
+    def __init__(self, exec_id: int, seq: int, name: str, devices: list[int],
+                 executes: list[m.Execute], inputs: list[int], first: int, release: list[int],
+                 plan: list | None = None, hold: bool = False) -> None:
+        self.exec_id, self.seq, self.name, self.devices = exec_id, seq, name, devices
+        self.executes, self.inputs, self.first, self.release = executes, inputs, first, release
+        self.plan = plan if plan is not None else [None]
+        self.hold = hold          # as RunFused.hold
+
+    def buffer(self, code: int) -> int:
+        return self.first + code if code >= 0 else self.inputs[-code - 1]
+
+
+@dataclasses.dataclass
+class FusedProgram:
+    """A fused program as DefineFused gave it: its definition, the local
+    devices its computations use, how many of a run's inputs it reads, and
+    what the executor keeps for its runs (``FusedRun.plan``)."""
+    definition: m.DefineFused
+    devices: list[int]
+    reads: int
+    plan: list
+
+    @classmethod
+    def of(cls, msg: m.DefineFused) -> "FusedProgram":
+        codes = [c for ex in msg.executes for c in
+                 [*(i.buffer for i in ex.inputs), *(o.buffer for o in ex.outputs)]] + msg.release
+        devices = sorted({d for ex in msg.executes for d in ex.devices})
+        return cls(msg, devices, max([0, *(-c for c in codes)]), [None])
+
+
+class PendingFetch:
+    """A fetch waiting for its shard; answered once (value, error or
+    deadline), by whichever thread claims it first."""
+
+    def __init__(self, ident: bytes, msg: m.Fetch, deadline: float) -> None:
+        self.ident, self.msg, self.deadline = ident, msg, deadline
+        self.key: Any = None                       # the store entry it waits for
+        self.cb: Any = None                        # and its callback there
+        self._lock = threading.Lock()
+        self._answered = False
+
+    @property
+    def answered(self) -> bool:
+        return self._answered
+
+    def claim(self) -> bool:
+        with self._lock:
+            if self._answered:
+                return False
+            self._answered = True
+            return True
+
+
+def fetch_timeout(asked: float) -> float:
+    """How long a fetch waits: what it asked, within [0, MAX_FETCH_TIMEOUT_S]
+    (NaN: 0)."""
+    if asked != asked:      # NaN
+        return 0.0
+    return min(max(asked, 0.0), MAX_FETCH_TIMEOUT_S)
+
+
+class WorkerState:
+    """What the worker's I/O thread decides on: see the module's docstring."""
+
+    def __init__(self, controller_timeout_s: float, now: float) -> None:
+        self.rank: int | None = None
+        self.controller_timeout_s = controller_timeout_s
+        self.last_controller = now
+        self.fused: dict[int, FusedProgram] = {}
+        self.gone_clients = IdRanges()          # clients that left: their Puts are dropped
+        # fetches waiting, as a heap of (deadline, arrival, fetch); answered ones
+        # stay until their deadline or the next compaction
+        self.fetches: list[tuple[float, int, PendingFetch]] = []
+        self.fetch_heap_limit = FETCH_HEAP_MIN
+        self._arrivals = itertools.count()
+        self.lent_bytes = 0        # of shared-memory pieces lent now (see lend)
+
+    # ---- the controller ------------------------------------------------------
+    def heard_from_controller(self, now: float) -> None:
+        self.last_controller = now
+
+    def controller_lost(self, now: float) -> bool:
+        """Whether the controller has been silent for too long (the worker exits)."""
+        return now - self.last_controller > self.controller_timeout_s
+
+    # ---- fused programs ------------------------------------------------------
+    def define_fused(self, msg: m.DefineFused) -> None:
+        self.fused[msg.fused] = FusedProgram.of(msg)
+
+    def drop_fused(self, msg: m.DropFused) -> None:
+        for f in msg.fused:
+            self.fused.pop(f, None)
+
+    def run_fused(self, msg: m.RunFused) -> FusedRun | m.ErrorInfo:
+        """The run to queue (the caller also frees its intermediates once it
+        has run: ``run.buffer(c) for c in run.release``), or the error to
+        report for it at once."""
+        known = self.fused.get(msg.fused)
+        if known is None or known.reads > len(msg.inputs):
+            why = "is unknown here" if known is None else "reads more inputs than the run gives"
+            return m.ErrorInfo("FusedUnknown", f"fused program {msg.fused} {why}", self.rank, "", "")
+        d = known.definition
+        return FusedRun(msg.exec_id, msg.seq, f"fused program {msg.fused}", known.devices, d.executes,
+                        msg.inputs, msg.first_buffer, d.release, known.plan, msg.hold)
+
+    # ---- clients -------------------------------------------------------------
+    def client_gone(self, client: int) -> None:
+        self.gone_clients.add(client)
+
+    def put_from_gone_client(self, buffer: int) -> bool:
+        """Whether a Put of this buffer comes from a client that has left (dropped)."""
+        return client_of(buffer) in self.gone_clients
+
+    # ---- shared-memory pieces ------------------------------------------------
+    def lend(self, offset: int, size: int) -> bool:
+        """Whether a ShmPiece of ``size`` bytes at ``offset`` in its segment is
+        taken as it lies there (no copy: XLA adopts it, and the segment is
+        acknowledged once nothing refers to it) rather than copied out; the
+        caller calls :meth:`lent` once it is."""
+        return size >= channels.ZERO_COPY_RECV and offset % channels.XLA_ALIGN == 0 \
+            and self.lent_bytes + size <= channels.LEND_MAX_BYTES
+
+    def lent(self, size: int) -> None:
+        self.lent_bytes += size
+
+    def returned(self, size: int) -> None:
+        """A lent piece is no longer referred to (its segment is acknowledged)."""
+        self.lent_bytes -= size
+
+    # ---- fetches -------------------------------------------------------------
+    def fetch(self, ident: bytes, msg: m.Fetch, now: float) -> PendingFetch:
+        """A fetch came: it waits for its shard until its deadline (see
+        :meth:`expire_fetches`)."""
+        if len(self.fetches) > self.fetch_heap_limit:
+            # answered fetches stay in the heap until their deadline; drop
+            # them now and then (amortised: the limit doubles with what is
+            # really pending) so a busy client cannot grow it for long
+            self.fetches = [e for e in self.fetches if not e[2].answered]
+            heapq.heapify(self.fetches)
+            self.fetch_heap_limit = max(FETCH_HEAP_MIN, 2 * len(self.fetches))
+        pending = PendingFetch(ident, msg, now + fetch_timeout(msg.timeout_s))
+        heapq.heappush(self.fetches, (pending.deadline, next(self._arrivals), pending))
+        return pending
+
+    def expire_fetches(self, now: float) -> list[PendingFetch]:
+        """The fetches whose deadline has passed and that nothing answered
+        yet, claimed: the caller answers each with :meth:`deadline_error` and
+        stops its wait for the shard."""
+        out = []
+        while self.fetches and self.fetches[0][0] <= now:
+            _, _, p = heapq.heappop(self.fetches)
+            if p.claim():
+                out.append(p)
+        return out
+
+    def deadline_error(self, p: PendingFetch) -> m.ErrorInfo:
+        return m.ErrorInfo("DeadlineExceeded", f"buffer {p.msg.buffer} was not ready on host "
+                           f"{self.rank} within {p.msg.timeout_s:.1f}s", self.rank, "", "")
+
+    def next_deadline_in(self, now: float) -> float:
+        """Seconds until the I/O thread must look at its deadlines again."""
+        if not self.fetches:
+            return IDLE_WAIT_S
+        return min(IDLE_WAIT_S, max(0.0, self.fetches[0][0] - now))
+
+    def validate_state(self) -> None:
+        self.gone_clients.validate_state()
+        for f, p in self.fused.items():
+            assert p.definition.fused == f
+            assert p.devices == sorted(set(p.devices))
+            assert p == dataclasses.replace(FusedProgram.of(p.definition), plan=p.plan), f
+            assert len(p.plan) == 1
+        h = self.fetches
+        for i in range(1, len(h)):
+            assert h[(i - 1) // 2][:2] <= h[i][:2], "fetch heap order"
+        assert all(e[0] == e[2].deadline for e in h)
+        assert self.fetch_heap_limit >= FETCH_HEAP_MIN
+        assert len(h) <= self.fetch_heap_limit + 1
+        assert 0 <= self.lent_bytes <= channels.LEND_MAX_BYTES
+
+
+class ShapedLink:
+    """The queue of this host's emulated DCN link (``channels.Shaper``): each
+    message is handed to TCP when the link would deliver it. A capped piece
+    larger than a chunk goes as PieceChunks paced at the cap, so the real
+    transfer overlaps the pacing."""
+
+    def __init__(self, shaper: channels.Shaper) -> None:
+        self.shaper = shaper
+        # heap of (due, seq, rank, message, buffers)
+        self.queue: list[tuple[float, int, int, Record, Any]] = []
+        self._seq = 0
+
+    @property
+    def active(self) -> bool:
+        return self.shaper.active
+
+    def send(self, rank: int, msg: Record, buffers: Any, now: float) -> None:
+        """Queue a message for host ``rank``."""
+        nbytes = channels.piece_nbytes(buffers)
+        if not (isinstance(msg, m.Piece) and len(buffers) == 1):
+            sends = [(self.shaper.due(nbytes, now), msg, buffers)]
+        else:
+            plan = self.shaper.chunks(nbytes, now)
+            if len(plan) == 1:
+                sends = [(plan[0][2], msg, buffers)]
+            else:
+                flat = raw(buffers[0])          # C-contiguous (see Worker._send_piece): a view
+                sends = [(due, m.PieceChunk(msg.piece_id, msg.aval, off, nbytes), [flat[off:off + size]])
+                         for off, size, due in plan]
+        for due, one, bufs in sends:
+            self._seq += 1
+            heapq.heappush(self.queue, (due, self._seq, rank, one, bufs))
+
+    def take_due(self, now: float) -> list[tuple[int, Record, Any]]:
+        """The (rank, message, buffers) due by ``now``, in order: send them."""
+        out = []
+        while self.queue and self.queue[0][0] <= now:
+            _, _, rank, msg, buffers = heapq.heappop(self.queue)
+            out.append((rank, msg, buffers))
+        return out
+
+    def next_due_in(self, now: float) -> float:
+        """Seconds until the next message is due (IDLE_WAIT_S if none is queued)."""
+        return max(0.0, self.queue[0][0] - now) if self.queue else IDLE_WAIT_S
+
+    def drop_peer(self, rank: int, now: float) -> None:
+        """Host ``rank`` was lost: what was queued for it goes, and gives back
+        the link time it had booked."""
+        if any(e[2] == rank for e in self.queue):
+            self.queue = self.shaper.repace(self.queue, lambda e: e[2] == rank, now)
+
+    def validate_state(self) -> None:
+        h = self.queue
+        for i in range(1, len(h)):
+            assert h[(i - 1) // 2][:2] <= h[i][:2], "shaped heap order"
+        assert all(math.isfinite(e[0]) for e in h)
+        assert len({e[1] for e in h}) == len(h), "sequence numbers are unique"
+
+
+class Chunks:
+    """Shaped DCN pieces arriving as PieceChunks (see :class:`ShapedLink`),
+    each copied into its piece's array as it comes. ``make(aval, flat)`` types
+    a piece's bytes as its array (ValueError or TypeError if it cannot)."""
+
+    def __init__(self, make: Callable[[m.Aval, np.ndarray], np.ndarray]) -> None:
+        self.make = make
+        # piece id -> [array, its bytes, bytes received], or None once refused
+        # (its later chunks are dropped)
+        self.partial: dict[int, list | None] = {}
+
+    def take(self, msg: m.PieceChunk, buffers: list) -> np.ndarray | None:
+        """Copy a chunk into its piece; the piece's array once it is complete.
+        A chunk that does not fit raises ValueError (or TypeError): the caller
+        then calls :meth:`refuse`."""
+        if msg.piece_id in self.partial and self.partial[msg.piece_id] is None:
+            if msg.offset + (buffers[0].nbytes if buffers else 0) >= msg.nbytes:
+                del self.partial[msg.piece_id]      # the refused piece's last chunk
+            return None
+        if len(buffers) != 1:
+            raise ValueError(f"expected one data buffer, got {len(buffers)}")
+        part = self.partial.get(msg.piece_id)
+        if part is None:
+            flat = channels.recv_buffers.get(max(msg.nbytes, 0))     # device_put takes it over
+            part = self.partial[msg.piece_id] = [self.make(msg.aval, flat), flat, 0]
+        arr, flat, got = part
+        size = buffers[0].nbytes
+        if msg.nbytes != flat.nbytes or msg.offset < 0 or msg.offset + size > flat.nbytes \
+                or got + size > flat.nbytes:
+            raise ValueError(f"chunk [{msg.offset}, {msg.offset + size}) does not fit piece "
+                             f"{msg.piece_id} of {flat.nbytes} bytes ({got} received)")
+        flat[msg.offset:msg.offset + size] = np.frombuffer(buffers[0], np.uint8)
+        part[2] = got + size
+        if part[2] < flat.nbytes:
+            return None
+        del self.partial[msg.piece_id]
+        return arr
+
+    def refuse(self, piece_id: int) -> None:
+        """The piece is refused (a bad chunk): its later chunks are dropped."""
+        self.partial[piece_id] = None
+
+    def forget(self, piece_id: int) -> None:
+        """The piece failed (FailPieces): what came of it goes."""
+        self.partial.pop(piece_id, None)
+
+    def validate_state(self) -> None:
+        for piece_id, part in self.partial.items():
+            if part is not None:
+                arr, flat, got = part
+                assert 0 <= got < flat.nbytes, (piece_id, got, flat.nbytes)
+                assert arr.nbytes == flat.nbytes, piece_id
