@@ -2,7 +2,7 @@
 configuration table against zpath.config.settings(), relative links in
 README.md and docs/*.md, and no commit hashes in the README.
 
-``python tests/test_docs.py`` prints the configuration table the README must
+``python -m zpath.config`` prints the configuration table the README must
 carry (paste it under "## Configuration" after changing zpath/config.py).
 """
 from __future__ import annotations
@@ -10,51 +10,22 @@ from __future__ import annotations
 import re
 import unicodedata
 from pathlib import Path
-from typing import Any
 
-from zpath.config import settings
+from zpath.config import markdown_table
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
 DOCS = sorted((ROOT / "docs").glob("*.md"))
 MAX_README_LINES = 600
 
-ROLE_NAMES = {"CommonConfig": "all", "ClusterConfig": "launchers, CLI"}
 TABLE_HEADER = "| variable | read by | default | meaning |"
 LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)\)|!\[[^\]]*\]\(([^)\s]+)\)")
 HASH = re.compile(r"\b[0-9a-f]{7,40}\b")
 
 
-def _default(value: Any) -> str:
-    if isinstance(value, bool):
-        return "`1`" if value else "`0`"
-    if isinstance(value, float) and value.is_integer():
-        return f"`{int(value)}`"
-    if value == "":
-        return "(unset)"
-    return f"`{value}`"
-
-
 def config_rows() -> dict[str, str]:
-    """The table row for each environment variable, from settings(): a variable
-    several roles read (with one default) is one row naming them all."""
-    merged: dict[str, tuple[list[str], list[Any], list[str]]] = {}
-    for env, role, default, doc in settings():
-        roles, defaults, docs = merged.setdefault(env, ([], [], []))
-        roles.append(ROLE_NAMES.get(role, role.removesuffix("Config").lower()))
-        if default not in defaults:
-            defaults.append(default)
-        if doc not in docs:
-            docs.append(doc)
-    rows = {}
-    for env, (roles, defaults, docs) in merged.items():
-        rows[env] = (f"| `{env}` | {', '.join(roles)} | {' / '.join(_default(d) for d in defaults)} "
-                     f"| {'; '.join(docs)} |")
-    return rows
-
-
-def config_table() -> str:
-    return "\n".join([TABLE_HEADER, "| --- | --- | --- | --- |", *config_rows().values()])
+    """The table row for each environment variable: zpath.config.markdown_table()."""
+    return {row.split("`")[1]: row for row in markdown_table().splitlines()[2:]}
 
 
 def _section(text: str, title: str) -> str:
@@ -103,9 +74,9 @@ def test_readme_configuration_table_matches_settings() -> None:
     assert set(found) - set(expected) == set(), f"not settings in zpath/config.py: {sorted(set(found) - set(expected))}"
     assert set(expected) - set(found) == set(), (
         f"settings missing from the README's table: {sorted(set(expected) - set(found))}; "
-        f"`python tests/test_docs.py` prints the table")
+        f"`python -m zpath.config` prints the table")
     stale = [row for row in rows if row != expected[row.split("`")[1]]]
-    assert not stale, ("rows that differ from zpath.config.settings() (`python tests/test_docs.py` prints "
+    assert not stale, ("rows that differ from zpath.config.settings() (`python -m zpath.config` prints "
                        f"the table): {stale}")
 
 
@@ -135,7 +106,3 @@ def test_link_and_hash_checks_catch_what_they_should() -> None:
     assert _slug("Sharing a cluster") == "sharing-a-cluster"
     assert [m.group(1) for m in LINK.finditer("see [a](docs/x.md#y) and ![p](p.png)")] == ["docs/x.md#y", None]
     assert HASH.findall("at 3f618e8 to d8beb18, 2026-11-23") == ["3f618e8", "d8beb18"]
-
-
-if __name__ == "__main__":
-    print(config_table())

@@ -7,8 +7,9 @@ Nothing reads the environment at import: a config is built once, in ``main()``
 ``dataclasses.replace``.
 
 ``settings()`` lists every setting; ``python -m zpath.config`` prints them as
-the markdown table of docs/configuration-table.md (tests/test_config.py checks
-that every ``ZPATH_*`` name in the code is one of them, or one of ``INTERNAL_ENV``).
+the markdown table that README.md carries (tests/test_docs.py checks it;
+tests/test_config.py checks that every ``ZPATH_*`` name in the code is one of
+them, or one of ``INTERNAL_ENV``).
 """
 from __future__ import annotations
 
@@ -111,6 +112,16 @@ class ControllerConfig(_FromEnv):
     ping_interval_s: float = setting(1.0, "ZPATH_PING_INTERVAL",
                                      "seconds between the controller's pings to its workers")
 
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ZpathError(f"ZPATH_SCHEDULER_POLICY={self.policy!r} is not a policy "
+                             f"(choose from {', '.join(POLICIES)})")
+        for name in ("host_timeout_s", "client_timeout_s", "window_ms", "ping_interval_s"):
+            if not getattr(self, name) > 0:
+                raise ZpathError(f"ControllerConfig.{name} must be > 0, not {getattr(self, name)!r}")
+        if self.device_memory_limit < 0:
+            raise ZpathError(f"ZPATH_DEVICE_MEMORY_LIMIT must be >= 0, not {self.device_memory_limit}")
+
 
 @dataclasses.dataclass(frozen=True)
 class WorkerConfig(_FromEnv):
@@ -180,20 +191,37 @@ def settings() -> list[tuple[str, str, Any, str]]:
     return out
 
 
+# how the table names the roles that read a setting
+_ROLE_NAMES = {"CommonConfig": "all", "ClusterConfig": "launchers, CLI"}
+
+
 def _default_text(value: Any) -> str:
     if isinstance(value, bool):
         return "`1`" if value else "`0`"
+    if isinstance(value, float) and value.is_integer():
+        return f"`{int(value)}`"
     if value == "":
-        return "(none)"
-    return f"`{value:g}`" if isinstance(value, float) else f"`{value}`"
+        return "(unset)"
+    return f"`{value}`"
 
 
 def markdown_table() -> str:
-    """Every setting as a markdown table (docs/configuration-table.md)."""
-    lines = ["| Variable | Role | Default | Meaning |", "|---|---|---|---|"]
+    """Every setting as a markdown table, one row per environment variable (a
+    variable several roles read is one row naming them all): the README's
+    Configuration table is exactly this (tests/test_docs.py checks it)."""
+    merged: dict[str, tuple[list[str], list[Any], list[str]]] = {}
     for env, role, default, doc in settings():
+        roles, defaults, docs = merged.setdefault(env, ([], [], []))
+        roles.append(_ROLE_NAMES.get(role, role.removesuffix("Config").lower()))
+        if default not in defaults:
+            defaults.append(default)
         doc = " ".join(doc.split()).replace("|", "\\|")
-        lines.append(f"| `{env}` | {role.removesuffix('Config').lower()} | {_default_text(default)} | {doc} |")
+        if doc not in docs:
+            docs.append(doc)
+    lines = ["| variable | read by | default | meaning |", "| --- | --- | --- | --- |"]
+    for env, (roles, defaults, docs) in merged.items():
+        lines.append(f"| `{env}` | {', '.join(roles)} | {' / '.join(_default_text(d) for d in defaults)} "
+                     f"| {'; '.join(docs)} |")
     return "\n".join(lines) + "\n"
 
 

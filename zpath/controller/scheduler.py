@@ -13,6 +13,7 @@ import dataclasses
 import time
 from typing import Any, Callable
 
+from zpath.config import POLICIES
 from zpath.net import messages as m
 
 class GangScheduler:
@@ -39,7 +40,6 @@ class GangScheduler:
 
 # ---- multi-tenancy ----------------------------------------------------------
 
-POLICIES = ("fifo", "share")
 # a client counts as using an island for this long after it last had work there
 SOLO_GRACE_S = 1.0
 

@@ -16,11 +16,11 @@ from typing import Any
 import zmq
 
 from zpath import logs
-from zpath.config import ControllerConfig
+from zpath.config import POLICIES, CommonConfig, ControllerConfig
 from zpath.controller.core import ControllerCore, Effect, RemoveSegments, Send
-from zpath.controller.scheduler import POLICIES, GangScheduler
-from zpath.errors import ProtocolError
-from zpath.keys import key_from_env
+from zpath.controller.scheduler import GangScheduler
+from zpath.errors import ProtocolError, ZpathError
+from zpath.keys import key_from_config
 from zpath.net import channels, codec
 from zpath.net import messages as m
 from zpath.net.transport import BadMessage, Endpoint, make_context, unbatched
@@ -39,8 +39,10 @@ class Controller:
     send its output without ever blocking."""
 
     def __init__(self, key: bytes, bind: str = "tcp://127.0.0.1:0",
-                 config: ControllerConfig | None = None, gang: GangScheduler | None = None) -> None:
+                 config: ControllerConfig | None = None, gang: GangScheduler | None = None,
+                 common: CommonConfig | None = None) -> None:
         self.config = config if config is not None else ControllerConfig()
+        self.common = common if common is not None else CommonConfig()
         self.ep = Endpoint(key, "controller")
         self.ctx = make_context()
         self.sock = self.ctx.socket(zmq.ROUTER)
@@ -52,7 +54,8 @@ class Controller:
             self.sock.bind(bind)
             self.address = bind
         # lost hosts on this machine: their segments go
-        self.core = ControllerCore(self.config, machine=channels.machine_id(), gang=gang)
+        self.core = ControllerCore(self.config, machine=channels.machine_id(self.common.machine_id),
+                                   gang=gang)
         self.running = True
         # messages held while one received message is handled (see _emit):
         # (message, parent, 0, body) per peer
@@ -69,7 +72,7 @@ class Controller:
         message, with a log line."""
         for e in effects:
             if isinstance(e, RemoveSegments):
-                n = channels.cleanup(channels.shm_prefix(self.ep.key), e.pid)
+                n = channels.cleanup(channels.shm_prefix(self.ep.key), e.pid, shm_dir=self.common.shm_dir)
                 if n:
                     log.info("removed %d shared-memory segments of lost host %d", n, e.rank)
                 continue
@@ -222,10 +225,16 @@ def main(argv: list[str] | None = None, gang: GangScheduler | None = None) -> in
     args = p.parse_args(argv)
     die_with_parent()
     faulthandler.register(signal.SIGUSR1)  # `kill -USR1 <pid>` dumps every thread's stack
-    logs.setup("controller")
-    config = ControllerConfig.from_env(policy=args.policy)
     try:
-        ctl = Controller(key_from_env(), args.bind, config, gang=gang)
+        common = CommonConfig.from_env()
+        config = ControllerConfig.from_env(policy=args.policy)
+        key = key_from_config(common)
+    except ZpathError as e:
+        print(f"zpath controller: {e}", file=sys.stderr, flush=True)
+        return 2
+    logs.setup("controller", common.log_level)
+    try:
+        ctl = Controller(key, args.bind, config, gang=gang, common=common)
     except zmq.ZMQError as e:        # the address is taken, or not this machine's
         print(f"zpath controller: cannot listen on {args.bind}: {e}", file=sys.stderr, flush=True)
         return 1
