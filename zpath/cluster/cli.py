@@ -120,7 +120,7 @@ def _up(args: argparse.Namespace, cfg: Settings) -> int:
         print(f"connect with: ZPATH_KEY_FILE={cluster.key_file} and "
               f"zp.connect({cluster.address!r})  (Ctrl-C stops the cluster)", flush=True)
         # A worker that exits is a lost host: the controller fails what needed
-        # it and serves the rest (README: Failures), so the cluster stays up.
+        # it and serves the rest (docs/design.md: Failures), so the cluster stays up.
         # Without its controller there is no cluster: that stops it.
         reported: set[str] = set()
         while not stop.wait(0.5):

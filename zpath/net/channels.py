@@ -1,4 +1,4 @@
-"""Data-plane channels between workers (see README "Channels").
+"""Data-plane channels between workers (see docs/design.md, "Channels").
 
 * ICI (hosts of one island): on the same machine a piece's bytes go through a
   POSIX shared-memory segment (a plain file under /dev/shm, mmapped) and ZeroMQ

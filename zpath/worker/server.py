@@ -10,7 +10,7 @@ chunked pieces) or to the executor, and sends what they give back. The
 executor threads run computations; replies that wait on a shard are sent from
 a small pool once the shard is done. Configuration (``WorkerConfig``,
 ``CommonConfig``) is built in ``main()`` and passed down (see
-docs/design-worker.md)."""
+docs/design.md, "Worker")."""
 from __future__ import annotations
 
 import argparse
