@@ -26,6 +26,7 @@ from zpath.errors import (Broken, Closed, DeadlineExceeded, ErrorKind, HostLost,
 from zpath.net import messages as m
 from zpath.net.codec import PROTOCOL_VERSION, Record
 from zpath.net.transport import BadMessage, Endpoint, Outbox, make_context, unbatched
+from zpath.ids import buffer_id
 
 log = logging.getLogger(__name__)
 
@@ -143,14 +144,14 @@ class Client:
     # ---- API used by the rest of zpath --------------------------------------
     def new_buffer_id(self) -> int:
         with self._ids_lock:
-            return (self.client_id << 32) | next(self._buffer_ids)
+            return buffer_id(self.client_id, next(self._buffer_ids))
 
     def new_buffer_ids(self, n: int) -> int:
         """The first of ``n`` new buffer ids in a row (a program run's)."""
         with self._ids_lock:
             first = next(self._buffer_ids)
             self._buffer_ids = itertools.count(first + n)
-        return (self.client_id << 32) | first
+        return buffer_id(self.client_id, first)
 
     def new_template(self) -> int | None:
         """A number for a new program template, or None while this connection

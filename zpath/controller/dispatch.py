@@ -16,6 +16,7 @@ from zpath.controller.directory import Directory, Plan, PlanError
 from zpath.controller.resources import LostHosts
 from zpath.controller.scheduler import Ready
 from zpath.errors import ResourceError
+from zpath.ids import client_of
 from zpath.net import messages as m
 
 if TYPE_CHECKING:
@@ -79,7 +80,7 @@ class Dispatch:
             except ResourceError as e:
                 raise PlanError("resource", str(e)) from None
             theirs = [b for b in [o.buffer for o in call.outputs] + [i.buffer for i in call.inputs if i.put]
-                      if b >> 32 != peer.id]
+                      if client_of(b) != peer.id]
             if theirs:
                 raise PlanError("bad_request", f"buffer ids {theirs[:4]} are not this client's "
                                 f"(client {peer.id} names new buffers {peer.id} << 32 | n)")
@@ -99,7 +100,7 @@ class Dispatch:
         in the sender's own id range: never an existing buffer, nor one another
         client may still create."""
         outs = [o.buffer for o in call.outputs if o.buffer not in self.directory.buffers]
-        self.directory.poison([b for b in outs if b >> 32 == client], client, err)
+        self.directory.poison([b for b in outs if client_of(b) == client], client, err)
         self.send(ident, m.CallFailed(call.call_id, outs, err))
 
     def _dispatch(self, peer: Peer, call: m.Call, plan: Plan, name: str, hold: bool = False) -> int:

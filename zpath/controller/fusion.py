@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 from zpath.controller import templates
 from zpath.controller.records import HeldNode, ProgramRun, Submission
+from zpath.ids import client_of
 from zpath.net import messages as m
 
 if TYPE_CHECKING:
@@ -58,11 +59,11 @@ class Fusion:
                 raise templates.TemplateError(f"new buffer {taken} exists already")
         except templates.TemplateError as e:
             err = m.ErrorInfo("CallFailed", f"program run rejected: {e}", None, t.name if t else "", "")
-            outs = [b for b in msg.outputs if b >> 32 == peer.id and b not in self.directory.buffers]
+            outs = [b for b in msg.outputs if client_of(b) == peer.id and b not in self.directory.buffers]
             self.directory.poison(outs, peer.id, err)
             self.send(ident, m.CallFailed(msg.program_id, outs, err))
             # values the client may have put for it: freed wherever they went
-            puts = [b for b in msg.inputs if b >> 32 == peer.id and b not in self.directory.buffers]
+            puts = [b for b in msg.inputs if client_of(b) == peer.id and b not in self.directory.buffers]
             if puts:
                 self._free({h.rank: puts for h in self.rm.hosts.values() if h.alive})
             return

@@ -21,6 +21,7 @@ import dataclasses
 
 from zpath import sharding
 from zpath.controller.directory import Buffer, Plan, footprint, footprint_of, layouts_key, spec_key
+from zpath.ids import client_of, serial_of
 from zpath.net import messages as m
 
 MAX_TEMPLATES = 1024          # per client (zpath.client.connection.MAX_TEMPLATES)
@@ -122,7 +123,7 @@ class ProgramTemplate:
             raise TemplateError(f"the template has {len(self.put)} slots, the run fills {len(inputs)}")
         _check_block(client, first, self.buffers)
         for s, b in enumerate(inputs):
-            if self.put[s] and b >> 32 != client:
+            if self.put[s] and client_of(b) != client:
                 raise TemplateError(f"buffer {b} put for the run is not this client's")
             p = self.reads_put[s]
             if p is not None and inputs[p] != b:
@@ -248,7 +249,7 @@ def _transient(calls: list[tuple], plans: list[Plan], intermediates: set[int]) -
 
 
 def _check_block(client: int, first: int, n: int) -> None:
-    if first >> 32 != client or (first + n - 1) >> 32 != client or first & 0xFFFFFFFF == 0:
+    if client_of(first) != client or client_of(first + n - 1) != client or serial_of(first) == 0:
         raise TemplateError(f"new buffers {first}..{first + n - 1} are not this client's")
 
 
