@@ -13,6 +13,7 @@ import collections
 from typing import TYPE_CHECKING, Callable
 
 from zpath.controller.records import HeldNode, ProgramRun, Submission, call_buffers
+from zpath.errors import ErrorKind
 from zpath.net import messages as m
 
 if TYPE_CHECKING:
@@ -84,7 +85,7 @@ class Admission:
         """A traced program: plan every node now; send them all at once
         (parallel) or each once the nodes it reads have finished (sequential)."""
         if prog.dispatch not in ("parallel", "sequential"):
-            err = m.ErrorInfo("CallFailed", f"unknown dispatch mode {prog.dispatch!r}", None, prog.name, "")
+            err = m.ErrorInfo(ErrorKind.CALL_FAILED, f"unknown dispatch mode {prog.dispatch!r}", None, prog.name, "")
             for call in prog.calls:
                 self._fail_call(ident, peer.id, call, err)
             return
@@ -213,7 +214,7 @@ class Admission:
                     return "ok"           # planning rejects it (its input is gone or failed)
         for d, n in self.directory.needs(call).items():
             if n > self.memory_limit:
-                err = m.ErrorInfo("ResourceError", f"call needs {n} bytes on device {d}, more than "
+                err = m.ErrorInfo(ErrorKind.RESOURCE_ERROR, f"call needs {n} bytes on device {d}, more than "
                                   f"the per-device limit of {self.memory_limit} bytes", None, "", "")
                 self._fail_call(sub.ident, sub.peer.id, call, err)
                 return "failed"

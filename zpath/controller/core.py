@@ -24,6 +24,7 @@ from zpath.controller.peers import Peers
 from zpath.controller.records import Effect, RemoveSegments, Send
 from zpath.controller.resources import ResourceManager
 from zpath.controller.scheduler import GangScheduler, TenantScheduler
+from zpath.errors import ErrorKind
 from zpath.net import messages as m
 from zpath.net.codec import Record
 
@@ -90,9 +91,9 @@ class ControllerCore(Peers, Admission, Dispatch, Fusion, Failures):
                           f"{peer.role} {peer.id}" if peer else repr(ident))
             if isinstance(msg, m.Call) and peer is not None:   # fail its futures, don't leave them waiting
                 self._fail_call(ident, peer.id, msg, m.ErrorInfo(
-                    "RemoteError", "the controller failed planning this call (see its log)", None, "", ""))
+                    ErrorKind.REMOTE_ERROR, "the controller failed planning this call (see its log)", None, "", ""))
             else:
-                self.reply_error(ident, parent, "internal",
+                self.reply_error(ident, parent, ErrorKind.INTERNAL,
                                  f"controller failed handling {type(msg).__name__}")
         return self._take()
 
@@ -122,7 +123,7 @@ class ControllerCore(Peers, Admission, Dispatch, Fusion, Failures):
         who = self.peers.get(ident) if ident else None
         log.warning("rejected message from %s: %s", f"{who.role} {who.id}" if who else repr(ident), why)
         if ident is not None:
-            self.reply_error(ident, parent, "protocol", why)
+            self.reply_error(ident, parent, ErrorKind.PROTOCOL, why)
         return self._take()
 
     def farewell(self, reason: str) -> list[Effect]:
@@ -160,7 +161,7 @@ class ControllerCore(Peers, Admission, Dispatch, Fusion, Failures):
             case m.Goodbye() if peer is None:
                 pass            # a connection already dropped: nothing to answer
             case _ if peer is None:
-                self.reply_error(ident, parent, "not_registered",
+                self.reply_error(ident, parent, ErrorKind.NOT_REGISTERED,
                                  f"{type(msg).__name__} before Hello/RegisterWorker")
             case m.AllocSlice() if peer.role == "client":
                 self._alloc_slice(ident, parent, msg)
@@ -193,5 +194,5 @@ class ControllerCore(Peers, Admission, Dispatch, Fusion, Failures):
             case m.Error():
                 log.warning("%s %d reported an error: %s: %s", peer.role, peer.id, msg.code, msg.message)
             case _:
-                self.reply_error(ident, parent, "bad_request",
+                self.reply_error(ident, parent, ErrorKind.BAD_REQUEST,
                                  f"{type(msg).__name__} is not accepted from a {peer.role}")

@@ -18,6 +18,7 @@ import itertools
 import math
 from typing import Callable, Collection
 
+from zpath.errors import ErrorKind
 from zpath import sharding
 from zpath.net import messages as m
 from zpath.sharding import Region
@@ -347,38 +348,38 @@ class Directory:
         ndev = math.prod(call.mesh_shape)
         if any(n < 1 for n in call.mesh_shape) or ndev != len(call.devices) \
                 or len(call.axis_names) != len(call.mesh_shape):
-            raise PlanError("bad_request", f"mesh {call.mesh_shape} {call.axis_names} does not "
+            raise PlanError(ErrorKind.BAD_REQUEST, f"mesh {call.mesh_shape} {call.axis_names} does not "
                             f"match {len(call.devices)} devices")
         if len(set(call.devices)) != len(call.devices):
-            raise PlanError("bad_request", "a device appears twice in the mesh")
+            raise PlanError(ErrorKind.BAD_REQUEST, "a device appears twice in the mesh")
         try:
             return [self.host_of(d) for d in call.devices]
         except KeyError as e:
-            raise PlanError("bad_request", f"unknown device {e}") from None
+            raise PlanError(ErrorKind.BAD_REQUEST, f"unknown device {e}") from None
 
     def _check_state(self, call: m.Call, owner: int) -> None:
         """Checks against the buffers' current state (run on every call, cached or
         not, before any state changes)."""
         new = [o.buffer for o in call.outputs] + [i.buffer for i in call.inputs if i.put]
         if len(set(new)) != len(new):
-            raise PlanError("bad_request", "the call names a new buffer twice (outputs and "
+            raise PlanError(ErrorKind.BAD_REQUEST, "the call names a new buffer twice (outputs and "
                             "put inputs need distinct ids)")
         for o in call.outputs:
             if o.buffer in self.buffers:
-                raise PlanError("bad_request", f"output buffer {o.buffer} already exists")
+                raise PlanError(ErrorKind.BAD_REQUEST, f"output buffer {o.buffer} already exists")
         for i in call.inputs:
             buf = self.buffers.get(i.buffer)
             if i.put:
                 if buf is not None:
-                    raise PlanError("bad_request", f"buffer {i.buffer} already exists")
+                    raise PlanError(ErrorKind.BAD_REQUEST, f"buffer {i.buffer} already exists")
                 continue
             if buf is None or buf.owner != owner:
-                raise PlanError("not_found", f"input buffer {i.buffer} is unknown (freed, "
+                raise PlanError(ErrorKind.NOT_FOUND, f"input buffer {i.buffer} is unknown (freed, "
                                 "or never produced)")
             if buf.error is not None:
                 raise PlanError(buf.error.kind, buf.error.message, buf.error)
             if list(buf.shape) != i.aval.shape or buf.dtype != i.aval.dtype:
-                raise PlanError("bad_request", f"input buffer {i.buffer} is {buf.dtype}"
+                raise PlanError(ErrorKind.BAD_REQUEST, f"input buffer {i.buffer} is {buf.dtype}"
                                 f"{list(buf.shape)}, the call expects {i.aval.dtype}{i.aval.shape}")
 
     # ---- lowering ---------------------------------------------------------------------
@@ -391,7 +392,7 @@ class Directory:
             in_regs = [sharding.regions(i.aval.shape, *mesh, i.spec) for i in call.inputs]
             out_regs = [sharding.regions(o.aval.shape, *mesh, o.spec) for o in call.outputs]
         except (ValueError, KeyError) as e:
-            raise PlanError("bad_request", f"bad sharding: {e}") from None
+            raise PlanError(ErrorKind.BAD_REQUEST, f"bad sharding: {e}") from None
         shards: dict[int, list[list]] = {h: [] for h in hosts}
         sends: list[tuple] = []
         ops: list[tuple] = []
@@ -500,7 +501,7 @@ class Directory:
                 pieces.append(self._piece(slot, min(devs, key=rank), reg, sub, host, sends))
         if sum(math.prod(sharding.region_shape(sharding.from_wire(p[3]))) for p in pieces) \
                 != math.prod(sharding.region_shape(want)):
-            raise PlanError("internal", f"buffer {buffer}: layout does not cover {want}")
+            raise PlanError(ErrorKind.INTERNAL, f"buffer {buffer}: layout does not cover {want}")
         return pieces
 
     def _piece(self, slot: int, dev: int, reg: Region, sub: Region, host: int,

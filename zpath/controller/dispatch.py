@@ -15,7 +15,7 @@ from zpath.controller.records import HeldNode, InFlight, call_buffers
 from zpath.controller.directory import Directory, Plan, PlanError
 from zpath.controller.resources import LostHosts
 from zpath.controller.scheduler import Ready
-from zpath.errors import ResourceError
+from zpath.errors import ErrorKind, ResourceError
 from zpath.ids import client_of
 from zpath.net import messages as m
 
@@ -68,27 +68,27 @@ class Dispatch:
         prog = self.programs.get(call.program)
         try:
             if prog is None:
-                raise PlanError("not_found", f"program {call.program[:12]} is not registered")
+                raise PlanError(ErrorKind.NOT_FOUND, f"program {call.program[:12]} is not registered")
             try:
                 self.rm.check_spmd(call.devices)
             except LostHosts as e:
                 lost = self.rm.hosts[e.hosts[0]]
-                raise PlanError("resource", str(e), m.ErrorInfo(
-                    "HostLost", f"host {lost.rank} ({lost.name}, island {lost.island}) was lost"
+                raise PlanError(ErrorKind.RESOURCE, str(e), m.ErrorInfo(
+                    ErrorKind.HOST_LOST, f"host {lost.rank} ({lost.name}, island {lost.island}) was lost"
                     f"{': ' + lost.lost_why if lost.lost_why else ''}; this computation cannot run there",
                     lost.rank, prog[0], "")) from None
             except ResourceError as e:
-                raise PlanError("resource", str(e)) from None
+                raise PlanError(ErrorKind.RESOURCE, str(e)) from None
             theirs = [b for b in [o.buffer for o in call.outputs] + [i.buffer for i in call.inputs if i.put]
                       if client_of(b) != peer.id]
             if theirs:
-                raise PlanError("bad_request", f"buffer ids {theirs[:4]} are not this client's "
+                raise PlanError(ErrorKind.BAD_REQUEST, f"buffer ids {theirs[:4]} are not this client's "
                                 f"(client {peer.id} names new buffers {peer.id} << 32 | n)")
             return (directory or self.directory).plan(call, peer.id, prog[0]), prog[0]
         except PlanError as e:
             if directory is not None:
                 raise
-            err = e.error or m.ErrorInfo("CallFailed", f"call rejected: {e}", None,
+            err = e.error or m.ErrorInfo(ErrorKind.CALL_FAILED, f"call rejected: {e}", None,
                                          prog[0] if prog else "", "")
             self._fail_call(ident, peer.id, call, err)
             self._free_puts(call)
@@ -245,7 +245,7 @@ class Dispatch:
         lost = self.directory.repair(held.planned[0], affected, unusable, own)
         if not lost:
             return None
-        return m.ErrorInfo("HostLost", f"buffer {lost[0]} has no copy that holds data left (the copies "
+        return m.ErrorInfo(ErrorKind.HOST_LOST, f"buffer {lost[0]} has no copy that holds data left (the copies "
                            "planned for it cannot be made)", None, held.planned[1], "")
 
     def _unsendable(self, held: HeldNode) -> m.ErrorInfo | None:
@@ -259,7 +259,7 @@ class Dispatch:
         for h in [*plan.executes, *(src for src, _ in plan.sends)]:
             host = self.rm.hosts[h]
             if not host.alive:
-                return m.ErrorInfo("HostLost", f"host {h} ({host.name}, island {host.island}) was lost "
+                return m.ErrorInfo(ErrorKind.HOST_LOST, f"host {h} ({host.name}, island {host.island}) was lost "
                                    "before this computation could run", h, held.planned[1], "")
         return None
 
@@ -271,7 +271,7 @@ class Dispatch:
         # its plan recorded copies of its inputs it will never make: forget them
         # (an input left with no copy fails)
         lost = self._drop_copies(held.planned[0].copies, err or m.ErrorInfo(
-            "Abandoned", "its last copy was planned for a computation that was abandoned", None, "", ""))
+            ErrorKind.ABANDONED, "its last copy was planned for a computation that was abandoned", None, "", ""))
         if err is not None:
             outs = [o.buffer for o in held.call.outputs]
             self.directory.poison(outs, run.peer.id, err)
@@ -327,7 +327,7 @@ class Dispatch:
             log.info("computation %d failed on host %d: %s", msg.exec_id, host, msg.error.message)
         if info is None:
             return
-        if info.fused and msg.error is not None and msg.error.kind == "FusedUnknown":
+        if info.fused and msg.error is not None and msg.error.kind == ErrorKind.FUSED_UNKNOWN:
             # the host did not run it, so nothing there will ever hold its results
             # (it cannot poison what it does not know): they fail here
             mine = [b for b in info.outputs if (buf := self.directory.buffers.get(b)) is not None
@@ -368,7 +368,7 @@ class Dispatch:
             try:
                 plan, name = self._plan(ident, peer, call, directory=scratch)
             except PlanError as e:
-                self.reply_error(ident, parent, "bad_request", f"node {k}: {e}")
+                self.reply_error(ident, parent, ErrorKind.BAD_REQUEST, f"node {k}: {e}")
                 return
             transfers = []
             for src, piece in plan.sends:

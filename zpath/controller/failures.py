@@ -7,6 +7,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from zpath.controller.records import RemoveSegments
+from zpath.errors import ErrorKind
 from zpath.net import messages as m
 
 if TYPE_CHECKING:
@@ -77,7 +78,7 @@ class Failures:
         # its computations already at the workers may wait for values it was
         # still putting: they fail rather than hold their devices until the
         # input deadline
-        err = m.ErrorInfo("RemoteError", f"client {peer.id} ({peer.name}) left before its inputs "
+        err = m.ErrorInfo(ErrorKind.REMOTE_ERROR, f"client {peer.id} ({peer.name}) left before its inputs "
                           "arrived", None, "", "")
         fails: dict[int, list[int]] = {}
         for inf in self.in_flight.values():
@@ -103,7 +104,7 @@ class Failures:
         if ident is not None:
             self.peers.pop(ident, None)
         self.host_programs.pop(rank, None)
-        err = m.ErrorInfo("HostLost", f"host {rank} ({host.name}, island {host.island}) was lost: {why}",
+        err = m.ErrorInfo(ErrorKind.HOST_LOST, f"host {rank} ({host.name}, island {host.island}) was lost: {why}",
                           rank, "", "")
         log.error("%s", err.message)
         failed: dict[bytes, list[int]] = {}

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 from zpath.controller import templates
 from zpath.controller.records import HeldNode, ProgramRun, Submission
+from zpath.errors import ErrorKind
 from zpath.ids import client_of
 from zpath.net import messages as m
 
@@ -38,7 +39,7 @@ class Fusion:
                 raise templates.TemplateError(f"a client keeps at most {templates.MAX_TEMPLATES} templates")
             t = templates.ProgramTemplate(msg, peer.id)
         except templates.TemplateError as e:
-            self.reply_error(ident, parent, "bad_request", f"program {msg.program.name!r} not kept "
+            self.reply_error(ident, parent, ErrorKind.BAD_REQUEST, f"program {msg.program.name!r} not kept "
                              f"as template {msg.template}: {e}")
             self._program(ident, peer, msg.program)
             return
@@ -58,7 +59,7 @@ class Fusion:
             if taken is not None:
                 raise templates.TemplateError(f"new buffer {taken} exists already")
         except templates.TemplateError as e:
-            err = m.ErrorInfo("CallFailed", f"program run rejected: {e}", None, t.name if t else "", "")
+            err = m.ErrorInfo(ErrorKind.CALL_FAILED, f"program run rejected: {e}", None, t.name if t else "", "")
             outs = [b for b in msg.outputs if client_of(b) == peer.id and b not in self.directory.buffers]
             self.directory.poison(outs, peer.id, err)
             self.send(ident, m.CallFailed(msg.program_id, outs, err))

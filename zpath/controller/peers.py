@@ -8,7 +8,7 @@ import hashlib
 import logging
 
 from zpath import sharding
-from zpath.errors import ResourceError
+from zpath.errors import ErrorKind, ResourceError
 from zpath.net import messages as m
 from zpath.net.codec import PROTOCOL_VERSION
 
@@ -51,15 +51,15 @@ class Peers:
 
     def _hello(self, ident: bytes, parent: int, msg: m.Hello) -> None:
         if msg.protocol != PROTOCOL_VERSION:
-            self.reply_error(ident, parent, "protocol",
+            self.reply_error(ident, parent, ErrorKind.PROTOCOL,
                              f"client speaks protocol {msg.protocol}, controller {PROTOCOL_VERSION}")
             return
         if not 0 < msg.weight <= MAX_WEIGHT:
-            self.reply_error(ident, parent, "bad_request",
+            self.reply_error(ident, parent, ErrorKind.BAD_REQUEST,
                              f"weight must be > 0 and <= {MAX_WEIGHT:g}, not {msg.weight!r}")
             return
         if ident in self.peers:
-            self.reply_error(ident, parent, "bad_request", "already connected")
+            self.reply_error(ident, parent, ErrorKind.BAD_REQUEST, "already connected")
             return
         self.client_ids += 1
         self.peers[ident] = Peer("client", self.client_ids, msg.name, self.now, ident, msg.weight)
@@ -91,7 +91,7 @@ class Peers:
         try:
             sid, devs = self.rm.alloc_slice(msg.devices, island=msg.island, host=msg.host)
         except ResourceError as e:
-            self.reply_error(ident, parent, "resource", str(e))
+            self.reply_error(ident, parent, ErrorKind.RESOURCE, str(e))
             return
         self.send(ident, m.SliceAllocated(sid, [self._device_info(d) for d in devs]), parent)
 
@@ -101,7 +101,7 @@ class Peers:
         buf = self.directory.buffers.get(buffer)
         if buf is None or buf.owner != client:
             return m.Location(buffer, [], [], m.ErrorInfo(
-                "HostLost", f"buffer {buffer} is not known (its last copy may have been lost)", None, "", ""))
+                ErrorKind.HOST_LOST, f"buffer {buffer} is not known (its last copy may have been lost)", None, "", ""))
         if buf.error is not None:
             return m.Location(buffer, [], [], buf.error)
         for lay in buf.made_layouts():
@@ -110,7 +110,7 @@ class Peers:
             if lay and None not in devices:
                 return m.Location(buffer, [sharding.to_wire(r) for r in lay], devices, None)
         return m.Location(buffer, [], [], m.ErrorInfo(
-            "HostLost", f"no copy of buffer {buffer} is left on a live host", None, "", ""))
+            ErrorKind.HOST_LOST, f"no copy of buffer {buffer} is left on a live host", None, "", ""))
 
     def _queued(self, client: int | None = None) -> int:
         held = {id(h) for waiting in self.waiters.values() for h in waiting
@@ -126,11 +126,11 @@ class Peers:
 
     def _register_worker(self, ident: bytes, parent: int, msg: m.RegisterWorker) -> None:
         if msg.protocol != PROTOCOL_VERSION:
-            self.reply_error(ident, parent, "protocol",
+            self.reply_error(ident, parent, ErrorKind.PROTOCOL,
                              f"worker speaks protocol {msg.protocol}, controller {PROTOCOL_VERSION}")
             return
         if ident in self.peers:
-            self.reply_error(ident, parent, "bad_request", "already registered")
+            self.reply_error(ident, parent, ErrorKind.BAD_REQUEST, "already registered")
             return
         try:
             host = self.rm.add_host(name=msg.name, island=msg.island, data_address=msg.data_address,
@@ -140,7 +140,7 @@ class Peers:
                                     machine=msg.machine, public_key=msg.public_key,
                                     dcn_address=msg.dcn_address)
         except ResourceError as e:
-            self.reply_error(ident, parent, "resource", str(e))
+            self.reply_error(ident, parent, ErrorKind.RESOURCE, str(e))
             return
         self.peers[ident] = Peer("worker", host.rank, msg.name, self.now, ident)
         self.worker_ident[host.rank] = ident
@@ -152,12 +152,12 @@ class Peers:
     def _register_program(self, ident: bytes, parent: int, msg: m.RegisterProgram,
                           buffers: list) -> None:
         if len(buffers) != 1 or buffers[0].nbytes > MAX_PROGRAM_BYTES:
-            self.reply_error(ident, parent, "bad_request", "RegisterProgram needs one buffer "
+            self.reply_error(ident, parent, ErrorKind.BAD_REQUEST, "RegisterProgram needs one buffer "
                              f"of at most {MAX_PROGRAM_BYTES} bytes")
             return
         blob = bytes(buffers[0])
         if hashlib.sha256(blob).hexdigest() != msg.digest:
-            self.reply_error(ident, parent, "bad_request", f"program {msg.name!r}: sha256 does not "
+            self.reply_error(ident, parent, ErrorKind.BAD_REQUEST, f"program {msg.name!r}: sha256 does not "
                              "match its digest")
             return
         self.programs.setdefault(msg.digest, (msg.name, blob))

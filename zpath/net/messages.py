@@ -17,7 +17,7 @@ Spec = list[None | str | list[str]]
 
 @record
 class ErrorInfo(Record):
-    kind: str                # "RemoteError", "HostLost", "DeadlineExceeded", ...
+    kind: str                # a zpath.errors.ErrorKind ("RemoteError", "HostLost", ...)
     message: str
     host: int | None
     computation: str
@@ -99,7 +99,7 @@ class ExecOutput(Record):
 @message(1)
 class Error(Record):
     """Reply to a message that could not be accepted."""
-    code: str                # "protocol", "bad_request", "not_found", ...
+    code: str                # a zpath.errors.ErrorKind ("protocol", "bad_request", ...)
     message: str
 
 

@@ -23,6 +23,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from zpath.errors import ErrorKind
 from zpath import sharding
 from zpath.config import HOLD_DEEP_S, HOLD_SHORT_S
 from zpath.net import channels
@@ -266,7 +267,7 @@ class Executor:
                 error = self._settle(ex, prepared, outs, index)
             except Exception as e:      # a bug: it must still be reported
                 log.exception("settling computation %d", ex.exec_id)
-                error = m.ErrorInfo("RemoteError", _text(f"{type(e).__name__}: {e}"), self.rank,
+                error = m.ErrorInfo(ErrorKind.REMOTE_ERROR, _text(f"{type(e).__name__}: {e}"), self.rank,
                                     ex.name, "")
             if error is not None:
                 done = (done[0], error) + done[2:]
@@ -443,7 +444,7 @@ class Executor:
         else:
             # as UTF-8 can carry it (an exception's text may hold lone surrogates,
             # e.g. a file name; the report must not fail to encode and be lost)
-            error = m.ErrorInfo("RemoteError", _text(f"{type(e).__name__}: {e}"), self.rank, ex.name,
+            error = m.ErrorInfo(ErrorKind.REMOTE_ERROR, _text(f"{type(e).__name__}: {e}"), self.rank, ex.name,
                                 _text(traceback.format_exc()))
             log.warning("computation %d (%s) failed: %s", exec_id, ex.name, error.message)
         for o in ex.outputs:
@@ -631,7 +632,7 @@ class Executor:
                 self.release_held()
         e = self.store.wait(key, self.input_timeout_s)
         if not e.done:
-            err = m.ErrorInfo("DeadlineExceeded", f"input buffer {buffer} did not arrive within "
+            err = m.ErrorInfo(ErrorKind.DEADLINE_EXCEEDED, f"input buffer {buffer} did not arrive within "
                               f"{self.input_timeout_s:.0f}s", self.rank, "", "")
             self.store.set(key, error=err)
         if e.error is not None:

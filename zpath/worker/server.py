@@ -34,7 +34,7 @@ import zmq
 
 from zpath import logs, sharding
 from zpath.config import HOLD_SHORT_S, CommonConfig, WorkerConfig
-from zpath.errors import ProtocolError, ZpathError
+from zpath.errors import ErrorKind, ProtocolError, ZpathError
 from zpath.keys import key_from_env
 from zpath.process import die_with_parent
 from zpath.net import channels
@@ -347,7 +347,7 @@ class Worker:
             except BadMessage as e:
                 log.warning("rejected message on %s socket: %s", "data" if router else "control", e)
                 if router and e.ident is not None:
-                    self.ep.send(self.data, m.Error("protocol", str(e)), to=e.ident,
+                    self.ep.send(self.data, m.Error(ErrorKind.PROTOCOL, str(e)), to=e.ident,
                                  parent=e.header.msg_id if e.header else 0)
                 budget -= 1
                 continue
@@ -359,7 +359,7 @@ class Worker:
                 if isinstance(msg, ProtocolError):       # one bad item of a batch
                     log.warning("rejected message on %s socket: %s", "data" if router else "control", msg)
                     if router:
-                        self.ep.send(self.data, m.Error("protocol", str(msg)), to=ident, parent=header.msg_id)
+                        self.ep.send(self.data, m.Error(ErrorKind.PROTOCOL, str(msg)), to=ident, parent=header.msg_id)
                     continue
                 try:
                     if router:
@@ -519,8 +519,8 @@ class Worker:
                         arr = self.jax.device_put(arr, self.executor.devices[msg.device])
                 except (ValueError, TypeError) as e:
                     # Reject it, and fail whatever waits on it rather than let it wait.
-                    self.post_data(ident, m.Error("bad_request", str(e)), parent=msg_id)
-                    self.store.set(key, error=m.ErrorInfo("RemoteError", f"bad {type(msg).__name__}: {e}",
+                    self.post_data(ident, m.Error(ErrorKind.BAD_REQUEST, str(e)), parent=msg_id)
+                    self.store.set(key, error=m.ErrorInfo(ErrorKind.REMOTE_ERROR, f"bad {type(msg).__name__}: {e}",
                                                           self.rank, "", ""))
                     return
                 if isinstance(msg, m.Piece):
@@ -537,8 +537,8 @@ class Worker:
                     arr = self.chunks.take(msg, buffers)
                 except (ValueError, TypeError) as e:
                     self.chunks.refuse(msg.piece_id)
-                    self.post_data(ident, m.Error("bad_request", str(e)), parent=msg_id)
-                    self.store.set(key, error=m.ErrorInfo("RemoteError", f"bad PieceChunk: {e}",
+                    self.post_data(ident, m.Error(ErrorKind.BAD_REQUEST, str(e)), parent=msg_id)
+                    self.store.set(key, error=m.ErrorInfo(ErrorKind.REMOTE_ERROR, f"bad PieceChunk: {e}",
                                                           self.rank, "", ""))
                     return
                 if arr is not None:
@@ -559,7 +559,7 @@ class Worker:
                     else:
                         raw = self.shm_in.take(msg.segment, msg.offset, msg.size, msg.drop)
                 except (OSError, ValueError) as err:
-                    self.store.set(key, error=m.ErrorInfo("RemoteError", f"bad ShmPiece: {err}",
+                    self.store.set(key, error=m.ErrorInfo(ErrorKind.REMOTE_ERROR, f"bad ShmPiece: {err}",
                                                           self.rank, "", ""))
                     return
                 finally:
@@ -568,7 +568,7 @@ class Worker:
                 try:
                     arr = _array(msg.aval, [raw])
                 except (ValueError, TypeError) as err:
-                    self.store.set(key, error=m.ErrorInfo("RemoteError", f"bad ShmPiece: {err}",
+                    self.store.set(key, error=m.ErrorInfo(ErrorKind.REMOTE_ERROR, f"bad ShmPiece: {err}",
                                                           self.rank, "", ""))
                     return
                 self.stats["recv_shm"] += 1
@@ -591,7 +591,7 @@ class Worker:
                 pending.cb = lambda e, p=pending: self.pool.submit(self._reply_fetch, p, e)
                 self.store.when_done(pending.key, pending.cb)
             case _:
-                self.post_data(ident, m.Error("bad_request", f"{type(msg).__name__} is not "
+                self.post_data(ident, m.Error(ErrorKind.BAD_REQUEST, f"{type(msg).__name__} is not "
                                               "accepted on the data port"), parent=msg_id)
 
     def _reply_fetch(self, p: PendingFetch, e: Entry) -> None:

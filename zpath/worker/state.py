@@ -29,6 +29,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from zpath.errors import ErrorKind
 from zpath.ids import client_of
 from zpath.net import channels
 from zpath.net import messages as m
@@ -199,7 +200,7 @@ class WorkerState:
         known = self.fused.get(msg.fused)
         if known is None or known.reads > len(msg.inputs):
             why = "is unknown here" if known is None else "reads more inputs than the run gives"
-            return m.ErrorInfo("FusedUnknown", f"fused program {msg.fused} {why}", self.rank, "", "")
+            return m.ErrorInfo(ErrorKind.FUSED_UNKNOWN, f"fused program {msg.fused} {why}", self.rank, "", "")
         d = known.definition
         return FusedRun(msg.exec_id, msg.seq, f"fused program {msg.fused}", known.devices, d.executes,
                         msg.inputs, msg.first_buffer, d.release, known.plan, msg.hold)
@@ -255,7 +256,7 @@ class WorkerState:
         return out
 
     def deadline_error(self, p: PendingFetch) -> m.ErrorInfo:
-        return m.ErrorInfo("DeadlineExceeded", f"buffer {p.msg.buffer} was not ready on host "
+        return m.ErrorInfo(ErrorKind.DEADLINE_EXCEEDED, f"buffer {p.msg.buffer} was not ready on host "
                            f"{self.rank} within {p.msg.timeout_s:.1f}s", self.rank, "", "")
 
     def next_deadline_in(self, now: float) -> float:
