@@ -10,6 +10,8 @@ from __future__ import annotations
 import math
 from typing import Any, Iterable, Sequence
 
+import numpy as np
+
 Region = tuple[tuple[int, int], ...]
 
 
@@ -121,19 +123,16 @@ def region_from_index(index: Sequence[slice], shape: Sequence[int]) -> Region:
 def cut(array: Any, r: Region) -> Any:
     """``array[r]`` as a C-contiguous numpy array of the region's rank (0-d too,
     unlike ``np.ascontiguousarray``, which makes 0-d arrays 1-d)."""
-    import numpy as np
-
     out = np.asarray(array)[tuple(slice(a, b) for a, b in r) + (Ellipsis,)]
     return out if out.flags.c_contiguous else out.copy(order="C")
 
 
 def itemsize(dtype: str) -> int:
     """Bytes per element of a dtype name (numpy's, or ml_dtypes' like bfloat16)."""
-    import numpy as np
     try:
         return np.dtype(dtype).itemsize
     except TypeError:
-        import ml_dtypes
+        import ml_dtypes      # lazy: only dtypes numpy lacks need it (it comes with jax)
         return np.dtype(getattr(ml_dtypes, dtype)).itemsize
 
 

@@ -10,14 +10,12 @@ rest is planned; ``resume`` goes on."""
 from __future__ import annotations
 
 import collections
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
-from zpath.controller.records import HeldNode, ProgramRun, Submission, call_buffers
+from zpath.controller.records import HeldNode, Peer, ProgramRun, Submission, call_buffers
 from zpath.errors import ErrorKind
 from zpath.net import messages as m
 
-if TYPE_CHECKING:
-    from zpath.controller.peers import Peer
 
 
 def release_points(calls: list[m.Call], release: list[int]) -> dict[int, list[int]]:

@@ -7,11 +7,11 @@ from __future__ import annotations
 import collections
 import copy
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from zpath import sharding
 from zpath.controller.holding import may_hold
-from zpath.controller.records import HeldNode, InFlight, call_buffers
+from zpath.controller.records import HeldNode, InFlight, Peer, call_buffers
 from zpath.controller.directory import Directory, Plan, PlanError
 from zpath.controller.resources import LostHosts
 from zpath.controller.scheduler import Ready
@@ -19,8 +19,6 @@ from zpath.errors import ErrorKind, ResourceError
 from zpath.ids import client_of
 from zpath.net import messages as m
 
-if TYPE_CHECKING:
-    from zpath.controller.peers import Peer
 
 log = logging.getLogger(__name__)
 

@@ -4,14 +4,11 @@ from __future__ import annotations
 
 import collections
 import logging
-from typing import TYPE_CHECKING
 
-from zpath.controller.records import RemoveSegments
+from zpath.controller.records import Peer, RemoveSegments
 from zpath.errors import ErrorKind
 from zpath.net import messages as m
 
-if TYPE_CHECKING:
-    from zpath.controller.peers import Peer
 
 log = logging.getLogger(__name__)
 

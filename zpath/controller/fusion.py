@@ -5,16 +5,13 @@ from __future__ import annotations
 import collections
 import itertools
 import logging
-from typing import TYPE_CHECKING
 
 from zpath.controller import templates
-from zpath.controller.records import HeldNode, ProgramRun, Submission
+from zpath.controller.records import HeldNode, Peer, ProgramRun, Submission
 from zpath.errors import ErrorKind
 from zpath.ids import client_of
 from zpath.net import messages as m
 
-if TYPE_CHECKING:
-    from zpath.controller.peers import Peer
 
 log = logging.getLogger(__name__)
 

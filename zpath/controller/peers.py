@@ -3,11 +3,11 @@ buffer locations, the programs clients register."""
 from __future__ import annotations
 
 import collections
-import dataclasses
 import hashlib
 import logging
 
 from zpath import sharding
+from zpath.controller.records import Peer
 from zpath.errors import ErrorKind, ResourceError
 from zpath.net import messages as m
 from zpath.net.codec import PROTOCOL_VERSION
@@ -17,17 +17,6 @@ log = logging.getLogger(__name__)
 MAX_WEIGHT = 1e6
 MAX_PROGRAM_BYTES = 256 << 20
 TIMELINE_RECORDS = 100_000
-
-
-@dataclasses.dataclass
-class Peer:
-    role: str                # "worker" or "client"
-    id: int                  # host rank or client id
-    name: str
-    last_seen: float
-    ident: bytes = b""
-    weight: float = 1.0
-    gone: bool = False
 
 
 class Peers:

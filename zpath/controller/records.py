@@ -3,14 +3,23 @@ a node held before it is sent, a computation in flight."""
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 from zpath.controller.directory import Plan
 from zpath.net import messages as m
 from zpath.net.codec import Record
 
-if TYPE_CHECKING:
-    from zpath.controller.peers import Peer
+
+
+@dataclasses.dataclass
+class Peer:
+    role: str                # "worker" or "client"
+    id: int                  # host rank or client id
+    name: str
+    last_seen: float
+    ident: bytes = b""
+    weight: float = 1.0
+    gone: bool = False
 
 
 @dataclasses.dataclass

@@ -15,11 +15,13 @@ import threading
 import time
 from typing import Any, Sequence
 
+import numpy as np
 import zmq
 
 from zpath.errors import ProtocolError
 from zpath.net import codec
 from zpath.net.codec import Header, Record
+from zpath.net.messages import Batch
 
 log = logging.getLogger(__name__)
 
@@ -43,10 +45,6 @@ _SEND = zmq.backend.Socket.send
 def raw(buffer: Any) -> Any:
     """A buffer as plain bytes for a frame: numpy arrays of any dtype (bfloat16
     and other ml_dtypes cannot be exported as buffers) become uint8 views."""
-    try:
-        import numpy as np
-    except ImportError:  # pragma: no cover
-        return buffer
     if isinstance(buffer, np.ndarray):
         return buffer.reshape(-1).view(np.uint8)
     return buffer
@@ -115,8 +113,6 @@ class Endpoint:
             except Exception as e:
                 return [(msg, msg_id, e)]
             return []
-        from zpath.net.messages import Batch     # messages imports this module's codec only
-
         failed: list[tuple[Record, int, Exception]] = []
         items: list[tuple[int, int, int, bytes]] = []
         first: tuple[Record, int] | None = None     # the batch's first message and parent
