@@ -180,11 +180,13 @@ def zpath_client(zpath_target: Any) -> Iterator[Any]:
         yield conn
 
 
-def wait_until(predicate: Callable[[], bool], timeout: float = 30.0, interval: float = 0.1,
-               what: str = "condition") -> None:
-    """Poll ``predicate`` until true; fail the test after ``timeout`` s."""
+def wait_until(predicate: Callable[[], Any], timeout: float = 30.0, interval: float = 0.1,
+               what: str = "condition") -> Any:
+    """Poll ``predicate`` until it returns something true, and return that;
+    fail the test after ``timeout`` s."""
     deadline = time.monotonic() + timeout
-    while not predicate():
+    while not (got := predicate()):
         if time.monotonic() > deadline:
             pytest.fail(f"{what} not reached in {timeout} s")
         time.sleep(interval)
+    return got
