@@ -11,10 +11,13 @@ import sys
 import time
 
 import numpy as np
+import psutil
 import pytest
 
 import zpath as zp
 from zpath.client import api as zp_api
+from zpath.client.connection import Client
+from zpath.cluster.testing import wait_until
 from zpath.config import ClientConfig
 from zpath.net import messages as m
 from tests.conftest import running_cluster
@@ -23,12 +26,16 @@ from tests.test_memory import empty, wait_for
 pytestmark = pytest.mark.timeout(240)
 
 
+def status_of(client: Client) -> m.Status:
+    return client.request(m.StatusRequest(False))
+
+
 @pytest.fixture
 def fragile(tmp_path):
     """Two single-host islands; hosts are declared lost after 3 s of silence and
-    clients after 4 s."""
+    clients after 3 s."""
     with running_cluster(islands=2, hosts_per_island=1, devices_per_host=1, log_dir=str(tmp_path),
-                         env={"ZPATH_HOST_TIMEOUT": "3", "ZPATH_CLIENT_TIMEOUT": "4"}) as c:
+                         env={"ZPATH_HOST_TIMEOUT": "3", "ZPATH_CLIENT_TIMEOUT": "3"}) as c:
         yield c
 
 
@@ -50,7 +57,10 @@ def test_killed_worker_fails_its_futures_and_the_rest_keeps_working(fragile):
         x = np.eye(400)[None] * 0.01
         running = slow(x)                                                  # in flight when killed
         then = zp.pmap(lambda v: v * 2, devices=d0)(running)               # waits for a piece from it
-        time.sleep(1.0)
+        # the controller has both: the slow one sent to its worker, the other
+        # sent or held back until that piece comes
+        wait_until(lambda: (st := status_of(conn.client)).running >= 1 and st.running + st.queued >= 2,
+                   timeout=30, interval=0.05, what="the slow call in flight and the next one waiting")
         assert not running.done()
         from zpath.net import channels
         planted = os.path.join(channels.SHM_DIR, f"{fragile.shm_prefix}-{victim.pid}-999")
@@ -179,7 +189,7 @@ def test_client_fails_what_waits_when_the_controller_goes(sig, monkeypatch):
             got: list = []
             waiter = threading.Thread(target=lambda: got.append(_outcome(never, 60)))
             waiter.start()                               # a fetch that waits
-            time.sleep(0.5)
+            wait_until(lambda: never._fetch is not None, timeout=10, interval=0.01, what="the fetch started")
             controller = dict(c.procs)["controller"]
             t = time.monotonic()
             controller.send_signal(sig)
@@ -252,13 +262,15 @@ def test_a_client_that_dies_before_its_input_arrives_does_not_hold_the_device(fr
         child = subprocess.Popen([sys.executable, "-c", CLIENT_WITHOUT_ITS_PUT, fragile.address,
                                   fragile.key.hex()], stdout=subprocess.PIPE, text=True)
         assert child.stdout.readline().strip() == "submitted"
-        time.sleep(0.5)
+        # its call is at the worker (sent there, waiting for its input)
+        wait_until(lambda: any(cl.name == "victim" and cl.running == 1 for cl in status_of(conn.client).clients),
+                   timeout=30, interval=0.05, what="the victim's call at the worker")
         blocked = inc(np.zeros(1))              # behind the waiting call on the same device
         child.kill()
         child.wait(10)
         t = time.monotonic()
         np.testing.assert_array_equal(blocked.result(timeout=60), [1.])
-        assert time.monotonic() - t < 20        # the client timeout (4 s), not the input deadline
+        assert time.monotonic() - t < 20        # the client timeout (3 s), not the input deadline
     finally:
         if child is not None:
             if child.poll() is None:
@@ -283,8 +295,10 @@ def test_futures_dropped_before_their_host_is_lost_stay_freed(fragile):
         for _ in range(3):
             slow(x)                              # dropped at once
         gc.collect()
-        time.sleep(1.0)
-        st = conn.client.request(m.StatusRequest(False))
+        # their releases reach the controller while they still run
+        deadline = time.monotonic() + 30
+        while (st := status_of(conn.client)).buffers != 0 and st.running >= 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
         assert st.running >= 1 and st.buffers == 0, st
         next(p for name, p in fragile.procs if name == "worker-i1-h0").kill()
         deadline = time.monotonic() + 30
@@ -312,9 +326,14 @@ def test_a_client_that_gave_up_on_a_stalled_controller_says_goodbye(monkeypatch)
             held.result(timeout=30)
             controller = dict(c.procs)["controller"]
             controller.send_signal(signal.SIGSTOP)
-            time.sleep(3.5)
+            wait_until(lambda: psutil.Process(controller.pid).status() == psutil.STATUS_STOPPED,
+                       timeout=10, interval=0.01, what="the controller stopped")
+            # the request waits for an answer until the client gives up on
+            # the silent controller (2 s), and fails then
+            t = time.monotonic()
             with pytest.raises(zp.Broken, match="no answer"):
                 zp.make_virtual_device_set().add_slice(devices=1)
+            assert time.monotonic() - t < 30
             controller.send_signal(signal.SIGCONT)
             other = Client(c.address, c.key, name="other")        # while "impatient" is still open
             deadline = time.monotonic() + 10
@@ -342,13 +361,18 @@ def test_a_client_the_controller_dropped_fails_at_once(fragile, monkeypatch):
     real_break = zc.Client._break
     monkeypatch.setattr(zc.Client, "_break", lambda self, *a, **k: (breaks.append(a), real_break(self, *a, **k)))
     zp.connect(fragile.address, fragile.key, name="sleepy")
+    other = None
     try:
         d = zp.make_virtual_device_set().add_slice(devices=1, island=0).devices
         inc = zp.pmap(lambda x: x + 1., devices=d)
         held = inc(np.ones(1))
         assert held.result(timeout=30) == 2.
         held2 = inc(held)        # not fetched: it waits on the worker
-        time.sleep(6.0)          # past the controller's 4 s client timeout
+        # another client (its requests keep it known to the controller) sees
+        # the controller drop "sleepy" once its 3 s client timeout has passed
+        other = Client(fragile.address, fragile.key, name="other")
+        wait_until(lambda: [cl.name for cl in status_of(other).clients] == ["other"], timeout=30,
+                   interval=0.1, what="the controller dropping the silent client")
         t0 = time.monotonic()
         late = inc(np.ones(1))   # the controller answers not_registered
         with pytest.raises(zp.Broken, match="dropped this client"):
@@ -359,21 +383,21 @@ def test_a_client_the_controller_dropped_fails_at_once(fragile, monkeypatch):
         with pytest.raises(zp.Broken):
             inc(np.ones(1))
         del held, held2, late          # releases are not sent by a broken client
-        time.sleep(1.0)
-        assert len(breaks) == 1, breaks     # once: no goodbye, no answer, no second break
+        quiet_from = time.monotonic()
         # nothing it put stays on the workers, the value of the call the
         # controller refused included (ClientGone: the worker drops that Put)
-        from zpath.client.connection import Client
-        other = Client(fragile.address, fragile.key, name="other")
-        try:
-            deadline = time.monotonic() + 10
-            while True:
-                st = other.request(m.StatusRequest(False))
-                if st.stores and all(h.shards == 0 for h in st.stores) and st.buffers == 0:
-                    break
-                assert time.monotonic() < deadline, st.stores
-                time.sleep(0.2)
-        finally:
-            other.close()
+        deadline = time.monotonic() + 10
+        while True:
+            st = status_of(other)
+            if st.stores and all(h.shards == 0 for h in st.stores) and st.buffers == 0:
+                break
+            assert time.monotonic() < deadline, st.stores
+            time.sleep(0.2)
+        # nothing more happens to it: a window of at least 1 s (a check that
+        # something does not happen), spent above while the stores emptied
+        time.sleep(max(0.0, quiet_from + 1.0 - time.monotonic()))
+        assert len(breaks) == 1, breaks     # once: no goodbye, no answer, no second break
     finally:
+        if other is not None:
+            other.close()
         zp.shutdown()
