@@ -322,7 +322,9 @@ class Fuzzer(threading.Thread):
                 if count % 8 == 0:
                     self._drain(socks)
                     time.sleep(0.004)       # leave the 2 cores some time for the cluster
-            end = time.monotonic() + 2.0    # the last replies
+            # the last replies, for a fixed time on purpose: how many of the
+            # fuzz messages get one is not known, so there is no event to wait on
+            end = time.monotonic() + 2.0
             while time.monotonic() < end:
                 self._drain(socks)
                 time.sleep(0.05)
@@ -479,10 +481,15 @@ def test_fuzzed_decoders_keep_serving_a_correct_client(zpath_cluster):
                 calls += 1
         except BaseException:
             # the stacks of every thread of every process, into their logs
-            for _, p in cluster.procs:
+            dumping = {}
+            for name, p in cluster.procs:
                 if p.poll() is None:
+                    log_file = os.path.join(cluster.dir, f"{name}.log")
+                    dumping[log_file] = os.path.getsize(log_file)
                     p.send_signal(signal.SIGUSR1)
-            time.sleep(1)
+            end = time.monotonic() + 5                  # until each log has grown (bounded: already failing)
+            while time.monotonic() < end and any(os.path.getsize(f) <= n for f, n in dumping.items()):
+                time.sleep(0.05)
             print(f"failed after {calls} iterations; fuzz sent {dict(fuzz.sent)}; logs in {cluster.dir}")
             raise
         finally:
@@ -519,6 +526,10 @@ def test_fuzzed_decoders_keep_serving_a_correct_client(zpath_cluster):
             s.send_multipart([b"garbage"])
             assert s.poll(30_000), "no Error reply to garbage"
             s.recv_multipart()
+            # on purpose, not a wait for an event: give the worker's I/O thread
+            # time to go back to its loop after that reply (where a stuck recv
+            # would hold it; nothing outside shows that moment) before the next
+            # call is sent to it
             time.sleep(0.2)
             acc, acc_expect = step(acc), acc_expect + 3.0
             t = time.monotonic()
