@@ -117,6 +117,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=8, help="rounds (each runs every tree once)")
     p.add_argument("--metric", action="append", default=[], metavar="NAME=PATH",
                    help="a figure to compare (see the module docstring)")
+    p.add_argument("--first-round", type=int, default=0,
+                   help="number of the first round (to add rounds to an --out file)")
     p.add_argument("--out", help="append every invocation's figures here (JSON lines)")
     p.add_argument("--timeout", type=float, default=900, help="seconds one invocation may take")
     p.add_argument("--summarize", metavar="FILE", help="only summarize this --out file")
@@ -131,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     trees = [t.split("=", 1) for t in args.tree]
     metrics = dict(m.split("=", 1) for m in args.metric)
     records = []
-    for k in range(args.rounds):
+    for k in range(args.first_round, args.first_round + args.rounds):
         order = trees[k % len(trees):] + trees[:k % len(trees)]
         for name, tree in order:
             rec = run_one(os.path.abspath(tree), args.command[0], args.command[1:], metrics, args.timeout)
