@@ -1,0 +1,151 @@
+"""Alternating A/B runs of one benchmark script in several checkouts.
+
+Each round runs the script once in every tree (a fresh process each, with the
+working directory and ``PYTHONPATH`` set to the tree, so ``import zpath`` finds
+that tree's code), in an order that rotates from round to round; the machine's
+load (``/proc/loadavg``) is recorded before and after each invocation. Every
+invocation writes its results with ``--json``; the figures named by ``--metric``
+are taken from it. The first tree is the base: for every other tree and metric
+it prints the ratio other / base per round, their median and a 95% bootstrap
+interval of that median over the rounds, and whether the interval excludes 1::
+
+    python benchmarks/ab.py --tree main=/work/main --tree no-hold=/tmp/no-hold \\
+        --rounds 8 --metric F=zpath.F.comps_per_s --out ab.jsonl \\
+        -- benchmarks/island_dispatch.py --repeats 5
+
+``--metric NAME=PATH`` reads a dotted path in the JSON; a final ``+`` sums a
+dict's values (``zpath.O.cpu_us_per_comp+``), ``/`` divides two paths
+(``zpath.F.comps_per_s/multi_controller.F.comps_per_s``). ``--summarize FILE``
+prints the summary of a JSONL file written by ``--out`` without running anything.
+
+A script that prints figures, not a test.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+BOOTSTRAP = 10_000
+
+
+def _path(data: Any, path: str) -> float:
+    if "/" in path:
+        num, den = path.split("/", 1)
+        return _path(data, num) / _path(data, den)
+    total = path.endswith("+")
+    for key in path.rstrip("+").split("."):
+        data = data[key]
+    return float(sum(data.values())) if total else float(data)
+
+
+def _load() -> str:
+    with open("/proc/loadavg") as f:
+        return " ".join(f.read().split()[:3])
+
+
+def run_one(tree: str, script: str, args: list[str], metrics: dict[str, str],
+            timeout: float) -> dict[str, Any]:
+    """One invocation of ``script`` (relative to the tree) in ``tree``."""
+    env = dict(os.environ, PYTHONPATH=tree)
+    check = subprocess.run([sys.executable, "-c", "import zpath; print(zpath.__file__)"],
+                           cwd=tree, env=env, check=True, capture_output=True, text=True)
+    where = os.path.realpath(os.path.dirname(os.path.dirname(check.stdout.strip())))
+    if where != os.path.realpath(tree):
+        raise SystemExit(f"{tree}: imports zpath from {where}")
+    fd, out = tempfile.mkstemp(suffix=".json")
+    os.close(fd)
+    try:
+        before, t0 = _load(), time.monotonic()
+        res = subprocess.run([sys.executable, os.path.join(tree, script), *args, "--json", out],
+                             cwd=tree, env=env, capture_output=True, text=True, timeout=timeout)
+        wall, after = time.monotonic() - t0, _load()
+        if res.returncode != 0:
+            raise SystemExit(f"{tree}: exit {res.returncode}\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}")
+        with open(out) as f:
+            data = json.load(f)
+    finally:
+        os.unlink(out)
+    return {"tree": tree, "load_before": before, "load_after": after, "wall_s": round(wall, 1),
+            "metrics": {name: _path(data, p) for name, p in metrics.items()}}
+
+
+def _ci(ratios: list[float], rng: random.Random) -> tuple[float, float]:
+    """95% bootstrap interval of the median of ``ratios``."""
+    meds = sorted(statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(BOOTSTRAP))
+    return meds[int(0.025 * BOOTSTRAP)], meds[int(0.975 * BOOTSTRAP) - 1]
+
+
+def summarize(records: list[dict[str, Any]]) -> str:
+    """Per tree other than the base, per metric: ratios, median, interval."""
+    names = {r["name"]: r["tree"] for r in records}
+    base = records[0]["base"]
+    rounds = sorted({r["round"] for r in records})
+    by = {(r["round"], r["name"]): r for r in records}
+    rng = random.Random(0)
+    lines = []
+    for name in names:
+        if name == base:
+            continue
+        lines.append(f"\n{name} / {base}")
+        for metric in records[0]["metrics"]:
+            pairs = [(by[(k, base)]["metrics"][metric], by[(k, name)]["metrics"][metric])
+                     for k in rounds if (k, base) in by and (k, name) in by]
+            ratios = [b / a for a, b in pairs]
+            lo, hi = _ci(ratios, rng)
+            med = statistics.median(ratios)
+            verdict = "excludes 1" if lo > 1 or hi < 1 else "includes 1"
+            lines.append(f"  {metric}: ratios " + ", ".join(f"{x:.3f}" for x in ratios))
+            lines.append(f"    {len(ratios)} pairs, median {med:.3f}, 95% interval {lo:.3f}-{hi:.3f} "
+                         f"({verdict}); above 1 in {sum(x > 1 for x in ratios)}; medians "
+                         f"{base} {statistics.median(a for a, _ in pairs):.4g}, "
+                         f"{name} {statistics.median(b for _, b in pairs):.4g}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--tree", action="append", default=[], metavar="NAME=DIR",
+                   help="a checkout to run (the first is the base)")
+    p.add_argument("--rounds", type=int, default=8, help="rounds (each runs every tree once)")
+    p.add_argument("--metric", action="append", default=[], metavar="NAME=PATH",
+                   help="a figure to compare (see the module docstring)")
+    p.add_argument("--first-round", type=int, default=0,
+                   help="number of the first round (to add rounds to an --out file)")
+    p.add_argument("--out", help="append every invocation's figures here (JSON lines)")
+    p.add_argument("--timeout", type=float, default=900, help="seconds one invocation may take")
+    p.add_argument("--summarize", metavar="FILE", help="only summarize this --out file")
+    p.add_argument("command", nargs="*", help="the script (relative to each tree) and its arguments")
+    args = p.parse_args(argv)
+    if args.summarize:
+        with open(args.summarize) as f:
+            print(summarize([json.loads(line) for line in f if line.strip()]))
+        return 0
+    if len(args.tree) < 2 or not args.metric or not args.command:
+        p.error("needs two --tree, a --metric and a command")
+    trees = [t.split("=", 1) for t in args.tree]
+    metrics = dict(m.split("=", 1) for m in args.metric)
+    records = []
+    for k in range(args.first_round, args.first_round + args.rounds):
+        order = trees[k % len(trees):] + trees[:k % len(trees)]
+        for name, tree in order:
+            rec = run_one(os.path.abspath(tree), args.command[0], args.command[1:], metrics, args.timeout)
+            rec.update(round=k, name=name, base=trees[0][0])
+            records.append(rec)
+            print(json.dumps(rec), flush=True)
+            if args.out:
+                with open(args.out, "a") as f:
+                    f.write(json.dumps(rec) + "\n")
+    print(summarize(records))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

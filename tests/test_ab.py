@@ -1,0 +1,43 @@
+"""Tests of benchmarks/ab.py's figures: the metric paths it reads from a
+benchmark's JSON and its per-round ratios, medians and intervals."""
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import ab  # noqa: E402  (benchmarks/ is not a package)
+
+
+def test_metric_paths_read_sum_and_divide():
+    data = {"zpath": {"O": {"comps_per_s": 800.0, "cpu": {"a": 1.0, "b": 2.5}}},
+            "mc": {"comps_per_s": 1000}}
+    assert ab._path(data, "zpath.O.comps_per_s") == 800.0
+    assert ab._path(data, "zpath.O.cpu+") == 3.5
+    assert ab._path(data, "zpath.O.comps_per_s/mc.comps_per_s") == pytest.approx(0.8)
+
+
+def _records(base: list[float], other: list[float]) -> list[dict]:
+    out = []
+    for k, (a, b) in enumerate(zip(base, other, strict=True)):
+        out.append({"round": k, "name": "A", "tree": "/a", "base": "A", "metrics": {"x": a}})
+        out.append({"round": k, "name": "B", "tree": "/b", "base": "A", "metrics": {"x": b}})
+    return out
+
+
+def test_summary_gives_the_ratios_their_median_and_whether_the_interval_excludes_one():
+    text = ab.summarize(_records([10.0] * 6, [12.0, 13.0, 12.5, 12.0, 14.0, 13.0]))
+    assert "ratios 1.200, 1.300, 1.250, 1.200, 1.400, 1.300" in text
+    assert "6 pairs, median 1.275, 95% interval 1.200-1.350 (excludes 1); above 1 in 6" in text
+
+
+def test_summary_of_mixed_ratios_includes_one_and_skips_unpaired_rounds():
+    recs = _records([10.0] * 4, [9.0, 11.0, 10.5, 9.5])
+    recs.append({"round": 9, "name": "A", "tree": "/a", "base": "A", "metrics": {"x": 1.0}})
+    text = ab.summarize(recs)
+    assert "4 pairs, median 1.000" in text and "(includes 1); above 1 in 2" in text
+
+
+def test_interval_is_reproducible():
+    ratios = [0.9, 1.1, 1.05, 0.97, 1.2]
+    assert ab.summarize(_records([1.0] * 5, ratios)) == ab.summarize(_records([1.0] * 5, ratios))
