@@ -13,7 +13,7 @@ interval of that median over the rounds, and whether the interval excludes 1::
         --rounds 8 --metric F=zpath.F.comps_per_s --out ab.jsonl \\
         -- benchmarks/island_dispatch.py --repeats 5
 
-``--metric NAME=PATH`` reads a dotted path in the JSON; a final ``+`` sums a
+``--metric NAME=PATH`` reads a dotted path in the JSON (a number indexes a list); a final ``+`` sums a
 dict's values (``zpath.O.cpu_us_per_comp+``), ``/`` divides two paths
 (``zpath.F.comps_per_s/multi_controller.F.comps_per_s``). ``--summarize FILE``
 prints the summary of a JSONL file written by ``--out`` without running anything.
@@ -42,7 +42,7 @@ def _path(data: Any, path: str) -> float:
         return _path(data, num) / _path(data, den)
     total = path.endswith("+")
     for key in path.rstrip("+").split("."):
-        data = data[key]
+        data = data[int(key)] if isinstance(data, list) else data[key]
     return float(sum(data.values())) if total else float(data)
 
 

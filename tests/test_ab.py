@@ -15,6 +15,7 @@ def test_metric_paths_read_sum_and_divide():
     assert ab._path(data, "zpath.O.comps_per_s") == 800.0
     assert ab._path(data, "zpath.O.cpu+") == 3.5
     assert ab._path(data, "zpath.O.comps_per_s/mc.comps_per_s") == pytest.approx(0.8)
+    assert ab._path({"tp": [{"n": 1.0}, {"n": 2.0}]}, "tp.1.n") == 2.0
 
 
 def _records(base: list[float], other: list[float]) -> list[dict]:
