@@ -163,7 +163,7 @@ def test_validate_state_finds_a_broken_invariant(make_rig):
     rig.c.tenants._cost[(rig.programs["g"][0], (0,))] = 1.0
     for _ in range(3):                           # the window takes two: the third is held
         rig.handle(a, rig.call(a, 0, program="g")[0])
-    held = rig.c.held_nodes()
+    held = rig.c.parked_nodes()
     assert len(held) == 1
     rig.c.validate_state()
     b = call_buffers(held[0].call)[0]

@@ -1,7 +1,7 @@
 """The controller's dispatch path under multi-tenancy, in process: a
 ControllerCore driven by hand with fake workers and clients and a fake clock
 (messages go through ``handle`` and what it returns is recorded; every state
-is checked with ``validate_state``). Covers held nodes released in long chains,
+is checked with ``validate_state``). Covers parked nodes released in long chains,
 nodes abandoned while they wait, memory-limit waiting, and clients that leave;
 and the socket loop's batching around it."""
 from __future__ import annotations
@@ -112,7 +112,7 @@ class Rig:
     def idle(self) -> bool:
         c = self.c
         return not (c.in_flight or c.waiters or c.tenants.queued() or c.pinned or c.deferred
-                    or c.memory_waiting or c.held_outputs)
+                    or c.memory_waiting or c.parked_outputs)
 
 
 @pytest.fixture
@@ -390,7 +390,7 @@ def test_a_held_node_reading_one_buffer_twice_whose_release_was_deferred(make_ri
 
 
 def held_under_limit(rig: Rig, limit: int) -> tuple[bytes, int]:
-    """A client holding one 16-byte value on device 0, then a memory limit."""
+    """A client was_parked one 16-byte value on device 0, then a memory limit."""
     a, _ = rig.client("a")
     c0, value = rig.call(a, 0)
     rig.handle(a, c0)

@@ -1,7 +1,7 @@
 """Admission: submissions (a call, a program, a template's plain calls) are
 planned node by node in arrival order; under a per-device memory limit a node
 that does not fit waits, with everything behind it, until memory is freed
-(``memory_waiting``). What a waiting or held node reads or writes is pinned: a
+(``memory_waiting``). What a waiting or parked node reads or writes is pinned: a
 release of it is deferred until the node is planned or sent.
 
 A long submission stops at nodes 1, 2, 4, 8, ... planned (``_continuation``,
@@ -12,7 +12,7 @@ from __future__ import annotations
 import collections
 from typing import Callable
 
-from zpath.controller.records import HeldNode, Peer, ProgramRun, Submission, call_buffers
+from zpath.controller.records import ParkedNode, Peer, ProgramRun, Submission, call_buffers
 from zpath.errors import ErrorKind
 from zpath.net import messages as m
 
@@ -44,7 +44,7 @@ class Admission:
         # its first unplanned node); while any waits, new ones queue behind it
         self.memory_waiting: collections.deque[Submission] = collections.deque()
         self._resuming = False
-        # buffers read or written by held nodes: their release waits until the node is sent
+        # buffers read or written by parked nodes: their release waits until the node is sent
         self.pinned: collections.Counter[int] = collections.Counter()
         self.deferred: dict[int, int] = {}               # pinned buffer -> owner that released it
         self._arrivals = 0
@@ -114,7 +114,7 @@ class Admission:
     def _node_done(self, sub: Submission, k: int, call: m.Call) -> None:
         """Node ``k`` of a submission was planned (or failed): it no longer pins
         what it reads and writes for a wait for memory, and the program's buffers
-        it was the last to read are released (held nodes that still read them keep
+        it was the last to read are released (parked nodes that still read them keep
         them until sent; workers free them after the computations before have run)."""
         if sub.pinned_from is not None and k >= sub.pinned_from:
             self._unpin(call_buffers(call))
@@ -222,8 +222,8 @@ class Admission:
 
     def _advance(self, sub: Submission, pause: bool = True) -> bool | None:
         """Plan a submission's nodes in order and send each when it may go; stop
-        (returning False) at a node that must wait for memory. A node is held
-        until every held node whose output it reads has been sent (so it never
+        (returning False) at a node that must wait for memory. A node is parked
+        until every parked node whose output it reads has been sent (so it never
         reaches a worker ahead of its producer), and in sequential mode until the
         nodes of its program it reads have finished. Returns None (``pause``)
         when it stopped at a flush point: after nodes 1, 2, 4, 8, ... of those
@@ -259,14 +259,14 @@ class Admission:
             if sub.record is not None:
                 sub.record.append(planned[0])
             exec_ids[k] = next(iter(planned[0].executes.values())).exec_id
-            waits = self._held_producers(call)
+            waits = self._parked_producers(call)
             if dispatch == "sequential":
                 # predecessors that have not finished (after a wait for memory,
                 # some may have finished or been abandoned already)
                 self.unfinished.add(exec_ids[k])
                 waits |= {exec_ids[p] for p in preds if exec_ids.get(p) in self.unfinished}
             plan = planned[0]
-            self._start(HeldNode(run, call, planned, waits, exec_ids[k],
+            self._start(ParkedNode(run, call, planned, waits, exec_ids[k],
                                  self.rm.hosts[next(iter(plan.executes))].island))
             self._node_done(sub, k, call)
             done = sub.next - sub.first
@@ -301,7 +301,7 @@ class Admission:
             self._release(run.release, run.peer.id)
 
     def _release(self, buffers: list[int], owner: int) -> None:
-        """Free buffers the owner no longer needs, except those a held node still
+        """Free buffers the owner no longer needs, except those a parked node still
         reads or writes: those wait until it has been sent."""
         now = []
         deferred = False
@@ -334,7 +334,7 @@ class Admission:
 
     def validate_admission(self) -> None:
         """Waiting submissions are in arrival order, unfinished, and the pins
-        are exactly what held nodes and waiting submissions read and write."""
+        are exactly what parked nodes and waiting submissions read and write."""
         seqs = [s.seq for s in self.memory_waiting]
         assert seqs == sorted(seqs), f"memory_waiting out of arrival order: {seqs}"
         assert not self._resuming
@@ -342,8 +342,8 @@ class Admission:
             assert s.next < len(s.calls), "a planned submission still waits for memory"
             assert s.pinned_from is not None and s.pinned_from <= s.next, "a waiting submission is not pinned"
         expected: collections.Counter[int] = collections.Counter()
-        for held in self.held_nodes():
-            expected.update(call_buffers(held.call))
+        for node in self.parked_nodes():
+            expected.update(call_buffers(node.call))
         subs = list(self.memory_waiting)
         if self._continuation is not None and self._continuation[0] is not None:
             subs.append(self._continuation[0])
@@ -352,6 +352,6 @@ class Admission:
                 for call in s.calls[s.next:]:
                     expected.update(call_buffers(call))
         pinned = collections.Counter({b: n for b, n in self.pinned.items() if n > 0})
-        assert +expected == pinned, f"pins {dict(pinned)} != held and waiting buffers {dict(+expected)}"
+        assert +expected == pinned, f"pins {dict(pinned)} != parked and waiting buffers {dict(+expected)}"
         for b in self.deferred:
             assert self.pinned.get(b, 0) > 0, f"release of buffer {b} deferred but it is not pinned"

@@ -6,7 +6,7 @@ with the time it arrived, a tick of the clock), messages out.
 returns (and carries out the other effects, ``RemoveSegments``). Its concerns
 live in one module each, mixed into the core: peers.py (registration, status,
 timeline), admission.py (memory waiting, pins, deferred releases),
-dispatch.py (the held-node graph, copy repair, the tenant scheduler, what is
+dispatch.py (the parked-node graph, copy repair, the tenant scheduler, what is
 in flight), fusion.py (templates and fused runs), failures.py (host loss,
 client departure). ``validate_state`` checks the invariants of each."""
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""Dispatch: planning a call, the held-node graph (nodes waiting to be sent:
-for the computations they read to finish, for held producers to be sent, or
+"""Dispatch: planning a call, the parked-node graph (nodes waiting to be sent:
+for the computations they read to finish, for parked producers to be sent, or
 for their turn in the multi-tenant scheduler), copy repair, and the
 computations in flight until every host reported them done."""
 from __future__ import annotations
@@ -10,8 +10,8 @@ import logging
 from typing import Any
 
 from zpath import sharding
-from zpath.controller.holding import may_hold
-from zpath.controller.records import HeldNode, InFlight, Peer, call_buffers
+from zpath.controller.report_hold import may_hold
+from zpath.controller.records import ParkedNode, InFlight, Peer, call_buffers
 from zpath.controller.directory import Directory, Plan, PlanError
 from zpath.controller.resources import LostHosts
 from zpath.controller.scheduler import Ready
@@ -24,31 +24,31 @@ log = logging.getLogger(__name__)
 
 
 class Dispatch:
-    """Mixin of ControllerCore: the held-node graph, copy repair, pumping the
+    """Mixin of ControllerCore: the parked-node graph, copy repair, pumping the
     tenant scheduler, computations in flight."""
 
     def _init_dispatch(self) -> None:
         # exec_id -> what it is, until every host reported
         self.in_flight: dict[int, InFlight] = {}
-        # held nodes, by what they wait for: an exec id (it finished) or
-        # ("sent", exec id) (that held node was sent)
-        self.waiters: dict[Any, list[HeldNode]] = {}
-        self.held_outputs: dict[int, int] = {}           # output buffer of a held node -> its exec id
+        # parked nodes, by what they wait for: an exec id (it finished) or
+        # ("sent", exec id) (that parked node was sent)
+        self.waiters: dict[Any, list[ParkedNode]] = {}
+        self.parked_outputs: dict[int, int] = {}           # output buffer of a parked node -> its exec id
         # buffers some of whose planned copies were dropped: nodes not sent yet
         # that read them are repaired before they go (until the buffer is freed)
         self.copies_dropped: set[int] = set()
-        # buffer -> layouts of its copies that held nodes (not sent yet) are to make
+        # buffer -> layouts of its copies that parked nodes (not sent yet) are to make
         self.unsent_copies: dict[int, list[dict]] = {}
         self.unfinished: set[int] = set()   # exec ids of sequential programs' nodes not finished
-        # held nodes whose waits are over, sent by one loop (never by recursion:
-        # a chain of thousands of held nodes would overflow the stack)
-        self._released: collections.deque[HeldNode] = collections.deque()
+        # parked nodes whose waits are over, sent by one loop (never by recursion:
+        # a chain of thousands of parked nodes would overflow the stack)
+        self._released: collections.deque[ParkedNode] = collections.deque()
         self._releasing = False
         self.calls = 0
 
-    def held_nodes(self) -> list[HeldNode]:
-        """Every node planned and not sent yet (held)."""
-        seen: dict[int, HeldNode] = {}
+    def parked_nodes(self) -> list[ParkedNode]:
+        """Every node planned and not sent yet (parked)."""
+        seen: dict[int, ParkedNode] = {}
         for waiting in self.waiters.values():
             for h in waiting:
                 seen[id(h)] = h
@@ -137,82 +137,82 @@ class Dispatch:
             self.to_host(rank, drop)
         return exec_id
 
-    def _held_producers(self, call: m.Call) -> set:
-        """What a node must wait for before it is sent: the held nodes whose
+    def _parked_producers(self, call: m.Call) -> set:
+        """What a node must wait for before it is sent: the parked nodes whose
         outputs it reads (as ("sent", exec id))."""
-        return {("sent", self.held_outputs[i.buffer]) for i in call.inputs
-                if i.buffer in self.held_outputs}
+        return {("sent", self.parked_outputs[i.buffer]) for i in call.inputs
+                if i.buffer in self.parked_outputs}
 
-    def _start(self, held: HeldNode) -> None:
-        """A planned node goes to the multi-tenant scheduler now, or is held
+    def _start(self, node: ParkedNode) -> None:
+        """A planned node goes to the multi-tenant scheduler now, or is parked
         until what it waits for has happened."""
-        if not held.waits:
-            self._ready(held, holding=False)
+        if not node.waits:
+            self._ready(node, was_parked=False)
             return
-        for w in held.waits:
-            self.waiters.setdefault(w, []).append(held)
-        self._hold(held)
+        for w in node.waits:
+            self.waiters.setdefault(w, []).append(node)
+        self._park(node)
 
-    def _hold(self, held: HeldNode) -> None:
+    def _park(self, node: ParkedNode) -> None:
         """A node is not sent yet: buffers it reads or writes are not freed, and
         nodes that read its outputs wait until it is sent."""
-        self.pinned.update(call_buffers(held.call))
-        for o in held.call.outputs:
-            self.held_outputs[o.buffer] = held.exec_id
-        for b, lay in held.planned[0].copies:
+        self.pinned.update(call_buffers(node.call))
+        for o in node.call.outputs:
+            self.parked_outputs[o.buffer] = node.exec_id
+        for b, lay in node.planned[0].copies:
             self.unsent_copies.setdefault(b, []).append(lay)
 
-    def _unhold(self, held: HeldNode) -> None:
-        for o in held.call.outputs:
-            self.held_outputs.pop(o.buffer, None)
-        for b, lay in held.planned[0].copies:
+    def _unpark(self, node: ParkedNode) -> None:
+        for o in node.call.outputs:
+            self.parked_outputs.pop(o.buffer, None)
+        for b, lay in node.planned[0].copies:
             left = [u for u in self.unsent_copies.get(b, ()) if u is not lay]
             if left:
                 self.unsent_copies[b] = left
             else:
                 self.unsent_copies.pop(b, None)
-        self._unpin(call_buffers(held.call))
+        self._unpin(call_buffers(node.call))
 
-    def _ready(self, held: HeldNode, holding: bool) -> None:
+    def _ready(self, node: ParkedNode, was_parked: bool) -> None:
         """A node may go once the multi-tenant scheduler gives it its turn: at
         once when nothing waits on its island and its devices have room, else
-        it queues (held) behind its client's earlier nodes."""
-        if held.run.peer.gone:            # its client left meanwhile
-            self._abandon(held, holding)
+        it queues (parked) behind its client's earlier nodes."""
+        if node.run.peer.gone:            # its client left meanwhile
+            self._abandon(node, was_parked)
             return
-        call = held.call
-        ready = Ready(held.run.peer.id, held.island, tuple(call.devices),
-                      (call.program, tuple(call.devices)), held)
+        call = node.call
+        ready = Ready(node.run.peer.id, node.island, tuple(call.devices),
+                      (call.program, tuple(call.devices)), node)
         if self.tenants.can_send_now(ready):
-            self._send(ready, holding)
+            self._send(ready, was_parked)
             return
-        if not holding:
-            self._hold(held)
+        if not was_parked:
+            self._park(node)
         self.tenants.add(ready)
-        self._pump(held.island)
+        self._pump(node.island)
 
     def _pump(self, island: int) -> None:
         """Send what the multi-tenant scheduler lets go on an island."""
         while (ready := self.tenants.pick(island)) is not None:
-            self._send(ready, holding=True)
+            self._send(ready, was_parked=True)
 
-    def _send(self, ready: Ready, holding: bool) -> None:
+    def _send(self, ready: Ready, was_parked: bool) -> None:
         """Dispatch a node whose turn it is (or fail it, if a host it needs was
         lost while it waited)."""
-        held = ready.item
-        run = held.run
-        err = self._unsendable(held)
+        node = ready.item
+        run = node.run
+        err = self._unsendable(node)
         if err is None and (self.copies_dropped or self.unsent_copies):
-            err = self._repair(held)
+            err = self._repair(node)
         if err is not None:
-            self._abandon(held, holding, err)
+            self._abandon(node, was_parked, err)
             return
-        hold = may_hold(self.tenants, held.island, run.peer.id, run.sequential, self.memory_limit)
-        exec_id = self._dispatch(run.peer, held.call, *held.planned, hold=hold)
+        hold = may_hold(self.tenants, node.island, run.peer.id, run.sequential, self.memory_limit)
+        exec_id = self._dispatch(run.peer, node.call, *node.planned, hold=hold)
         self.tenants.sent(exec_id, ready)
         run.sent += 1
-        if holding:
-            self._unhold(held)
+        if was_parked:
+            self._unpark(node)
             self._maybe_release(run)
             self._trigger(("sent", exec_id))      # nodes that waited for this one to be sent
 
@@ -223,74 +223,74 @@ class Dispatch:
         self.copies_dropped.update(b for b, _ in copies if b in self.directory.buffers)
         return self.directory.drop_copies(copies, error)
 
-    def _repair(self, held: HeldNode) -> m.ErrorInfo | None:
+    def _repair(self, node: ParkedNode) -> m.ErrorInfo | None:
         """A node about to be sent may have been planned to read a copy that
         will never be made, or that a node not sent yet (so queued behind it)
         is to make: it reads those shards from a copy that holds data instead
         (``Directory.repair``). With none left, it cannot run: why."""
         dropped, unsent = self.copies_dropped, self.unsent_copies
-        copies = held.planned[0].copies
+        copies = node.planned[0].copies
 
         def own(b: int, lay: dict) -> bool:
             return any(lay is o for _, o in copies)
-        affected = {i.buffer for i in held.call.inputs if i.buffer in dropped or (
+        affected = {i.buffer for i in node.call.inputs if i.buffer in dropped or (
             i.buffer in unsent and not all(own(i.buffer, u) for u in unsent[i.buffer]))}
         if not affected:
             return None
 
         def unusable(b: int, lay: dict) -> bool:
             return any(lay is u for u in unsent.get(b, ())) and not own(b, lay)
-        lost = self.directory.repair(held.planned[0], affected, unusable, own)
+        lost = self.directory.repair(node.planned[0], affected, unusable, own)
         if not lost:
             return None
         return m.ErrorInfo(ErrorKind.HOST_LOST, f"buffer {lost[0]} has no copy that holds data left (the copies "
-                           "planned for it cannot be made)", None, held.planned[1], "")
+                           "planned for it cannot be made)", None, node.planned[1], "")
 
-    def _unsendable(self, held: HeldNode) -> m.ErrorInfo | None:
+    def _unsendable(self, node: ParkedNode) -> m.ErrorInfo | None:
         """Why a node that waited can no longer run: an input failed meanwhile, or
         a host it runs on or reads from was lost."""
-        for i in held.call.inputs:
+        for i in node.call.inputs:
             buf = self.directory.buffers.get(i.buffer)
             if buf is not None and buf.error is not None:
                 return buf.error
-        plan = held.planned[0]
+        plan = node.planned[0]
         for h in [*plan.executes, *(src for src, _ in plan.sends)]:
             host = self.rm.hosts[h]
             if not host.alive:
                 return m.ErrorInfo(ErrorKind.HOST_LOST, f"host {h} ({host.name}, island {host.island}) was lost "
-                                   "before this computation could run", h, held.planned[1], "")
+                                   "before this computation could run", h, node.planned[1], "")
         return None
 
-    def _abandon(self, held: HeldNode, holding: bool, err: m.ErrorInfo | None = None) -> None:
+    def _abandon(self, node: ParkedNode, was_parked: bool, err: m.ErrorInfo | None = None) -> None:
         """A node that will never be sent: its client left, or it cannot run
         (``err``: its outputs fail with it, so their consumers fail too)."""
-        run = held.run
-        self._release_transient(held.planned[0].transient)
+        run = node.run
+        self._release_transient(node.planned[0].transient)
         # its plan recorded copies of its inputs it will never make: forget them
         # (an input left with no copy fails)
-        lost = self._drop_copies(held.planned[0].copies, err or m.ErrorInfo(
+        lost = self._drop_copies(node.planned[0].copies, err or m.ErrorInfo(
             ErrorKind.ABANDONED, "its last copy was planned for a computation that was abandoned", None, "", ""))
         if err is not None:
-            outs = [o.buffer for o in held.call.outputs]
+            outs = [o.buffer for o in node.call.outputs]
             self.directory.poison(outs, run.peer.id, err)
             # inputs it would have read from a lost host fail too (rather than
             # be read from nowhere)
-            gone = [p.buffer for src, p in held.planned[0].sends if not self.rm.hosts[src].alive]
+            gone = [p.buffer for src, p in node.planned[0].sends if not self.rm.hosts[src].alive]
             self.directory.poison(gone, run.peer.id, err)
             if not run.peer.gone:
-                self.send(run.peer.ident, m.CallFailed(held.call.call_id, outs + lost, err))
+                self.send(run.peer.ident, m.CallFailed(node.call.call_id, outs + lost, err))
         run.sent += 1
-        if holding:
-            self._unhold(held)
+        if was_parked:
+            self._unpark(node)
         self._maybe_release(run)
         # nodes waiting for it to be sent, or (sequential) to finish: they go on,
         # and fail with its error when they read its outputs
-        self.unfinished.discard(held.exec_id)
-        self._trigger(("sent", held.exec_id))
-        self._trigger(held.exec_id)
+        self.unfinished.discard(node.exec_id)
+        self._trigger(("sent", node.exec_id))
+        self._trigger(node.exec_id)
 
     def _exec_finished(self, exec_id: int, devices: Any = None) -> None:
-        """Every host finished a computation: send the held nodes waiting on it,
+        """Every host finished a computation: send the parked nodes waiting on it,
         and what the multi-tenant scheduler now has room for (once one of its
         ``devices`` is down to half a window, when they are given)."""
         self.unfinished.discard(exec_id)
@@ -300,24 +300,24 @@ class Dispatch:
             self._pump(done[0])
 
     def _trigger(self, key: Any) -> None:
-        for held in self.waiters.pop(key, ()):
-            held.waits.discard(key)
-            if not held.waits:
-                self._released.append(held)
+        for node in self.waiters.pop(key, ()):
+            node.waits.discard(key)
+            if not node.waits:
+                self._released.append(node)
         if self._releasing:
             return                        # the loop below, further up the stack, sends it
         self._releasing = True
         try:
             while self._released:
-                self._send_held(self._released.popleft())
+                self._send_parked(self._released.popleft())
         finally:
             self._releasing = False
 
-    def _send_held(self, held: HeldNode) -> None:
-        if held.run.peer.gone:
-            self._abandon(held, holding=True)
+    def _send_parked(self, node: ParkedNode) -> None:
+        if node.run.peer.gone:
+            self._abandon(node, was_parked=True)
         else:
-            self._ready(held, holding=True)
+            self._ready(node, was_parked=True)
 
     def _exec_done(self, host: int, msg: m.ExecDone) -> None:
         info = self.in_flight.get(msg.exec_id)
@@ -387,33 +387,33 @@ class Dispatch:
         self.send(ident, m.Explanation(nodes), parent)
 
     def validate_dispatch(self) -> None:
-        """The held-node graph is consistent: waiters list held nodes under
-        what they wait for, held outputs and unsent copies are those of held
+        """The parked-node graph is consistent: waiters list parked nodes under
+        what they wait for, parked outputs and unsent copies are those of parked
         nodes, and computations in flight run on live hosts."""
-        assert not self._released and not self._releasing, "released held nodes left unsent"
-        held = self.held_nodes()
-        by_exec = {h.exec_id: h for h in held}
+        assert not self._released and not self._releasing, "released parked nodes left unsent"
+        parked = self.parked_nodes()
+        by_exec = {h.exec_id: h for h in parked}
         for key, waiting in self.waiters.items():
             assert waiting, f"empty waiter list for {key!r}"
             for h in waiting:
                 assert key in h.waits, f"node {h.exec_id} listed under {key!r} it does not wait for"
             if isinstance(key, tuple):
-                assert key[0] == "sent" and key[1] in by_exec, f"waits for {key!r}, not a held node"
+                assert key[0] == "sent" and key[1] in by_exec, f"waits for {key!r}, not a parked node"
             else:
                 assert key in self.unfinished, f"waits for computation {key}, which is not unfinished"
-        for h in held:
+        for h in parked:
             for w in h.waits:
                 assert any(x is h for x in self.waiters.get(w, ())), \
                     f"node {h.exec_id} waits for {w!r} but is not listed there"
-        for b, e in self.held_outputs.items():
+        for b, e in self.parked_outputs.items():
             assert e in by_exec and any(o.buffer == b for o in by_exec[e].call.outputs), \
-                f"held output {b} of {e}: no held node makes it"
+                f"parked output {b} of {e}: no parked node makes it"
         unsent: collections.Counter[tuple[int, int]] = collections.Counter()
-        for h in held:
+        for h in parked:
             for b, lay in h.planned[0].copies:
                 unsent[(b, id(lay))] += 1
         listed = collections.Counter((b, id(lay)) for b, lays in self.unsent_copies.items() for lay in lays)
-        assert unsent == listed, "unsent copies differ from the held nodes' planned copies"
+        assert unsent == listed, "unsent copies differ from the parked nodes' planned copies"
         for exec_id, inf in self.in_flight.items():
             assert inf.hosts, f"computation {exec_id} in flight on no host"
             for h in inf.hosts:

@@ -64,8 +64,8 @@ class Failures:
                     self.waiters[key] = rest
                 else:
                     del self.waiters[key]
-        for held in cancelled.values():
-            self._abandon(held, holding=True)
+        for node in cancelled.values():
+            self._abandon(node, was_parked=True)
         for sub in waiting_subs:
             self._drop_waiting(sub)
         for island in islands:            # heads its queue held back may go now
@@ -140,7 +140,7 @@ class Failures:
             if ident in self.peers:
                 self.send(ident, m.CallFailed(0, buffers, err))
         # clients fail their fetches from it; workers let go of what they keep
-        # for it (shared-memory segments it held, their connection to it)
+        # for it (shared-memory segments it node, their connection to it)
         for peer in list(self.peers.values()):
             if peer.role in ("client", "worker"):
                 self.send(peer.ident, m.HostDown(rank, err))

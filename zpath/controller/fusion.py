@@ -7,7 +7,7 @@ import itertools
 import logging
 
 from zpath.controller import templates
-from zpath.controller.records import HeldNode, Peer, ProgramRun, Submission
+from zpath.controller.records import ParkedNode, Peer, ProgramRun, Submission
 from zpath.errors import ErrorKind
 from zpath.ids import client_of
 from zpath.net import messages as m
@@ -173,8 +173,8 @@ class Fusion:
         plan = templates.run_plan(f, exec_id, msg.inputs, msg.first_buffer)
         # the values put are released once it is sent (workers free them after it ran)
         run = ProgramRun(peer, [msg.inputs[s] for s, *_ in f.puts], 1)
-        self._start(HeldNode(run, call, (plan, f"{t.name} ({f.nodes} nodes, fused)"),
-                              self._held_producers(call), exec_id, f.island))
+        self._start(ParkedNode(run, call, (plan, f"{t.name} ({f.nodes} nodes, fused)"),
+                              self._parked_producers(call), exec_id, f.island))
         self._maybe_release(run)
         return True
 

@@ -1,5 +1,5 @@
 """The controller's records: a submission being planned, a program's run,
-a node held before it is sent, a computation in flight."""
+a node parked before it is sent, a computation in flight."""
 from __future__ import annotations
 
 import dataclasses
@@ -82,9 +82,9 @@ class InFlight:
 
 
 @dataclasses.dataclass
-class HeldNode:
+class ParkedNode:
     """A node waiting to be sent: for computations it reads to finish
-    (sequential programs), for held producers to be sent, or for its turn in
+    (sequential programs), for parked producers to be sent, or for its turn in
     the multi-tenant scheduler."""
     run: ProgramRun
     call: m.Call
