@@ -112,3 +112,63 @@ def test_client_and_cluster_modules_import_no_cycle():
         return False
     cycles = [m for m in modules if reaches(m, m, set())]
     assert not cycles
+
+
+ALL_MODULES = sorted((ROOT / "zpath").rglob("*.py"))
+
+# which packages a package may not import (ARCHITECTURE: the controller and the
+# workers never import each other; net knows nothing of programs; neither the
+# controller, the workers nor net import the client library or the cluster tooling)
+FORBIDDEN = {
+    "zpath.controller": ("zpath.worker", "zpath.client", "zpath.cluster"),
+    "zpath.worker": ("zpath.controller", "zpath.client", "zpath.cluster"),
+    "zpath.net": ("zpath.controller", "zpath.worker", "zpath.client", "zpath.cluster"),
+    "zpath.client": ("zpath.controller", "zpath.worker"),
+}
+
+
+def _module_name(p: pathlib.Path) -> str:
+    parts = p.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def test_packages_keep_their_boundaries():
+    broken = []
+    for p in ALL_MODULES:
+        name = _module_name(p)
+        for package, banned in FORBIDDEN.items():
+            if name == package or name.startswith(package + "."):
+                top, inner = _imports(p)
+                for mod in top | {m for _, m in inner}:
+                    if mod.startswith(banned):
+                        broken.append((name, mod))
+    assert not broken
+
+
+def test_no_imports_inside_functions_outside_the_allowed_lazy_ones():
+    """Imports sit at module top, except: the CLI's (see above), ml_dtypes in
+    sharding.py (only dtypes numpy lacks need it) and the docstring examples."""
+    allowed = {("zpath.sharding", "ml_dtypes")}
+    found = []
+    for p in ALL_MODULES:
+        name = _module_name(p)
+        if name == "zpath.cluster.cli":
+            continue                      # test_client_and_cluster_import_at_module_top
+        found += [(name, line, mod) for line, mod in _imports(p)[1] if (name, mod) not in allowed]
+    assert not found
+
+
+def test_zpath_modules_import_no_cycle():
+    graph = {_module_name(p): {m for m in _imports(p)[0] if m != _module_name(p)} for p in ALL_MODULES}
+    modules = set(graph)
+    # "from zpath.net import messages" names zpath.net.messages: keep the names that are modules
+    edges = {a: {b for b in deps if b in modules and not a.startswith(b + ".") and b != "zpath"}
+             for a, deps in graph.items()}
+
+    def reaches(start: str, goal: str, seen: set[str]) -> bool:
+        for nxt in edges[start]:
+            if nxt == goal or (nxt not in seen and (seen.add(nxt) or reaches(nxt, goal, seen))):
+                return True
+        return False
+    cycles = sorted(m for m in modules if reaches(m, m, set()))
+    assert not cycles
