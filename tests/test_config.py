@@ -121,10 +121,10 @@ def test_the_key_comes_from_the_common_config(tmp_path, monkeypatch):
         keys.key_from_config(CommonConfig(key_file=str(tmp_path / "missing")))
     with pytest.raises(ZpathError, match="ZPATH_KEY is not hexadecimal"):
         keys.key_from_config(CommonConfig(key="zz"))
-    # the thin wrapper the controller's and worker's main() call
+    # what the controller's and worker's main() do
     monkeypatch.delenv("ZPATH_KEY", raising=False)
     monkeypatch.setenv("ZPATH_KEY_FILE", str(path))
-    assert keys.key_from_env() == key
+    assert keys.key_from_config(CommonConfig.from_env()) == key
 
 
 def test_the_log_level_comes_from_the_common_config(monkeypatch):
@@ -132,7 +132,7 @@ def test_the_log_level_comes_from_the_common_config(monkeypatch):
     handlers, level = list(root.handlers), root.level
     try:
         monkeypatch.setenv("ZPATH_LOG_LEVEL", "warning")
-        logs.setup("test")
+        logs.setup("test", CommonConfig.from_env().log_level)
         assert root.level == logging.WARNING
         logs.setup("test", "debug")
         assert root.level == logging.DEBUG

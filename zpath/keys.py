@@ -50,12 +50,6 @@ def key_from_config(common: CommonConfig) -> bytes:
     raise ZpathError("no cluster key: set ZPATH_KEY (hex) or ZPATH_KEY_FILE")
 
 
-def key_from_env() -> bytes:
-    """The cluster key of this process's environment (for a ``main()`` that
-    builds no CommonConfig of its own)."""
-    return key_from_config(CommonConfig.from_env())
-
-
 def write_key_file(path: str, key: bytes) -> None:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:

@@ -3,13 +3,10 @@ from __future__ import annotations
 
 import logging
 
-from zpath.config import CommonConfig
 
-
-def setup(role: str, level: str | None = None) -> None:
-    """Log to stderr, each line naming ``role``, at ``level`` (default: the
-    environment's CommonConfig.log_level, ZPATH_LOG_LEVEL)."""
-    level = level or CommonConfig.from_env().log_level
+def setup(role: str, level: str) -> None:
+    """Log to stderr, each line naming ``role``, at ``level`` (a process's
+    CommonConfig.log_level, ZPATH_LOG_LEVEL)."""
     root = logging.getLogger()
     for h in list(root.handlers):
         root.removeHandler(h)

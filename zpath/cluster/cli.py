@@ -16,7 +16,7 @@ import zmq
 
 from zpath import logs
 from zpath.cluster import state as cluster_state
-from zpath.config import DEFAULT_SHAPE, ClientConfig, ClusterConfig, CommonConfig
+from zpath.config import DEFAULT_SHAPE, POLICIES, ClientConfig, ClusterConfig, CommonConfig
 from zpath.errors import ZpathError
 from zpath.keys import key_from_config, parse_key
 
@@ -270,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="emulated bandwidth cap of each host's link between islands (Gbit/s; 0: none)")
     up.add_argument("--dcn-encrypt", action="store_true",
                     help="encrypt traffic between islands with CURVE")
-    up.add_argument("--policy", choices=("share", "fifo"), default=None,
+    up.add_argument("--policy", choices=POLICIES, default=None,
                     help="multi-tenant scheduling policy: proportional share by client weight "
                          "(default; $ZPATH_SCHEDULER_POLICY) or fifo")
     up.set_defaults(fn=_up)

@@ -228,11 +228,11 @@ def main(argv: list[str] | None = None, gang: GangScheduler | None = None) -> in
     try:
         common = CommonConfig.from_env()
         config = ControllerConfig.from_env(policy=args.policy)
-        key = key_from_config(common)
     except ZpathError as e:
         print(f"zpath controller: {e}", file=sys.stderr, flush=True)
         return 2
     logs.setup("controller", common.log_level)
+    key = key_from_config(common)     # a missing key: one line from the CLI, as for the worker
     try:
         ctl = Controller(key, args.bind, config, gang=gang, common=common)
     except zmq.ZMQError as e:        # the address is taken, or not this machine's

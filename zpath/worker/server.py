@@ -23,6 +23,7 @@ import math
 import os
 import queue
 import signal
+import sys
 import socket
 import time
 from typing import Any
@@ -35,7 +36,7 @@ import zmq
 from zpath import logs, sharding
 from zpath.config import HOLD_SHORT_S, CommonConfig, WorkerConfig
 from zpath.errors import ErrorKind, ProtocolError, ZpathError
-from zpath.keys import key_from_env
+from zpath.keys import key_from_config
 from zpath.process import die_with_parent
 from zpath.net import channels
 from zpath.net import messages as m
@@ -681,7 +682,12 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     die_with_parent()
     faulthandler.register(signal.SIGUSR1)  # `kill -USR1 <pid>` dumps every thread's stack
-    logs.setup(f"worker[island {args.island}]")
+    try:
+        config, common = WorkerConfig.from_env(), CommonConfig.from_env()
+    except ZpathError as e:
+        print(f"zpath worker: {e}", file=sys.stderr, flush=True)
+        return 2
+    logs.setup(f"worker[island {args.island}]", common.log_level)
     if not 0 <= args.process_id < args.num_processes:
         p.error(f"--process-id must be in [0, {args.num_processes})")
     if args.num_processes > 1 and not args.coordinator:
@@ -692,12 +698,7 @@ def main(argv: list[str] | None = None) -> int:
         log.error("--dcn-encrypt needs CURVE, but this libzmq (%s) was built without it",
                   zmq.zmq_version())
         return 2
-    try:
-        config, common = WorkerConfig.from_env(), CommonConfig.from_env()
-    except ZpathError as e:
-        log.error("%s", e)
-        return 2
-    w = Worker(key_from_env(), args.controller, args.island, bind_host=args.bind_host, name=args.name,
+    w = Worker(key_from_config(common), args.controller, args.island, bind_host=args.bind_host, name=args.name,
                coordinator=args.coordinator, num_processes=args.num_processes,
                process_id=args.process_id, dcn_latency_ms=args.dcn_latency_ms,
                dcn_gbps=args.dcn_gbps, dcn_encrypt=args.dcn_encrypt, config=config, common=common)
@@ -713,7 +714,7 @@ def main(argv: list[str] | None = None) -> int:
         log.error("%s", e)
         w.close()
         return 1
-    logs.setup(f"worker[host {w.rank}]")
+    logs.setup(f"worker[host {w.rank}]", common.log_level)
     # What start-up made (JAX, XLA's Python objects: ~100k) lives as long as the
     # process: keep it out of the collector's full passes, which otherwise
     # stall this host for 50-90 ms every second or two of busy work.
