@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
@@ -173,7 +174,7 @@ def test_client_fails_what_waits_when_the_controller_goes(sig, monkeypatch):
     well before its own deadline, and so does every later use."""
     with running_cluster(islands=1, hosts_per_island=1, devices_per_host=1,
                          env={"ZPATH_CONTROLLER_TIMEOUT": "2"}) as c:
-        conn = zp.connect(c.address, c.key, config=ClientConfig(controller_timeout_s=2.0))
+        zp.connect(c.address, c.key, config=ClientConfig(controller_timeout_s=2.0))
         try:
             d = zp.make_virtual_device_set().add_slice(devices=1).devices
             inc = zp.pmap(lambda x: x + 1., devices=d)
@@ -296,9 +297,8 @@ def test_futures_dropped_before_their_host_is_lost_stay_freed(fragile):
             slow(x)                              # dropped at once
         gc.collect()
         # their releases reach the controller while they still run
-        deadline = time.monotonic() + 30
-        while (st := status_of(conn.client)).buffers != 0 and st.running >= 1 and time.monotonic() < deadline:
-            time.sleep(0.05)
+        st = wait_until(lambda: s if (s := status_of(conn.client)).buffers == 0 or s.running < 1 else None,
+                        timeout=30, interval=0.05, what="the releases at the controller (or the calls done)")
         assert st.running >= 1 and st.buffers == 0, st
         next(p for name, p in fragile.procs if name == "worker-i1-h0").kill()
         deadline = time.monotonic() + 30
@@ -358,8 +358,15 @@ def test_a_client_the_controller_dropped_fails_at_once(fragile, monkeypatch):
     import zpath.client.connection as zc
     monkeypatch.setattr(zc, "HEARTBEAT_S", 3600.0)
     breaks = []
+    second_break = threading.Event()
     real_break = zc.Client._break
-    monkeypatch.setattr(zc.Client, "_break", lambda self, *a, **k: (breaks.append(a), real_break(self, *a, **k)))
+
+    def counted_break(self, *a, **k):
+        breaks.append(a)
+        if len(breaks) > 1:
+            second_break.set()
+        return real_break(self, *a, **k)
+    monkeypatch.setattr(zc.Client, "_break", counted_break)
     zp.connect(fragile.address, fragile.key, name="sleepy")
     other = None
     try:
@@ -386,16 +393,12 @@ def test_a_client_the_controller_dropped_fails_at_once(fragile, monkeypatch):
         quiet_from = time.monotonic()
         # nothing it put stays on the workers, the value of the call the
         # controller refused included (ClientGone: the worker drops that Put)
-        deadline = time.monotonic() + 10
-        while True:
-            st = status_of(other)
-            if st.stores and all(h.shards == 0 for h in st.stores) and st.buffers == 0:
-                break
-            assert time.monotonic() < deadline, st.stores
-            time.sleep(0.2)
-        # nothing more happens to it: a window of at least 1 s (a check that
-        # something does not happen), spent above while the stores emptied
-        time.sleep(max(0.0, quiet_from + 1.0 - time.monotonic()))
+        wait_until(lambda: (st := status_of(other)).stores and all(h.shards == 0 for h in st.stores)
+                   and st.buffers == 0, timeout=10, interval=0.2, what="the stores emptied")
+        # nothing more happens to it: no second break within a window of at
+        # least 1 s (a check that something does not happen), most of it spent
+        # above while the stores emptied
+        assert not second_break.wait(max(0.0, quiet_from + 1.0 - time.monotonic())), breaks
         assert len(breaks) == 1, breaks     # once: no goodbye, no answer, no second break
     finally:
         if other is not None:

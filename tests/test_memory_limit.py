@@ -14,6 +14,7 @@ import pytest
 
 import zpath as zp
 from zpath.client import api as zp_api
+from zpath.cluster.testing import wait_until
 from zpath.net import messages as m
 from tests.conftest import connected, running_cluster
 
@@ -28,14 +29,10 @@ def status() -> m.Status:
 
 
 def until(pred, timeout: float = 20.0) -> m.Status:
-    """Poll the controller's status until ``pred`` holds (AssertionError after ``timeout``)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        st = status()
-        if pred(st):
-            return st
-        assert time.monotonic() < deadline, st
-        time.sleep(0.02)
+    """Poll the controller's status until ``pred`` holds, and return it (the
+    test fails after ``timeout``)."""
+    return wait_until(lambda: st if pred(st := status()) else None, timeout=timeout, interval=0.02,
+                      what="the controller's status")
 
 
 @pytest.fixture(scope="module")

@@ -29,34 +29,33 @@ def test_unknown_name_is_an_attribute_error():
         raise AssertionError("zpath.no_such_name did not raise")
 
 
-def test_controller_and_cluster_tools_do_not_import_jax():
-    code = ("import sys, zpath, zpath.controller.server, zpath.cluster.cli, zpath.cluster.launcher\n"
-            "print(sorted(m for m in sys.modules if m == 'jax' or m.startswith('jax.')))")
+def _loaded(modules: str, which: str) -> str:
+    """In a fresh interpreter, import ``modules`` and print the sorted names in
+    sys.modules for which the expression ``which`` (over ``m``) holds."""
+    code = f"import sys, {modules}\nprint(sorted(m for m in sys.modules if {which}))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "[]"
+    return out.stdout.strip()
+
+
+def test_controller_and_cluster_tools_do_not_import_jax():
+    assert _loaded("zpath, zpath.controller.server, zpath.cluster.cli, zpath.cluster.launcher",
+                   "m == 'jax' or m.startswith('jax.')") == "[]"
 
 
 def test_the_cli_starts_without_the_wire_protocol():
     """`zpath down` and `zpath --help` import neither numpy nor the message
     records (most of a second to import)."""
-    code = ("import sys, zpath.cluster.cli\n"
-            "print(sorted(m for m in sys.modules if m in ('numpy', 'zpath.net.messages', "
-            "'zpath.client.connection', 'zpath.cluster.launcher')))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "[]"
+    assert _loaded("zpath.cluster.cli", "m in ('numpy', 'zpath.net.messages', 'zpath.client.connection', "
+                   "'zpath.cluster.launcher')") == "[]"
 
 
 def test_client_and_cluster_tools_do_not_import_the_controller_or_the_workers():
     """The client library and the cluster tooling talk to the controller and
     the workers over the wire only (the CLI runs their main(), importing it then)."""
-    code = ("import sys, zpath.client.session, zpath.client.tracer, zpath.cluster.cli, zpath.cluster.ssh, "
-            "zpath.cluster.remote, zpath.cluster.state, zpath.cluster.testing\n"
-            "print(sorted(m for m in sys.modules if m.startswith(('zpath.controller', 'zpath.worker'))))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "[]"
+    assert _loaded("zpath.client.session, zpath.client.tracer, zpath.cluster.cli, zpath.cluster.ssh, "
+                   "zpath.cluster.remote, zpath.cluster.state, zpath.cluster.testing",
+                   "m.startswith(('zpath.controller', 'zpath.worker'))") == "[]"
 
 
 def _imports(path: pathlib.Path) -> tuple[set[str], list[tuple[int, str]]]:
