@@ -17,6 +17,7 @@ import pytest
 
 from zpath.errors import ProtocolError, ZpathError
 from zpath.net import codec
+from zpath.net.codec import PROTOCOL_VERSION
 from zpath.net import messages as m
 
 pytestmark = pytest.mark.timeout(60)
@@ -162,7 +163,7 @@ def test_round_trip_hand_built_call():
 
 
 def test_float_field_accepts_int_and_returns_float():
-    frames = signed(hdr(1, m.Fetch.TYPE, 1, 0, "c"), body([1, 2, 3, [[0, 4]], 5]))
+    frames = signed(hdr(PROTOCOL_VERSION, m.Fetch.TYPE, 1, 0, "c"), body([1, 2, 3, [[0, 4]], 5]))
     _, out, _ = codec.decode(KEY, frames)
     assert out.timeout_s == 5.0 and type(out.timeout_s) is float
 
@@ -279,7 +280,7 @@ def test_header_wrong_shape(fields: Any) -> None:
     rejects(signed(h, body([1])), re.escape("header must be [version, type, id, parent, sender]"))
 
 
-@pytest.mark.parametrize("version", [0, 2, 99, -1])
+@pytest.mark.parametrize("version", [0, PROTOCOL_VERSION - 1, PROTOCOL_VERSION + 1, 99, -1])
 def test_wrong_protocol_version(version: int) -> None:
     err = rejects(signed(hdr(version, m.Ping.TYPE, 1, 0, "s"), body([1])),
                   f"protocol version {version} not supported")
@@ -289,12 +290,12 @@ def test_wrong_protocol_version(version: int) -> None:
 @pytest.mark.parametrize("tid", [0, 10, 999, -1, 2**40])
 def test_unknown_type_id(tid: int) -> None:
     assert tid not in codec.registry()
-    rejects(signed(hdr(1, tid, 1, 0, "s"), body([1])), f"unknown message type {tid}$")
+    rejects(signed(hdr(PROTOCOL_VERSION, tid, 1, 0, "s"), body([1])), f"unknown message type {tid}$")
 
 
 @pytest.mark.parametrize("raw", [b"", b"\xc1", b"\x92\x01", b"\x91\x01\x02", b"\xd9\x02\xff\xfe"])
 def test_body_not_msgpack(raw: bytes) -> None:
-    rejects(signed(hdr(1, m.Ping.TYPE, 1, 0, "s"), raw), "body of Ping is not msgpack")
+    rejects(signed(hdr(PROTOCOL_VERSION, m.Ping.TYPE, 1, 0, "s"), raw), "body of Ping is not msgpack")
 
 
 @pytest.mark.parametrize("value,pattern", [
@@ -305,7 +306,7 @@ def test_body_not_msgpack(raw: bytes) -> None:
     (None, "Ping: expected 1 fields, got NoneType"),
 ])
 def test_wrong_field_count(value: Any, pattern: str) -> None:
-    rejects(signed(hdr(1, m.Ping.TYPE, 1, 0, "s"), body(value)), re.escape(pattern))
+    rejects(signed(hdr(PROTOCOL_VERSION, m.Ping.TYPE, 1, 0, "s"), body(value)), re.escape(pattern))
 
 
 def _good_welcome() -> list:
@@ -365,20 +366,20 @@ def _set(value: list, path: tuple, new: Any) -> list:
 ])
 def test_wrong_field_types(cls: type, value: list, pattern: str) -> None:
     """``pattern`` is a literal part of the message."""
-    rejects(signed(hdr(1, cls.TYPE, 1, 0, "s"), body(value)), re.escape(pattern))
+    rejects(signed(hdr(PROTOCOL_VERSION, cls.TYPE, 1, 0, "s"), body(value)), re.escape(pattern))
 
 
 def test_good_samples_of_the_field_type_tests_decode():
     """The malformed values above differ from these in one place only."""
-    _, w, _ = codec.decode(KEY, signed(hdr(1, m.Welcome.TYPE, 1, 0, "s"), body(_good_welcome())))
+    _, w, _ = codec.decode(KEY, signed(hdr(PROTOCOL_VERSION, m.Welcome.TYPE, 1, 0, "s"), body(_good_welcome())))
     assert w.hosts[0].devices[1] == m.DeviceInfo(1, 0, 0, 1, 1)
-    _, c, _ = codec.decode(KEY, signed(hdr(1, m.Call.TYPE, 1, 0, "s"), body(_good_call())))
+    _, c, _ = codec.decode(KEY, signed(hdr(PROTOCOL_VERSION, m.Call.TYPE, 1, 0, "s"), body(_good_call())))
     assert c.inputs[0].put is True and c.outputs[0].spec == [None]
 
 
 def test_oversized_body():
     big = b"\0" * (codec.MAX_BODY_BYTES + 1)
-    rejects(signed(hdr(1, m.Ping.TYPE, 1, 0, "s"), big), f"body too large \\({codec.MAX_BODY_BYTES + 1} bytes\\)")
+    rejects(signed(hdr(PROTOCOL_VERSION, m.Ping.TYPE, 1, 0, "s"), big), f"body too large \\({codec.MAX_BODY_BYTES + 1} bytes\\)")
 
 
 def test_body_at_the_limit_passes_the_size_check():
@@ -387,15 +388,15 @@ def test_body_at_the_limit_passes_the_size_check():
     name = "a" * (codec.MAX_BODY_BYTES - overhead - 4)
     raw = body([name, 1, 1.0])
     assert len(raw) == codec.MAX_BODY_BYTES
-    _, msg, _ = codec.decode(KEY, signed(hdr(1, m.Hello.TYPE, 1, 0, "s"), raw))
+    _, msg, _ = codec.decode(KEY, signed(hdr(PROTOCOL_VERSION, m.Hello.TYPE, 1, 0, "s"), raw))
     assert msg == m.Hello(name, 1, 1.0)
 
 
 def test_too_many_buffers():
     bufs = [b""] * (codec.MAX_BUFFERS + 1)
-    rejects(signed(hdr(1, m.Ping.TYPE, 1, 0, "s"), body([1]), *bufs),
+    rejects(signed(hdr(PROTOCOL_VERSION, m.Ping.TYPE, 1, 0, "s"), body([1]), *bufs),
             f"too many buffers \\({codec.MAX_BUFFERS + 1} > {codec.MAX_BUFFERS}\\)")
-    ok = signed(hdr(1, m.Ping.TYPE, 1, 0, "s"), body([1]), *bufs[:-1])
+    ok = signed(hdr(PROTOCOL_VERSION, m.Ping.TYPE, 1, 0, "s"), body([1]), *bufs[:-1])
     assert len(codec.decode(KEY, ok)[2]) == codec.MAX_BUFFERS
 
 
@@ -443,11 +444,11 @@ def _fuzz_case(rng: random.Random, i: int) -> list[Any]:
     if kind == 1:      # random header and body, correctly signed
         return signed(rng.randbytes(rng.randrange(12)), rng.randbytes(rng.randrange(30)))
     if kind == 2:      # valid header, random msgpack body
-        return signed(hdr(1, rng.choice(tids), i, 0, "f"), body(_random_value(rng)))
+        return signed(hdr(PROTOCOL_VERSION, rng.choice(tids), i, 0, "f"), body(_random_value(rng)))
     if kind == 3:      # valid header, random list with the right arity
         tid = rng.choice(tids)
         n = len(dataclasses.fields(codec.registry()[tid]))
-        return signed(hdr(1, tid, i, 0, "f"), body([_random_value(rng) for _ in range(n)]))
+        return signed(hdr(PROTOCOL_VERSION, tid, i, 0, "f"), body([_random_value(rng) for _ in range(n)]))
     if kind == 4:      # a valid message whose body bytes were damaged, re-signed
         tid = rng.choice(tids)
         good = enc(sample_record(codec.registry()[tid], rng, i))
@@ -496,7 +497,7 @@ def test_random_input_raises_only_protocol_error():
 def test_decode_header_reads_valid_frames_even_with_a_bad_signature():
     frames = enc(m.Ping(1), key=OTHER_KEY, msg_id=77, parent=5, sender="worker:a")
     rejects(frames, "bad signature")
-    assert codec.decode_header(frames) == codec.Header(1, m.Ping.TYPE, 77, 5, "worker:a")
+    assert codec.decode_header(frames) == codec.Header(PROTOCOL_VERSION, m.Ping.TYPE, 77, 5, "worker:a")
 
 
 @pytest.mark.parametrize("frames", [
@@ -710,8 +711,8 @@ def _golden_messages() -> dict[str, tuple[codec.Record, tuple]]:
 GOLDEN = [
     ("Execute", 1000, [      # (re-recorded when Execute.hold was appended: the same
         # body with 11 fields instead of 10 and a trailing false)
-        "73403616e69ef3e3c9390dd474c111a06ca11ef4edebe77b88e9606c8ddb302f",
-        "950121cd03e807ad776f726b65723a676f6c64656e",
+        "5dfb6100243d11b8ed81e1fab8b8d4246ac530196577ed23994b28b685175c18",
+        "950221cd03e807ad776f726b65723a676f6c64656e",
         "9bce0001e240cd2694d94061626162616261626162616261626162616261626162616261626162616261626162616261"
         "626162616261626162616261626162616261626162616261626162ac6a69745f5f6c616d6264615f910291a169920001"
         "9200019294cf000000010000001192920804a7666c6f6174333292a169c0919300929200049200049094cf0000000100"
@@ -719,35 +720,35 @@ GOLDEN = [
         "cf000000010000001392920804a7666c6f6174333292a169c0c2",
     ]),
     ("ExecDone", 1001, [
-        "e62a14855baba477e46accecbd61c6822e4fc18e2dba3ea4f4702348f9806483",
-        "950122cd03e907ad776f726b65723a676f6c64656e",
+        "9f08ebe2a3d3d46e6e0d782a1fee9603fc95c2fc0d1e72570fc993be2b8363f9",
+        "950222cd03e907ad776f726b65723a676f6c64656e",
         "94ce0001e240c0cb41d999a660080000cb41d999a660100000",
     ]),
     ("Call", 1002, [
-        "66c049893e7e0bf16e5b0d96486babfa6cb5996749e6c96f25211d6a68524add",
-        "95011fcd03ea07ad776f726b65723a676f6c64656e",
+        "586c4be83af71e30a88fc5c7e91848740ecddd2ace92c01fca074ded3fff6606",
+        "95021fcd03ea07ad776f726b65723a676f6c64656e",
         "97cd1092d94063646364636463646364636463646364636463646364636463646364636463646364636463646364636463"
         "646364636463646364636463646364636463646364910291a1699200019194cf000000010000001192920804a7666c6f"
         "6174333292a169c0c39193cf000000010000001392920804a7666c6f6174333292a169c0",
     ]),
     ("Ping", 1003, [
-        "bba722d3444cea6314b83c7d05c92f1a750169202876e1a687a2508b1115b4b1",
-        "950107cd03eb07ad776f726b65723a676f6c64656e",
+        "adb601b8060955c53569a90433cc4d11ebbe3462b43cf34dd688a572fdbc5619",
+        "950207cd03eb07ad776f726b65723a676f6c64656e",
         "911f",
     ]),
     ("Pong", 1004, [
-        "1481d0fa7c2a6a4b5d47a2677dc2bb1565a242874426c3d6a31ab907f1ae83e4",
-        "950108cd03ec07ad776f726b65723a676f6c64656e",
+        "e19ed72ce734b333bfb4e91e2a52f18a2dce1a3f1e7417cb0ac01ee8193c4c84",
+        "950208cd03ec07ad776f726b65723a676f6c64656e",
         "941f0ccd100092cd0800cd0800",
     ]),
     ("ExecDoneErr", 1005, [
-        "27cb8a6701e1fba28eeebbd95e604945b34f9fe483d8c9c113f05219e0ff7a5e",
-        "950122cd03ed07ad776f726b65723a676f6c64656e",
+        "61a6ce836eb3e2cb5d5be33d259b23fb5e83964c59d89d37476f2d2cc96cfb41",
+        "950222cd03ed07ad776f726b65723a676f6c64656e",
         "940595ab52656d6f74654572726f72a8626f6f6d20e29c93c0a166a27462cb3ff0000000000000cb4004000000000000",
     ]),
     ("Put", 1006, [
-        "c1a1ef9ce7f0a9ac40f8873da8088909ddb73f57839e83c1359a17b53a1562ad",
-        "950132cd03ee07ad776f726b65723a676f6c64656e",
+        "08732737a272105db551f27b97f6e9c2b379e0f37cbaac8470bea771b03c398b",
+        "950232cd03ee07ad776f726b65723a676f6c64656e",
         "94cf0000000100000003029292000492000692920406a7666c6f61743332",
         "010203",
         "",
@@ -858,7 +859,7 @@ def test_generated_checker_agrees_with_the_reference(tid: int, cls: type) -> Non
             refused += 1
             with pytest.raises(ProtocolError, match=rf"^{cls.__name__}[.:\[]"):
                 cls.from_wire(value)
-            frames = signed(hdr(1, tid, 1, 0, "s"), body(value))
+            frames = signed(hdr(PROTOCOL_VERSION, tid, 1, 0, "s"), body(value))
             with pytest.raises(ProtocolError) as info:
                 codec.decode(KEY, frames)
             with pytest.raises(ProtocolError) as precise:
@@ -994,7 +995,7 @@ def test_a_batch_itself_is_checked_like_any_message():
     good = codec.pack_body(m.Ping(1))
     # the item list is checked like any record field
     with pytest.raises(ProtocolError, match="Batch.items"):
-        codec.decode(KEY, signed(hdr(1, m.Batch.TYPE, 1, 0, "x"), body([[[1, 2, 3]]])))
+        codec.decode(KEY, signed(hdr(PROTOCOL_VERSION, m.Batch.TYPE, 1, 0, "x"), body([[[1, 2, 3]]])))
     # a batch carries no buffers
     with pytest.raises(ProtocolError, match="no buffers"):
         codec.decode(KEY, enc(m.Batch([(m.Ping.TYPE, 1, 0, good)]), buffers=[b"x"]))

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from zpath import sharding
-from zpath.controller.directory import Directory, Plan, PlanError
+from zpath.controller.directory import Directory, Plan, PlanError, host_shards
 from zpath.net import messages as m
 
 pytestmark = pytest.mark.timeout(60)
@@ -111,8 +111,9 @@ class World:
                 ei = ex.inputs[k]
                 assert (ei.aval, ei.spec) == (ci.aval, ci.spec)
                 # exactly this host's devices, in mesh order
-                assert [s.device for s in ei.shards] == [d for d in c.devices if HOST_OF[d] == h]
-                for s in ei.shards:
+                shards = host_shards(ex, ei, h, HOST_OF.__getitem__)
+                assert [s.device for s in shards] == [d for d in c.devices if HOST_OF[d] == h]
+                for s in shards:
                     want = sharding.from_wire(s.region)
                     assert want == want_of[s.device]
                     self._assemble(ci, h, s, want, sends, used)
@@ -157,7 +158,8 @@ class World:
 
 
 def shards_of(plan: Plan, host: int, k: int = 0) -> list[m.ShardInput]:
-    return plan.executes[host].inputs[k].shards
+    ex = plan.executes[host]
+    return host_shards(ex, ex.inputs[k], host, HOST_OF.__getitem__)
 
 
 # ---- puts and reuse -----------------------------------------------------------

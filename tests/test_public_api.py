@@ -84,11 +84,12 @@ CLIENT_AND_CLUSTER = sorted(p for d in ("client", "cluster") for p in (ROOT / "z
 
 def test_client_and_cluster_import_at_module_top():
     """No imports inside functions in zpath/client and zpath/cluster, but the
-    CLI's: of the controller's and the worker's main() (run only by `zpath
-    controller`/`zpath worker`: the worker's imports JAX), and of the launchers
+    CLI's: of the controller's, the worker's and the simulated worker's main()
+    (run only by `zpath controller`/`zpath worker`: the worker's imports JAX), and of the launchers
     and the connection, only by the subcommands that use them (so that `zpath
     down` and `zpath --help` start fast: see test_the_cli_starts_without_the_wire_protocol)."""
     allowed = {("cli.py", "zpath.controller.server"), ("cli.py", "zpath.worker.server"),
+               ("cli.py", "zpath.worker.simulate"),
                ("cli.py", "zpath.cluster.ssh"), ("cli.py", "zpath.cluster.launcher"),
                ("cli.py", "zpath.client.connection"), ("cli.py", "zpath.net")}
     found = [(p.name, line, mod) for p in CLIENT_AND_CLUSTER for line, mod in _imports(p)[1]

@@ -279,7 +279,7 @@ def test_endpoint_bad_message_says_who_sent_it(pair):
     with pytest.raises(transport.BadMessage, match="bad signature") as info:
         b.recv(router, router=True)
     assert info.value.ident == b"d1"
-    assert info.value.header == codec.Header(1, m.Ping.TYPE, 77, 0, "client:z")
+    assert info.value.header == codec.Header(codec.PROTOCOL_VERSION, m.Ping.TYPE, 77, 0, "client:z")
     dealer.send_multipart([b"one", b"two"])
     _poll(router)
     with pytest.raises(transport.BadMessage, match="expected at least 3 frames, got 2"):

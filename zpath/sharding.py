@@ -7,6 +7,7 @@ devices, what ``NamedSharding(mesh, spec).devices_indices_map(shape)`` computes.
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, Iterable, Sequence
 
@@ -76,6 +77,19 @@ def regions(shape: Sequence[int], mesh_shape: Sequence[int], axis_names: Sequenc
             reg.append((idx * step, (idx + 1) * step))
         out.append(tuple(reg))
     return out
+
+
+def regions_of(shape: Sequence[int], mesh_shape: Sequence[int], axis_names: Sequence[str],
+               spec: Sequence[None | str | Sequence[str]]) -> Sequence[Region]:
+    """:func:`regions`, remembered: every host of a computation, and every call
+    of a training loop, asks the same. Do not modify the result."""
+    return _regions_cached(tuple(shape), tuple(mesh_shape), tuple(axis_names),
+                           tuple(a if a is None or type(a) is str else tuple(a) for a in spec))
+
+
+@functools.lru_cache(maxsize=4096)
+def _regions_cached(shape: tuple, mesh_shape: tuple, axis_names: tuple, spec: tuple) -> tuple[Region, ...]:
+    return tuple(regions(shape, mesh_shape, axis_names, spec))
 
 
 def _positions(mesh_shape: Sequence[int]) -> Iterable[tuple[int, ...]]:

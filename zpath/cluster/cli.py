@@ -232,6 +232,10 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] == "controller":
         from zpath.controller.server import main as controller_main
         return _friendly("controller", controller_main, argv[1:])
+    if argv and argv[0] == "worker" and "--simulate" in argv[1:]:
+        # simulated hosts (no JAX) for scale work
+        from zpath.worker.simulate import main as simulate_main
+        return _friendly("worker", simulate_main, argv[1:])
     if argv and argv[0] == "worker":
         from zpath.worker.server import main as worker_main
         return _friendly("worker", worker_main, argv[1:])

@@ -301,3 +301,52 @@ class LocalCluster(ClusterLauncher):
 
     def __enter__(self) -> "LocalCluster":
         return self
+
+
+class SimulatedCluster(ClusterLauncher):
+    """A controller and ``hosts`` simulated hosts (``zpath worker --simulate``:
+    no JAX, computations occupy their devices for an emulated time) in
+    ``processes`` processes on this machine, for scale work. Each process holds
+    whole islands (``islands`` must be a multiple of ``processes``), so killing
+    one process loses its islands' hosts."""
+
+    kind = "simulated cluster"
+
+    def __init__(self, hosts: int, devices_per_host: int = 4, *, islands: int = 1, processes: int = 1,
+                 cost_ms: float = 1.0, transfer_us: float = 0.0, transfer_gbps: float = 0.0,
+                 log_dir: str | None = None, start_timeout: float | None = None,
+                 env: dict[str, str] | None = None, policy: str | None = None,
+                 config: ClusterConfig | None = None) -> None:
+        for name, v in (("hosts", hosts), ("devices_per_host", devices_per_host), ("islands", islands),
+                        ("processes", processes)):
+            if int(v) < 1:
+                raise ValueError(f"{name} must be at least 1, got {v}")
+        if hosts % islands or islands % processes:
+            raise ValueError(f"hosts ({hosts}) must be a multiple of islands ({islands}), and islands "
+                             f"a multiple of processes ({processes})")
+        self.hosts, self.devices_per_host, self.islands, self.processes = hosts, devices_per_host, islands, processes
+        self.sim_flags = ["--devices", str(devices_per_host), "--cost-ms", str(float(cost_ms)),
+                          "--transfer-us", str(float(transfer_us)), "--transfer-gbps", str(float(transfer_gbps))]
+        super().__init__(log_dir=log_dir, env=env, policy=policy, config=config)
+        self._launch("127.0.0.1", self.config.start_timeout_s if start_timeout is None else start_timeout)
+
+    def _start_workers(self, deadline: float) -> None:
+        per_proc, islands_per_proc = self.hosts // self.processes, self.islands // self.processes
+        for p in range(self.processes):
+            name = f"sim-p{p}"
+            for h in range(per_proc):
+                self.expected[f"{name}/h{h}"] = f"{name}-h{h}"
+            self._spawn(name, [sys.executable, "-m", "zpath", "worker", "--simulate", "--controller",
+                               self.address, "--hosts", str(per_proc), "--islands", str(islands_per_proc),
+                               "--island", str(p * islands_per_proc), "--name", name, *self.sim_flags],
+                        self._env)
+
+    def process_of(self, host_name: str) -> subprocess.Popen:
+        """The process that runs simulated host ``host_name``."""
+        for name, p in self.procs:
+            if host_name.startswith(name + "-h"):
+                return p
+        raise KeyError(host_name)
+
+    def __enter__(self) -> "SimulatedCluster":
+        return self

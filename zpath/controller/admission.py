@@ -10,8 +10,10 @@ rest is planned; ``resume`` goes on."""
 from __future__ import annotations
 
 import collections
+import itertools
 from typing import Callable
 
+from zpath.controller.directory import footprint_of
 from zpath.controller.records import ParkedNode, Peer, ProgramRun, Submission, call_buffers
 from zpath.errors import ErrorKind
 from zpath.net import messages as m
@@ -318,9 +320,14 @@ class Admission:
             self._resume_waiting()      # a waiting call that keeps it alive may go ahead
 
     def _free(self, frees: dict[int, list[int]]) -> None:
+        same: dict[tuple[int, ...], m.Free] = {}     # hosts told the same get one message (encoded once)
         for rank, buffers in frees.items():
             if rank in self.worker_ident:
-                self.to_host(rank, m.Free(buffers))
+                key = tuple(buffers)
+                msg = same.get(key)
+                if msg is None:
+                    msg = same[key] = m.Free(buffers)
+                self.to_host(rank, msg)
         if frees and self.memory_waiting:
             self._resume_waiting()
 
@@ -353,5 +360,10 @@ class Admission:
                     expected.update(call_buffers(call))
         pinned = collections.Counter({b: n for b, n in self.pinned.items() if n > 0})
         assert +expected == pinned, f"pins {dict(pinned)} != parked and waiting buffers {dict(+expected)}"
+        # kept footprints are up to date (the newest 64 buffers: tests validate
+        # after every event, and a long program makes thousands)
+        for buf in itertools.islice(reversed(self.directory.buffers.values()), 64):
+            assert buf.fp is None or buf.fp == footprint_of(buf.layouts, buf.dtype), \
+                f"buffer {buf.id}: kept footprint {buf.fp} != {footprint_of(buf.layouts, buf.dtype)}"
         for b in self.deferred:
             assert self.pinned.get(b, 0) > 0, f"release of buffer {b} deferred but it is not pinned"

@@ -49,6 +49,9 @@ class Buffer:
     # hosts that may hold shards of it outside its layouts (a copy forgotten
     # after its maker failed, shards a re-planned node assembles): freed there too
     stray: frozenset[int] = frozenset()
+    # its bytes per device (footprint), once worked out; None whenever the
+    # layouts change
+    fp: dict[int, int] | None = dataclasses.field(default=None, repr=False, compare=False)
 
     def made_layouts(self) -> list[dict[Region, list[int]]]:
         """Its layouts that hold data (or will, once what makes them finishes):
@@ -148,6 +151,7 @@ class Directory:
                     lay.update(left)      # in place: a plan's copies keep their identity
                     kept.append(lay)
             buf.layouts = kept
+            buf.fp = None
             buf.unmade = [u for u in buf.unmade if any(u is k for k in kept)]
             self.device_bytes.subtract(before)
             self.device_bytes.update(footprint(buf))
@@ -166,6 +170,7 @@ class Directory:
                 continue
             before = footprint(buf)
             buf.layouts = [u for u in buf.layouts if u is not lay]
+            buf.fp = None
             buf.unmade = [u for u in buf.unmade if u is not lay]
             buf.stray = buf.stray.union(self.host_of(d) for devs in lay.values() for d in devs)
             self.device_bytes.subtract(before)
@@ -209,7 +214,8 @@ class Directory:
                     r = sharding.from_wire(region)
                     return any(dev in lay.get(r, ()) for lay in readable)
                 shards = None
-                for j, s in enumerate(inp.shards):
+                current = host_shards(ex, inp, host, self.host_of)
+                for j, s in enumerate(current):
                     if (held(s.device, s.region) if not s.pieces
                             else all(held(p.device, p.region) for p in s.pieces)):
                         continue
@@ -224,7 +230,7 @@ class Directory:
                                                             channel, machine, key)))
                     dropped_pieces.update(p.piece_id for p in s.pieces if p.piece_id)
                     buf.stray = buf.stray | {host}
-                    shards = shards or list(inp.shards)
+                    shards = shards or list(current)
                     shards[j] = m.ShardInput(s.device, s.region, [
                         m.PieceSource(0 if n < 0 else pids[n], dev, reg, sub) for n, dev, reg, sub in pieces])
                 if shards is not None:
@@ -253,11 +259,11 @@ class Directory:
             mesh = (call.mesh_shape, call.axis_names)
             for i in call.inputs:
                 buf = self.buffers.get(i.buffer)
-                for d, r in zip(call.devices, sharding.regions(i.aval.shape, *mesh, i.spec), strict=True):
+                for d, r in zip(call.devices, sharding.regions_of(i.aval.shape, *mesh, i.spec), strict=True):
                     if i.put or buf is None or not any(d in lay.get(r, ()) for lay in buf.layouts):
                         need.setdefault(d, set()).add((i.buffer, r, i.aval.dtype))
             for o in call.outputs:
-                for d, r in zip(call.devices, sharding.regions(o.aval.shape, *mesh, o.spec), strict=True):
+                for d, r in zip(call.devices, sharding.regions_of(o.aval.shape, *mesh, o.spec), strict=True):
                     need.setdefault(d, set()).add((o.buffer, r, o.aval.dtype))
         except (ValueError, KeyError):
             return {}
@@ -440,7 +446,9 @@ class Directory:
                         footprint_of([layout], o.aval.dtype)))
         jax_ids = [self.jax_id_of(d) for d in call.devices]
         weight = 1 + len(call.devices) * (len(call.inputs) + len(call.outputs) + 1) + pieces_n + len(sends)
-        return _Template(list(shards), [shards[h] for h in shards], sends, ops, jax_ids, weight)
+        in_place = all(type(s) is m.ShardInput for per in shards.values() for ts in per for s in ts)
+        return _Template(list(shards), [shards[h] for h in shards], sends, ops, jax_ids, weight,
+                         in_place=in_place)
 
     def _apply(self, t: "_Template", call: m.Call, owner: int, name: str) -> Plan:
         """Fill a template in with the call's buffer ids and fresh exec and piece
@@ -455,17 +463,24 @@ class Directory:
             if op[0] == _NEW:
                 _, k, shape, dtype, layout, fp = op
                 self.buffers[ids[k]] = Buffer(ids[k], shape, dtype, owner,
-                                              [{r: list(devs) for r, devs in layout.items()}])
+                                              [{r: list(devs) for r, devs in layout.items()}], fp=fp)
                 self.device_bytes.update(fp)
             else:
                 _, k, layout, delta = op
                 buf, lay = self.buffers[ids[k]], {r: list(devs) for r, devs in layout.items()}
                 buf.layouts.append(lay)
+                buf.fp = None
                 buf.unmade.append(lay)
                 copies.append((ids[k], lay))
                 self.device_bytes.update(delta)
         exec_id = next(self._exec_ids)
         outputs = [m.ExecOutput(o.buffer, o.aval, o.spec) for o in call.outputs]
+        if t.in_place:
+            # every shard in place: one Execute for all hosts, its shards left to
+            # the workers (see host_shards), encoded and signed once for all
+            ex = m.Execute(exec_id, 0, call.program, name, call.mesh_shape, call.axis_names, call.devices,
+                           t.jax_ids, [m.ExecInput(i.buffer, i.aval, i.spec, []) for i in call.inputs], outputs)
+            return Plan(dict.fromkeys(t.hosts, ex), sends, copies=copies)
         executes = {}
         for h, per_input in zip(t.hosts, t.shards):
             inputs = []
@@ -537,6 +552,20 @@ class _Template:
     jax_ids: list[int]
     weight: int
     cached_weight: int = 0
+    # every input shard is in place at the region its spec gives it (no pieces)
+    in_place: bool = False
+
+
+def host_shards(ex: m.Execute, inp: m.ExecInput, host: int, host_of: Callable[[int], int]
+                ) -> list[m.ShardInput]:
+    """The shards of input ``inp`` on host ``host``'s devices: as ``ex`` lists
+    them, or, where it leaves them to the workers (empty: each in place at the
+    region the spec gives its device), those regions."""
+    if inp.shards:
+        return inp.shards
+    regs = sharding.regions_of(inp.aval.shape, ex.mesh_shape, ex.axis_names, inp.spec)
+    return [m.ShardInput(d, sharding.to_wire(regs[p]), []) for p, d in enumerate(ex.devices)
+            if host_of(d) == host]
 
 
 def spec_key(spec: m.Spec) -> tuple:
@@ -552,8 +581,11 @@ def layouts_key(buf: Buffer) -> tuple:
 
 
 def footprint(buf: Buffer) -> dict[int, int]:
-    """Bytes a buffer holds per device: each region once per device."""
-    return footprint_of(buf.layouts, buf.dtype)
+    """Bytes a buffer holds per device: each region once per device (do not
+    modify it: it is kept)."""
+    if buf.fp is None:
+        buf.fp = footprint_of(buf.layouts, buf.dtype)
+    return buf.fp
 
 
 def footprint_of(layouts: list[dict[Region, list[int]]], dtype: str) -> dict[int, int]:

@@ -28,8 +28,12 @@ class GangScheduler:
         seq = self.next_seq.get(island, 0)
         self.next_seq[island] = seq + 1
         out = []
+        placed: dict[int, m.Execute] = {}     # one message per distinct part (a shared one goes once)
         for host, ex in sorted(executes.items()):
-            out += self._place(host, dataclasses.replace(ex, seq=seq, hold=hold), len(executes))
+            mine = placed.get(id(ex))
+            if mine is None:
+                mine = placed[id(ex)] = dataclasses.replace(ex, seq=seq, hold=hold)
+            out += self._place(host, mine, len(executes))
         return out
 
     def _place(self, host: int, ex: m.Execute, hosts: int) -> list[tuple[int, m.Execute]]:

@@ -58,8 +58,10 @@ class Controller:
                                    gang=gang)
         self.running = True
         # messages held while one received message is handled (see _emit):
-        # (message, parent, 0, body) per peer
+        # (message, parent, msg_id, body) per peer; a message object sent to
+        # several peers is one item (one body, one msg_id) in each of their lists
         self._out: dict[bytes, list[tuple]] = {}
+        self._items: dict[int, tuple] = {}      # id(message) -> its item, until the flush
 
     # ---- sending -------------------------------------------------------------
     def _emit(self, effects: list[Effect]) -> None:
@@ -77,11 +79,14 @@ class Controller:
                     log.info("removed %d shared-memory segments of lost host %d", n, e.rank)
                 continue
             if not e.buffers:
-                try:           # encoded now, so a message that cannot be fails here, alone
-                    item = (e.msg, e.parent, 0, codec.pack_body(e.msg))
-                except Exception:
-                    log.exception("cannot encode %s for %r", type(e.msg).__name__, e.ident)
-                    continue
+                item = self._items.get(id(e.msg))
+                if item is None or item[1] != e.parent:
+                    try:       # encoded now, so a message that cannot be fails here, alone
+                        item = (e.msg, e.parent, self.ep.next_id(), codec.pack_body(e.msg))
+                    except Exception:
+                        log.exception("cannot encode %s for %r", type(e.msg).__name__, e.ident)
+                        continue
+                    self._items[id(e.msg)] = item
                 self._out.setdefault(e.ident, []).append(item)
                 continue
             pending = self._out.pop(e.ident, None)      # keep this peer's order
@@ -109,10 +114,46 @@ class Controller:
             log.exception("cannot send %d messages to %r", len(msgs), ident)
 
     def _flush_out(self) -> None:
-        """Send what ``_emit`` held."""
+        """Send what ``_emit`` held. Peers that are to get the very same
+        messages (a computation's hosts: one Execute, one Free) get the same
+        frames, encoded and signed once."""
         out, self._out = self._out, {}
+        self._items.clear()
+        if len(out) < 2:
+            for ident, msgs in out.items():
+                self._send_now(ident, msgs)
+            return
+        same: dict[tuple[int, ...], tuple[list[tuple], list[bytes]]] = {}
         for ident, msgs in out.items():
-            self._send_now(ident, msgs)
+            group = same.get(key := tuple(map(id, msgs)))
+            if group is None:
+                same[key] = (msgs, [ident])
+            else:
+                group[1].append(ident)
+        for msgs, idents in same.values():
+            if len(idents) == 1:
+                self._send_now(idents[0], msgs)
+            else:
+                self._send_to_many(idents, msgs)
+
+    def _send_to_many(self, idents: list[bytes], msgs: list[tuple]) -> None:
+        try:
+            messages, failed = self.ep.batch_frames(msgs)
+        except Exception:     # an unencodable message is a bug: lose it, not the loop
+            log.exception("cannot send %d messages to %d peers", len(msgs), len(idents))
+            return
+        for msg, _, e in failed:
+            log.error("cannot send %s to %d peers: %s", type(msg).__name__, len(idents), e)
+        # the bodies as zmq.Frames: ZeroMQ shares one copy between the peers
+        messages = [[f if len(f) < 1024 else zmq.Frame(f) for f in frames] for frames in messages]
+        for ident in idents:
+            try:
+                for frames in messages:
+                    self.ep.send_frames(self.sock, frames, to=ident, block=False)
+            except zmq.Again:
+                self._dropped(ident, ", ".join(sorted({type(x[0]).__name__ for x in msgs})))
+            except zmq.ZMQError as e:
+                log.warning("cannot send %d messages to %r: %s", len(msgs), ident, e)
 
     def _run(self, effects: list[Effect]) -> None:
         """Carry out an event's effects; while the core stopped planning at a

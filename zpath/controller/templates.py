@@ -20,7 +20,8 @@ import copy
 import dataclasses
 
 from zpath import sharding
-from zpath.controller.directory import Buffer, Plan, footprint, footprint_of, layouts_key, spec_key
+from zpath.controller.directory import (Buffer, Plan, footprint, footprint_of, host_shards, layouts_key,
+                                       spec_key)
 from zpath.ids import client_of, serial_of
 from zpath.net import messages as m
 
@@ -196,14 +197,15 @@ class ProgramTemplate:
                 if c < 0 and -c - 1 not in seen:
                     seen[-c - 1] = (-c - 1, aval, spec, self.put[-c - 1])
             for h, ex in plan.executes.items():
+                shards = [host_shards(ex, i, h, host_of.__getitem__) for i in ex.inputs]
                 per_host.setdefault(h, []).append(m.Execute(
                     0, 0, ex.program, ex.name, ex.mesh_shape, ex.axis_names, ex.devices, ex.jax_ids,
-                    [m.ExecInput(c, i.aval, i.spec, i.shards) for (c, _, _), i in zip(ins, ex.inputs, strict=True)],
+                    [m.ExecInput(c, i.aval, i.spec, sh) for (c, _, _), i, sh in zip(ins, ex.inputs, shards, strict=True)],
                     [m.ExecOutput(c, o.aval, o.spec) for (c, _, _), o in zip(outs, ex.outputs, strict=True)]))
-                for (c, _, _), i in zip(ins, ex.inputs, strict=True):
+                for (c, _, _), i, shs in zip(ins, ex.inputs, shards, strict=True):
                     if c < 0 and self.put[-c - 1]:
                         lay = layouts.setdefault(-c - 1, {})
-                        for sh in i.shards:
+                        for sh in shs:
                             lay.setdefault(sharding.from_wire(sh.region), []).append(sh.device)
         puts = [(s, aval, layouts[s], footprint_of([layouts[s]], aval.dtype))
                 for s, aval, _, put in seen.values() if put]
@@ -266,14 +268,15 @@ def fused_buffers(f: Fused, owner: int, inputs: list[int], first: int
     """Directory entries for a fused run's values put and results, with their
     bytes per device."""
     out = [(Buffer(inputs[s], tuple(aval.shape), aval.dtype, owner,
-                   [{r: list(devs) for r, devs in layout.items()}]), fp)
+                   [{r: list(devs) for r, devs in layout.items()}], fp=fp), fp)
            for s, aval, layout, fp in f.puts]
     out += [(Buffer(first + c, tuple(aval.shape), aval.dtype, owner,
-                    [{r: list(devs) for r, devs in lay.items()} for lay in layouts]), fp)
+                    [{r: list(devs) for r, devs in lay.items()} for lay in layouts], fp=fp), fp)
             for c, aval, _, layouts, fp in f.results]
     return out
 
 
 def run_plan(f: Fused, exec_id: int, inputs: list[int], first: int) -> Plan:
-    return Plan({h: m.RunFused(exec_id, 0, f.id, inputs, first) for h in f.hosts}, [],
+    run = m.RunFused(exec_id, 0, f.id, inputs, first)      # the same for every host: encoded once
+    return Plan(dict.fromkeys(f.hosts, run), [],
                 programs=f.programs, setup=f.defines, transient=f.transient or None)

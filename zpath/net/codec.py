@@ -42,7 +42,7 @@ import msgpack
 
 from zpath.errors import ProtocolError
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 MAX_BODY_BYTES = 16 << 20
 MAX_BUFFERS = 4096
 MAX_BATCH_ITEMS = 262_144     # messages in one Batch (a program's nodes to one host go in groups)

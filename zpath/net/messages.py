@@ -292,7 +292,10 @@ class Execute(Record):
     """Controller -> worker: this host's part of one computation. ``seq`` is its
     place in its island's gang order; ``jax_ids`` are the JAX ids of ``devices``.
     ``hold``: the worker may hold its ExecDone while work is queued behind it
-    (nothing in the controller waits for it at once)."""
+    (nothing in the controller waits for it at once). An input whose
+    ``shards`` is empty has each of this host's devices' shards in place at the
+    region its spec gives that device: then every host of the computation gets
+    the same message (encoded and signed once, with one ``msg_id``)."""
     exec_id: int
     seq: int
     program: str

@@ -103,27 +103,36 @@ class Endpoint:
         for all of them). A message that cannot be encoded is left out, the
         others still go; returns those left out as (message, msg_id, error).
         Errors of the socket itself are raised."""
+        messages, failed = self.batch_frames(msgs)
+        for frames in messages:
+            self.send_frames(sock, frames, to=to, block=block)
+        return failed
+
+    def batch_frames(self, msgs: Sequence[tuple]) -> tuple[list[list[Any]], list[tuple[Record, int, Exception]]]:
+        """The ZeroMQ messages (each a list of frames) that :meth:`send_batch`
+        sends for ``msgs``, and the messages left out: frames made once can go
+        to many peers (:meth:`send_frames`)."""
+        failed: list[tuple[Record, int, Exception]] = []
+        out: list[list[Any]] = []
+        key, sender = self.key, self.sender
         if len(msgs) == 1:
             msg, parent, msg_id = msgs[0][:3]
             try:
-                self.send(sock, msg, to=to, parent=parent, msg_id=msg_id, block=block,
-                          body=msgs[0][3] if len(msgs[0]) > 3 else None)
-            except (zmq.ZMQError, OSError):
-                raise
+                out.append(codec.encode(key, msg, msg_id=msg_id or self.next_id(), sender=sender,
+                                        parent=parent, body=msgs[0][3] if len(msgs[0]) > 3 else None))
             except Exception as e:
-                return [(msg, msg_id, e)]
-            return []
-        failed: list[tuple[Record, int, Exception]] = []
+                failed.append((msg, msg_id, e))
+            return out, failed
         items: list[tuple[int, int, int, bytes]] = []
         first: tuple[Record, int] | None = None     # the batch's first message and parent
         size = 0
 
         def flush() -> None:
             if len(items) == 1:        # alone, as itself (a batch would only add bytes)
-                self.send(sock, first[0], to=to, parent=first[1], msg_id=items[0][1], block=block,
-                          body=items[0][3])
+                out.append(codec.encode(key, first[0], msg_id=items[0][1], sender=sender,
+                                        parent=first[1], body=items[0][3]))
             elif items:
-                self.send(sock, Batch(items), to=to, block=block)
+                out.append(codec.encode(key, Batch(items), msg_id=self.next_id(), sender=sender))
 
         for entry in msgs:
             msg, parent, msg_id = entry[:3]
@@ -141,7 +150,24 @@ class Endpoint:
             items.append((msg.TYPE, msg_id, parent, body))
             size += len(body)
         flush()
-        return failed
+        return out, failed
+
+    def send_frames(self, sock: zmq.Socket, frames: Sequence[Any], *, to: bytes | None = None,
+                    block: bool = True) -> None:
+        """Send one message's frames as made by :meth:`batch_frames` (or
+        ``zmq.Frame`` objects of them, which ZeroMQ shares between the peers
+        they go to instead of copying)."""
+        flags = 0 if block else _NOBLOCK
+        send = _SEND if type(sock) is zmq.Socket else type(sock).send
+        more = flags | _SNDMORE
+        if to is not None:
+            send(sock, to, more)
+        last = len(frames) - 1
+        for i, frame in enumerate(frames):
+            if type(frame) is zmq.Frame:
+                send(sock, frame, more if i < last else flags, copy=False)
+            else:
+                send(sock, frame, more if i < last else flags)
 
     def recv(self, sock: zmq.Socket, *, router: bool = False, block: bool = True
              ) -> tuple[bytes | None, Header, Any, list[memoryview]]:

@@ -43,7 +43,7 @@ from zpath.net import messages as m
 from zpath.net.codec import PROTOCOL_VERSION, Record
 from zpath.net.transport import BadMessage, Endpoint, Outbox, backoff, make_context, unbatched
 from zpath.worker.executor import Executor
-from zpath.worker.state import Chunks, FusedRun, PendingFetch, ShapedLink, WorkerState
+from zpath.worker.state import Chunks, FusedRun, PendingFetch, ShapedLink, WorkerState, with_local_shards
 from zpath.worker.store import Entry, PieceKey, Store, shard_key
 
 try:       # internal APIs of JAX, to bind gloo (see _gloo_listens_on)
@@ -377,7 +377,7 @@ class Worker:
         assert self.executor is not None
         match msg:
             case m.Execute():
-                self.executor.submit(msg)
+                self.executor.submit(with_local_shards(msg, self.executor.devices))
             case m.RunFused():
                 self._run_fused(msg)
             case m.DefineFused():

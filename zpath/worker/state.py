@@ -29,6 +29,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from zpath import sharding
 from zpath.errors import ErrorKind
 from zpath.ids import client_of
 from zpath.net import channels
@@ -42,6 +43,24 @@ MAX_FETCH_TIMEOUT_S = 3600.0
 FETCH_HEAP_MIN = 1024
 # the I/O thread looks at its deadlines at least this often (seconds)
 IDLE_WAIT_S = 0.5
+
+
+def with_local_shards(ex: m.Execute, local: Any) -> m.Execute:
+    """``ex`` with the shards of this host's devices (those in ``local``) named
+    for every input whose ``shards`` the controller left empty: the one
+    Execute it sends every host when each shard is in place at the region the
+    input's spec gives its device (docs/protocol.md, Execute)."""
+    if all(inp.shards for inp in ex.inputs):
+        return ex
+    inputs = []
+    for inp in ex.inputs:
+        if inp.shards:
+            inputs.append(inp)
+            continue
+        regs = sharding.regions_of(inp.aval.shape, ex.mesh_shape, ex.axis_names, inp.spec)
+        inputs.append(m.ExecInput(inp.buffer, inp.aval, inp.spec, [
+            m.ShardInput(d, sharding.to_wire(regs[p]), []) for p, d in enumerate(ex.devices) if d in local]))
+    return dataclasses.replace(ex, inputs=inputs)
 
 
 class IdRanges:

@@ -1,0 +1,445 @@
+"""The single controller at scale: the real controller and N simulated hosts.
+
+For each N (``--hosts N``, default 1 8 64 256 512) it starts a controller and N
+simulated hosts of ``--devices`` devices each in one process
+(``zpath worker --simulate``: no JAX, a computation occupies its devices for
+the time its program declares, an accelerator that uses no host CPU), drives
+them with a client that speaks the protocol itself (so the figures are the
+controller's, not a tracing client's) and prints per N:
+
+* ``spmd_nodes_per_s`` -- SPMD computations over every device of every host
+  per second, sent op by op (one ``Call`` each, back to back) with a program
+  that takes no device time: the dispatch throughput (-O); ``traced_nodes_per_s``
+  the same nodes sent as one traced program (``Program``, parallel dispatch,
+  -C); ``fused_computations_per_s`` -O's calls counted as the 128 computations
+  a fused -F call holds; ``sequential_nodes_per_s`` the traced chain with
+  sequential dispatch (a node goes once the one it reads has finished);
+* ``ctl_cpu_us_per_spmd_node`` -- the controller's CPU time (user + system,
+  from /proc) per op-by-op SPMD node, and ``ctl_cpu_us_per_host_msg`` the same
+  divided by N: the cost of one host's part (its Execute out, its report in);
+* ``max_stall_ms`` -- the longest round trip of a ``Ping`` that a second client
+  sends every 5 ms while the controller plans and dispatches a traced program
+  of ``--big-nodes`` (10,000) single-host nodes (node i on host i mod N), with
+  ``big_program_s`` the time that program took end to end;
+* ``ctl_rss_mib`` -- the controller's resident memory after all of it;
+* ``min_busy_computation_ms`` -- the smallest computation time of the ladder
+  (0.5 ms .. 200 ms) at which chained SPMD nodes over all hosts keep every
+  device at least 95% busy (device time / wall time of a traced program), with
+  ``busy`` the fraction at each rung tried;
+* ``pipeline_parallel_over_sequential`` -- a pipeline of min(N, 64) stages, one
+  per host, each stage a 1 ms computation reading the previous stage's output
+  from the previous host: runs per second with parallel dispatch over runs per
+  second with sequential dispatch (median of ``--repeats`` alternated runs).
+
+``--json`` prints one JSON object per N; ``--plot DIR`` draws the paper's
+Figures 5-7 shapes (throughput against hosts for -O, -C, -F; the smallest busy
+computation against hosts; parallel against sequential dispatch against
+stages) with matplotlib (``pip install zpath[bench]``). This is a benchmark
+that prints figures, not a test.
+
+    python benchmarks/scale.py [--hosts 1 8 64 256 512] [--devices 4] [--quick] [--json] [--plot docs]
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import itertools
+import json
+import os
+import statistics
+import sys
+import threading
+import time
+from typing import Any
+
+import psutil
+import zmq
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from zpath.cluster.launcher import SimulatedCluster  # noqa: E402
+from zpath.errors import ZpathError  # noqa: E402
+from zpath.net import messages as m  # noqa: E402
+from zpath.net.codec import PROTOCOL_VERSION  # noqa: E402
+from zpath.net.transport import Endpoint, make_context, unbatched  # noqa: E402
+from zpath.worker.simulate import sim_program  # noqa: E402
+
+try:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+except ImportError:          # an optional extra: figures are still printed
+    plt = None
+
+HOSTS = (1, 8, 64, 256, 512)
+LADDER_MS = (0.5, 1.0, 2.3, 5.0, 10.0, 20.0, 35.0, 50.0, 100.0, 200.0)
+BUSY = 0.95
+F_COMPUTATIONS = 128
+
+
+class Driver:
+    """A client that speaks the protocol itself: programs whose cost the
+    simulated hosts read, SPMD calls over a 1-D mesh, fetches to wait."""
+
+    def __init__(self, address: str, key: bytes, name: str = "scale") -> None:
+        self.ctx = make_context()
+        self.ep = Endpoint(key, f"client:{name}:{os.getpid()}")
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.connect(address)
+        self.ep.send(self.sock, m.Hello(name, PROTOCOL_VERSION, 1.0))
+        welcome = self._wait(lambda msg: isinstance(msg, m.Welcome), 30.0)
+        self.client_id = welcome.client_id
+        self.hosts = sorted(welcome.hosts, key=lambda h: h.rank)
+        self.devices = [d.id for h in self.hosts for d in h.devices]
+        self.address_of = {d.id: h.data_address for h in self.hosts for d in h.devices}
+        self._n = itertools.count(1)
+        self._calls = itertools.count(1)
+        self._requests = itertools.count(1)
+        self.data: dict[str, zmq.Socket] = {}
+        self.programs: dict[float, str] = {}
+        self.failed: list[str] = []
+
+    def close(self) -> None:
+        try:
+            self.ep.send(self.sock, m.Goodbye("done"))
+        except zmq.ZMQError:
+            pass
+        for s in [self.sock, *self.data.values()]:
+            s.close(0)
+        self.ctx.term()
+
+    def _wait(self, want: Any, timeout: float) -> Any:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if not self.sock.poll(100):
+                continue
+            _, header, msg, buffers = self.ep.recv(self.sock)
+            for _, item, _ in unbatched(header, msg, buffers):
+                if want(item):
+                    return item
+                self._note(item)
+        raise ZpathError(f"no answer from the controller within {timeout:.0f}s")
+
+    def _note(self, item: Any) -> None:
+        if isinstance(item, (m.CallFailed, m.Error)):
+            self.failed.append(str(item)[:300])
+
+    def drain(self) -> None:
+        while self.sock.poll(0):
+            _, header, msg, buffers = self.ep.recv(self.sock)
+            for _, item, _ in unbatched(header, msg, buffers):
+                self._note(item)
+        if self.failed:
+            raise ZpathError(f"the controller refused work: {self.failed[0]}")
+
+    def program(self, cost_ms: float) -> str:
+        """A program taking ``cost_ms`` of device time per run (registered once)."""
+        if cost_ms not in self.programs:
+            blob = sim_program(cost_ms, f"cost{cost_ms}")
+            digest = hashlib.sha256(blob).hexdigest()
+            self.ep.send(self.sock, m.RegisterProgram(digest, f"sim_{cost_ms}ms"), buffers=[blob])
+            self.programs[cost_ms] = digest
+        return self.programs[cost_ms]
+
+    def buffer(self) -> int:
+        return self.client_id << 32 | next(self._n)
+
+    def spmd(self, program: str, devices: list[int], x: int | None) -> tuple[m.Call, int]:
+        """A call over ``devices`` (a 1-D mesh) reading ``x`` (or nothing) and
+        making a new f32[len(devices)] sharded over it; returns (call, output)."""
+        aval = m.Aval([len(devices)], "float32")
+        out = self.buffer()
+        inputs = [] if x is None else [m.CallInput(x, aval, ["x"], False)]
+        return m.Call(next(self._calls), program, [len(devices)], ["x"], devices, inputs,
+                      [m.CallOutput(out, aval, ["x"])]), out
+
+    def send_calls(self, calls: list[m.Call]) -> None:
+        for c in calls:
+            self.ep.send(self.sock, c)
+
+    def send_program(self, calls: list[m.Call], dispatch: str = "parallel", release: list[int] = ()) -> None:
+        self.ep.send(self.sock, m.Program(next(self._calls), "scale", dispatch, calls, list(release)))
+
+    def release(self, buffers: list[int]) -> None:
+        if buffers:
+            self.ep.send(self.sock, m.Release(buffers))
+
+    def wait_for(self, buffer: int, device: int, length: int, timeout: float = 600.0) -> None:
+        """Wait until shard ``device`` of buffer (f32[length] over the devices,
+        device at position 0 of its mesh) exists, by fetching it."""
+        addr = self.address_of[device]
+        s = self.data.get(addr)
+        if s is None:
+            s = self.data[addr] = self.ctx.socket(zmq.DEALER)
+            s.connect(addr)
+        req = next(self._requests)
+        self.ep.send(s, m.Fetch(req, buffer, device, [[0, 1]] if length > 1 else [[0, 1]], timeout))
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if not s.poll(100):
+                self.drain()
+                continue
+            _, _, msg, _ = self.ep.recv(s)
+            if isinstance(msg, m.FetchReply) and msg.request == req:
+                if msg.error is not None:
+                    raise ZpathError(f"fetch failed: {msg.error.message}")
+                return
+            if isinstance(msg, m.Error):
+                raise ZpathError(f"fetch refused: {msg.message}")
+        raise ZpathError(f"buffer {buffer} did not come within {timeout:.0f}s")
+
+
+class Prober(threading.Thread):
+    """A second client that pings the controller every ``period`` seconds and
+    keeps the longest round trip (the controller's longest stall, or more)."""
+
+    def __init__(self, address: str, key: bytes, period: float = 0.005) -> None:
+        super().__init__(daemon=True)
+        self.address, self.key, self.period = address, key, period
+        self.rtts: list[float] = []
+        self.stop_event = threading.Event()
+        self.ready = threading.Event()
+
+    def run(self) -> None:
+        ctx = make_context()
+        ep = Endpoint(self.key, f"client:probe:{os.getpid()}")
+        s = ctx.socket(zmq.DEALER)
+        s.connect(self.address)
+        ep.send(s, m.Hello("probe", PROTOCOL_VERSION, 1.0))
+        s.poll(30_000)
+        ep.recv(s)
+        self.ready.set()
+        seq = 0
+        while not self.stop_event.is_set():
+            seq += 1
+            t0 = time.perf_counter()
+            ep.send(s, m.Ping(seq))
+            while s.poll(60_000):
+                _, header, msg, buffers = ep.recv(s)
+                if any(isinstance(x, m.Pong) and x.seq == seq for _, x, _ in unbatched(header, msg, buffers)):
+                    break
+            self.rtts.append(time.perf_counter() - t0)
+            self.stop_event.wait(self.period)
+        ep.send(s, m.Goodbye("done"))
+        s.close(0)
+        ctx.term()
+
+
+def cpu_s(proc: psutil.Process) -> float:
+    t = proc.cpu_times()
+    return t.user + t.system
+
+
+def chain(d: Driver, program: str, devices: list[int], n: int, x: int | None = None) -> tuple[list[m.Call], list[int]]:
+    calls, outs = [], []
+    for _ in range(n):
+        c, x = d.spmd(program, devices, x)
+        calls.append(c)
+        outs.append(x)
+    return calls, outs
+
+
+def timed(d: Driver, send: Any, last: int, device: int, length: int) -> float:
+    t0 = time.perf_counter()
+    send()
+    d.wait_for(last, device, length)
+    return time.perf_counter() - t0
+
+
+def measure(hosts: int, devices: int, quick: bool, big_nodes: int, repeats: int) -> dict:
+    started = time.perf_counter()
+    with SimulatedCluster(hosts, devices, start_timeout=300) as cluster:
+        ctl = psutil.Process(cluster.procs[0][1].pid)
+        sim = psutil.Process(cluster.procs[1][1].pid)
+        d = Driver(cluster.address, cluster.key)
+        try:
+            return _measure(cluster, d, ctl, sim, hosts, devices, quick, big_nodes, repeats, started)
+        finally:
+            d.close()
+
+
+def _measure(cluster: SimulatedCluster, d: Driver, ctl: psutil.Process, sim: psutil.Process,
+             hosts: int, devices: int, quick: bool, big_nodes: int, repeats: int, started: float) -> dict:
+    devs = d.devices
+    total = len(devs)
+    zero = d.program(0.0)
+    k = max(8, (400 if quick else 3000) // hosts)
+    # warm-up (plans and templates the controller caches)
+    calls, outs = chain(d, zero, devs, 4)
+    timed(d, lambda: d.send_calls(calls), outs[-1], devs[0], total)
+    d.release(outs)
+    out: dict[str, Any] = {"hosts": hosts, "devices": total}
+
+    # -O: op by op, back to back
+    calls, outs = chain(d, zero, devs, k)
+    c0, s0 = cpu_s(ctl), cpu_s(sim)
+    wall = timed(d, lambda: d.send_calls(calls), outs[-1], devs[0], total)
+    c1, s1 = cpu_s(ctl), cpu_s(sim)
+    d.release(outs)
+    out["spmd_nodes_per_s"] = k / wall
+    out["ctl_cpu_us_per_spmd_node"] = (c1 - c0) / k * 1e6
+    out["ctl_cpu_us_per_host_msg"] = (c1 - c0) / (k * hosts) * 1e6
+    out["sim_cpu_us_per_host_msg"] = (s1 - s0) / (k * hosts) * 1e6
+    out["fused_computations_per_s"] = out["spmd_nodes_per_s"] * F_COMPUTATIONS
+
+    # -C: the same chain traced, parallel dispatch; then sequential
+    for dispatch, field in (("parallel", "traced_nodes_per_s"), ("sequential", "sequential_nodes_per_s")):
+        calls, outs = chain(d, zero, devs, k)
+        c0 = cpu_s(ctl)
+        wall = timed(d, lambda: d.send_program(calls, dispatch), outs[-1], devs[0], total)
+        out[field] = k / wall
+        if dispatch == "parallel":
+            out["ctl_cpu_us_per_traced_node"] = (cpu_s(ctl) - c0) / k * 1e6
+        d.release(outs)
+
+    # the longest stall while a big program of single-host nodes is planned
+    prober = Prober(cluster.address, cluster.key)
+    prober.start()
+    prober.ready.wait(30)
+    n_big = big_nodes if not quick else min(big_nodes, 1000)
+    per_host: dict[int, int | None] = {}
+    calls, lasts = [], {}
+    for i in range(n_big):
+        h = d.hosts[i % hosts]
+        dev = [h.devices[0].id]
+        c, x = d.spmd(zero, dev, per_host.get(h.rank))
+        per_host[h.rank] = x
+        lasts[h.rank] = (x, dev[0])
+        calls.append(c)
+    inter = [o.buffer for c in calls for o in c.outputs if o.buffer not in {x for x, _ in lasts.values()}]
+    t0 = time.perf_counter()
+    d.send_program(calls, "parallel", release=inter)
+    for x, dev in lasts.values():
+        d.wait_for(x, dev, 1)
+    out["big_program_nodes"] = n_big
+    out["big_program_s"] = time.perf_counter() - t0
+    prober.stop_event.set()
+    prober.join(70)
+    out["max_stall_ms"] = max(prober.rtts) * 1e3 if prober.rtts else None
+    out["median_ping_ms"] = statistics.median(prober.rtts) * 1e3 if prober.rtts else None
+    d.release([x for x, _ in lasts.values()])
+
+    # the smallest computation that keeps every device busy
+    busy: dict[str, float] = {}
+    out["min_busy_computation_ms"] = None
+    for cost in LADDER_MS:
+        prog = d.program(cost)
+        n = int(min(200, max(6, (0.3 if quick else 1.0) / (cost / 1000))))
+        calls, outs = chain(d, prog, devs, n)
+        wall = timed(d, lambda: d.send_program(calls), outs[-1], devs[0], total)
+        d.release(outs)
+        busy[str(cost)] = round(n * cost / 1000 / wall, 4)
+        if busy[str(cost)] >= BUSY:
+            out["min_busy_computation_ms"] = cost
+            break
+    out["busy"] = busy
+
+    # a pipeline of one 1 ms stage per host, parallel against sequential dispatch
+    stages = min(hosts, 64)
+    one = d.program(1.0)
+    rates: dict[str, list[float]] = {"parallel": [], "sequential": []}
+    for _ in range(repeats):
+        for dispatch in ("parallel", "sequential"):
+            calls, x = [], None
+            for s in range(stages):
+                c, x = d.spmd(one, [d.hosts[s].devices[0].id], x)
+                calls.append(c)
+            first = [o.buffer for c in calls[:-1] for o in c.outputs]
+            wall = timed(d, lambda: d.send_program(calls, dispatch, release=first), x,
+                         d.hosts[stages - 1].devices[0].id, 1)
+            d.release([x])
+            rates[dispatch].append(1 / wall)
+    par, seq = statistics.median(rates["parallel"]), statistics.median(rates["sequential"])
+    out["pipeline_stages"] = stages
+    out["pipeline_runs_per_s"] = {"parallel": par, "sequential": seq}
+    out["pipeline_ideal_runs_per_s"] = 1 / (stages * 1e-3)
+    out["pipeline_parallel_over_sequential"] = par / seq
+    d.drain()
+    out["ctl_rss_mib"] = ctl.memory_info().rss / 2**20
+    out["sim_rss_mib"] = sim.memory_info().rss / 2**20
+    out["seconds"] = time.perf_counter() - started
+    return out
+
+
+def plot(results: list[dict], directory: str) -> list[str]:
+    if plt is None:
+        print("matplotlib is not installed (pip install 'zpath[bench]'): no figures drawn", file=sys.stderr)
+        return []
+    os.makedirs(directory, exist_ok=True)
+    hosts = [r["hosts"] for r in results]
+    paths = []
+    fig, ax = plt.subplots(figsize=(5.5, 3.6))
+    for key, label in (("spmd_nodes_per_s", "-O (op by op)"), ("traced_nodes_per_s", "-C (traced program)"),
+                       ("fused_computations_per_s", f"-F ({F_COMPUTATIONS} computations per call)")):
+        ax.plot(hosts, [r[key] for r in results], marker="o", label=label)
+    ax.set(xscale="log", yscale="log", xlabel="simulated hosts (4 devices each)",
+           ylabel="computations per second", title="Dispatch throughput (cf. paper Fig. 5)")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    paths.append(_save(fig, directory, "scale_throughput.png"))
+
+    fig, ax = plt.subplots(figsize=(5.5, 3.6))
+    pts = [(r["hosts"], r["min_busy_computation_ms"]) for r in results if r["min_busy_computation_ms"]]
+    ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label="zpath (this machine)")
+    ax.plot([16, 512], [2.3, 35], "k--", marker="x", label="Pathways paper (TPU)")
+    ax.set(xscale="log", yscale="log", xlabel="simulated hosts", ylabel="ms",
+           title=f"Smallest computation keeping devices {BUSY:.0%} busy (cf. Fig. 6)")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    paths.append(_save(fig, directory, "scale_min_computation.png"))
+
+    fig, ax = plt.subplots(figsize=(5.5, 3.6))
+    st = [r["pipeline_stages"] for r in results]
+    for key in ("parallel", "sequential"):
+        ax.plot(st, [r["pipeline_runs_per_s"][key] * r["pipeline_stages"] for r in results], marker="o",
+                label=f"{key} dispatch")
+    ax.plot(st, [1000.0] * len(st), "k:", label="ideal (1 ms stages)")
+    ax.set(xscale="log", xlabel="pipeline stages (one host each)", ylabel="stages per second",
+           title="Parallel vs sequential dispatch (cf. Fig. 7)")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    paths.append(_save(fig, directory, "scale_pipeline.png"))
+    return paths
+
+
+def _save(fig: Any, directory: str, name: str) -> str:
+    path = os.path.join(directory, name)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--hosts", type=int, nargs="+", default=list(HOSTS), help="sizes to measure")
+    p.add_argument("--devices", type=int, default=4, help="devices per simulated host")
+    p.add_argument("--big-nodes", type=int, default=10_000, help="nodes of the big program")
+    p.add_argument("--repeats", type=int, default=3, help="pipeline runs per dispatch mode")
+    p.add_argument("--quick", action="store_true", help="fewer nodes per measurement")
+    p.add_argument("--json", action="store_true", help="one JSON object per size")
+    p.add_argument("--plot", metavar="DIR", help="draw the figures into DIR (needs matplotlib)")
+    args = p.parse_args(argv)
+    results = []
+    for n in args.hosts:
+        r = measure(n, args.devices, args.quick, args.big_nodes, args.repeats)
+        results.append(r)
+        if args.json:
+            print(json.dumps(r), flush=True)
+        else:
+            print(f"hosts {n:4d}: {r['spmd_nodes_per_s']:8.1f} SPMD nodes/s op by op, "
+                  f"{r['traced_nodes_per_s']:8.1f} traced, {r['sequential_nodes_per_s']:8.1f} sequential; "
+                  f"controller {r['ctl_cpu_us_per_spmd_node']:9.1f} us CPU per node, "
+                  f"{r['ctl_cpu_us_per_host_msg']:6.1f} per host message; "
+                  f"stall max {r['max_stall_ms']:7.1f} ms ({r['big_program_nodes']} nodes in "
+                  f"{r['big_program_s']:.2f} s); RSS {r['ctl_rss_mib']:.0f} MiB; "
+                  f"busy at >= {r['min_busy_computation_ms']} ms; pipeline of {r['pipeline_stages']} "
+                  f"parallel/sequential {r['pipeline_parallel_over_sequential']:.2f}", flush=True)
+    if args.plot:
+        for path in plot(results, args.plot):
+            print(f"wrote {path}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

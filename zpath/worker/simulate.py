@@ -1,0 +1,775 @@
+"""Simulated hosts: the worker protocol without JAX, many hosts in one process.
+
+``zpath worker --simulate --hosts N --devices D`` registers N hosts of D devices
+each with the controller, and each speaks the whole worker protocol on its own
+control connection: it queues ``Execute`` and ``RunFused`` in gang order per
+device, "runs" a computation by occupying its devices for an emulated time (an
+accelerator that uses no host CPU: nothing computes, a timer fires), waits for
+the inputs it names (client ``Put``s, pieces from other hosts), records its
+outputs with their declared sizes, carries out ``SendPiece`` after an emulated
+transfer time, reports ``ExecDone`` (holding reports while more work is queued
+when the controller allows it, as a real worker does), answers ``Ping``, frees
+what ``Free``/``ClientGone`` name, and answers ``Fetch`` with zeros of the
+shard's shape. Values are not computed: sizes are.
+
+The time a computation takes comes from its program: a program registered
+with the bytes of :func:`sim_program` costs what they say; any other program
+(a real ``jax.export`` serialisation) costs ``--cost-ms``.
+
+One thread serves every host of the process: each host's control socket (a
+DEALER to the controller, so the controller sees N hosts), one data port (a
+ROUTER shared by the process's hosts: ``Put`` and ``Fetch`` name a device, so
+the host they are for is known), and a timer heap for emulated computations
+and transfers. Pieces between hosts of one process never touch a socket. A
+message that reaches several hosts of the process with the same bytes (the
+controller sends a computation of many hosts once, see docs/protocol.md) is
+checked and decoded once.
+
+Kill the process (SIGKILL) to lose all its hosts at once, as a crashed
+machine; pause it (SIGSTOP) as a hung one; ``SimHost.kill`` loses one host.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import heapq
+import itertools
+import json
+import logging
+import math
+import os
+import signal
+import socket
+import sys
+import time
+from typing import Any, Callable
+
+import zmq
+
+from zpath import logs, sharding
+from zpath.config import HOLD_DEEP_S, CommonConfig, WorkerConfig
+from zpath.errors import ErrorKind, ProtocolError, ZpathError
+from zpath.ids import client_of
+from zpath.keys import key_from_config
+from zpath.net import codec
+from zpath.net import messages as m
+from zpath.net.codec import PROTOCOL_VERSION, Record
+from zpath.net.transport import BadMessage, Endpoint, make_context, unbatched
+from zpath.process import die_with_parent
+from zpath.worker.state import IdRanges
+from zpath.worker.store import Entry, PieceKey, ShardKey, Store, shard_key
+
+log = logging.getLogger(__name__)
+
+SIM_MAGIC = b"zpath-sim-program\n"
+REGISTER_TIMEOUT_S = 60.0
+# messages decoded once for every host of the process they reach (by signature)
+DECODE_CACHE = 512
+
+
+def sim_program(cost_ms: float, name: str = "") -> bytes:
+    """The bytes of a simulated program that takes ``cost_ms`` milliseconds of
+    device time per run (register them as a program with the controller)."""
+    if not (cost_ms >= 0 and math.isfinite(cost_ms)):
+        raise ValueError(f"cost_ms must be a finite number >= 0, got {cost_ms!r}")
+    return SIM_MAGIC + json.dumps({"cost_ms": float(cost_ms), "name": name}).encode()
+
+
+def program_cost_s(blob: bytes, default_s: float) -> float:
+    """Seconds one run of the program ``blob`` occupies its devices."""
+    if not blob.startswith(SIM_MAGIC):
+        return default_s
+    try:
+        cost = float(json.loads(blob[len(SIM_MAGIC):])["cost_ms"])
+    except (ValueError, KeyError, TypeError):
+        return default_s
+    return cost / 1000 if cost >= 0 and math.isfinite(cost) else default_s
+
+
+class SimValue:
+    """A shard or piece that exists only as its size, and the (monotonic)
+    time it was made on its device."""
+    __slots__ = ("shape", "dtype", "nbytes", "made")
+
+    def __init__(self, shape: tuple[int, ...], dtype: str, made: float = 0.0) -> None:
+        self.shape, self.dtype, self.made = shape, dtype, made
+        self.nbytes = math.prod(shape) * _itemsize(dtype)
+
+
+def _itemsize(dtype: str) -> int:
+    try:
+        return sharding.itemsize(dtype)
+    except (TypeError, ValueError):
+        return 1
+
+
+class _Run:
+    """One queued computation of a host: an Execute or a fused run."""
+    __slots__ = ("exec_id", "devices", "needs", "outputs", "cost", "hold", "index", "release",
+                 "start", "end", "arrived", "waiting")
+
+    def __init__(self, exec_id: int, devices: frozenset[int], needs: list, outputs: list,
+                 cost: float, hold: bool, index: int, release: list[int]) -> None:
+        self.exec_id, self.devices, self.needs, self.outputs = exec_id, devices, needs, outputs
+        self.cost, self.hold, self.index, self.release = cost, hold, index, release
+        self.start = self.end = self.arrived = 0.0
+        self.waiting = False
+
+
+class Timers:
+    """Callbacks due at monotonic times (one heap for the process)."""
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[float, int, Callable[[], None]]] = []
+        self._n = itertools.count()
+
+    def at(self, when: float, fn: Callable[[], None]) -> None:
+        heapq.heappush(self._heap, (when, next(self._n), fn))
+
+    def run_due(self, now: float) -> None:
+        heap = self._heap
+        while heap and heap[0][0] <= now:
+            heapq.heappop(heap)[2]()
+
+    def next_in(self, now: float) -> float | None:
+        return max(0.0, self._heap[0][0] - now) if self._heap else None
+
+
+class SimHost:
+    """One simulated host: its control socket, devices, store and queues."""
+
+    def __init__(self, proc: "SimProcess", index: int, island: int, process_id: int,
+                 num_processes: int, runtime: str) -> None:
+        self.proc = proc
+        self.index = index
+        self.island = island
+        self.name = f"{proc.name}-h{index}"
+        self.process_id, self.num_processes, self.runtime = process_id, num_processes, runtime
+        self.ctl = proc.ctx.socket(zmq.DEALER)
+        self.ctl.connect(proc.controller)
+        self.ep = Endpoint(proc.key, f"worker:{self.name}")
+        self.rank: int | None = None
+        self.device_ids: list[int] = []
+        self.store = Store()
+        self.costs: dict[str, float] = {}          # program digest -> seconds
+        self.fused: dict[int, m.DefineFused] = {}
+        self.gone_clients = IdRanges()
+        self.queues: dict[int, collections.deque[_Run]] = {}
+        self.busy: set[int] = set()
+        self.free_at: dict[int, float] = {}         # device -> when its last computation ends
+        self.arrived = 0
+        self.unfinished: collections.deque[int] = collections.deque()
+        self.finished: set[int] = set()
+        self.frees: collections.deque[tuple[int, list[int], bool]] = collections.deque()
+        self.held: list[Record] = []               # reports held (see _report)
+        self.held_since = 0.0
+        self.out: list[Record] = []                # control messages to send at the next flush
+        self.alive = True
+        self.busy_s = 0.0                          # device-seconds of emulated computation run
+
+    # ---- start-up ------------------------------------------------------------
+    def register_message(self, devices: int) -> m.RegisterWorker:
+        jax_ids = [self.process_id * devices + i for i in range(devices)]
+        return m.RegisterWorker(self.name, self.island, self.proc.data_address, os.getpid(), "sim",
+                                devices, PROTOCOL_VERSION, jax_ids, self.runtime, self.process_id,
+                                self.num_processes, self.proc.machine, "", "")
+
+    def registered(self, reply: m.Registered) -> None:
+        self.rank = reply.rank
+        self.device_ids = [d.id for d in reply.devices]
+        self.queues = {d: collections.deque() for d in self.device_ids}
+
+    def kill(self) -> None:
+        """Lose this host as a crashed machine would: its connection closes
+        without a word and nothing it had is answered again."""
+        self.alive = False
+        self.proc.forget(self)
+        self.ctl.close(0)
+
+    # ---- control messages ----------------------------------------------------
+    def handle_ctl(self, msg: Record, buffers: list, now: float) -> None:
+        match msg:
+            case m.Execute():
+                self._submit(self._run_of(msg), now)
+            case m.RunFused():
+                self._run_fused(msg, now)
+            case m.DefineFused():
+                self.fused[msg.fused] = msg
+            case m.DropFused():
+                for f in msg.fused:
+                    self.fused.pop(f, None)
+            case m.SendPiece():
+                self.proc.send_piece(self, msg)
+            case m.RegisterProgram():
+                if len(buffers) == 1:
+                    self.costs[msg.digest] = program_cost_s(bytes(buffers[0]), self.proc.default_cost_s)
+            case m.Ping():
+                self.out.append(m.Pong(msg.seq, *self.store.stats(self.device_ids)))
+            case m.Free():
+                self._free_after_earlier(msg.buffers, True)
+            case m.ClientGone():
+                self.gone_clients.add(msg.client)
+                mine = self.store.buffers_of(msg.client)
+                if mine:
+                    self._free_after_earlier(mine, False)
+            case m.FailBuffers():
+                self.store.fail_buffers(msg.buffers, msg.error)
+            case m.FailPieces():
+                for p in msg.piece_ids:
+                    self.proc.piece_failed(p, msg.error)
+            case m.HostDown():
+                pass                   # nothing is kept per peer host
+            case m.Shutdown():
+                log.info("host %s: controller asked us to exit: %s", self.rank, msg.reason)
+                self.alive = False
+                self.proc.forget(self)
+            case m.Pong() | m.Registered():
+                pass
+            case m.Error():
+                log.warning("host %s: controller reported: %s: %s", self.rank, msg.code, msg.message)
+            case _:
+                log.warning("host %s: unexpected %s from the controller", self.rank, type(msg).__name__)
+
+    def _cost(self, program: str) -> float:
+        return self.costs.get(program, self.proc.default_cost_s)
+
+    def _local(self, devices: list[int]) -> list[tuple[int, int]]:
+        """(position in the mesh, device) of this host's devices among ``devices``."""
+        mine = self.queues
+        return [(p, d) for p, d in enumerate(devices) if d in mine]
+
+    def _run_of(self, ex: m.Execute, buffer: Callable[[int], int] = int,
+                index: int = -1) -> _Run:
+        local = self._local(ex.devices)
+        needs: list = []
+        outputs: list = []
+        for inp in ex.inputs:
+            b = buffer(inp.buffer)
+            if inp.shards:
+                for s in inp.shards:
+                    if not s.pieces:
+                        needs.append(shard_key(b, s.device, s.region))
+                        continue
+                    for p in s.pieces:
+                        needs.append(shard_key(b, p.device, p.region) if p.piece_id == 0
+                                     else PieceKey(p.piece_id))
+                    # the assembled shard is kept (later calls read it in place)
+                    outputs.append((shard_key(b, s.device, s.region),
+                                    SimValue(sharding.region_shape(sharding.from_wire(s.region)),
+                                             inp.aval.dtype)))
+            else:          # every shard in place at the region the spec gives it
+                regs = sharding.regions_of(inp.aval.shape, ex.mesh_shape, ex.axis_names, inp.spec)
+                needs += [ShardKey(b, d, regs[p]) for p, d in local]
+        for o in ex.outputs:
+            b = buffer(o.buffer)
+            regs = sharding.regions_of(o.aval.shape, ex.mesh_shape, ex.axis_names, o.spec)
+            outputs += [(ShardKey(b, d, regs[p]), SimValue(sharding.region_shape(regs[p]), o.aval.dtype))
+                        for p, d in local]
+        return _Run(ex.exec_id, frozenset(d for _, d in local), needs, outputs, self._cost(ex.program),
+                    ex.hold, index, [])
+
+    def _run_fused(self, msg: m.RunFused, now: float) -> None:
+        define = self.fused.get(msg.fused)
+        if define is None:
+            t = time.time()
+            self.out.append(m.ExecDone(msg.exec_id, m.ErrorInfo(
+                ErrorKind.FUSED_UNKNOWN, f"fused program {msg.fused} is not defined on this host",
+                self.rank, "", ""), t, t))
+            return
+
+        def buffer(code: int) -> int:
+            return msg.first_buffer + code if code >= 0 else msg.inputs[-code - 1]
+
+        made: set = set()
+        needs: list = []
+        outputs: list = []
+        devices: set[int] = set()
+        cost = 0.0
+        for ex in define.executes:
+            r = self._run_of(ex, buffer)
+            needs += [k for k in r.needs if k not in made]
+            outputs += r.outputs
+            made.update(k for k, _ in r.outputs)
+            devices |= r.devices
+            cost += r.cost
+        run = _Run(msg.exec_id, frozenset(devices), needs, outputs, cost, msg.hold, -1,
+                   [buffer(c) for c in define.release])
+        self._submit(run, now)
+
+    def _submit(self, run: _Run, now: float) -> None:
+        run.arrived = now
+        run.index = self.arrived
+        self.arrived += 1
+        self.unfinished.append(run.index)
+        for d in run.devices:
+            self.queues[d].append(run)
+        if run.release:
+            self._free_after_earlier(run.release, True)
+        self._try_start(run, now)
+
+    def _try_start(self, run: _Run, now: float) -> None:
+        """Start ``run`` if it is first in the queue of each of its devices and
+        its inputs are there. Time is emulated: it starts when its devices
+        became free, its inputs were made and its message came, whichever is
+        last (an accelerator runs its queue back to back, whenever this loop
+        gets to notice), so a late timer delays reports, not the devices."""
+        if run.waiting or run.devices & self.busy or any(self.queues[d][0] is not run for d in run.devices):
+            return
+        start = run.arrived
+        errors = []
+        for key in run.needs:
+            store = self.proc.pieces if type(key) is PieceKey else self.store
+            if not store.is_done(key):
+                run.waiting = True
+                store.when_done(key, lambda _e, run=run: self._input_came(run))
+                return
+            e = store.entry(key)
+            if e.error is not None:
+                errors.append(e.error)
+            elif type(e.value) is SimValue and e.value.made > start:
+                start = e.value.made
+        for d in run.devices:
+            self.queues[d].popleft()
+            start = max(start, self.free_at.get(d, 0.0))
+        self.busy |= run.devices
+        run.start = start
+        if errors:            # a failed input: the outputs carry its error, nothing runs
+            run.end = start
+            self._finish(run, errors[0], now)
+            return
+        run.end = start + run.cost
+        self.proc.timers.at(run.end, lambda: self._finish(run, None, self.proc.now))
+
+    def _input_came(self, run: _Run) -> None:
+        run.waiting = False
+        self._try_start(run, self.proc.now)
+
+    def _finish(self, run: _Run, error: m.ErrorInfo | None, now: float) -> None:
+        if not self.alive:
+            return
+        for key, value in run.outputs:
+            if error is not None:
+                self.store.set(key, error=error)
+            else:
+                value.made = run.end
+                self.store.set(key, value)
+        for key in run.needs:
+            if type(key) is PieceKey:
+                self.proc.pieces.pop(key)
+        self.busy -= run.devices
+        for d in run.devices:
+            self.free_at[d] = run.end
+        if error is None:
+            self.busy_s += run.cost * len(run.devices)
+        self.finished.add(run.index)
+        self._run_frees()
+        wall = time.time() - time.monotonic()
+        self._report(m.ExecDone(run.exec_id, error, run.start + wall, run.end + wall), run, now)
+        for d in run.devices:
+            q = self.queues[d]
+            if q:
+                self._try_start(q[0], now)
+
+    def _report(self, done: m.ExecDone, run: _Run, now: float) -> None:
+        """Send the report now, or hold it (with those held before) while this
+        host has more queued work and the controller allowed it (``hold``), for
+        at most HOLD_DEEP_S."""
+        queued = any(self.queues[d] for d in run.devices)
+        if run.hold and queued and done.error is None:
+            if not self.held:
+                self.held_since = now
+                self.proc.timers.at(now + HOLD_DEEP_S, self._release_held)
+            self.held.append(done)
+            return
+        self.out += self.held
+        self.held = []
+        self.out.append(done)
+
+    def _release_held(self) -> None:
+        if self.held and self.proc.now - self.held_since >= HOLD_DEEP_S - 1e-6:
+            self.out += self.held
+            self.held = []
+
+    def _free_after_earlier(self, buffers: list[int], remember: bool) -> None:
+        self.frees.append((self.arrived, buffers, remember))
+        self._run_frees()
+
+    def _run_frees(self) -> None:
+        while self.unfinished and self.unfinished[0] in self.finished:
+            self.finished.discard(self.unfinished.popleft())
+        oldest = self.unfinished[0] if self.unfinished else self.arrived
+        while self.frees and self.frees[0][0] <= oldest:
+            _, buffers, remember = self.frees.popleft()
+            self.store.free_buffers(buffers, remember=remember)
+
+    # ---- data port -------------------------------------------------------------
+    def put(self, msg: m.Put, buffers: list) -> str | None:
+        """A client's shard; returns an error text if it is refused."""
+        from_gone = client_of(msg.buffer) in self.gone_clients
+        if from_gone or self.store.was_freed(msg.buffer):
+            return None
+        shape = sharding.region_shape(sharding.from_wire(msg.region))
+        if list(shape) != list(msg.aval.shape):
+            return f"shard shape {tuple(msg.aval.shape)} does not match region {shape}"
+        value = SimValue(shape, msg.aval.dtype)
+        if len(buffers) != 1 or memoryview(buffers[0]).nbytes != value.nbytes:
+            return f"a Put of {msg.aval.dtype}{list(shape)} needs one buffer of {value.nbytes} bytes"
+        self.store.set(shard_key(msg.buffer, msg.device, msg.region), value, unless_freed=msg.buffer)
+        return None
+
+    def flush(self) -> None:
+        if not self.out or not self.alive:
+            return
+        out, self.out = self.out, []
+        try:
+            self.ep.send_batch(self.ctl, [(x, 0, 0) for x in out], block=False)
+        except zmq.ZMQError as e:
+            log.error("host %s: cannot send %d messages to the controller: %s", self.rank, len(out), e)
+
+
+class SimProcess:
+    """The hosts of one process and the loop that serves them."""
+
+    def __init__(self, key: bytes, controller: str, hosts: int, devices: int, *,
+                 islands: int = 1, island: int = 0, cost_ms: float = 1.0, name: str | None = None,
+                 bind_host: str = "127.0.0.1", transfer_us: float = 0.0, transfer_gbps: float = 0.0,
+                 move_bytes: bool = False, controller_timeout_s: float = 60.0) -> None:
+        if hosts < 1 or devices < 1 or islands < 1 or hosts % islands:
+            raise ZpathError(f"--hosts ({hosts}) must be a positive multiple of --islands ({islands}), "
+                             f"--devices ({devices}) positive")
+        if transfer_us < 0 or transfer_gbps < 0 or cost_ms < 0:
+            raise ZpathError("--cost-ms, --transfer-us and --transfer-gbps must be >= 0")
+        self.key, self.controller, self.devices = key, controller, devices
+        self.name = name or f"sim-{socket.gethostname()}-{os.getpid()}"
+        self.machine = f"sim:{socket.gethostname()}:{os.getpid()}"
+        self.default_cost_s = cost_ms / 1000
+        self.transfer_s, self.transfer_gbps, self.move_bytes = transfer_us / 1e6, transfer_gbps, move_bytes
+        self.controller_timeout_s = controller_timeout_s
+        self.ctx = make_context()
+        self.ep = Endpoint(key, f"worker:{self.name}")
+        self.data = self.ctx.socket(zmq.ROUTER)
+        port = self.data.bind_to_random_port(f"tcp://{bind_host}")
+        self.data_address = f"tcp://{bind_host}:{port}"
+        self.timers = Timers()
+        self.now = time.monotonic()
+        per = hosts // islands
+        self.hosts: list[SimHost] = []
+        for i in range(hosts):
+            isl = island + i // per
+            self.hosts.append(SimHost(self, i, isl, i % per, per, f"sim://{self.name}/island{isl}"))
+        self.by_sock: dict[zmq.Socket, SimHost] = {h.ctl: h for h in self.hosts}
+        self.by_rank: dict[int, SimHost] = {}
+        self.by_device: dict[int, SimHost] = {}
+        # pieces on their way to a host of this process (piece ids are the
+        # controller's, unique in the cluster), until the computation that reads
+        # them has run
+        self.pieces = Store()
+        self.peer_socks: dict[str, zmq.Socket] = {}
+        self.poller = zmq.Poller()
+        self._decoded: collections.OrderedDict[bytes, tuple] = collections.OrderedDict()
+        self.heard = time.monotonic()
+        self.running = True
+
+    # ---- start-up ------------------------------------------------------------
+    def register(self, timeout_s: float = REGISTER_TIMEOUT_S) -> None:
+        msgs = {h: h.register_message(self.devices) for h in self.hosts}
+        for h, msg in msgs.items():
+            h.ep.send(h.ctl, msg)
+        waiting = set(self.hosts)
+        poller = zmq.Poller()
+        for h in self.hosts:
+            poller.register(h.ctl, zmq.POLLIN)
+        deadline = time.monotonic() + timeout_s
+        next_try = time.monotonic() + 2.0
+        while waiting and self.running:
+            now = time.monotonic()
+            if now > deadline:
+                raise ZpathError(f"{len(waiting)} of {len(self.hosts)} simulated hosts got no answer "
+                                 f"from the controller within {timeout_s:.0f}s")
+            if now > next_try:           # the controller may have started after us
+                for h in waiting:
+                    h.ep.send(h.ctl, msgs[h])
+                next_try = now + 2.0
+            for sock, _ in poller.poll(500):
+                h = self.by_sock[sock]
+                try:
+                    _, header, got, buffers = h.ep.recv(sock, block=False)
+                except (zmq.Again, BadMessage):
+                    continue
+                for _, reply, _ in unbatched(header, got, buffers):
+                    if isinstance(reply, m.Registered) and h in waiting:
+                        h.registered(reply)
+                        waiting.discard(h)
+                    elif isinstance(reply, m.Error):
+                        raise ZpathError(f"controller refused simulated host {h.name}: {reply.message}")
+        if waiting:
+            raise ZpathError("stopped while registering")
+        for h in self.hosts:
+            self.by_rank[h.rank] = h
+            for d in h.device_ids:
+                self.by_device[d] = h
+        log.info("%d simulated hosts registered (ranks %d..%d), %d devices each", len(self.hosts),
+                 min(self.by_rank), max(self.by_rank), self.devices)
+
+    def forget(self, host: SimHost) -> None:
+        if host.ctl in self.by_sock:
+            self.poller.unregister(host.ctl)
+            del self.by_sock[host.ctl]
+        if not self.by_sock:
+            self.running = False
+
+    # ---- transfers -----------------------------------------------------------
+    def transfer_time(self, nbytes: int) -> float:
+        t = self.transfer_s
+        if self.transfer_gbps > 0:
+            t += nbytes * 8 / (self.transfer_gbps * 1e9)
+        return t
+
+    def send_piece(self, src: SimHost, msg: m.SendPiece) -> None:
+        key = shard_key(msg.buffer, msg.device, msg.region)
+        src.store.when_done(key, lambda e: self._piece_ready(src, msg, e))
+
+    def _piece_ready(self, src: SimHost, msg: m.SendPiece, e: Entry) -> None:
+        value = None
+        made = self.now
+        if e.error is None:
+            made = max(getattr(e.value, "made", 0.0), made - 1.0)
+            value = SimValue(sharding.region_shape(sharding.from_wire(msg.sub)),
+                             getattr(e.value, "dtype", "uint8"))
+        nbytes = value.nbytes if value is not None else 0
+        arrives = made + self.transfer_time(nbytes)
+        if value is not None:
+            value.made = arrives
+        dst = self.by_rank.get(msg.dst_host)
+        if dst is not None and dst.alive:
+            self.timers.at(arrives, lambda: self.pieces.set(PieceKey(msg.piece_id), value, e.error))
+            return
+        # another process's host: over its data port
+        aval = m.Aval(list(value.shape), value.dtype) if value is not None else m.Aval([], "")
+        buffers = [] if value is None else [bytes(nbytes) if self.move_bytes else b""]
+        self.timers.at(arrives, lambda: self._send_peer(
+            msg.dst_address, m.Piece(msg.piece_id, aval, e.error), buffers))
+
+    def _send_peer(self, address: str, msg: Record, buffers: list) -> None:
+        s = self.peer_socks.get(address)
+        if s is None:
+            s = self.peer_socks[address] = self.ctx.socket(zmq.DEALER)
+            s.connect(address)
+        try:
+            self.ep.send(s, msg, buffers=buffers, block=False)
+        except zmq.ZMQError as err:
+            log.error("cannot send %s to %s: %s", type(msg).__name__, address, err)
+
+    def piece_failed(self, piece_id: int, error: m.ErrorInfo) -> None:
+        self.pieces.set(PieceKey(piece_id), error=error)
+
+    # ---- loop ----------------------------------------------------------------
+    def serve_forever(self) -> None:
+        poller = self.poller
+        for sock in self.by_sock:
+            poller.register(sock, zmq.POLLIN)
+        poller.register(self.data, zmq.POLLIN)
+        self.heard = time.monotonic()
+        while self.running:
+            self.now = time.monotonic()
+            self.timers.run_due(self.now)
+            self._flush()
+            wait = self.timers.next_in(time.monotonic())
+            ms = 500 if wait is None else min(500, math.ceil(wait * 1000))
+            events = poller.poll(ms)
+            self.now = time.monotonic()
+            for sock, _ in events:
+                if sock is self.data:
+                    self._drain_data()
+                else:
+                    h = self.by_sock.get(sock)
+                    if h is not None:
+                        self._drain_ctl(h)
+                        self.heard = self.now
+            if self.now - self.heard > self.controller_timeout_s:
+                log.error("no word from the controller for %.0fs: exiting", self.controller_timeout_s)
+                self.running = False
+        self._flush()
+        self.close()
+
+    def _flush(self) -> None:
+        for h in self.hosts:
+            if h.out:
+                h.flush()
+
+    def _decode(self, frames: list) -> tuple:
+        """Check and decode a control message, once per distinct message: the
+        same frames reaching several hosts are decoded for the first only."""
+        if len(frames) == 3:
+            sig = frames[0]
+            hit = self._decoded.get(sig)
+            if hit is not None and hit[0] == frames[1] and hit[1] == frames[2]:
+                return hit[2]
+        got = codec.decode(self.key, frames)
+        if len(frames) == 3:
+            self._decoded[frames[0]] = (frames[1], frames[2], got)
+            if len(self._decoded) > DECODE_CACHE:
+                self._decoded.popitem(last=False)
+        return got
+
+    def _drain_ctl(self, h: SimHost) -> None:
+        sock = h.ctl
+        for _ in range(1000):
+            if not h.alive:
+                return
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                header, msg, buffers = self._decode(frames)
+            except ProtocolError as e:
+                log.warning("host %s: rejected message on the control socket: %s", h.rank, e)
+                continue
+            for _, item, bufs in unbatched(header, msg, buffers):
+                if isinstance(item, ProtocolError):
+                    log.warning("host %s: rejected message on the control socket: %s", h.rank, item)
+                    continue
+                try:
+                    h.handle_ctl(item, bufs, self.now)
+                except Exception:
+                    log.exception("host %s: error handling %s", h.rank, type(item).__name__)
+
+    def _drain_data(self) -> None:
+        for _ in range(1000):
+            try:
+                ident, header, msg, buffers = self.ep.recv(self.data, router=True, block=False)
+            except zmq.Again:
+                return
+            except BadMessage as e:
+                log.warning("rejected message on the data port: %s", e)
+                if e.ident is not None:
+                    self.ep.send(self.data, m.Error(ErrorKind.PROTOCOL, str(e)), to=e.ident,
+                                 parent=e.header.msg_id if e.header else 0, block=False)
+                continue
+            for h_, item, bufs in unbatched(header, msg, buffers):
+                try:
+                    self._handle_data(ident, h_.msg_id, item, bufs)
+                except zmq.ZMQError as err:
+                    log.error("cannot answer %s: %s", type(item).__name__, err)
+
+    def _handle_data(self, ident: bytes, msg_id: int, msg: Any, buffers: list) -> None:
+        def error(kind: str, text: str) -> None:
+            self.ep.send(self.data, m.Error(kind, text), to=ident, parent=msg_id, block=False)
+
+        match msg:
+            case ProtocolError():
+                error(ErrorKind.PROTOCOL, str(msg))
+            case m.Put():
+                h = self.by_device.get(msg.device)
+                if h is None or not h.alive:
+                    error(ErrorKind.BAD_REQUEST, f"device {msg.device} is not on a host of this process")
+                    return
+                text = h.put(msg, buffers)
+                if text is not None:
+                    error(ErrorKind.BAD_REQUEST, text)
+                    h.store.set(shard_key(msg.buffer, msg.device, msg.region), error=m.ErrorInfo(
+                        ErrorKind.REMOTE_ERROR, f"bad Put: {text}", h.rank, "", ""))
+            case m.Piece():
+                value = None if msg.error is not None else SimValue(tuple(msg.aval.shape), msg.aval.dtype)
+                self.pieces.set(PieceKey(msg.piece_id), value, msg.error)
+            case m.Fetch():
+                h = self.by_device.get(msg.device)
+                if h is None:
+                    error(ErrorKind.BAD_REQUEST, f"device {msg.device} is not on a host of this process")
+                    return
+                key = shard_key(msg.buffer, msg.device, msg.region)
+                deadline = self.now + max(0.0, min(msg.timeout_s, 3600.0))
+                answered = [False]
+
+                def reply(e: Entry) -> None:
+                    if answered[0]:
+                        return
+                    answered[0] = True
+                    if e.error is not None:
+                        self.ep.send(self.data, m.FetchReply(msg.request, m.Aval([], ""), e.error),
+                                     to=ident, block=False)
+                        return
+                    v = e.value
+                    self.ep.send(self.data, m.FetchReply(msg.request, m.Aval(list(v.shape), v.dtype), None),
+                                 to=ident, buffers=[bytes(v.nbytes)], block=False)
+
+                def expire() -> None:
+                    if not answered[0]:
+                        answered[0] = True
+                        h.store.forget(key, reply)
+                        self.ep.send(self.data, m.FetchReply(msg.request, m.Aval([], ""), m.ErrorInfo(
+                            ErrorKind.DEADLINE_EXCEEDED, f"buffer {msg.buffer} was not ready within "
+                            f"{msg.timeout_s:.0f}s", h.rank, "", "")), to=ident, block=False)
+
+                h.store.when_done(key, reply)
+                if not answered[0]:
+                    self.timers.at(deadline, expire)
+            case m.ChannelStatsRequest():
+                self.ep.send(self.data, m.ChannelStats(0, 0, 0, 0, 0, 0, 0, 0, 0, [], []), to=ident,
+                             parent=msg_id, block=False)
+            case _:
+                error(ErrorKind.BAD_REQUEST, f"{type(msg).__name__} is not accepted on a simulated "
+                      "host's data port")
+
+    def stop(self, *_: Any) -> None:
+        self.running = False
+
+    def close(self) -> None:
+        for h in self.hosts:
+            h.ctl.close(0)
+        for s in [self.data, *self.peer_socks.values()]:
+            s.close(0)
+        self.ctx.term()
+
+    def device_busy_s(self) -> float:
+        """Device-seconds of emulated computation run by every host so far."""
+        return sum(h.busy_s for h in self.hosts)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="zpath worker --simulate",
+                                description="Run simulated zpath hosts (no JAX) for scale work.")
+    p.add_argument("--simulate", action="store_true", required=True, help=argparse.SUPPRESS)
+    p.add_argument("--controller", required=True, help="controller address, e.g. tcp://127.0.0.1:5555")
+    p.add_argument("--hosts", type=int, default=1, help="simulated hosts in this process (default 1)")
+    p.add_argument("--devices", type=int, default=4, help="devices per host (default 4)")
+    p.add_argument("--islands", type=int, default=1,
+                   help="split the hosts evenly into this many islands (default 1)")
+    p.add_argument("--island", type=int, default=0, help="number of the first island (default 0)")
+    p.add_argument("--cost-ms", type=float, default=1.0,
+                   help="device time of a computation whose program declares none (default 1 ms)")
+    p.add_argument("--transfer-us", type=float, default=0.0, help="emulated latency of every piece")
+    p.add_argument("--transfer-gbps", type=float, default=0.0,
+                   help="emulated bandwidth of every piece in Gbit/s (0: no limit)")
+    p.add_argument("--move-bytes", action="store_true",
+                   help="pieces to other processes carry their declared bytes (zeros)")
+    p.add_argument("--bind-host", default="127.0.0.1", help="address of the data port")
+    p.add_argument("--name", help="prefix of the host names (default sim-<hostname>-<pid>)")
+    args = p.parse_args(argv)
+    die_with_parent()
+    try:
+        config, common = WorkerConfig.from_env(), CommonConfig.from_env()
+    except ZpathError as e:
+        print(f"zpath worker: {e}", file=sys.stderr, flush=True)
+        return 2
+    logs.setup("sim", common.log_level)
+    try:
+        proc = SimProcess(key_from_config(common), args.controller, args.hosts, args.devices,
+                          islands=args.islands, island=args.island, cost_ms=args.cost_ms, name=args.name,
+                          bind_host=args.bind_host, transfer_us=args.transfer_us,
+                          transfer_gbps=args.transfer_gbps, move_bytes=args.move_bytes,
+                          controller_timeout_s=config.controller_timeout_s)
+    except ZpathError as e:
+        p.error(str(e))
+    signal.signal(signal.SIGTERM, proc.stop)
+    signal.signal(signal.SIGINT, proc.stop)
+    try:
+        proc.register()
+    except ZpathError as e:
+        log.error("%s", e)
+        proc.close()
+        return 1
+    print(f"zpath simulated hosts registered: {len(proc.hosts)}", flush=True)
+    proc.serve_forever()
+    return 0
