@@ -101,6 +101,77 @@ def test_a_long_program_stops_at_flush_points_and_resume_goes_on(make_rig):
     assert not rig.c.busy and sum(isinstance(e.msg, m.Execute) for e in out) == 1
 
 
+def _chain(rig, a, n: int, device: int = 0, prev=None):
+    calls = []
+    for _ in range(n):
+        call, prev = rig.call(a, device, prev)
+        calls.append(call)
+    return calls, prev
+
+
+def _slices(rig, out) -> list[int]:
+    """Executes sent per slice while the core is busy (resumed by hand)."""
+    groups = []
+    while True:
+        rig.c.validate_state()
+        groups.append(sum(isinstance(e, Send) and isinstance(e.msg, m.Execute) for e in out))
+        if not rig.c.busy:
+            return groups
+        out = rig.c.resume(rig.now)
+
+
+def test_a_long_program_is_planned_in_slices_of_at_most_64_nodes(make_rig):
+    rig = make_rig()
+    a, _ = rig.client("a")
+    rig.c.tenants._cost[(rig.programs["f"][0], (0,))] = 1e-6      # the window takes them all
+    calls, _ = _chain(rig, a, 300)
+    out = rig.c.handle(rig.now, a, 1, m.Program(1, "chain", "parallel", calls, []), [])
+    assert _slices(rig, out) == [1, 1, 2, 4, 8, 16, 32, 64, 64, 64, 44]
+
+
+def test_other_clients_are_served_between_slices_and_the_same_client_waits_its_turn(make_rig):
+    """While client a's long program is planned a slice at a time, client b's
+    call is planned at once; a's own later call (it reads the program's last
+    output) and release wait until the program is planned, then go in order."""
+    rig = make_rig(hosts=((0, 1), (0, 1)))
+    a, _ = rig.client("a")
+    b, _ = rig.client("b")
+    for dev in (0, 1):
+        rig.c.tenants._cost[(rig.programs["f"][0], (dev,))] = 1e-6
+    calls, last = _chain(rig, a, 40)
+    out = rig.c.handle(rig.now, a, 1, m.Program(1, "chain", "parallel", calls, []), [])
+    assert rig.c.busy and rig.c.paused_client(rig.c.peers[a])
+    first = sum(isinstance(e.msg, m.Execute) for e in out)
+    later, after = rig.call(a, 0, last)
+    assert not rig.c.handle(rig.now, a, 2, later, [])                 # a's: deferred
+    assert not rig.c.handle(rig.now, a, 3, m.Release([calls[0].outputs[0].buffer]), [])
+    pong = rig.c.handle(rig.now, a, 4, m.Ping(9), [])                 # a ping is answered at once
+    assert [type(e.msg) for e in pong] == [m.Pong]
+    theirs, out_b = rig.call(b, 1)
+    got = rig.c.handle(rig.now, b, 5, theirs, [])                     # b's: planned now
+    assert [e.msg.outputs[0].buffer for e in got if isinstance(e.msg, m.Execute)] == [out_b]
+    rig.c.validate_state()
+    groups = [first] + _slices(rig, rig.c.resume(rig.now))
+    # once the program is planned, a's deferred call went with its last slice
+    assert groups == [1, 1, 2, 4, 8, 16, 8 + 1]
+    assert not rig.c.busy and not rig.c.deferred_msgs
+    assert after in rig.c.directory.buffers and calls[0].outputs[0].buffer not in rig.c.directory.buffers
+
+
+def test_a_client_that_leaves_while_its_program_is_paused_has_nothing_more_planned(make_rig):
+    rig = make_rig()
+    a, _ = rig.client("a")
+    rig.c.tenants._cost[(rig.programs["f"][0], (0,))] = 1e-6
+    calls, _ = _chain(rig, a, 100)
+    out = rig.c.handle(rig.now, a, 1, m.Program(1, "chain", "parallel", calls, []), [])
+    planned = sum(isinstance(e.msg, m.Execute) for e in out)
+    rig.c.handle(rig.now, a, 2, rig.call(a, 0)[0], [])                # deferred
+    rig.c.handle(rig.now, a, 3, m.Goodbye("bye"), [])
+    rig.c.validate_state()
+    assert not rig.c.busy and not rig.c.deferred_msgs and planned < 100
+    assert not rig.c.resume(rig.now)
+
+
 def test_a_template_is_fused_once_its_stopped_first_run_is_planned(make_rig):
     """The fusion that follows a template's first run waits for the end of that
     run's planning, across flush points; its next run goes fused."""

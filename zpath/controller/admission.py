@@ -4,9 +4,13 @@ that does not fit waits, with everything behind it, until memory is freed
 (``memory_waiting``). What a waiting or parked node reads or writes is pinned: a
 release of it is deferred until the node is planned or sent.
 
-A long submission stops at nodes 1, 2, 4, 8, ... planned (``_continuation``,
-``busy``) so that the loop sends what is ready and the workers start while the
-rest is planned; ``resume`` goes on."""
+A long submission stops at nodes 1, 2, 4, ..., 64, then every SLICE_NODES
+nodes or SLICE_HOST_PARTS host parts planned (``_paused``, ``busy``), so that
+the loop sends what is ready, the workers start while the rest is planned,
+and the loop reads and handles what came meanwhile (other clients' calls are
+planned between the slices; the same client's later messages wait until its
+submission is planned, see ``ControllerCore.handle``); ``resume`` plans one
+more slice, of the paused submissions in turn."""
 from __future__ import annotations
 
 import collections
@@ -18,6 +22,10 @@ from zpath.controller.records import ParkedNode, Peer, ProgramRun, Submission, c
 from zpath.errors import ErrorKind
 from zpath.net import messages as m
 
+# a paused submission plans at most this many nodes, or nodes with this many
+# hosts' parts in all, before the loop gets back to its sockets
+SLICE_NODES = 64
+SLICE_HOST_PARTS = 2048
 
 
 def release_points(calls: list[m.Call], release: list[int]) -> dict[int, list[int]]:
@@ -50,31 +58,49 @@ class Admission:
         self.pinned: collections.Counter[int] = collections.Counter()
         self.deferred: dict[int, int] = {}               # pinned buffer -> owner that released it
         self._arrivals = 0
-        # planning stopped at a flush point: the submission to go on with, or
-        # None for the head of memory_waiting (see busy, resume)
-        self._continuation: tuple[Submission | None] | None = None
+        # planning stopped at a flush point: the submissions to go on with, in
+        # turn, None standing for the head of memory_waiting (see busy, resume)
+        self._paused: collections.deque[Submission | None] = collections.deque()
 
     @property
     def busy(self) -> bool:
-        """Planning stopped at a flush point: send what was returned, then
-        call ``resume`` (before handling anything else)."""
-        return self._continuation is not None
+        """Planning stopped at a flush point: send what was returned, handle
+        what came meanwhile, and call ``resume``."""
+        return bool(self._paused)
+
+    def _pause(self, sub: Submission | None) -> None:
+        if sub is not None or None not in self._paused:
+            self._paused.append(sub)
+
+    def paused_client(self, peer: Peer) -> bool:
+        """Whether a submission of this client is paused at a flush point (its
+        later messages wait until it is planned)."""
+        return any(s is not None and s.peer is peer for s in self._paused)
 
     def _go_on(self) -> None:
-        cont, self._continuation = self._continuation, None
-        if cont is None:
+        """Plan one more slice of the paused submission whose turn it is."""
+        if not self._paused:
             return
-        sub = cont[0]
+        sub = self._paused.popleft()
         if sub is None:
             self._resume_waiting()
             return
+        if sub.peer.gone:
+            self._drop_waiting(sub)
+            return
         done = self._advance(sub)
-        if done is None:                 # another flush point
-            self._continuation = (sub,)
-        elif not done:
+        if done is None:                 # another flush point: behind the others paused
+            self._paused.append(sub)
+            return
+        if not done:
             self.memory_waiting.append(sub)
         elif sub.then is not None:
             sub.then(sub)
+        self._replay(sub.ident)
+
+    def _replay(self, ident: bytes) -> None:
+        """Overridden by the core: handle what this client sent while its
+        submission was paused."""
 
     def _call(self, ident: bytes, peer: Peer, call: m.Call) -> None:
         # a one-node program; the values the client put for it have no future and
@@ -106,7 +132,7 @@ class Admission:
             return sub
         done = self._advance(sub)
         if done is None:                 # the loop sends what is ready, then resume goes on
-            self._continuation = (sub,)
+            self._pause(sub)
         elif not done:
             self.memory_waiting.append(sub)
         elif then is not None:
@@ -160,7 +186,7 @@ class Admission:
                     continue
                 done = self._advance(sub)
                 if done is None:               # stopped at a flush point: resume goes on
-                    self._continuation = (None,)
+                    self._pause(None)
                     return
                 if not done:
                     if not self._backfill():
@@ -228,13 +254,15 @@ class Admission:
         until every parked node whose output it reads has been sent (so it never
         reaches a worker ahead of its producer), and in sequential mode until the
         nodes of its program it reads have finished. Returns None (``pause``)
-        when it stopped at a flush point: after nodes 1, 2, 4, 8, ... of those
-        planned in this pass, what is ready goes out, so the workers start
-        while the rest of a long program is planned; calling it again goes on."""
+        when it stopped at a flush point: after nodes 1, 2, 4, ..., 64 of those
+        planned in this pass, then every SLICE_NODES nodes or SLICE_HOST_PARTS
+        host parts, what is ready goes out, so the workers start while the
+        rest of a long program is planned; calling it again goes on."""
         ident, peer, calls, dispatch, run = sub.ident, sub.peer, sub.calls, sub.dispatch, sub.run
         producer, exec_ids = sub.producer, sub.exec_ids
         if not sub.paused:
-            sub.first = sub.next
+            sub.first = sub.slice_from = sub.next
+            sub.parts = 0
         sub.paused = False
         if self.memory_limit and run.release and len(calls) > 1 and sub.release_at is None:
             sub.release_at = release_points(calls, run.release)
@@ -268,14 +296,18 @@ class Admission:
                 self.unfinished.add(exec_ids[k])
                 waits |= {exec_ids[p] for p in preds if exec_ids.get(p) in self.unfinished}
             plan = planned[0]
+            sub.parts += len(plan.executes)
             self._start(ParkedNode(run, call, planned, waits, exec_ids[k],
                                  self.rm.hosts[next(iter(plan.executes))].island))
             self._node_done(sub, k, call)
             done = sub.next - sub.first
-            if pause and done & (done - 1) == 0 and sub.next < len(calls):
+            if pause and sub.next < len(calls) and (
+                    (done <= SLICE_NODES and done & (done - 1) == 0)
+                    or sub.next - sub.slice_from >= SLICE_NODES or sub.parts >= SLICE_HOST_PARTS):
                 # (the last group goes with whatever else handling this
                 # message sends)
                 sub.paused = True
+                sub.slice_from, sub.parts = sub.next, 0
                 return None
         self._maybe_release(run)
         return True
@@ -352,8 +384,10 @@ class Admission:
         for node in self.parked_nodes():
             expected.update(call_buffers(node.call))
         subs = list(self.memory_waiting)
-        if self._continuation is not None and self._continuation[0] is not None:
-            subs.append(self._continuation[0])
+        paused = [s for s in self._paused if s is not None]
+        assert len({id(s) for s in paused}) == len(paused), "a submission paused twice"
+        assert self._paused.count(None) <= 1
+        subs += paused
         for s in subs:
             if s.pinned_from is not None:
                 for call in s.calls[s.next:]:

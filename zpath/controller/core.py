@@ -11,6 +11,7 @@ in flight), fusion.py (templates and fused runs), failures.py (host loss,
 client departure). ``validate_state`` checks the invariants of each."""
 from __future__ import annotations
 
+import collections
 import logging
 from typing import Any
 
@@ -29,6 +30,9 @@ from zpath.net import messages as m
 from zpath.net.codec import Record
 
 __all__ = ["ControllerCore", "Effect", "RemoveSegments", "Send"]
+
+# a client's messages handled at once even while its submission is paused
+_NOT_DEFERRED = (m.Ping, m.Goodbye, m.StatusRequest, m.TimelineRequest)
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +60,9 @@ class ControllerCore(Peers, Admission, Dispatch, Fusion, Failures):
         self.tenants = TenantScheduler(config.policy, window_s=config.window_ms / 1000,
                                        solo_window_s=config.solo_window_ms / 1000,
                                        clock=lambda: self.now)
+        # per client with a paused submission: the messages it sent since, in
+        # order, handled once that submission is planned (see handle)
+        self.deferred_msgs: dict[bytes, collections.deque[tuple[int, Record, list]]] = {}
         self._init_peers()
         self._init_admission(config.device_memory_limit)
         self._init_dispatch()
@@ -81,8 +88,33 @@ class ControllerCore(Peers, Admission, Dispatch, Fusion, Failures):
 
     # ---- events ----------------------------------------------------------------
     def handle(self, now: float, ident: bytes, parent: int, msg: Record, buffers: list) -> list[Effect]:
-        """A message from ``ident`` (``parent``: its id, for the answer)."""
+        """A message from ``ident`` (``parent``: its id, for the answer). While a
+        submission of a client is paused at a flush point (``busy``), that
+        client's later messages (but pings and a goodbye) wait until it is
+        planned in full: one of them may read or release what its unplanned
+        nodes make. Everyone else's are handled at once."""
         self.now = now
+        peer = self.peers.get(ident)
+        if peer is not None and peer.role == "client" and type(msg) not in _NOT_DEFERRED and \
+                (ident in self.deferred_msgs or self.paused_client(peer)):
+            self.deferred_msgs.setdefault(ident, collections.deque()).append((parent, msg, buffers))
+            peer.last_seen = now
+            return self._take()
+        self._handle_safely(ident, parent, msg, buffers)
+        return self._take()
+
+    def _replay(self, ident: bytes) -> None:
+        """The client's paused submission is planned (or waits for memory):
+        handle what it sent meanwhile, in order, until one of them pauses."""
+        waiting = self.deferred_msgs.get(ident)
+        peer = self.peers.get(ident)
+        while waiting and peer is not None and not self.paused_client(peer):
+            parent, msg, buffers = waiting.popleft()
+            self._handle_safely(ident, parent, msg, buffers)
+        if not waiting or peer is None:
+            self.deferred_msgs.pop(ident, None)
+
+    def _handle_safely(self, ident: bytes, parent: int, msg: Record, buffers: list) -> None:
         try:
             self._handle(ident, parent, msg, buffers)
         except Exception:  # a handler bug must not take the controller down
@@ -95,7 +127,6 @@ class ControllerCore(Peers, Admission, Dispatch, Fusion, Failures):
             else:
                 self.reply_error(ident, parent, ErrorKind.INTERNAL,
                                  f"controller failed handling {type(msg).__name__}")
-        return self._take()
 
     def tick(self, now: float) -> list[Effect]:
         """Ping every worker; a worker silent past its timeout is lost, a client
@@ -138,6 +169,9 @@ class ControllerCore(Peers, Admission, Dispatch, Fusion, Failures):
     def validate_state(self) -> None:
         """Check every component's invariants (AssertionError if one is broken)."""
         self.validate_peers()
+        for ident in self.deferred_msgs:     # only while its submission is paused
+            peer = self.peers.get(ident)
+            assert peer is not None and self.paused_client(peer), f"messages of {ident!r} deferred for nothing"
         self.validate_admission()
         self.validate_dispatch()
         self.validate_fusion()

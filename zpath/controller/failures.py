@@ -53,6 +53,11 @@ class Failures:
         waiting_subs = [s for s in self.memory_waiting if s.peer is peer]
         if waiting_subs:
             self.memory_waiting = collections.deque(s for s in self.memory_waiting if s.peer is not peer)
+        paused = [s for s in self._paused if s is not None and s.peer is peer]
+        if paused:           # stopped at a flush point: the rest of them will not be planned
+            self._paused = collections.deque(s for s in self._paused if s is None or s.peer is not peer)
+            waiting_subs += paused
+        self.deferred_msgs.pop(peer.ident, None)      # what it sent meanwhile
         islands = set(self.tenants.islands())
         cancelled = {id(r.item): r.item for r in self.tenants.remove_client(peer.id)}
         for key, waiting in list(self.waiters.items()):

@@ -57,6 +57,9 @@ class Submission:
     # that planning pass started at
     paused: bool = False
     first: int = 0
+    # the node the current slice started at, and the hosts' parts planned in it
+    slice_from: int = 0
+    parts: int = 0
     # called once it is planned in full without waiting for memory
     then: Callable[[Submission], None] | None = None
 

@@ -156,12 +156,19 @@ class Controller:
                 log.warning("cannot send %d messages to %r: %s", len(msgs), ident, e)
 
     def _run(self, effects: list[Effect]) -> None:
-        """Carry out an event's effects; while the core stopped planning at a
-        flush point, send what is ready and let it go on."""
+        """Carry out an event's effects. Where the core stopped planning at a
+        flush point (``busy``), the loop goes on with it once it has sent what
+        is ready and handled what came meanwhile (``_plan_slice``)."""
         self._emit(effects)
-        while self.core.busy:
-            self._flush_out()
+
+    def _plan_slice(self) -> None:
+        """Read what came (the core defers what the paused client sent), then
+        plan one more slice."""
+        self._flush_out()
+        self._recv_all(budget=1000)
+        if self.core.busy:
             self._emit(self.core.resume(time.monotonic()))
+            self._flush_out()
 
     def _dropped(self, ident: bytes, what: str) -> None:
         peer = self.core.peers.get(ident)
@@ -194,6 +201,10 @@ class Controller:
                         self.core.stalled(now, busy - STALL_S)
                 self._run(self.core.tick(now))
                 self._flush_out()
+            if self.core.busy:           # planning a long program, a slice at a time
+                self._plan_slice()
+                heard_until = time.monotonic()
+                continue
             events = dict(poller.poll(timeout=max(1, int((next_ping - now) * 1000))))
             heard_until = time.monotonic()
             for _ in events:
