@@ -43,6 +43,10 @@ INTERNAL_ENV = {
 # worker holds, the controller leaves room for the hold in its windows.
 HOLD_SHORT_S = 0.002
 HOLD_DEEP_S = 0.05
+# a computation shorter than this is "short" (held reports), and a deep queue
+# is at least this many computations (the real and the simulated worker)
+SHORT_COMPUTATION_S = 0.001
+DEEP_QUEUE = 4
 
 
 def setting(default: Any, env: str, doc: str) -> Any:

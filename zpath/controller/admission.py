@@ -17,7 +17,7 @@ import collections
 import itertools
 from typing import Callable
 
-from zpath.controller.directory import footprint_of
+from zpath.controller.directory import _layouts_key, footprint_of
 from zpath.controller.records import ParkedNode, Peer, ProgramRun, Submission, call_buffers
 from zpath.errors import ErrorKind
 from zpath.net import messages as m
@@ -353,13 +353,15 @@ class Admission:
 
     def _free(self, frees: dict[int, list[int]]) -> None:
         same: dict[tuple[int, ...], m.Free] = {}     # hosts told the same get one message (encoded once)
+        out = []
         for rank, buffers in frees.items():
             if rank in self.worker_ident:
                 key = tuple(buffers)
                 msg = same.get(key)
                 if msg is None:
                     msg = same[key] = m.Free(buffers)
-                self.to_host(rank, msg)
+                out.append((rank, msg))
+        self.to_hosts(out)
         if frees and self.memory_waiting:
             self._resume_waiting()
 
@@ -399,5 +401,6 @@ class Admission:
         for buf in itertools.islice(reversed(self.directory.buffers.values()), 64):
             assert buf.fp is None or buf.fp == footprint_of(buf.layouts, buf.dtype), \
                 f"buffer {buf.id}: kept footprint {buf.fp} != {footprint_of(buf.layouts, buf.dtype)}"
+            assert buf.lkey is None or buf.lkey == _layouts_key(buf), f"buffer {buf.id}: stale layouts key"
         for b in self.deferred:
             assert self.pinned.get(b, 0) > 0, f"release of buffer {b} deferred but it is not pinned"

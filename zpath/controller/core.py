@@ -82,6 +82,17 @@ class ControllerCore(Peers, Admission, Dispatch, Fusion, Failures):
             return
         self.send(ident, msg, buffers=buffers)
 
+    def to_hosts(self, messages: list[tuple[int, Record]]) -> None:
+        """``to_host`` for many (host, message) pairs, in order."""
+        idents = self.worker_ident
+        out = self._out
+        for rank, msg in messages:
+            ident = idents.get(rank)
+            if ident is None:
+                log.warning("host %d is gone: %s not sent", rank, type(msg).__name__)
+            else:
+                out.append(Send(ident, msg, 0, ()))
+
     def _take(self) -> list[Effect]:
         out, self._out = self._out, []
         return out
@@ -95,6 +106,14 @@ class ControllerCore(Peers, Admission, Dispatch, Fusion, Failures):
         nodes make. Everyone else's are handled at once."""
         self.now = now
         peer = self.peers.get(ident)
+        if type(msg) is m.ExecDone and peer is not None and peer.role == "worker":
+            # the most frequent message of all (one per host per computation): straight to it
+            peer.last_seen = now
+            try:
+                self._exec_done(peer.id, msg)
+            except Exception:  # a handler bug must not take the controller down
+                log.exception("error handling ExecDone from host %d", peer.id)
+            return self._take()
         if peer is not None and peer.role == "client" and type(msg) not in _NOT_DEFERRED and \
                 (ident in self.deferred_msgs or self.paused_client(peer)):
             self.deferred_msgs.setdefault(ident, collections.deque()).append((parent, msg, buffers))
@@ -218,8 +237,7 @@ class ControllerCore(Peers, Admission, Dispatch, Fusion, Failures):
             case m.ExecDone() if peer.role == "worker":
                 self._exec_done(peer.id, msg)
             case m.TimelineRequest():
-                recs = list(self.timeline)[-msg.limit:] if msg.limit > 0 else []
-                self.send(ident, m.Timeline(recs), parent)
+                self.send(ident, m.Timeline(self.timeline_records(msg.limit)), parent)
             case m.Release() if peer.role == "client":
                 self._release(msg.buffers, peer.id)
             case m.Goodbye() if peer.role == "client":

@@ -16,7 +16,9 @@ import collections
 import dataclasses
 import itertools
 import math
-from typing import Callable, Collection
+from typing import Any, Callable, Collection
+
+import numpy as np
 
 from zpath.errors import ErrorKind
 from zpath import sharding
@@ -52,6 +54,8 @@ class Buffer:
     # its bytes per device (footprint), once worked out; None whenever the
     # layouts change
     fp: dict[int, int] | None = dataclasses.field(default=None, repr=False, compare=False)
+    # its layouts_key, once worked out; None whenever the layouts change
+    lkey: tuple | None = dataclasses.field(default=None, repr=False, compare=False)
 
     def made_layouts(self) -> list[dict[Region, list[int]]]:
         """Its layouts that hold data (or will, once what makes them finishes):
@@ -97,7 +101,7 @@ class Directory:
         self.address_of = address_of
         self.jax_id_of = jax_id_of
         # bytes held per device, each region counted once per device
-        self.device_bytes: collections.Counter[int] = collections.Counter()
+        self.device_bytes = DeviceBytes()
         self.route_of = route_of or (lambda src, dst: ("ICI", self.address_of(dst), "", ""))
         self._piece_ids = itertools.count(1)
         self._exec_ids = itertools.count(1)
@@ -129,9 +133,10 @@ class Directory:
             if buf is None or buf.owner != owner:
                 continue
             del self.buffers[b]
-            self.device_bytes.subtract(footprint(buf))
-            hosts = {self.host_of(d) for lay in buf.layouts for devs in lay.values() for d in devs}
-            for h in sorted(hosts | buf.stray):
+            fp = footprint(buf)
+            self.device_bytes.subtract(fp)
+            hosts = fp.hosts(self.host_of)
+            for h in sorted(hosts | buf.stray if buf.stray else hosts):
                 frees.setdefault(h, []).append(b)
         return frees
 
@@ -151,7 +156,7 @@ class Directory:
                     lay.update(left)      # in place: a plan's copies keep their identity
                     kept.append(lay)
             buf.layouts = kept
-            buf.fp = None
+            buf.fp = buf.lkey = None
             buf.unmade = [u for u in buf.unmade if any(u is k for k in kept)]
             self.device_bytes.subtract(before)
             self.device_bytes.update(footprint(buf))
@@ -170,7 +175,7 @@ class Directory:
                 continue
             before = footprint(buf)
             buf.layouts = [u for u in buf.layouts if u is not lay]
-            buf.fp = None
+            buf.fp = buf.lkey = None
             buf.unmade = [u for u in buf.unmade if u is not lay]
             buf.stray = buf.stray.union(self.host_of(d) for devs in lay.values() for d in devs)
             self.device_bytes.subtract(before)
@@ -437,13 +442,17 @@ class Directory:
                 before = footprint_of(lays, buf.dtype)
                 lays.append(new)
                 after = footprint_of(lays, buf.dtype)
-                ops.append((_ADD, k, new, {d: n - before.get(d, 0) for d, n in after.items()}))
+                ops.append((_ADD, k, new, Footprint({d: n - before.get(d, 0) for d, n in after.items()})))
         for k, (o, regs) in enumerate(zip(call.outputs, out_regs, strict=True), len(call.inputs)):
             layout = {}
             for d, r in zip(call.devices, regs, strict=True):
                 layout.setdefault(r, []).append(d)
             ops.append((_NEW, k, tuple(o.aval.shape), o.aval.dtype, layout,
                         footprint_of([layout], o.aval.dtype)))
+        # layouts as region -> tuple of devices: a buffer's copy of one is a
+        # plain dict copy (its values are never changed in place, only replaced)
+        ops = [(op[0], op[1], *op[2:4], {r: tuple(d) for r, d in op[4].items()}, op[5]) if op[0] == _NEW
+               else (op[0], op[1], {r: tuple(d) for r, d in op[2].items()}, op[3]) for op in ops]
         jax_ids = [self.jax_id_of(d) for d in call.devices]
         weight = 1 + len(call.devices) * (len(call.inputs) + len(call.outputs) + 1) + pieces_n + len(sends)
         in_place = all(type(s) is m.ShardInput for per in shards.values() for ts in per for s in ts)
@@ -463,13 +472,13 @@ class Directory:
             if op[0] == _NEW:
                 _, k, shape, dtype, layout, fp = op
                 self.buffers[ids[k]] = Buffer(ids[k], shape, dtype, owner,
-                                              [{r: list(devs) for r, devs in layout.items()}], fp=fp)
+                                              [dict(layout)], fp=fp)
                 self.device_bytes.update(fp)
             else:
                 _, k, layout, delta = op
-                buf, lay = self.buffers[ids[k]], {r: list(devs) for r, devs in layout.items()}
+                buf, lay = self.buffers[ids[k]], dict(layout)
                 buf.layouts.append(lay)
-                buf.fp = None
+                buf.fp = buf.lkey = None
                 buf.unmade.append(lay)
                 copies.append((ids[k], lay))
                 self.device_bytes.update(delta)
@@ -576,7 +585,14 @@ def spec_key(spec: m.Spec) -> tuple:
 
 
 def layouts_key(buf: Buffer) -> tuple:
-    """Which regions live on which devices, in order (the order picks the sources)."""
+    """Which regions live on which devices, in order (the order picks the
+    sources); kept on the buffer until its layouts change."""
+    if buf.lkey is None:
+        buf.lkey = _layouts_key(buf)
+    return buf.lkey
+
+
+def _layouts_key(buf: Buffer) -> tuple:
     return tuple(tuple((r, tuple(devs)) for r, devs in lay.items()) for lay in buf.layouts)
 
 
@@ -588,10 +604,94 @@ def footprint(buf: Buffer) -> dict[int, int]:
     return buf.fp
 
 
-def footprint_of(layouts: list[dict[Region, list[int]]], dtype: str) -> dict[int, int]:
+def footprint_of(layouts: list[dict[Region, list[int]]], dtype: str) -> "Footprint":
     seen: dict[int, set] = {}
     for lay in layouts:
         for r, devs in lay.items():
             for d in devs:
                 seen.setdefault(d, set()).add(r)
-    return {d: sum(sharding.nbytes(r, dtype) for r in regs) for d, regs in seen.items()}
+    return Footprint({d: sum(sharding.nbytes(r, dtype) for r in regs) for d, regs in seen.items()})
+
+
+class Footprint(dict):
+    """Bytes per device (a dict, never changed once made), with what
+    :class:`DeviceBytes` and a release need of it worked out once: its devices
+    and bytes as arrays, and its hosts. A footprint is kept per buffer and per
+    plan template, so a computation over thousands of devices pays for these
+    once, not per call."""
+    __slots__ = ("_arrays", "_hosts")
+
+    def arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        try:
+            return self._arrays
+        except AttributeError:
+            self._arrays = (np.fromiter(self.keys(), np.int64, len(self)),
+                            np.fromiter(self.values(), np.int64, len(self)))
+            return self._arrays
+
+    def hosts(self, host_of: Callable[[int], int]) -> frozenset[int]:
+        """The hosts of its devices (the mapping does not change while a
+        footprint is kept: a new one means a new plan)."""
+        try:
+            return self._hosts
+        except AttributeError:
+            self._hosts = frozenset(host_of(d) for d in self)
+            return self._hosts
+
+
+class DeviceBytes:
+    """Bytes held per device id, as an array: adding or taking a footprint of
+    thousands of devices is one step. Reads like a Counter: a device never
+    touched holds 0; iteration, ``items()`` and ``dict()`` give the devices
+    touched so far."""
+
+    def __init__(self) -> None:
+        self._bytes = np.zeros(64, np.int64)
+        self._touched = np.zeros(64, bool)
+
+    def __getitem__(self, device: int) -> int:
+        return int(self._bytes[device]) if 0 <= device < len(self._bytes) else 0
+
+    def update(self, fp: dict[int, int]) -> None:
+        self._add(fp, 1)
+
+    def subtract(self, fp: dict[int, int]) -> None:
+        self._add(fp, -1)
+
+    def _add(self, fp: dict[int, int], sign: int) -> None:
+        if not fp:
+            return
+        if type(fp) is Footprint:
+            idx, nbytes = fp.arrays()
+        else:
+            idx = np.fromiter(fp.keys(), np.int64, len(fp))
+            nbytes = np.fromiter(fp.values(), np.int64, len(fp))
+        top = int(idx.max())
+        if top >= len(self._bytes):
+            grow = max(2 * len(self._bytes), top + 1) - len(self._bytes)
+            self._bytes = np.concatenate([self._bytes, np.zeros(grow, np.int64)])
+            self._touched = np.concatenate([self._touched, np.zeros(grow, bool)])
+        if sign > 0:
+            self._bytes[idx] += nbytes        # (a footprint names each device once)
+        else:
+            self._bytes[idx] -= nbytes
+        self._touched[idx] = True
+
+    def items(self) -> list[tuple[int, int]]:
+        return [(int(d), int(self._bytes[d])) for d in np.flatnonzero(self._touched)]
+
+    def keys(self) -> list[int]:
+        return [int(d) for d in np.flatnonzero(self._touched)]
+
+    def values(self) -> list[int]:
+        return [n for _, n in self.items()]
+
+    def __iter__(self) -> Any:
+        return iter(self.keys())
+
+    def __len__(self) -> int:
+        return int(self._touched.sum())
+
+    def __pos__(self) -> dict[int, int]:
+        """The devices holding more than nothing (as ``+counter``)."""
+        return {d: n for d, n in self.items() if n > 0}

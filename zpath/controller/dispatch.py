@@ -126,13 +126,12 @@ class Dispatch:
         exec_id = next(iter(plan.executes.values())).exec_id
         self.in_flight[exec_id] = InFlight(
             peer.id, peer.ident, name, island, self.scheduler.next_seq[island] - 1, call.devices,
-            set(plan.executes), collections.Counter(self.rm.devices[d].host for d in call.devices),
+            set(plan.executes), self.rm.host_counts(call.devices),
             [o.buffer for o in call.outputs],
             [(piece.piece_id, src, piece.dst_host) for src, piece in plan.sends],
             [i.buffer for i in call.inputs if i.put], plan.setup is not None, plan.copies,
             plan.transient)
-        for rank, ex in ordered:
-            self.to_host(rank, ex)
+        self.to_hosts(ordered)
         for rank, drop in drop_after:
             self.to_host(rank, drop)
         return exec_id
@@ -334,9 +333,7 @@ class Dispatch:
             self.directory.poison(mine, info.client, msg.error)
             if mine and info.client_ident in self.peers:
                 self.send(info.client_ident, m.CallFailed(0, mine, msg.error))
-        self.timeline.append(m.ExecRecord(msg.exec_id, info.seq, info.island, host, info.client,
-                                          info.name, info.devices, msg.start, msg.end,
-                                          msg.error is None))
+        self.timeline.append((msg, host, info))       # an ExecRecord when asked (see timeline_records)
         self.tenants.host_done(msg.exec_id, msg.end - msg.start, info.host_devices[host])
         info.hosts.discard(host)
         info.error = info.error or msg.error
@@ -352,6 +349,12 @@ class Dispatch:
             self._release_transient(info.transient)
             del self.in_flight[msg.exec_id]
             self._exec_finished(msg.exec_id, info.devices)
+
+    def timeline_records(self, limit: int) -> list[m.ExecRecord]:
+        """The last ``limit`` host reports, oldest first."""
+        recent = list(self.timeline)[-limit:] if limit > 0 else []
+        return [m.ExecRecord(msg.exec_id, info.seq, info.island, host, info.client, info.name, info.devices,
+                             msg.start, msg.end, msg.error is None) for msg, host, info in recent]
 
     def _explain(self, ident: bytes, parent: int, peer: Peer, req: m.ExplainRequest) -> None:
         """Plan a program on a scratch copy of the directory and describe it."""

@@ -28,7 +28,8 @@ class Peers:
         self.client_ids = 0
         self.host_stores: dict[int, tuple[int, int]] = {}   # rank -> (shards, bytes) from Pong
         self.device_held: dict[int, int] = {}               # device -> bytes its worker holds (Pong)
-        self.timeline: collections.deque[m.ExecRecord] = collections.deque(maxlen=TIMELINE_RECORDS)
+        # (ExecDone, host, InFlight) per host report, made into ExecRecords when asked
+        self.timeline: collections.deque[tuple] = collections.deque(maxlen=TIMELINE_RECORDS)
         self.programs: dict[str, tuple[str, bytes]] = {}
         self.host_programs: dict[int, set[str]] = {}
         self._ping_seq = 0

@@ -3,6 +3,7 @@ physical devices. A plain class: no sockets, no threads."""
 from __future__ import annotations
 
 import dataclasses
+import collections
 import itertools
 
 from zpath.errors import ResourceError
@@ -56,6 +57,9 @@ class ResourceManager:
         # bumped whenever the virtual->physical mapping changes (a host added or
         # lost): what was planned against an older version must be planned again
         self.version = 0
+        # device lists that passed check_spmd, and hosts' device counts, at a version
+        self._spmd_ok: dict[tuple[int, ...], int] = {}
+        self._host_counts: dict[tuple[int, ...], tuple[int, collections.Counter[int]]] = {}
 
     def add_host(self, *, name: str, island: int, data_address: str, pid: int,
                  platform: str, num_devices: int, jax_ids: list[int] | None = None,
@@ -189,7 +193,30 @@ class ResourceManager:
 
     def check_spmd(self, devices: list[int]) -> None:
         """Raise ResourceError unless one SPMD computation can run on ``devices``:
-        all on one live host, or on live hosts of one island sharing a runtime."""
+        all on one live host, or on live hosts of one island sharing a runtime.
+        A device list that passed is remembered until the mapping changes."""
+        key = tuple(devices)
+        if self._spmd_ok.get(key) == self.version:
+            return
+        self._check_spmd(devices)
+        if len(self._spmd_ok) >= 4096:
+            self._spmd_ok.clear()
+        self._spmd_ok[key] = self.version
+
+    def host_counts(self, devices: list[int]) -> collections.Counter[int]:
+        """How many of ``devices`` each host has (remembered per device list
+        until the mapping changes; do not modify it)."""
+        key = tuple(devices)
+        hit = self._host_counts.get(key)
+        if hit is not None and hit[0] == self.version:
+            return hit[1]
+        if len(self._host_counts) >= 4096:
+            self._host_counts.clear()
+        counts = collections.Counter(self.devices[d].host for d in devices)
+        self._host_counts[key] = (self.version, counts)
+        return counts
+
+    def _check_spmd(self, devices: list[int]) -> None:
         try:
             hosts = {self.devices[d].host for d in devices}
         except KeyError as e:

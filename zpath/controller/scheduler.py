@@ -13,6 +13,8 @@ import dataclasses
 import time
 from typing import Any, Callable
 
+import numpy as np
+
 from zpath.config import POLICIES
 from zpath.net import messages as m
 
@@ -124,14 +126,18 @@ class TenantScheduler:
         self.weights: dict[int, float] = {}
         self.used: collections.Counter[int] = collections.Counter()       # device-seconds per client
         self._vt: dict[tuple[int, int], float] = {}                        # (island, client) -> virtual time
-        # (island, device) -> the largest virtual time a computation sent to it started at
-        self._clock: dict[tuple[int, int], float] = {}
+        # island -> per device, the largest virtual time a computation sent to it started at
+        self._clock: dict[int, np.ndarray] = {}
         self._measured: set[Any] = set()           # cost keys measured once (that run compiled)
         self._queues: dict[int, dict[int, collections.deque[Ready]]] = {}  # island -> client -> ready
         self._cost: dict[Any, float] = {}                                  # cost key -> seconds per device
         self._running: dict[int, _Running] = {}                            # ticket -> running
-        self._load: collections.Counter[int] = collections.Counter()       # device -> estimated seconds sent
-        self._count: collections.Counter[int] = collections.Counter()      # device -> computations sent
+        # per device (indexed by id): estimated seconds sent and not finished, and
+        # how many computations (arrays: a computation over thousands of devices
+        # updates them in one step)
+        self._load = np.zeros(64)
+        self._count = np.zeros(64, dtype=np.int64)
+        self._index: dict[tuple[int, ...], np.ndarray] = {}               # device tuple -> its index array
         self._arrivals = 0
 
     # ---- clients ---------------------------------------------------------------
@@ -184,7 +190,8 @@ class TenantScheduler:
             # a client that starts waiting gets no credit for having been idle:
             # it starts no earlier than the computations already sent to its devices
             key = (ready.island, ready.client)
-            floor = max(self._clock.get((ready.island, d), 0.0) for d in ready.devices) if ready.devices else 0.0
+            floor = float(self._island_clock(ready.island)[self._idx(ready.devices)].max()) \
+                if ready.devices else 0.0
             self._vt[key] = max(self._vt.get(key, 0.0), floor)
         q.append(ready)
 
@@ -224,8 +231,8 @@ class TenantScheduler:
         then, so what waits goes in groups (one message per host) rather than one
         computation per finished one, while devices keep half a window of work."""
         half = (self.window_s if island is None else self.window(island)) / 2
-        count, load = self._count, self._load
-        return any(count[d] < self.min_window or load[d] <= half for d in devices)
+        idx = self._idx(devices)
+        return bool(((self._count[idx] < self.min_window) | (self._load[idx] <= half)).any())
 
     def window(self, island: int, client: int | None = None) -> float:
         """The window on ``island``'s devices: ``solo_window_s`` while at most
@@ -252,8 +259,37 @@ class TenantScheduler:
             est, window = self.default_cost_s, self.window_s
         else:
             window = self.window(ready.island, ready.client)
-        return all(self._count[d] < self.min_window or self._load[d] + est <= window
-                   for d in ready.devices)
+        idx = self._idx(ready.devices)
+        return bool(((self._count[idx] < self.min_window) | (self._load[idx] + est <= window)).all())
+
+    def _idx(self, devices: Any) -> np.ndarray:
+        """The index array of a device list (remembered: programs reuse theirs)."""
+        key = devices if type(devices) is tuple else tuple(devices)
+        idx = self._index.get(key)
+        if idx is None:
+            idx = np.fromiter(key, dtype=np.int64, count=len(key))
+            if len(idx) and idx.max() >= len(self._load):
+                grow = max(2 * len(self._load), int(idx.max()) + 1)
+                self._load = np.concatenate([self._load, np.zeros(grow - len(self._load))])
+                self._count = np.concatenate([self._count, np.zeros(grow - len(self._count), dtype=np.int64)])
+                for island, clk in self._clock.items():
+                    self._clock[island] = np.concatenate([clk, np.zeros(grow - len(clk))])
+            if len(self._index) >= 4096:
+                self._index.clear()
+            self._index[key] = idx
+        return idx
+
+    def _island_clock(self, island: int) -> np.ndarray:
+        clk = self._clock.get(island)
+        if clk is None:
+            clk = self._clock[island] = np.zeros(len(self._load))
+        return clk
+
+    def load(self, device: int) -> tuple[int, float]:
+        """(computations sent to ``device`` and not finished, their estimated seconds)."""
+        if device >= len(self._load):
+            return 0, 0.0
+        return int(self._count[device]), float(self._load[device])
 
     # ---- accounting ------------------------------------------------------------
     def sent(self, ticket: int, ready: Ready) -> None:
@@ -262,15 +298,14 @@ class TenantScheduler:
         estimate = wall * len(ready.devices)
         self._running[ticket] = _Running(ready.client, ready.island, ready.devices, ready.cost_key,
                                          estimate, wall)
-        for d in ready.devices:
-            self._load[d] += wall
-            self._count[d] += 1
+        idx = self._idx(ready.devices)
+        self._load[idx] += wall
+        self._count[idx] += 1
         self._active.setdefault(ready.island, collections.Counter())[ready.client] += 1
         self._seen.setdefault(ready.island, {})[ready.client] = self.clock()
         vt = self._vt.get((ready.island, ready.client), 0.0)
-        for d in ready.devices:
-            key = (ready.island, d)
-            self._clock[key] = max(self._clock.get(key, 0.0), vt)
+        clk = self._island_clock(ready.island)
+        clk[idx] = np.maximum(clk[idx], vt)
         self._charge(ready.island, ready.client, estimate)
 
     def host_done(self, ticket: int, seconds: float, devices: int) -> None:
@@ -290,12 +325,13 @@ class TenantScheduler:
         run = self._running.pop(ticket, None)
         if run is None:
             return None
-        for d in run.devices:
-            self._load[d] -= run.wall
-            self._count[d] -= 1
-            if self._count[d] <= 0:
-                del self._count[d]
-                self._load.pop(d, None)
+        idx = self._idx(run.devices)
+        self._load[idx] -= run.wall
+        self._count[idx] -= 1
+        idle = idx[self._count[idx] <= 0]
+        if len(idle):           # none in flight: no estimate left behind either
+            self._count[idle] = 0
+            self._load[idle] = 0.0
         if run.client in self.weights:        # (not a client that left)
             self._seen.setdefault(run.island, {})[run.client] = self.clock()
         active = self._active[run.island]

@@ -25,7 +25,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from zpath.errors import ErrorKind
 from zpath import sharding
-from zpath.config import HOLD_DEEP_S, HOLD_SHORT_S
+from zpath.config import DEEP_QUEUE, HOLD_DEEP_S, HOLD_SHORT_S, SHORT_COMPUTATION_S
 from zpath.net import channels
 from zpath.net import messages as m
 from zpath.worker.state import FusedRun
@@ -46,8 +46,7 @@ INPUT_TIMEOUT_S = 300.0
 # (Execute.hold) with at least DEEP_QUEUE computations queued behind it on its
 # devices, with up to HOLD_DEEP_S (both in zpath.config: the controller
 # needs them too).
-SHORT_S = 0.001
-DEEP_QUEUE = 4
+SHORT_S = SHORT_COMPUTATION_S
 
 
 _SETTLING = object()     # (_run: the settler thread reports this one)

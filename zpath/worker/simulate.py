@@ -47,7 +47,8 @@ from typing import Any, Callable
 import zmq
 
 from zpath import logs, sharding
-from zpath.config import HOLD_DEEP_S, CommonConfig, WorkerConfig
+from zpath.config import (DEEP_QUEUE, HOLD_DEEP_S, HOLD_SHORT_S, SHORT_COMPUTATION_S, CommonConfig,
+                          WorkerConfig)
 from zpath.errors import ErrorKind, ProtocolError, ZpathError
 from zpath.ids import client_of
 from zpath.keys import key_from_config
@@ -91,16 +92,25 @@ class SimValue:
     time it was made on its device."""
     __slots__ = ("shape", "dtype", "nbytes", "made")
 
-    def __init__(self, shape: tuple[int, ...], dtype: str, made: float = 0.0) -> None:
+    def __init__(self, shape: tuple[int, ...], dtype: str, made: float = 0.0, size: int = -1) -> None:
+        """``size``: the number of elements, if known."""
         self.shape, self.dtype, self.made = shape, dtype, made
-        self.nbytes = math.prod(shape) * _itemsize(dtype)
+        self.nbytes = (math.prod(shape) if size < 0 else size) * _itemsize(dtype)
+
+
+_ITEMSIZE: dict[str, int] = {}
 
 
 def _itemsize(dtype: str) -> int:
-    try:
-        return sharding.itemsize(dtype)
-    except (TypeError, ValueError):
-        return 1
+    n = _ITEMSIZE.get(dtype)
+    if n is None:
+        try:
+            n = sharding.itemsize(dtype)
+        except (TypeError, ValueError):
+            n = 1
+        if len(_ITEMSIZE) < 256:
+            _ITEMSIZE[dtype] = n
+    return n
 
 
 class _Run:
@@ -162,7 +172,7 @@ class SimHost:
         self.finished: set[int] = set()
         self.frees: collections.deque[tuple[int, list[int], bool]] = collections.deque()
         self.held: list[Record] = []               # reports held (see _report)
-        self.held_since = 0.0
+        self.held_due = 0.0                        # when they go at the latest
         self.out: list[Record] = []                # control messages to send at the next flush
         self.alive = True
         self.busy_s = 0.0                          # device-seconds of emulated computation run
@@ -233,14 +243,10 @@ class SimHost:
     def _cost(self, program: str) -> float:
         return self.costs.get(program, self.proc.default_cost_s)
 
-    def _local(self, devices: list[int]) -> list[tuple[int, int]]:
-        """(position in the mesh, device) of this host's devices among ``devices``."""
-        mine = self.queues
-        return [(p, d) for p, d in enumerate(devices) if d in mine]
-
     def _run_of(self, ex: m.Execute, buffer: Callable[[int], int] = int,
                 index: int = -1) -> _Run:
-        local = self._local(ex.devices)
+        place = self.proc.placement
+        local = self.proc.local(ex).get(self.index, ())
         needs: list = []
         outputs: list = []
         for inp in ex.inputs:
@@ -258,14 +264,12 @@ class SimHost:
                                     SimValue(sharding.region_shape(sharding.from_wire(s.region)),
                                              inp.aval.dtype)))
             else:          # every shard in place at the region the spec gives it
-                regs = sharding.regions_of(inp.aval.shape, ex.mesh_shape, ex.axis_names, inp.spec)
-                needs += [ShardKey(b, d, regs[p]) for p, d in local]
+                needs += [ShardKey(b, d, r) for d, r, _, _ in place(ex, inp, self.index)]
         for o in ex.outputs:
             b = buffer(o.buffer)
-            regs = sharding.regions_of(o.aval.shape, ex.mesh_shape, ex.axis_names, o.spec)
-            outputs += [(ShardKey(b, d, regs[p]), SimValue(sharding.region_shape(regs[p]), o.aval.dtype))
-                        for p, d in local]
-        return _Run(ex.exec_id, frozenset(d for _, d in local), needs, outputs, self._cost(ex.program),
+            outputs += [(ShardKey(b, d, r), SimValue(shape, o.aval.dtype, 0.0, size))
+                        for d, r, shape, size in place(ex, o, self.index)]
+        return _Run(ex.exec_id, frozenset(local), needs, outputs, self._cost(ex.program),
                     ex.hold, index, [])
 
     def _run_fused(self, msg: m.RunFused, now: float) -> None:
@@ -317,13 +321,15 @@ class SimHost:
             return
         start = run.arrived
         errors = []
+        shards, pieces = self.store._entries, self.proc.pieces._entries     # (read without the lock: one thread)
         for key in run.needs:
-            store = self.proc.pieces if type(key) is PieceKey else self.store
-            if not store.is_done(key):
+            e = (pieces if type(key) is PieceKey else shards).get(key)
+            if e is None or not e.done:
                 run.waiting = True
+                store = self.proc.pieces if type(key) is PieceKey else self.store
                 store.when_done(key, lambda _e, run=run: self._input_came(run))
+                self._release_held()       # nothing may stay held while it waits
                 return
-            e = store.entry(key)
             if e.error is not None:
                 errors.append(e.error)
             elif type(e.value) is SimValue and e.value.made > start:
@@ -364,31 +370,50 @@ class SimHost:
         self.finished.add(run.index)
         self._run_frees()
         wall = time.time() - time.monotonic()
-        self._report(m.ExecDone(run.exec_id, error, run.start + wall, run.end + wall), run, now)
+        nxt = None
+        tried: set[int] = set()
         for d in run.devices:
             q = self.queues[d]
-            if q:
-                self._try_start(q[0], now)
+            if q and id(head := q[0]) not in tried:
+                tried.add(id(head))
+                self._try_start(head, now)
+                if nxt is None and head.devices <= self.busy and not head.waiting:
+                    nxt = head
+        self._report(m.ExecDone(run.exec_id, error, run.start + wall, run.end + wall), run, nxt, now)
 
-    def _report(self, done: m.ExecDone, run: _Run, now: float) -> None:
-        """Send the report now, or hold it (with those held before) while this
-        host has more queued work and the controller allowed it (``hold``), for
-        at most HOLD_DEEP_S."""
-        queued = any(self.queues[d] for d in run.devices)
-        if run.hold and queued and done.error is None:
-            if not self.held:
-                self.held_since = now
-                self.proc.timers.at(now + HOLD_DEEP_S, self._release_held)
-            self.held.append(done)
-            return
-        self.out += self.held
-        self.held = []
-        self.out.append(done)
-
-    def _release_held(self) -> None:
-        if self.held and self.proc.now - self.held_since >= HOLD_DEEP_S - 1e-6:
+    def _report(self, done: m.ExecDone, run: _Run, nxt: _Run | None, now: float) -> None:
+        """Send the report now or hold it, as a real worker's executor does
+        (``Executor._report``): when the devices went on at once with ``nxt``,
+        a run the controller let hold (``hold``) with DEEP_QUEUE or more queued
+        behind it waits up to half their time (at most HOLD_DEEP_S), and a
+        short run followed by a short one up to HOLD_SHORT_S, to go with the
+        next reports; a report not held takes those held with it."""
+        hold = 0.0
+        if nxt is not None and done.error is None:
+            behind = max(len(self.queues[d]) for d in run.devices) + 1
+            deep = min(HOLD_DEEP_S, behind * run.cost / 2) if run.hold and behind >= DEEP_QUEUE else 0.0
+            if deep >= 2 * HOLD_SHORT_S:
+                hold = deep
+            elif run.cost < SHORT_COMPUTATION_S and nxt.cost < SHORT_COMPUTATION_S:
+                hold = HOLD_SHORT_S
+        if not hold:
             self.out += self.held
             self.held = []
+            self.out.append(done)
+            return
+        due = now + hold
+        if not self.held or due < self.held_due:
+            self.held_due = due
+            self.proc.timers.at(due, self._release_due)
+        self.held.append(done)
+
+    def _release_due(self) -> None:
+        if self.held and self.proc.now >= self.held_due - 1e-6:
+            self._release_held()
+
+    def _release_held(self) -> None:
+        self.out += self.held
+        self.held = []
 
     def _free_after_earlier(self, buffers: list[int], remember: bool) -> None:
         self.frees.append((self.arrived, buffers, remember))
@@ -451,6 +476,12 @@ class SimProcess:
         port = self.data.bind_to_random_port(f"tcp://{bind_host}")
         self.data_address = f"tcp://{bind_host}:{port}"
         self.timers = Timers()
+        # where a computation's shards are, per host: by device list and
+        # shape, and by the decoded message (hosts of one process share it)
+        self._local_of: dict[tuple, dict[int, list[int]]] = {}
+        self._placement: dict[tuple, dict[int, list]] = {}
+        self._local: collections.OrderedDict[int, tuple] = collections.OrderedDict()
+        self._placed: collections.OrderedDict[int, tuple] = collections.OrderedDict()
         self.now = time.monotonic()
         per = hosts // islands
         self.hosts: list[SimHost] = []
@@ -510,6 +541,56 @@ class SimProcess:
                 self.by_device[d] = h
         log.info("%d simulated hosts registered (ranks %d..%d), %d devices each", len(self.hosts),
                  min(self.by_rank), max(self.by_rank), self.devices)
+
+    def local(self, ex: m.Execute) -> dict[int, list[int]]:
+        """Host index -> its devices among those of ``ex`` (remembered: every
+        host of a computation asks, with the same decoded message)."""
+        hit = self._local.get(id(ex))
+        if hit is not None and hit[0] is ex:
+            return hit[1]
+        key = tuple(ex.devices)
+        got = self._local_of.get(key)
+        if got is None:
+            got = {}
+            for d in ex.devices:
+                h = self.by_device.get(d)
+                if h is not None:
+                    got.setdefault(h.index, []).append(d)
+            self._remember(self._local_of, key, got)
+        self._local[id(ex)] = (ex, got)
+        if len(self._local) > 64:
+            self._local.popitem(last=False)
+        return got
+
+    def placement(self, ex: m.Execute, value: Any, host: int) -> list[tuple[int, tuple, tuple, int]]:
+        """(device, region, shape, elements) of the shards of an input or output of ``ex``
+        on host ``host``'s devices, each where the spec puts it."""
+        hit = self._placed.get(id(value))
+        if hit is not None and hit[0] is value and hit[1] is ex:
+            return hit[2].get(host, [])
+        spec = tuple(a if a is None or type(a) is str else tuple(a) for a in value.spec)
+        key = (tuple(ex.devices), tuple(value.aval.shape), tuple(ex.mesh_shape), tuple(ex.axis_names), spec)
+        got = self._placement.get(key)
+        self._placed[id(value)] = (value, ex, got)
+        if len(self._placed) > 256:
+            self._placed.popitem(last=False)
+        if got is None:
+            regs = sharding.regions_of(value.aval.shape, ex.mesh_shape, ex.axis_names, value.spec)
+            got = {}
+            for p, d in enumerate(ex.devices):
+                h = self.by_device.get(d)
+                if h is not None:
+                    shape = sharding.region_shape(regs[p])
+                    got.setdefault(h.index, []).append((d, regs[p], shape, math.prod(shape)))
+            self._remember(self._placement, key, got)
+            self._placed[id(value)] = (value, ex, got)
+        return got.get(host, [])
+
+    @staticmethod
+    def _remember(cache: dict, key: Any, value: Any) -> None:
+        if len(cache) >= 4096:
+            cache.clear()
+        cache[key] = value
 
     def forget(self, host: SimHost) -> None:
         if host.ctl in self.by_sock:
