@@ -1,0 +1,310 @@
+"""Simulated hosts (zpath.worker.simulate): the worker protocol without JAX.
+
+The first tests drive one SimProcess of two hosts from a fake controller (a
+ROUTER socket in the test) through every message a worker must answer; the
+last ones run the real controller with simulated hosts in their own process:
+16 hosts end to end through benchmarks/scale.py, and a killed process whose
+hosts are reported lost as real ones are."""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import zmq
+
+from zpath.cluster.launcher import SimulatedCluster
+from zpath.errors import ErrorKind
+from zpath.net import messages as m
+from zpath.net.codec import PROTOCOL_VERSION
+from zpath.net.transport import Endpoint, make_context, unbatched
+from zpath.worker.simulate import SimProcess, program_cost_s, sim_program
+
+pytestmark = pytest.mark.timeout(120)
+
+KEY = b"s" * 32
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _scale_module() -> Any:
+    spec = importlib.util.spec_from_file_location("scale_bench", ROOT / "benchmarks" / "scale.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+class FakeController:
+    """A ROUTER socket that plays the controller for a SimProcess."""
+
+    def __init__(self) -> None:
+        self.ctx = make_context()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        port = self.sock.bind_to_random_port("tcp://127.0.0.1")
+        self.address = f"tcp://127.0.0.1:{port}"
+        self.ep = Endpoint(KEY, "controller")
+        self.inbox: list[tuple[bytes, m.Record]] = []
+
+    def send(self, ident: bytes, msg: m.Record, buffers: list | None = None) -> None:
+        self.ep.send(self.sock, msg, to=ident, buffers=buffers or [])
+
+    def expect(self, kind: type, timeout: float = 10.0, where: Any = None) -> tuple[bytes, Any]:
+        """The next message of this type (and passing ``where``) from any host."""
+        deadline = time.monotonic() + timeout
+        while True:
+            for k, (ident, msg) in enumerate(self.inbox):
+                if isinstance(msg, kind) and (where is None or where(msg)):
+                    del self.inbox[k]
+                    return ident, msg
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise AssertionError(f"no {kind.__name__} within {timeout}s; got {self.inbox}")
+            if self.sock.poll(int(left * 1000)):
+                ident, header, msg, buffers = self.ep.recv(self.sock, router=True)
+                self.inbox += [(ident, item) for _, item, _ in unbatched(header, msg, buffers)]
+
+    def close(self) -> None:
+        self.sock.close(0)
+        self.ctx.term()
+
+
+@pytest.fixture
+def sim():
+    """A SimProcess of two hosts (two devices each) registered with a fake controller."""
+    ctl = FakeController()
+    proc = SimProcess(KEY, ctl.address, hosts=2, devices=2, cost_ms=5.0)
+    t = threading.Thread(target=lambda: (proc.register(10.0), proc.serve_forever()), daemon=True)
+    t.start()
+    idents = {}
+    for rank in range(2):
+        ident, reg = ctl.expect(m.RegisterWorker)
+        assert reg.platform == "sim" and reg.num_devices == 2 and reg.protocol == PROTOCOL_VERSION
+        devices = [m.DeviceInfo(rank * 2 + i, rank, 0, i, reg.jax_ids[i]) for i in range(2)]
+        ctl.send(ident, m.Registered(rank, devices))
+        idents[rank] = ident
+    data = ctl.ctx.socket(zmq.DEALER)
+    data.connect(proc.data_address)
+    yield ctl, proc, idents, data
+    proc.stop()
+    t.join(10)
+    data.close(0)
+    ctl.close()
+    assert not t.is_alive()
+
+
+def _request(ctl: FakeController, data: zmq.Socket, msg: m.Record, buffers: list | None = None):
+    ctl.ep.send(data, msg, buffers=buffers or [])
+    assert data.poll(10_000), f"no answer to {type(msg).__name__}"
+    _, _, reply, bufs = ctl.ep.recv(data)
+    return reply, bufs
+
+
+AV = m.Aval([4], "float32")
+
+
+def _execute(exec_id: int, seq: int, digest: str, inputs: list, out: int | None, hold: bool = False):
+    outputs = [] if out is None else [m.ExecOutput(out, AV, ["x"])]
+    return m.Execute(exec_id, seq, digest, "f", [4], ["x"], [0, 1, 2, 3], [0, 1, 2, 3], inputs, outputs, hold)
+
+
+def test_program_costs_are_declared_by_the_program_bytes():
+    assert program_cost_s(sim_program(2.5), 0.001) == pytest.approx(0.0025)
+    assert program_cost_s(b"a real jax.export blob", 0.001) == 0.001
+    assert program_cost_s(b"zpath-sim-program\n{not json", 0.004) == 0.004
+    with pytest.raises(ValueError):
+        sim_program(-1.0)
+
+
+def test_a_simulated_host_answers_every_control_message(sim):
+    ctl, proc, idents, data = sim
+    h0, h1 = idents[0], idents[1]
+    # Ping -> Pong with the store's size
+    ctl.send(h0, m.Ping(7))
+    _, pong = ctl.expect(m.Pong, where=lambda p: p.seq == 7)
+    assert (pong.shards, pong.nbytes, pong.device_bytes) == (0, 0, [0, 0])
+    # a program declaring 30 ms; an SPMD computation over both hosts makes x (no inputs)
+    blob = sim_program(30.0)
+    digest = hashlib.sha256(blob).hexdigest()
+    for ident in (h0, h1):
+        ctl.send(ident, m.RegisterProgram(digest, "f"), [blob])
+    x, y = 1 << 32 | 1, 1 << 32 | 2
+    make = _execute(1, 0, digest, [], x)
+    for ident in (h0, h1):
+        ctl.send(ident, make)
+    made = [ctl.expect(m.ExecDone, where=lambda d: d.exec_id == 1)[1] for _ in range(2)]
+    assert all(d.error is None and d.end - d.start == pytest.approx(0.030, abs=1e-6) for d in made)
+    # the same Execute for both hosts, its input's shards left to them (in place)
+    read = _execute(2, 1, digest, [m.ExecInput(x, AV, ["x"], [])], y)
+    for ident in (h0, h1):
+        ctl.send(ident, read)
+    dones = [ctl.expect(m.ExecDone, where=lambda d: d.exec_id == 2)[1] for _ in range(2)]
+    assert all(d.error is None for d in dones)
+    # (it started once its input was made, on the emulated clock)
+    assert min(d.start for d in dones) >= min(d.end for d in made) - 1e-6
+    ctl.send(h0, m.Ping(8))
+    _, pong = ctl.expect(m.Pong, where=lambda p: p.seq == 8)
+    assert (pong.shards, pong.nbytes, pong.device_bytes) == (4, 16, [8, 8])   # x and y: 2 shards each
+    # Fetch from the data port: zeros of the shard's shape, once it exists
+    reply, bufs = _request(ctl, data, m.Fetch(5, y, 2, [[2, 3]], 10.0))
+    assert reply == m.FetchReply(5, m.Aval([1], "float32"), None) and bytes(bufs[0]) == bytes(4)
+    # Free (after the computations before it): the shards go
+    for ident in (h0, h1):
+        ctl.send(ident, m.Free([x]))
+    ctl.send(h1, m.Ping(9))
+    _, pong = ctl.expect(m.Pong, where=lambda p: p.seq == 9)
+    assert pong.shards == 2 and pong.device_bytes == [4, 4]     # host 1 keeps y only
+    # a piece: host 0 sends part of y to host 1, which reads it
+    ctl.send(h0, m.SendPiece(11, y, 0, [[0, 1]], [[0, 1]], 1, proc.data_address, "ICI", proc.machine, ""))
+    piece_in = m.ExecInput(y, m.Aval([1], "float32"), [None], [
+        m.ShardInput(2, [[0, 1]], [m.PieceSource(11, 0, [[0, 1]], [[0, 1]])])])
+    ctl.send(h1, m.Execute(3, 2, digest, "g", [1], ["x"], [2], [2], [piece_in], []))
+    _, done = ctl.expect(m.ExecDone, where=lambda d: d.exec_id == 3)
+    assert done.error is None
+    # a fused program: defined once, run as one computation (one report)
+    inner = m.Execute(0, 0, digest, "f", [4], ["x"], [0, 1, 2, 3], [0, 1, 2, 3],
+                      [m.ExecInput(-1, AV, ["x"], [])], [m.ExecOutput(0, AV, ["x"])])
+    ctl.send(h0, m.DefineFused(5, [inner, dataclasses.replace(inner, inputs=[m.ExecInput(0, AV, ["x"], [])],
+                                                             outputs=[m.ExecOutput(1, AV, ["x"])])], [0]))
+    ctl.send(h0, m.RunFused(4, 3, 5, [y], 1 << 32 | 10))
+    _, done = ctl.expect(m.ExecDone, where=lambda d: d.exec_id == 4)
+    assert done.error is None and done.end - done.start == pytest.approx(0.060, abs=1e-6)
+    ctl.send(h0, m.DropFused([5]))
+    ctl.send(h0, m.RunFused(5, 4, 5, [y], 1 << 32 | 20))
+    _, done = ctl.expect(m.ExecDone, where=lambda d: d.exec_id == 5)
+    assert done.error.kind == ErrorKind.FUSED_UNKNOWN
+    # FailBuffers: what waits on a buffer that will never come fails with the error
+    z = 2 << 32 | 1
+    err = m.ErrorInfo(ErrorKind.REMOTE_ERROR, "client 2 left", None, "", "")
+    waits = _execute(6, 5, digest, [m.ExecInput(z, AV, ["x"], [])], None)
+    for ident in (h0, h1):
+        ctl.send(ident, waits)
+        ctl.send(ident, m.FailBuffers([z], err))
+    dones = [ctl.expect(m.ExecDone, where=lambda d: d.exec_id == 6)[1] for _ in range(2)]
+    assert all(d.error == err for d in dones)
+    # FailPieces: a computation waiting on a piece fails
+    ctl.send(h1, m.Execute(7, 6, digest, "g", [1], ["x"], [2], [2], [m.ExecInput(y, m.Aval([1], "float32"), [None], [
+        m.ShardInput(2, [[0, 1]], [m.PieceSource(99, 0, [[0, 1]], [[0, 1]])])])], []))
+    ctl.send(h1, m.FailPieces([99], err))
+    _, done = ctl.expect(m.ExecDone, where=lambda d: d.exec_id == 7)
+    assert done.error == err
+    # ClientGone: the client's buffers go (client 1's values; then client 2's failed ones)
+    ctl.send(h1, m.ClientGone(1))
+    ctl.send(h1, m.Ping(10))
+    _, pong = ctl.expect(m.Pong, where=lambda p: p.seq == 10)
+    assert pong.nbytes == 0 and pong.shards == 2          # z's two failed shards are left
+    ctl.send(h1, m.ClientGone(2))
+    ctl.send(h1, m.Ping(12))
+    _, pong = ctl.expect(m.Pong, where=lambda p: p.seq == 12)
+    assert pong.shards == 0
+    # Shutdown: that host leaves (the other stays)
+    ctl.send(h1, m.Shutdown("test"))
+    ctl.send(h0, m.Ping(11))
+    ctl.expect(m.Pong, where=lambda p: p.seq == 11)
+
+
+def test_the_data_port_takes_puts_answers_fetches_and_refuses_the_rest(sim):
+    ctl, proc, idents, data = sim
+    b = 3 << 32 | 1
+    put = m.Put(b, 1, [[2, 4]], m.Aval([2], "float32"))
+    ctl.ep.send(data, put, buffers=[np.zeros(2, np.float32)])
+    reply, bufs = _request(ctl, data, m.Fetch(1, b, 1, [[2, 4]], 10.0))
+    assert reply.error is None and reply.aval == m.Aval([2], "float32") and len(bytes(bufs[0])) == 8
+    # a Put whose bytes do not make its shape is refused
+    reply, _ = _request(ctl, data, m.Put(b + 1, 1, [[0, 2]], m.Aval([2], "float32")), [b"xyz"])
+    assert isinstance(reply, m.Error) and reply.code == ErrorKind.BAD_REQUEST
+    # a device no host of the process has
+    reply, _ = _request(ctl, data, m.Fetch(2, b, 99, [[0, 1]], 1.0))
+    assert isinstance(reply, m.Error) and "device 99" in reply.message
+    # a fetch of what never comes answers at its deadline
+    reply, _ = _request(ctl, data, m.Fetch(3, b + 7, 0, [[0, 1]], 0.2))
+    assert reply.error.kind == ErrorKind.DEADLINE_EXCEEDED
+    reply, _ = _request(ctl, data, m.ChannelStatsRequest(False))
+    assert isinstance(reply, m.ChannelStats)
+    reply, _ = _request(ctl, data, m.Ping(1))
+    assert isinstance(reply, m.Error) and "not accepted" in reply.message
+    # a message under another key: a protocol error, and the host keeps serving
+    Endpoint(b"o" * 32, "x").send(data, m.Ping(1))
+    assert data.poll(10_000)
+    _, _, reply, _ = ctl.ep.recv(data)
+    assert isinstance(reply, m.Error) and reply.code == ErrorKind.PROTOCOL
+
+
+def test_the_simulated_worker_imports_no_jax():
+    code = ("import sys, zpath.worker.simulate, zpath.cluster.cli; "
+            "sys.exit(1 if any(n == 'jax' or n.startswith('jax.') for n in sys.modules) else 0)")
+    assert subprocess.run([sys.executable, "-c", code], cwd=ROOT).returncode == 0
+
+
+def test_sixteen_simulated_hosts_end_to_end_through_the_scale_benchmark():
+    p = subprocess.Popen([sys.executable, str(ROOT / "benchmarks" / "scale.py"), "--hosts", "16", "--quick",
+                          "--big-nodes", "300", "--repeats", "1", "--json"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = p.communicate(timeout=100)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGTERM)
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait(10)
+    assert p.returncode == 0, out + err[-3000:]
+    r = json.loads(out.strip().splitlines()[-1])
+    assert r["hosts"] == 16 and r["devices"] == 64
+    for k in ("spmd_nodes_per_s", "traced_nodes_per_s", "sequential_nodes_per_s", "ctl_cpu_us_per_spmd_node",
+              "ctl_rss_mib", "max_stall_ms", "pipeline_parallel_over_sequential"):
+        assert r[k] > 0, (k, r)
+    assert r["big_program_nodes"] == 300 and r["pipeline_stages"] == 16
+    assert r["busy"] and all(0 < v <= 1.05 for v in r["busy"].values())
+
+
+def test_a_killed_simulated_process_loses_its_hosts_as_real_ones_are():
+    scale = _scale_module()
+    env = {"ZPATH_HOST_TIMEOUT": "2", "ZPATH_PING_INTERVAL": "0.2"}
+    with SimulatedCluster(4, 2, islands=2, processes=2, cost_ms=1.0, env=env, start_timeout=60) as c:
+        d = scale.Driver(c.address, c.key)
+        try:
+            island1 = [h for h in d.hosts if h.island == 1]
+            devs1 = [dev.id for h in island1 for dev in h.devices]
+            slow = d.program(60_000.0)                 # a minute: still running when the hosts go
+            call, out = d.spmd(slow, devs1, None)
+            d.send_calls([call])
+            victim = c.process_of(island1[0].name)
+            victim.send_signal(signal.SIGKILL)
+            victim.wait(10)
+            deadline = time.monotonic() + 30
+            down: dict[int, m.HostDown] = {}
+            while time.monotonic() < deadline and set(down) != {h.rank for h in island1}:
+                if d.sock.poll(200):
+                    _, header, msg, buffers = d.ep.recv(d.sock)
+                    down.update((x.rank, x) for _, x, _ in unbatched(header, msg, buffers)
+                                if isinstance(x, m.HostDown))
+            assert set(down) == {h.rank for h in island1}, down
+            assert all(x.error.kind == ErrorKind.HOST_LOST for x in down.values())
+            # a call there is refused with HostLost; island 0 keeps working
+            call, _ = d.spmd(d.program(1.0), devs1, None)
+            d.send_calls([call])
+            refused = None
+            while refused is None and time.monotonic() < deadline:
+                if d.sock.poll(200):
+                    _, header, msg, buffers = d.ep.recv(d.sock)
+                    refused = next((x for _, x, _ in unbatched(header, msg, buffers)
+                                    if isinstance(x, m.CallFailed) and x.call_id == call.call_id), None)
+            assert refused is not None and refused.error.kind == ErrorKind.HOST_LOST
+            devs0 = [dev.id for h in d.hosts if h.island == 0 for dev in h.devices]
+            call, out0 = d.spmd(d.program(1.0), devs0, None)
+            d.send_calls([call])
+            d.wait_for(out0, devs0[0], len(devs0), timeout=20)
+        finally:
+            d.close()
