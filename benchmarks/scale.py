@@ -25,7 +25,10 @@ controller's, not a tracing client's) and prints per N:
 * ``min_busy_computation_ms`` -- the smallest computation time of the ladder
   (0.5 ms .. 200 ms) at which chained SPMD nodes over all hosts keep every
   device at least 95% busy (device time / wall time of a traced program), with
-  ``busy`` the fraction at each rung tried;
+  ``busy`` the fraction at each rung tried. The simulated hosts run on the same
+  two cores as the controller here, so this counts their host-side work too;
+  ``ctl_bound_min_computation_ms`` is the controller's CPU per node / 0.95, the
+  bound the controller alone sets (as if it had a core to itself);
 * ``pipeline_parallel_over_sequential`` -- a pipeline of min(N, 64) stages, one
   per host, each stage a 1 ms computation reading the previous stage's output
   from the previous host: runs per second with parallel dispatch over runs per
@@ -248,7 +251,10 @@ def timed(d: Driver, send: Any, last: int, device: int, length: int) -> float:
 
 def measure(hosts: int, devices: int, quick: bool, big_nodes: int, repeats: int) -> dict:
     started = time.perf_counter()
-    with SimulatedCluster(hosts, devices, start_timeout=300) as cluster:
+    # (a simulated host's Pong may wait behind thousands of queued messages on
+    # this 2-core machine: a longer silence than by default before it counts as lost)
+    with SimulatedCluster(hosts, devices, start_timeout=300,
+                          env={"ZPATH_HOST_TIMEOUT": "120", "ZPATH_CONTROLLER_TIMEOUT": "120"}) as cluster:
         ctl = psutil.Process(cluster.procs[0][1].pid)
         sim = psutil.Process(cluster.procs[1][1].pid)
         d = Driver(cluster.address, cluster.key)
@@ -324,7 +330,8 @@ def _measure(cluster: SimulatedCluster, d: Driver, ctl: psutil.Process, sim: psu
     out["min_busy_computation_ms"] = None
     for cost in LADDER_MS:
         prog = d.program(cost)
-        n = int(min(200, max(6, (0.3 if quick else 1.0) / (cost / 1000))))
+        # (at most ~20,000 host messages queued at once)
+        n = int(min(200, max(6, 20_000 // hosts), max(6, (0.3 if quick else 1.0) / (cost / 1000))))
         calls, outs = chain(d, prog, devs, n)
         wall = timed(d, lambda: d.send_program(calls), outs[-1], devs[0], total)
         d.release(outs)
@@ -333,6 +340,10 @@ def _measure(cluster: SimulatedCluster, d: Driver, ctl: psutil.Process, sim: psu
             out["min_busy_computation_ms"] = cost
             break
     out["busy"] = busy
+    # On this machine the simulated hosts share the cores with the controller;
+    # the controller alone (its CPU per node, as if it had its own core) would
+    # keep devices 95% busy from this computation time on:
+    out["ctl_bound_min_computation_ms"] = out["ctl_cpu_us_per_spmd_node"] / 1000 / BUSY
 
     # a pipeline of one 1 ms stage per host, parallel against sequential dispatch
     stages = min(hosts, 64)

@@ -90,12 +90,22 @@ def program_cost_s(blob: bytes, default_s: float) -> float:
 class SimValue:
     """A shard or piece that exists only as its size, and the (monotonic)
     time it was made on its device."""
-    __slots__ = ("shape", "dtype", "nbytes", "made")
+    __slots__ = ("shape", "dtype", "nbytes", "made", "parts")
 
-    def __init__(self, shape: tuple[int, ...], dtype: str, made: float = 0.0, size: int = -1) -> None:
-        """``size``: the number of elements, if known."""
-        self.shape, self.dtype, self.made = shape, dtype, made
+    def __init__(self, shape: tuple[int, ...], dtype: str, made: float = 0.0, size: int = -1,
+                 parts: tuple[tuple[int, int], ...] = ()) -> None:
+        """``size``: the number of elements, if known; ``parts``: for a host's
+        whole part of a buffer (see ``whole_key``), (device, elements) of each
+        of its shards."""
+        self.shape, self.dtype, self.made, self.parts = shape, dtype, made, parts
         self.nbytes = (math.prod(shape) if size < 0 else size) * _itemsize(dtype)
+
+
+def whole_key(buffer: int, host_index: int) -> ShardKey:
+    """The store key of a host's whole part of a buffer that a computation made
+    (one entry for all of its devices' shards, where a real worker keeps one per
+    shard; a client's Put is kept per shard)."""
+    return ShardKey(buffer, -1 - host_index, ())
 
 
 _ITEMSIZE: dict[str, int] = {}
@@ -116,7 +126,7 @@ def _itemsize(dtype: str) -> int:
 class _Run:
     """One queued computation of a host: an Execute or a fused run."""
     __slots__ = ("exec_id", "devices", "needs", "outputs", "cost", "hold", "index", "release",
-                 "start", "end", "arrived", "waiting")
+                 "start", "end", "arrived", "waiting", "waits")
 
     def __init__(self, exec_id: int, devices: frozenset[int], needs: list, outputs: list,
                  cost: float, hold: bool, index: int, release: list[int]) -> None:
@@ -124,6 +134,7 @@ class _Run:
         self.cost, self.hold, self.index, self.release = cost, hold, index, release
         self.start = self.end = self.arrived = 0.0
         self.waiting = False
+        self.waits: list[tuple] = []      # (store, key, callback) of what it waits for
 
 
 class Timers:
@@ -214,7 +225,7 @@ class SimHost:
                 if len(buffers) == 1:
                     self.costs[msg.digest] = program_cost_s(bytes(buffers[0]), self.proc.default_cost_s)
             case m.Ping():
-                self.out.append(m.Pong(msg.seq, *self.store.stats(self.device_ids)))
+                self.out.append(m.Pong(msg.seq, *self.stats()))
             case m.Free():
                 self._free_after_earlier(msg.buffers, True)
             case m.ClientGone():
@@ -240,6 +251,59 @@ class SimHost:
             case _:
                 log.warning("host %s: unexpected %s from the controller", self.rank, type(msg).__name__)
 
+    def stats(self) -> tuple[int, int, list[int]]:
+        """As ``Store.stats``: shards held, their bytes, bytes per device."""
+        per = dict.fromkeys(self.device_ids, 0)
+        shards = nbytes = 0
+        for k, e in list(self.store._entries.items()):
+            if type(k) is not ShardKey or not e.done:
+                continue
+            v = e.value
+            if k.device >= 0:
+                shards += 1
+                n = getattr(v, "nbytes", 0)
+                nbytes += n
+                if k.device in per:
+                    per[k.device] += n
+            elif v is not None:
+                shards += len(v.parts)
+                nbytes += v.nbytes
+                item = _itemsize(v.dtype)
+                for d, size in v.parts:
+                    if d in per:
+                        per[d] += size * item
+        return shards, nbytes, [per[d] for d in self.device_ids]
+
+    def when_shard(self, buffer: int, device: int, region: Any,
+                   cb: Callable[[Entry], None]) -> Callable[[], bool] | None:
+        """Call ``cb(entry)`` once, with the entry that holds shard (buffer,
+        device, region) of this host: the shard itself (put) or the host's
+        whole part (made here), whichever is done first. Returns None if it
+        was called now, else a function that cancels the wait (True if it
+        was still waiting)."""
+        keys = (shard_key(buffer, device, region), whole_key(buffer, self.index))
+        for k in keys:
+            e = self.store._entries.get(k)
+            if e is not None and e.done:
+                cb(e)
+                return None
+        state = [True]
+
+        def once(e: Entry) -> None:
+            if state[0]:
+                cancel()
+                cb(e)
+
+        def cancel() -> bool:
+            was, state[0] = state[0], False
+            for k in keys:
+                self.store.forget(k, once)
+            return was
+
+        for k in keys:
+            self.store.when_done(k, once)
+        return cancel
+
     def _cost(self, program: str) -> float:
         return self.costs.get(program, self.proc.default_cost_s)
 
@@ -263,12 +327,14 @@ class SimHost:
                     outputs.append((shard_key(b, s.device, s.region),
                                     SimValue(sharding.region_shape(sharding.from_wire(s.region)),
                                              inp.aval.dtype)))
-            else:          # every shard in place at the region the spec gives it
-                needs += [ShardKey(b, d, r) for d, r, _, _ in place(ex, inp, self.index)]
+            else:          # every shard in place: the host's whole part, or each shard put
+                needs.append((b, place(ex, inp, self.index)))
         for o in ex.outputs:
-            b = buffer(o.buffer)
-            outputs += [(ShardKey(b, d, r), SimValue(shape, o.aval.dtype, 0.0, size))
-                        for d, r, shape, size in place(ex, o, self.index)]
+            got = place(ex, o, self.index)
+            if got:
+                size = sum(x[3] for x in got)
+                outputs.append((whole_key(buffer(o.buffer), self.index),
+                                SimValue((size,), o.aval.dtype, 0.0, size, tuple((x[0], x[3]) for x in got))))
         return _Run(ex.exec_id, frozenset(local), needs, outputs, self._cost(ex.program),
                     ex.hold, index, [])
 
@@ -291,9 +357,9 @@ class SimHost:
         cost = 0.0
         for ex in define.executes:
             r = self._run_of(ex, buffer)
-            needs += [k for k in r.needs if k not in made]
+            needs += [k for k in r.needs if (k[0] if type(k) is tuple else k) not in made]
             outputs += r.outputs
-            made.update(k for k, _ in r.outputs)
+            made.update(k.buffer if k.device < 0 else k for k, _ in r.outputs)
             devices |= r.devices
             cost += r.cost
         run = _Run(msg.exec_id, frozenset(devices), needs, outputs, cost, msg.hold, -1,
@@ -317,23 +383,38 @@ class SimHost:
         became free, its inputs were made and its message came, whichever is
         last (an accelerator runs its queue back to back, whenever this loop
         gets to notice), so a late timer delays reports, not the devices."""
-        if run.waiting or run.devices & self.busy or any(self.queues[d][0] is not run for d in run.devices):
+        if run.waiting or run.devices & self.busy or \
+                any(not (q := self.queues[d]) or q[0] is not run for d in run.devices):
             return
         start = run.arrived
         errors = []
         shards, pieces = self.store._entries, self.proc.pieces._entries     # (read without the lock: one thread)
-        for key in run.needs:
-            e = (pieces if type(key) is PieceKey else shards).get(key)
-            if e is None or not e.done:
-                run.waiting = True
-                store = self.proc.pieces if type(key) is PieceKey else self.store
-                store.when_done(key, lambda _e, run=run: self._input_came(run))
-                self._release_held()       # nothing may stay held while it waits
-                return
-            if e.error is not None:
-                errors.append(e.error)
-            elif type(e.value) is SimValue and e.value.made > start:
-                start = e.value.made
+        for need in run.needs:
+            if type(need) is tuple:           # (buffer, placement): in place on this host
+                got = self._in_place(need)
+                if type(got) is not list:     # the key to wait for
+                    run.waiting = True
+                    self._wait(run, got)
+                    if got.device >= 0:       # put shard by shard, or made whole: either may come
+                        self._wait(run, whole_key(need[0], self.index))
+                    self._release_held()      # nothing may stay held while it waits
+                    return
+                entries = got
+            else:
+                e = (pieces if type(need) is PieceKey else shards).get(need)
+                if e is None or not e.done:
+                    run.waiting = True
+                    self._wait(run, need)
+                    self._release_held()
+                    return
+                entries = (e,)
+            for e in entries:
+                if e.error is not None:
+                    errors.append(e.error)
+                elif type(e.value) is SimValue and e.value.made > start:
+                    start = e.value.made
+        if run.waits:
+            self._unwait(run)
         for d in run.devices:
             self.queues[d].popleft()
             start = max(start, self.free_at.get(d, 0.0))
@@ -349,6 +430,36 @@ class SimHost:
     def _input_came(self, run: _Run) -> None:
         run.waiting = False
         self._try_start(run, self.proc.now)
+
+    def _in_place(self, need: tuple) -> list | ShardKey:
+        """The entries of an input in place on this host: its whole part (made
+        here), or each of its shards (put); else the key to wait for."""
+        b, placed = need
+        shards = self.store._entries
+        e = shards.get(whole_key(b, self.index))
+        if e is not None and e.done:
+            return [e]
+        got = []
+        for d, r, _, _ in placed:
+            key = ShardKey(b, d, r)
+            e = shards.get(key)
+            if e is None or not e.done:
+                return key
+            got.append(e)
+        return got
+
+    def _wait(self, run: _Run, key: Any) -> None:
+        store = self.proc.pieces if type(key) is PieceKey else self.store
+        cb = lambda _e, run=run: self._input_came(run)  # noqa: E731
+        run.waits.append((store, key, cb))
+        store.when_done(key, cb)
+
+    def _unwait(self, run: _Run) -> None:
+        """Drop what a run waited for and no longer needs (the other of two keys
+        either of which would do), so no entry is left behind."""
+        for store, key, cb in run.waits:
+            store.forget(key, cb)
+        run.waits.clear()
 
     def _finish(self, run: _Run, error: m.ErrorInfo | None, now: float) -> None:
         if not self.alive:
@@ -607,8 +718,7 @@ class SimProcess:
         return t
 
     def send_piece(self, src: SimHost, msg: m.SendPiece) -> None:
-        key = shard_key(msg.buffer, msg.device, msg.region)
-        src.store.when_done(key, lambda e: self._piece_ready(src, msg, e))
+        src.when_shard(msg.buffer, msg.device, msg.region, lambda e: self._piece_ready(src, msg, e))
 
     def _piece_ready(self, src: SimHost, msg: m.SendPiece, e: Entry) -> None:
         value = None
@@ -759,33 +869,26 @@ class SimProcess:
                 if h is None:
                     error(ErrorKind.BAD_REQUEST, f"device {msg.device} is not on a host of this process")
                     return
-                key = shard_key(msg.buffer, msg.device, msg.region)
                 deadline = self.now + max(0.0, min(msg.timeout_s, 3600.0))
-                answered = [False]
+                shape = sharding.region_shape(sharding.from_wire(msg.region))
 
                 def reply(e: Entry) -> None:
-                    if answered[0]:
-                        return
-                    answered[0] = True
                     if e.error is not None:
                         self.ep.send(self.data, m.FetchReply(msg.request, m.Aval([], ""), e.error),
                                      to=ident, block=False)
                         return
-                    v = e.value
-                    self.ep.send(self.data, m.FetchReply(msg.request, m.Aval(list(v.shape), v.dtype), None),
-                                 to=ident, buffers=[bytes(v.nbytes)], block=False)
+                    dtype = e.value.dtype
+                    self.ep.send(self.data, m.FetchReply(msg.request, m.Aval(list(shape), dtype), None),
+                                 to=ident, buffers=[bytes(math.prod(shape) * _itemsize(dtype))], block=False)
 
                 def expire() -> None:
-                    if not answered[0]:
-                        answered[0] = True
-                        h.store.forget(key, reply)
-                        self.ep.send(self.data, m.FetchReply(msg.request, m.Aval([], ""), m.ErrorInfo(
-                            ErrorKind.DEADLINE_EXCEEDED, f"buffer {msg.buffer} was not ready within "
-                            f"{msg.timeout_s:.0f}s", h.rank, "", "")), to=ident, block=False)
+                    self.ep.send(self.data, m.FetchReply(msg.request, m.Aval([], ""), m.ErrorInfo(
+                        ErrorKind.DEADLINE_EXCEEDED, f"buffer {msg.buffer} was not ready within "
+                        f"{msg.timeout_s:.0f}s", h.rank, "", "")), to=ident, block=False)
 
-                h.store.when_done(key, reply)
-                if not answered[0]:
-                    self.timers.at(deadline, expire)
+                cancel = h.when_shard(msg.buffer, msg.device, msg.region, reply)
+                if cancel is not None:
+                    self.timers.at(deadline, lambda: cancel() and expire())
             case m.ChannelStatsRequest():
                 self.ep.send(self.data, m.ChannelStats(0, 0, 0, 0, 0, 0, 0, 0, 0, [], []), to=ident,
                              parent=msg_id, block=False)
