@@ -258,7 +258,7 @@ def make_safe(rng: random.Random, type_id: int, body):
     if type_id == m.RegisterWorker.TYPE and len(body) >= 7:
         choice = rng.randrange(3)
         if choice == 0:
-            body[6] = rng.choice([0, 2, -1, 2 ** 40])          # protocol
+            body[6] = rng.choice([0, codec.PROTOCOL_VERSION + 1, -1, 2 ** 40])   # protocol
         elif choice == 1:
             body[5] = rng.choice([0, -1, 4097, 2 ** 63 - 1])   # num_devices
         else:
