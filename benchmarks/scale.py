@@ -25,7 +25,9 @@ controller's, not a tracing client's) and prints per N:
 * ``min_busy_computation_ms`` -- the smallest computation time of the ladder
   (0.5 ms .. 200 ms) at which chained SPMD nodes over all hosts keep every
   device at least 95% busy (device time / wall time of a traced program), with
-  ``busy`` the fraction at each rung tried. The simulated hosts run on the same
+  ``busy`` the fraction at each rung tried and ``ctl_cpu_us_per_busy_node`` the
+  controller's CPU per node at the last rung (devices busy: the workers hold
+  their reports and send them together). The simulated hosts run on the same
   two cores as the controller here, so this counts their host-side work too;
   ``ctl_bound_min_computation_ms`` is the controller's CPU per node / 0.95, the
   bound the controller alone sets (as if it had a core to itself);
@@ -333,7 +335,9 @@ def _measure(cluster: SimulatedCluster, d: Driver, ctl: psutil.Process, sim: psu
         # (at most ~20,000 host messages queued at once)
         n = int(min(200, max(6, 20_000 // hosts), max(6, (0.3 if quick else 1.0) / (cost / 1000))))
         calls, outs = chain(d, prog, devs, n)
+        c0 = cpu_s(ctl)
         wall = timed(d, lambda: d.send_program(calls), outs[-1], devs[0], total)
+        out["ctl_cpu_us_per_busy_node"] = (cpu_s(ctl) - c0) / n * 1e6
         d.release(outs)
         busy[str(cost)] = round(n * cost / 1000 / wall, 4)
         if busy[str(cost)] >= BUSY:

@@ -6,6 +6,9 @@ grace period) and checked to be gone. The helpers come from zpath's pytest plugi
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
+import sys
 
 # a fetch in a test that goes wrong fails in a minute instead of hanging
 os.environ.setdefault("ZPATH_FETCH_TIMEOUT", "60")
@@ -26,3 +29,22 @@ def cluster():
 def client(cluster):
     with connected(cluster) as conn:
         yield conn
+
+
+def run_script(argv: list[str], timeout: float) -> subprocess.CompletedProcess:
+    """Run a Python script (``argv`` after the interpreter) in its own process
+    group, capturing its output; on a timeout its whole group is stopped
+    (SIGTERM, then SIGKILL), its children too."""
+    p = subprocess.Popen([sys.executable, *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         start_new_session=True)
+    try:
+        out, err = p.communicate(timeout=timeout)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGTERM)
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait(10)
+    return subprocess.CompletedProcess(p.args, p.returncode, out, err)

@@ -3,13 +3,11 @@ executor directly (an API the rest of the runtime may change under it): with
 a few nodes it runs every variant to the right value and prints its table."""
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.conftest import run_script
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -18,20 +16,8 @@ SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "worker_loop.py"
 
 def test_worker_loop_benchmark_runs_every_variant(tmp_path):
     out_json = tmp_path / "out.json"
-    p = subprocess.Popen([sys.executable, str(SCRIPT), "--nodes", "8", "--repeats", "1",
-                          "--json", str(out_json)],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                         start_new_session=True)          # its two processes too, on timeout
-    try:
-        out, err = p.communicate(timeout=180)
-    finally:
-        if p.poll() is None:
-            os.killpg(p.pid, signal.SIGTERM)
-            try:
-                p.wait(10)
-            except subprocess.TimeoutExpired:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait(10)
+    p = run_script([str(SCRIPT), "--nodes", "8", "--repeats", "1", "--json", str(out_json)], timeout=180)
+    out, err = p.stdout, p.stderr
     assert p.returncode == 0, out + err[-3000:]
     for variant in ("jax-end", "jax-each", "fused", "plain"):
         assert any(line.startswith(variant + " ") for line in out.splitlines()), out

@@ -11,7 +11,6 @@ import dataclasses
 import hashlib
 import importlib.util
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -24,6 +23,7 @@ import numpy as np
 import pytest
 import zmq
 
+from tests.conftest import run_script
 from zpath.cluster.launcher import SimulatedCluster
 from zpath.errors import ErrorKind
 from zpath.net import messages as m
@@ -246,19 +246,9 @@ def test_the_simulated_worker_imports_no_jax():
 
 
 def test_sixteen_simulated_hosts_end_to_end_through_the_scale_benchmark():
-    p = subprocess.Popen([sys.executable, str(ROOT / "benchmarks" / "scale.py"), "--hosts", "16", "--quick",
-                          "--big-nodes", "300", "--repeats", "1", "--json"],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        out, err = p.communicate(timeout=100)
-    finally:
-        if p.poll() is None:
-            os.killpg(p.pid, signal.SIGTERM)
-            try:
-                p.wait(10)
-            except subprocess.TimeoutExpired:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait(10)
+    p = run_script([str(ROOT / "benchmarks" / "scale.py"), "--hosts", "16", "--quick", "--big-nodes", "300",
+                    "--repeats", "1", "--json"], timeout=100)
+    out, err = p.stdout, p.stderr
     assert p.returncode == 0, out + err[-3000:]
     r = json.loads(out.strip().splitlines()[-1])
     assert r["hosts"] == 16 and r["devices"] == 64

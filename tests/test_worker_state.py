@@ -10,7 +10,7 @@ import pytest
 from zpath.ids import buffer_id, client_of, serial_of
 from zpath.net import channels
 from zpath.net import messages as m
-from zpath.worker.state import (FETCH_HEAP_MIN, IDLE_WAIT_S, MAX_FETCH_TIMEOUT_S, Chunks, FusedRun,
+from zpath.worker.state import (FETCH_HEAP_MIN, FreeOrder, IDLE_WAIT_S, MAX_FETCH_TIMEOUT_S, Chunks, FusedRun,
                                 ShapedLink, WorkerState, fetch_timeout)
 
 pytestmark = pytest.mark.timeout(30)
@@ -229,3 +229,17 @@ def test_shared_memory_pieces_are_lent_while_the_budget_allows():
     assert not s.lend(0, big)                              # over the budget: copied out
     s.returned(big)
     assert s.lend(0, big)
+
+
+def test_a_free_waits_for_every_computation_that_arrived_before_it():
+    order = FreeOrder()
+    a, b = order.arrive(), order.arrive()
+    assert order.free_after_earlier([1], True) == []          # a and b may still read buffer 1
+    c = order.arrive()
+    assert order.free_after_earlier([2], False) == []
+    assert order.finish(b) == []                              # a has not finished
+    order.validate_state()
+    assert order.finish(a) == [([1], True)]                   # c arrived after the first Free
+    assert order.finish(c) == [([2], False)]
+    assert order.free_after_earlier([3], True) == [([3], True)]   # nothing before it: at once
+    order.validate_state()

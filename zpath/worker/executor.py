@@ -28,7 +28,7 @@ from zpath import sharding
 from zpath.config import DEEP_QUEUE, HOLD_DEEP_S, HOLD_SHORT_S, SHORT_COMPUTATION_S
 from zpath.net import channels
 from zpath.net import messages as m
-from zpath.worker.state import FusedRun
+from zpath.worker.state import FreeOrder, FusedRun
 from zpath.worker.store import PieceKey, ShardKey, Store, shard_key
 
 try:       # JAX's array class, whose constructor can skip the checks that
@@ -109,10 +109,7 @@ class Executor:
         self._last_seq = -1                          # a host belongs to one island: one order
         # arrival indices of computations not finished yet, in arrival order,
         # and frees waiting for every computation that arrived before them
-        self._arrived = 0
-        self._unfinished: collections.deque[int] = collections.deque()
-        self._finished: set[int] = set()
-        self._frees: collections.deque[tuple[int, list[int], bool]] = collections.deque()
+        self._order = FreeOrder()
         # computations ready to start, taken by the executor threads; at most
         # one computation per device runs at a time, so one thread per device
         self._ready: queue.SimpleQueue[tuple[m.Execute, frozenset[int], int] | None] = queue.SimpleQueue()
@@ -149,9 +146,7 @@ class Executor:
                 log.warning("computation %d (seq %d) arrived after seq %d: out of gang order",
                             ex.exec_id, ex.seq, self._last_seq)
             self._last_seq = max(self._last_seq, ex.seq)
-            entry = (ex, frozenset(d for d in ex.devices if d in self.devices), self._arrived)
-            self._unfinished.append(self._arrived)
-            self._arrived += 1
+            entry = (ex, frozenset(d for d in ex.devices if d in self.devices), self._order.arrive())
             for d in entry[1]:
                 self._queues[d].append(entry)
             self._try_start(entry)
@@ -161,16 +156,11 @@ class Executor:
         now has finished (one of them may still read them); ``remember``: as
         ``Store.free_buffers``."""
         with self._lock:
-            self._frees.append((self._arrived, buffers, remember))
-            self._run_frees()
+            self._free(self._order.free_after_earlier(buffers, remember))
 
-    def _run_frees(self) -> None:
+    def _free(self, due: list[tuple[list[int], bool]]) -> None:
         """With the lock held: carry out the frees whose predecessors are done."""
-        while self._unfinished and self._unfinished[0] in self._finished:
-            self._finished.discard(self._unfinished.popleft())
-        oldest = self._unfinished[0] if self._unfinished else self._arrived
-        while self._frees and self._frees[0][0] <= oldest:
-            _, buffers, remember = self._frees.popleft()
+        for buffers, remember in due:
             self.store.free_buffers(buffers, remember=remember)
 
     def _try_start(self, entry: tuple[m.Execute, frozenset[int], int],
@@ -284,8 +274,7 @@ class Executor:
             error = self._failed(ex, ex.exec_id, _as_is, e, None)
         finally:
             with self._lock:
-                self._finished.add(index)
-                self._run_frees()
+                self._free(self._order.finish(index))
         return error
 
     def _store_output(self, prepared: "_Prepared", k: int, o: m.ExecOutput, buffer: int, out: Any) -> None:
@@ -350,8 +339,7 @@ class Executor:
         with self._lock:
             self._busy -= devs
             if ran is None:
-                self._finished.add(index)
-                self._run_frees()
+                self._free(self._order.finish(index))
             for d in devs:
                 q = self._queues[d]
                 if q:

@@ -57,7 +57,7 @@ from zpath.net import messages as m
 from zpath.net.codec import PROTOCOL_VERSION, Record
 from zpath.net.transport import BadMessage, Endpoint, make_context, unbatched
 from zpath.process import die_with_parent
-from zpath.worker.state import IdRanges
+from zpath.worker.state import FreeOrder, IdRanges
 from zpath.worker.store import Entry, PieceKey, ShardKey, Store, shard_key
 
 log = logging.getLogger(__name__)
@@ -178,10 +178,7 @@ class SimHost:
         self.queues: dict[int, collections.deque[_Run]] = {}
         self.busy: set[int] = set()
         self.free_at: dict[int, float] = {}         # device -> when its last computation ends
-        self.arrived = 0
-        self.unfinished: collections.deque[int] = collections.deque()
-        self.finished: set[int] = set()
-        self.frees: collections.deque[tuple[int, list[int], bool]] = collections.deque()
+        self.order = FreeOrder()
         self.held: list[Record] = []               # reports held (see _report)
         self.held_due = 0.0                        # when they go at the latest
         self.out: list[Record] = []                # control messages to send at the next flush
@@ -368,9 +365,7 @@ class SimHost:
 
     def _submit(self, run: _Run, now: float) -> None:
         run.arrived = now
-        run.index = self.arrived
-        self.arrived += 1
-        self.unfinished.append(run.index)
+        run.index = self.order.arrive()
         for d in run.devices:
             self.queues[d].append(run)
         if run.release:
@@ -478,8 +473,7 @@ class SimHost:
             self.free_at[d] = run.end
         if error is None:
             self.busy_s += run.cost * len(run.devices)
-        self.finished.add(run.index)
-        self._run_frees()
+        self._free(self.order.finish(run.index))
         wall = time.time() - time.monotonic()
         nxt = None
         tried: set[int] = set()
@@ -527,15 +521,10 @@ class SimHost:
         self.held = []
 
     def _free_after_earlier(self, buffers: list[int], remember: bool) -> None:
-        self.frees.append((self.arrived, buffers, remember))
-        self._run_frees()
+        self._free(self.order.free_after_earlier(buffers, remember))
 
-    def _run_frees(self) -> None:
-        while self.unfinished and self.unfinished[0] in self.finished:
-            self.finished.discard(self.unfinished.popleft())
-        oldest = self.unfinished[0] if self.unfinished else self.arrived
-        while self.frees and self.frees[0][0] <= oldest:
-            _, buffers, remember = self.frees.popleft()
+    def _free(self, due: list[tuple[list[int], bool]]) -> None:
+        for buffers, remember in due:
             self.store.free_buffers(buffers, remember=remember)
 
     # ---- data port -------------------------------------------------------------

@@ -20,6 +20,7 @@ event.
 from __future__ import annotations
 
 import bisect
+import collections
 import dataclasses
 import heapq
 import itertools
@@ -61,6 +62,50 @@ def with_local_shards(ex: m.Execute, local: Any) -> m.Execute:
         inputs.append(m.ExecInput(inp.buffer, inp.aval, inp.spec, [
             m.ShardInput(d, sharding.to_wire(regs[p]), []) for p, d in enumerate(ex.devices) if d in local]))
     return dataclasses.replace(ex, inputs=inputs)
+
+
+class FreeOrder:
+    """When a Free may be carried out: once every computation that arrived
+    before it has finished (one of them may still read what it frees).
+    Computations are numbered in arrival order (``arrive``); ``finish`` and
+    ``free_after_earlier`` return the frees that may go now, as (buffers,
+    remember) in order. Not thread-safe: the caller holds its lock."""
+
+    def __init__(self) -> None:
+        self.arrived = 0
+        self._unfinished: collections.deque[int] = collections.deque()
+        self._finished: set[int] = set()
+        self._frees: collections.deque[tuple[int, list[int], bool]] = collections.deque()
+
+    def arrive(self) -> int:
+        index = self.arrived
+        self._unfinished.append(index)
+        self.arrived += 1
+        return index
+
+    def finish(self, index: int) -> list[tuple[list[int], bool]]:
+        self._finished.add(index)
+        return self._due()
+
+    def free_after_earlier(self, buffers: list[int], remember: bool) -> list[tuple[list[int], bool]]:
+        self._frees.append((self.arrived, buffers, remember))
+        return self._due()
+
+    def _due(self) -> list[tuple[list[int], bool]]:
+        while self._unfinished and self._unfinished[0] in self._finished:
+            self._finished.discard(self._unfinished.popleft())
+        oldest = self._unfinished[0] if self._unfinished else self.arrived
+        due = []
+        while self._frees and self._frees[0][0] <= oldest:
+            _, buffers, remember = self._frees.popleft()
+            due.append((buffers, remember))
+        return due
+
+    def validate_state(self) -> None:
+        assert list(self._unfinished) == sorted(self._unfinished)
+        assert all(i < self.arrived for i in self._unfinished)
+        assert self._finished <= set(self._unfinished)
+        assert [f[0] for f in self._frees] == sorted(f[0] for f in self._frees)
 
 
 class IdRanges:
