@@ -52,6 +52,7 @@ import itertools
 import json
 import os
 import statistics
+import subprocess
 import sys
 import threading
 import time
@@ -194,40 +195,52 @@ class Driver:
         raise ZpathError(f"buffer {buffer} did not come within {timeout:.0f}s")
 
 
-class Prober(threading.Thread):
-    """A second client that pings the controller every ``period`` seconds and
-    keeps the longest round trip (the controller's longest stall, or more)."""
+class Prober:
+    """A second client, in a process of its own (so that this one's work does
+    not delay it), that pings the controller every ``period`` seconds and
+    reports every round trip when stopped: the longest is the controller's
+    longest stall, or more."""
 
     def __init__(self, address: str, key: bytes, period: float = 0.005) -> None:
-        super().__init__(daemon=True)
-        self.address, self.key, self.period = address, key, period
         self.rtts: list[float] = []
-        self.stop_event = threading.Event()
-        self.ready = threading.Event()
+        self.proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--probe", address, str(period)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                     env=dict(os.environ, ZPATH_KEY=key.hex()))
+        if self.proc.stdout.readline().strip() != "ready":
+            raise ZpathError("the ping prober did not start")
 
-    def run(self) -> None:
-        ctx = make_context()
-        ep = Endpoint(self.key, f"client:probe:{os.getpid()}")
-        s = ctx.socket(zmq.DEALER)
-        s.connect(self.address)
-        ep.send(s, m.Hello("probe", PROTOCOL_VERSION, 1.0))
-        s.poll(30_000)
-        ep.recv(s)
-        self.ready.set()
-        seq = 0
-        while not self.stop_event.is_set():
-            seq += 1
-            t0 = time.perf_counter()
-            ep.send(s, m.Ping(seq))
-            while s.poll(60_000):
-                _, header, msg, buffers = ep.recv(s)
-                if any(isinstance(x, m.Pong) and x.seq == seq for _, x, _ in unbatched(header, msg, buffers)):
-                    break
-            self.rtts.append(time.perf_counter() - t0)
-            self.stop_event.wait(self.period)
-        ep.send(s, m.Goodbye("done"))
-        s.close(0)
-        ctx.term()
+    def stop(self) -> None:
+        out, _ = self.proc.communicate("stop\n", timeout=120)
+        self.rtts = json.loads(out)
+
+
+def probe(address: str, period: float) -> None:
+    """The prober's process: ping until stdin says stop, then print the round trips."""
+    ctx = make_context()
+    ep = Endpoint(bytes.fromhex(os.environ["ZPATH_KEY"]), f"client:probe:{os.getpid()}")
+    s = ctx.socket(zmq.DEALER)
+    s.connect(address)
+    ep.send(s, m.Hello("probe", PROTOCOL_VERSION, 1.0))
+    s.poll(30_000)
+    ep.recv(s)
+    stop = threading.Event()
+    threading.Thread(target=lambda: (sys.stdin.readline(), stop.set()), daemon=True).start()
+    print("ready", flush=True)
+    rtts, seq = [], 0
+    while not stop.is_set():
+        seq += 1
+        t0 = time.perf_counter()
+        ep.send(s, m.Ping(seq))
+        while s.poll(60_000):
+            _, header, msg, buffers = ep.recv(s)
+            if any(isinstance(x, m.Pong) and x.seq == seq for _, x, _ in unbatched(header, msg, buffers)):
+                break
+        rtts.append(time.perf_counter() - t0)
+        stop.wait(period)
+    ep.send(s, m.Goodbye("done"))
+    s.close(0)
+    ctx.term()
+    print(json.dumps(rtts), flush=True)
 
 
 def cpu_s(proc: psutil.Process) -> float:
@@ -302,8 +315,6 @@ def _measure(cluster: SimulatedCluster, d: Driver, ctl: psutil.Process, sim: psu
 
     # the longest stall while a big program of single-host nodes is planned
     prober = Prober(cluster.address, cluster.key)
-    prober.start()
-    prober.ready.wait(30)
     n_big = big_nodes if not quick else min(big_nodes, 1000)
     per_host: dict[int, int | None] = {}
     calls, lasts = [], {}
@@ -321,8 +332,7 @@ def _measure(cluster: SimulatedCluster, d: Driver, ctl: psutil.Process, sim: psu
         d.wait_for(x, dev, 1)
     out["big_program_nodes"] = n_big
     out["big_program_s"] = time.perf_counter() - t0
-    prober.stop_event.set()
-    prober.join(70)
+    prober.stop()
     out["max_stall_ms"] = max(prober.rtts) * 1e3 if prober.rtts else None
     out["median_ping_ms"] = statistics.median(prober.rtts) * 1e3 if prober.rtts else None
     d.release([x for x, _ in lasts.values()])
@@ -434,7 +444,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="fewer nodes per measurement")
     p.add_argument("--json", action="store_true", help="one JSON object per size")
     p.add_argument("--plot", metavar="DIR", help="draw the figures into DIR (needs matplotlib)")
+    p.add_argument("--probe", nargs=2, metavar=("ADDRESS", "PERIOD"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.probe:
+        probe(args.probe[0], float(args.probe[1]))
+        return 0
     results = []
     for n in args.hosts:
         r = measure(n, args.devices, args.quick, args.big_nodes, args.repeats)
