@@ -16,7 +16,7 @@ import zmq
 
 from zpath import logs
 from zpath.cluster import state as cluster_state
-from zpath.config import DEFAULT_SHAPE, POLICIES, ClientConfig, ClusterConfig, CommonConfig
+from zpath.config import DEFAULT_SHAPE, POLICIES, ClientConfig, ClusterConfig, CommonConfig, SlurmJob
 from zpath.errors import ZpathError
 from zpath.keys import key_from_config, parse_key
 
@@ -33,10 +33,12 @@ class Settings:
     common: CommonConfig
     client: ClientConfig
     cluster: ClusterConfig
+    slurm: SlurmJob
 
     @classmethod
     def from_env(cls) -> "Settings":
-        return cls(CommonConfig.from_env(), ClientConfig.from_env(), ClusterConfig.from_env())
+        return cls(CommonConfig.from_env(), ClientConfig.from_env(), ClusterConfig.from_env(),
+                   SlurmJob.from_env())
 
 
 def _arg(convert: Any, ok: Any, what: str) -> Any:
@@ -88,17 +90,30 @@ def _up(args: argparse.Namespace, cfg: Settings) -> int:
             return 1
     dcn = dict(dcn_latency_ms=args.dcn_latency_ms, dcn_gbps=args.dcn_gbps, dcn_encrypt=args.dcn_encrypt,
                policy=args.policy)
-    if args.hostfile:
+    if args.slurm:
+        from zpath.cluster.slurm import SlurmCluster, allocation  # lazy: see the top
+        tasks = allocation(cfg.slurm, args.islands or 1)
+        print(f"starting {len(tasks)} worker(s) as srun steps of job {cfg.slurm.job_id}, "
+              f"{len({t.island for t in tasks})} island(s)...", file=sys.stderr, flush=True)
+        cluster = SlurmCluster(cfg.slurm, tasks=tasks, devices_per_task=args.devices_per_host or 0,
+                               python=args.remote_python, bind_host=args.bind_host,
+                               controller_port=args.controller_port, coordinator_port=args.coordinator_port,
+                               log_dir=args.log_dir, start_timeout=args.start_timeout, config=cfg.cluster,
+                               **dcn)
+    elif args.hostfile:
         from zpath.cluster.ssh import SSHCluster, read_hostfile   # lazy: see the top
         hosts = read_hostfile(args.hostfile)
         print(f"starting {len(hosts)} host(s) over ssh...", file=sys.stderr, flush=True)
         cluster = SSHCluster(hosts, bind_host=args.bind_host, controller_port=args.controller_port,
-                             coordinator_port=args.coordinator_port, remote_python=args.remote_python,
+                             coordinator_port=args.coordinator_port,
+                             remote_python=args.remote_python or "python3",
                              ssh_options=shlex.split(args.ssh_options or cfg.cluster.ssh_options),
                              connect_timeout=args.connect_timeout, log_dir=args.log_dir,
                              start_timeout=args.start_timeout, config=cfg.cluster, **dcn)
     else:
         from zpath.cluster.launcher import LocalCluster           # lazy: see the top
+        args.islands = args.islands or DEFAULT_SHAPE["islands"]
+        args.devices_per_host = args.devices_per_host or DEFAULT_SHAPE["devices_per_host"]
         print(f"starting {args.islands} island(s) x {args.hosts_per_island} host(s) x "
               f"{args.devices_per_host} device(s)...", file=sys.stderr, flush=True)
         cluster = LocalCluster(args.islands, args.hosts_per_island, args.devices_per_host,
@@ -243,20 +258,30 @@ def main(argv: list[str] | None = None) -> int:
     shape = DEFAULT_SHAPE
     p = argparse.ArgumentParser(prog="zpath", description="zpath: a single-controller runtime for JAX")
     sub = p.add_subparsers(dest="command", required=True)
-    up = sub.add_parser("up", help="run a cluster (local, or over ssh with --hostfile) in the foreground")
-    up.add_argument("--islands", type=_positive_int, default=shape["islands"])
+    up = sub.add_parser("up", help="run a cluster (local, over ssh with --hostfile, or in a Slurm "
+                        "allocation with --slurm) in the foreground")
+    up.add_argument("--islands", type=_positive_int, default=None,
+                    help=f"islands (default {shape['islands']}; with --slurm 1: the allocation's tasks "
+                         "split into this many equal runs in node order)")
     up.add_argument("--hosts-per-island", type=_positive_int, default=shape["hosts_per_island"])
-    up.add_argument("--devices-per-host", type=_positive_int, default=shape["devices_per_host"])
+    up.add_argument("--devices-per-host", type=_positive_int, default=None,
+                    help=f"emulated CPU devices per host (default {shape['devices_per_host']}; with "
+                         "--slurm: per task, default none set: the nodes' own devices)")
+    up.add_argument("--slurm", action="store_true",
+                    help="inside a Slurm allocation (salloc, sbatch): one worker per task, each an srun "
+                         "step; the controller here (see README: Slurm)")
     up.add_argument("--hostfile", help="start one worker per line over ssh (see README: SSH clusters); "
                     "--islands/--hosts-per-island/--devices-per-host are then ignored")
     up.add_argument("--bind-host", help="address the controller (and local workers) listen on "
                     "(default 127.0.0.1; with --hostfile this machine's address on the route to the first host)")
     up.add_argument("--controller-port", type=_port, default=0, help="controller port (default: a free one)")
     up.add_argument("--coordinator-port", type=_port, default=0,
-                    help="with --hostfile: base port of multi-host islands' jax.distributed coordinators "
+                    help="with --hostfile/--slurm: base port of multi-host islands' jax.distributed "
+                         "coordinators "
                          "(island i uses base+i; default: free/random)")
-    up.add_argument("--remote-python", default="python3",
-                    help="with --hostfile: python on the hosts, unless a line has python=")
+    up.add_argument("--remote-python", default=None,
+                    help="with --hostfile: python on the hosts, unless a line has python= (default "
+                         "python3); with --slurm: python on the nodes (default: this one)")
     up.add_argument("--ssh-options", help="with --hostfile: extra ssh arguments, e.g. \"-i KEY\" "
                     "(default $ZPATH_SSH_OPTIONS)")
     up.add_argument("--connect-timeout", type=_positive_int, default=10, help="ssh ConnectTimeout (s)")
