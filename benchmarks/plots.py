@@ -14,6 +14,8 @@ a test) can look at what was drawn. Figures are built with the object API
   (transfer.py), and optionally the DCN rate achieved against its cap.
 * ``dispatch``: computations per second of zpath and JAX multi-controller per
   variant, with zpath/MC and its interval (island_dispatch.py).
+* ``trace``: a Chrome Trace Event document (``zp.trace``) drawn as Perfetto lays it
+  out, for docs/ (examples/trace_demo.py).
 """
 from __future__ import annotations
 
@@ -150,5 +152,58 @@ def dispatch(path: str, variants: Sequence[str], zpath: Sequence[float], mc: Seq
     ax.legend(frameon=False, loc="upper left")
     if title:
         ax.set_title(title)
+    fig.savefig(path, dpi=100)
+    return fig
+
+
+def trace(path: str, doc: dict[str, Any], title: str = "") -> Figure:
+    """A Chrome Trace Event document (``zp.trace``, ``zpath trace``) drawn as
+    Perfetto lays it out: one lane per track (process name, then track name, in
+    the document's sort order), one bar per complete ("X") event coloured by its
+    name, and an arrow per flow (send -> receive)."""
+    events = doc["traceEvents"]
+    proc: dict[int, tuple[int, str]] = {}
+    track: dict[tuple[int, int], tuple[int, str]] = {}
+    for e in events:
+        if e.get("ph") != "M":
+            continue
+        if e["name"] == "process_name":
+            proc[e["pid"]] = (proc.get(e["pid"], (e["pid"], ""))[0], e["args"]["name"])
+        elif e["name"] == "process_sort_index":
+            proc[e["pid"]] = (e["args"]["sort_index"], proc.get(e["pid"], (0, str(e["pid"])))[1])
+        elif e["name"] == "thread_name":
+            key = (e["pid"], e["tid"])
+            track[key] = (track.get(key, (e["tid"], ""))[0], e["args"]["name"])
+        elif e["name"] == "thread_sort_index":
+            key = (e["pid"], e["tid"])
+            track[key] = (e["args"]["sort_index"], track.get(key, (0, str(e["tid"])))[1])
+    used = {(e["pid"], e["tid"]) for e in events if e.get("ph") in ("X", "s", "f")}
+    lanes = sorted(used, key=lambda k: (proc.get(k[0], (k[0], ""))[0], track.get(k, (k[1], ""))[0]))
+    row = {k: i for i, k in enumerate(lanes)}
+    labels = [f"{proc.get(p, (0, str(p)))[1]}: {track.get((p, t), (0, str(t)))[1]}" for p, t in lanes]
+    names = sorted({e["name"] for e in events if e.get("ph") == "X"})
+    fig = Figure(figsize=(13, 1.5 + 0.42 * len(lanes)), layout="constrained")
+    ax = fig.add_subplot()
+    for e in events:
+        if e.get("ph") == "X":
+            ax.barh(row[(e["pid"], e["tid"])], max(e["dur"], 1.0) / 1e3, left=e["ts"] / 1e3, height=0.7,
+                    color=colour(names.index(e["name"])), edgecolor="black", linewidth=0.3)
+    starts = {e["id"]: e for e in events if e.get("ph") == "s"}
+    for f in (e for e in events if e.get("ph") == "f"):
+        s = starts.get(f["id"])
+        if s is not None:
+            ax.annotate("", xy=(f["ts"] / 1e3, row[(f["pid"], f["tid"])]),
+                        xytext=(s["ts"] / 1e3, row[(s["pid"], s["tid"])]),
+                        arrowprops={"arrowstyle": "->", "color": "black", "lw": 0.8})
+    ax.set_yticks(range(len(lanes)), labels=labels)
+    ax.set_ylim(len(lanes) - 0.5, -0.5)
+    ax.set_xlabel("ms from the start of the trace")
+    ax.grid(True, axis="x", alpha=0.3)
+    if title:
+        ax.set_title(title)
+    legend = [n for n in names if len(n) <= 40][:12]
+    if legend:
+        fig.legend(handles=[Patch(color=colour(names.index(n)), label=n) for n in legend],
+                   loc="outside lower center", ncols=min(4, len(legend)), frameon=False)
     fig.savefig(path, dpi=100)
     return fig

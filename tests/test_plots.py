@@ -135,3 +135,28 @@ def test_dispatch_bars_and_ratio_labels(tmp_path):
     labels = [t.get_text() for t in ax.texts]
     assert labels == ["0.50x\n(0.45-0.55)", "0.94x\n(0.90-0.97)"]
     assert ax.get_yscale() == "log"
+
+
+def test_trace_draws_every_track_slice_and_flow(tmp_path):
+    doc = {"traceEvents": [
+        {"ph": "M", "name": "process_name", "pid": 1001, "args": {"name": "host 1 b (island 1)"}},
+        {"ph": "M", "name": "process_name", "pid": 1000, "args": {"name": "host 0 a (island 0)"}},
+        {"ph": "M", "name": "process_sort_index", "pid": 1000, "args": {"sort_index": 0}},
+        {"ph": "M", "name": "process_sort_index", "pid": 1001, "args": {"sort_index": 1}},
+        {"ph": "M", "name": "thread_name", "pid": 1000, "tid": 0, "args": {"name": "device 0"}},
+        {"ph": "M", "name": "thread_name", "pid": 1000, "tid": 9, "args": {"name": "transfers out"}},
+        {"ph": "M", "name": "thread_name", "pid": 1001, "tid": 1, "args": {"name": "device 1"}},
+        {"ph": "X", "name": "f", "pid": 1000, "tid": 0, "ts": 0.0, "dur": 2000.0},
+        {"ph": "X", "name": "DCN 8 B -> host 1", "pid": 1000, "tid": 9, "ts": 2000.0, "dur": 500.0},
+        {"ph": "X", "name": "g", "pid": 1001, "tid": 1, "ts": 2500.0, "dur": 1000.0},
+        {"ph": "s", "id": 5, "name": "transfer", "pid": 1000, "tid": 9, "ts": 2000.0},
+        {"ph": "f", "id": 5, "bp": "e", "name": "transfer", "pid": 1001, "tid": 1, "ts": 2500.0}]}
+    fig = plots.trace(str(tmp_path / "trace.png"), doc)
+    ax = fig.axes[0]
+    assert [t.get_text() for t in ax.get_yticklabels()] == [
+        "host 0 a (island 0): device 0", "host 0 a (island 0): transfers out", "host 1 b (island 1): device 1"]
+    drawn = sorted((round(b.get_y() + b.get_height() / 2), b.get_x(), b.get_width()) for b in bars(fig))
+    assert drawn == [(0, 0.0, 2.0), (1, 2.0, 0.5), (2, 2.5, 1.0)]
+    arrows = [a for a in ax.texts if getattr(a, "arrow_patch", None) is not None]
+    assert len(arrows) == 1 and arrows[0].xy == (2.5, 2) and arrows[0].xyann == (2.0, 1)
+    assert (tmp_path / "trace.png").stat().st_size > 0

@@ -8,7 +8,7 @@ import zpath
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
-PUBLIC = {"init", "connect", "shutdown", "Cluster", "pmap", "jit", "program", "ProgramFunction", "Mesh",
+PUBLIC = {"init", "connect", "shutdown", "trace", "Cluster", "pmap", "jit", "program", "ProgramFunction", "Mesh",
           "P", "make_virtual_device_set", "VirtualDeviceSet", "VirtualDevice", "Slice", "Future",
           "ZpathError", "ProtocolError", "RemoteError", "HostLost", "Closed", "Broken",
           "DeadlineExceeded", "ResourceError"}
@@ -91,7 +91,7 @@ def test_client_and_cluster_import_at_module_top():
     down` and `zpath --help` start fast: see test_the_cli_starts_without_the_wire_protocol)."""
     allowed = {("cli.py", "zpath.controller.server"), ("cli.py", "zpath.worker.server"),
                ("cli.py", "zpath.cluster.ssh"), ("cli.py", "zpath.cluster.slurm"),
-               ("cli.py", "zpath.cluster.launcher"),
+               ("cli.py", "zpath.cluster.launcher"), ("cli.py", "zpath.client.trace"),
                ("cli.py", "zpath.client.connection"), ("cli.py", "zpath.net")}
     found = [(p.name, line, mod) for p in CLIENT_AND_CLUSTER for line, mod in _imports(p)[1]
              if (p.name, mod) not in allowed]

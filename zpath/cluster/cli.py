@@ -1,4 +1,4 @@
-"""The ``zpath`` command: ``up``, ``down``, ``status``, ``controller``, ``worker``."""
+"""The ``zpath`` command: ``up``, ``down``, ``status``, ``trace``, ``controller``, ``worker``."""
 from __future__ import annotations
 
 import argparse
@@ -164,18 +164,20 @@ def _down(args: argparse.Namespace, cfg: Settings) -> int:
     return 0
 
 
-def _status(args: argparse.Namespace, cfg: Settings) -> int:
+def _connect(args: argparse.Namespace, cfg: Settings, command: str, name: str) -> Any:
+    """A ``Client`` of the cluster ``args.address`` names, else ZPATH_CONTROLLER,
+    else the `zpath up` of the state file (with its key file); None (after saying
+    why) when there is none."""
     from zpath.client.connection import Client     # lazy: see the top
-    from zpath.net import messages as m
     address = args.address or cfg.client.controller
     key = None
     if not address:
         # the cluster a `zpath up` on this machine runs (its state file has both)
         path = args.state or cluster_state.default_path(cfg.cluster.state)
         if not os.path.exists(path):
-            print("zpath status: give the controller address, set ZPATH_CONTROLLER, or run it where "
+            print(f"zpath {command}: give the controller address, set ZPATH_CONTROLLER, or run it where "
                   f"`zpath up` runs (no state file {path})", file=sys.stderr)
-            return 2
+            return None
         try:
             st = cluster_state.read_state(path)
             address = st["address"]
@@ -192,8 +194,16 @@ def _status(args: argparse.Namespace, cfg: Settings) -> int:
             except OSError as e:
                 raise ZpathError(f"cannot read the key file {st['key_file']}: {e.strerror}") from None
     _check_address(address)
-    c = Client(address, key or key_from_config(cfg.common), name="status", timeout=args.timeout,
-               config=cfg.client)
+    return Client(address, key or key_from_config(cfg.common), name=name, timeout=args.timeout,
+                  config=cfg.client)
+
+
+def _status(args: argparse.Namespace, cfg: Settings) -> int:
+    from zpath.net import messages as m           # lazy: see the top
+    c = _connect(args, cfg, "status", "status")
+    if c is None:
+        return 2
+    address = c.address
     try:
         st = c.request(m.StatusRequest(True), timeout=args.timeout)
     finally:
@@ -217,6 +227,27 @@ def _status(args: argparse.Namespace, cfg: Settings) -> int:
     for cl in st.clients:
         print(f"  client {cl.id} {cl.name}: weight {cl.weight:g}, device time {cl.device_seconds:.3f}s, "
               f"running {cl.running}, queued {cl.queued}")
+    return 0
+
+
+def _trace(args: argparse.Namespace, cfg: Settings) -> int:
+    from zpath.client.trace import TRANSFERS_OUT_TID, record_cluster  # lazy: see the top
+    c = _connect(args, cfg, "trace", "trace")
+    if c is None:
+        return 2
+    stop = threading.Event()
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    try:
+        print(f"tracing {c.address} for {args.seconds:g} s (Ctrl-C ends it sooner)...", file=sys.stderr,
+              flush=True)
+        doc = record_cluster(c, args.seconds, args.output, stop)
+    finally:
+        c.close()
+    n = sum(1 for e in doc["traceEvents"] if e.get("cat") == "computation")
+    t = sum(1 for e in doc["traceEvents"] if e.get("cat") == "transfer" and e["ph"] == "X"
+            and e["tid"] == TRANSFERS_OUT_TID)
+    print(f"wrote {args.output}: {n} computation slices, {t} transfers "
+          "(open it in https://ui.perfetto.dev)")
     return 0
 
 
@@ -310,11 +341,19 @@ def main(argv: list[str] | None = None) -> int:
                     "(default $ZPATH_STATE or ~/.zpath/cluster.json)")
     st.add_argument("--timeout", type=_positive, default=10.0)
     st.set_defaults(fn=_status)
+    tr = sub.add_parser("trace", help="record what a running cluster does for a while, as Chrome Trace "
+                        "Event JSON (Perfetto)")
+    tr.add_argument("address", nargs="?", help="controller address (default as for zpath status)")
+    tr.add_argument("--seconds", type=_positive, default=10.0, help="how long to record (default 10)")
+    tr.add_argument("-o", "--output", default="trace.json", help="the file to write (default trace.json)")
+    tr.add_argument("--state", help="with no address: the state file of `zpath up`")
+    tr.add_argument("--timeout", type=_positive, default=10.0)
+    tr.set_defaults(fn=_trace)
     sub.add_parser("controller", help="run a controller (see zpath controller --help)", add_help=False)
     sub.add_parser("worker", help="run a worker (see zpath worker --help)", add_help=False)
     args, extra = p.parse_known_args(argv)
     if extra:            # the subcommand's usage, not the top level's
-        {"up": up, "down": dn, "status": st}[args.command].error(
+        {"up": up, "down": dn, "status": st, "trace": tr}[args.command].error(
             f"unrecognized arguments: {' '.join(extra)}")
     return _friendly(args.command, args.fn, args, cfg)
 
