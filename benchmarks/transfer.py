@@ -41,6 +41,7 @@ import plots   # noqa: E402  (benchmarks/plots.py)
 import zmq   # noqa: E402
 
 import zpath as zp   # noqa: E402
+from zpath.client import session as zp_session   # noqa: E402
 from zpath.cluster.launcher import LocalCluster   # noqa: E402
 from zpath.net import messages as m   # noqa: E402
 from zpath.net.transport import Endpoint   # noqa: E402
