@@ -76,7 +76,7 @@ def shares(path: str, policies: dict[str, Sequence[dict[str, Any]]], title: str 
     target as a black tick."""
     fig = Figure(figsize=(4.5 * max(1, len(policies)), 3.6), layout="constrained")
     axes = fig.subplots(1, max(1, len(policies)), squeeze=False, sharey=True)[0]
-    for ax, (policy, rows) in zip(axes, policies.items(), strict=False):
+    for ax, (policy, rows) in zip(axes[:len(policies)], policies.items(), strict=True):
         x = range(len(rows))
         ax.bar(x, [100 * r["share"] for r in rows], color=[colour(k) for k in x], label="share")
         ax.scatter(x, [100 * r["target"] for r in rows], marker="_", s=600, color="black",

@@ -226,6 +226,20 @@ def job_processes(job: str) -> list[psutil.Process]:
     return out
 
 
+def _cmdline(p: psutil.Process) -> str:
+    try:
+        return " ".join(p.cmdline())
+    except psutil.Error:
+        return ""
+
+
+def _alive(p: psutil.Process) -> bool:
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
 def assert_nothing_left(slurm: Slurm, job: str, key_file: Path) -> None:
     """No process, no job step and no shared memory of the job's cluster is left."""
     wait_until(lambda: not job_processes(job), 30, 0.2, what=f"no process of job {job}")
@@ -244,7 +258,12 @@ zp.init()
 vds = zp.make_virtual_device_set().add_slice(devices=4, island=0)   # 2 hosts x 2 devices
 f = zp.pmap(lambda v: jax.lax.psum(v, "i"), devices=vds.devices, axis_name="i")
 print("allreduce", np.asarray(f(np.arange(4.0)).result(timeout=60)).tolist(), flush=True)
-lines = [" ".join(p.cmdline()) for p in psutil.process_iter() if p.is_running()]
+lines = []
+for p in psutil.process_iter():
+    try:
+        lines.append(" ".join(p.cmdline()))
+    except psutil.Error:                  # gone, a zombie, or not ours to read
+        pass
 print("key on a command line:", any(key in line for line in lines), flush=True)
 zp.shutdown()
 """
@@ -287,14 +306,14 @@ def test_cancelling_the_job_stops_the_cluster(slurm, tmp_path):
     try:
         wait_until(lambda: out.exists() and "zpath cluster up" in out.read_text(), 60, 0.2,
                    what="the cluster up")
-        workers = [p for p in job_processes(job) if "zpath.worker" in " ".join(p.cmdline())]
+        workers = [p for p in job_processes(job) if "zpath.worker" in _cmdline(p)]
         assert len(workers) == 2
         assert sorted(f.name for f in logs.glob("worker-*.log")) == ["worker-0-zn1-t0.log",
                                                                     "worker-1-zn1-t1.log"]
     finally:
         slurm.run("scancel", job)
     assert_nothing_left(slurm, job, logs / "cluster.key")
-    assert not any(p.is_running() for p in workers)
+    assert not any(_alive(p) for p in workers)
 
 
 def test_allocation_too_small_for_the_layout(slurm):

@@ -34,7 +34,7 @@ import dataclasses
 import json
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import zmq
@@ -139,7 +139,7 @@ def ask_workers(key: bytes, hosts: list[m.HostInfo], samples: int = 1,
 
 def build(*, begin: float, end: float, status: m.Status, records: list[m.ExecRecord],
           views: dict[int, HostView], client_id: int | None = None,
-          slices: list[ClientSlice] = (), address: str = "") -> dict[str, Any]:
+          slices: Sequence[ClientSlice] = (), address: str = "") -> dict[str, Any]:
     """The Chrome Trace Event document of [begin, end] (this machine's wall clock).
     Pure: what the cluster answered in, the JSON-ready dict out."""
     events: list[dict[str, Any]] = []
@@ -245,7 +245,7 @@ def build(*, begin: float, end: float, status: m.Status, records: list[m.ExecRec
 
 
 def collect(client: Any, begin: float, end: float, at_start: tuple[dict[int, HostView], list[m.ClientStatus]],
-            slices: list[ClientSlice] = (), client_id: int | None = None) -> dict[str, Any]:
+            slices: Sequence[ClientSlice] = (), client_id: int | None = None) -> dict[str, Any]:
     """Ask the controller (``client``: a connected ``Client``) and the workers what
     ran in [begin, end]; the trace document. ``at_start``: what ``start`` said."""
     views_at_start, clients_at_start = at_start
