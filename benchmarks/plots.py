@@ -134,7 +134,7 @@ def dispatch(path: str, variants: Sequence[str], zpath: Sequence[float], mc: Seq
              intervals: Sequence[tuple[float, float]] = (), title: str = "") -> Figure:
     """Computations per second per variant, zpath beside multi-controller (log
     scale), each pair labelled with zpath/MC and its 95% interval when given."""
-    fig = Figure(figsize=(6, 4), layout="constrained")
+    fig = Figure(figsize=(7, 4.5), layout="constrained")
     ax = fig.add_subplot()
     x = list(range(len(variants)))
     ax.bar([i - 0.2 for i in x], zpath, width=0.4, color=colour(0), label="zpath")
@@ -149,7 +149,8 @@ def dispatch(path: str, variants: Sequence[str], zpath: Sequence[float], mc: Seq
     ax.set_yscale("log")
     ax.set_ylabel("computations / s")
     ax.margins(y=0.25)
-    ax.legend(frameon=False, loc="upper left")
+    fig.legend(handles=ax.containers, labels=["zpath", "JAX multi-controller"], loc="outside lower center",
+               ncols=2, frameon=False)
     if title:
         ax.set_title(title)
     fig.savefig(path, dpi=100)

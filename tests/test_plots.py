@@ -135,6 +135,7 @@ def test_dispatch_bars_and_ratio_labels(tmp_path):
     labels = [t.get_text() for t in ax.texts]
     assert labels == ["0.50x\n(0.45-0.55)", "0.94x\n(0.90-0.97)"]
     assert ax.get_yscale() == "log"
+    assert [t.get_text() for t in fig.legends[0].get_texts()] == ["zpath", "JAX multi-controller"]
 
 
 def test_trace_draws_every_track_slice_and_flow(tmp_path):
