@@ -41,7 +41,7 @@ that prints figures, not a test. ``--mc-load`` adds runs of zpath -C, MC,
 and MC beside a load as busy as zpath's control plane in -C, in bursts of one
 node's worth of its CPU (see benchmarks/island_dispatch.py).
 
-    python benchmarks/chained.py [--programs 4] [--repeats 5] [--mc-load] [--json out.json]
+    python benchmarks/chained.py [--programs 4] [--repeats 5] [--mc-load] [--json out.json] [--png out.png]
 """
 from __future__ import annotations
 
@@ -57,6 +57,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import plots  # noqa: E402  (benchmarks/plots.py)
 from island_dispatch import (LOAD_HEAD, LOAD_TITLE, LOOP, McBench, _check, _cpu,  # noqa: E402
                              _summary, _timeline_stats, control_cpu, cpu_line, expected,
                              load_line, mc_with_load, on_sigterm, ratio_ci, timeline_line)
@@ -223,6 +224,7 @@ def main(argv: list[str] | None = None) -> int:
                         "as zpath's controller and workers' I/O threads did in -C (see "
                         "island_dispatch.py --mc-load)")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON here")
+    p.add_argument("--png", metavar="PATH", help="also draw the figures here (matplotlib)")
     args = p.parse_args(argv)
     if args.programs < 1 or args.repeats < 1:
         p.error("--programs and --repeats must be at least 1")
@@ -297,6 +299,11 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.json, "w") as f:
             json.dump({"zpath": z, "multi_controller": mc, "mc_load": load, "config": config}, f, indent=2)
         print(f"\nwrote {args.json}")
+    if args.png:
+        plots.dispatch(args.png, ["-" + v for v in VARIANTS], [z[v]["comps_per_s"] for v in VARIANTS],
+                       [mc["comps_per_s"]] * len(VARIANTS), [z[v]["ratio_ci"] for v in VARIANTS],
+                       title=f"{NODES} chained nodes per program, against JAX multi-controller")
+        print(f"wrote {args.png}")
     return 0
 
 

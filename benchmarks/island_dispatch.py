@@ -41,6 +41,9 @@ on the burst size as well as the share, so it is a model of the control plane,
 not a replay of it. The table also shows the share the load really took.
 
     python benchmarks/island_dispatch.py [--calls-o 500] [--calls-f 20] [--repeats 5] [--mc-load] [--json out.json]
+
+``--png PATH`` also draws computations per second of both per variant, with
+zpath/MC and its interval (matplotlib, benchmarks/plots.py).
 """
 from __future__ import annotations
 
@@ -57,6 +60,10 @@ import time
 from typing import Any, Callable
 
 import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import plots  # noqa: E402  (benchmarks/plots.py)
 
 LOOP = 128           # computations per -F call, as in the paper
 
@@ -619,6 +626,7 @@ def main(argv: list[str] | None = None) -> int:
                         "as zpath's controller and workers' I/O threads did: how much of the gap "
                         "sharing the cores with a control plane explains")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON here")
+    p.add_argument("--png", metavar="PATH", help="also draw the figures here (matplotlib)")
     args = p.parse_args(argv)
     if args.calls_o < 1 or args.calls_f < 1 or args.repeats < 1:
         p.error("--calls-o, --calls-f and --repeats must be at least 1")
@@ -683,6 +691,11 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.json, "w") as f:
             json.dump({"zpath": z, "multi_controller": mc, "mc_load": load, "config": config}, f, indent=2)
         print(f"\nwrote {args.json}")
+    if args.png:
+        plots.dispatch(args.png, ["-O", "-F"], [z[v]["comps_per_s"] for v in ("O", "F")],
+                       [mc[v]["comps_per_s"] for v in ("O", "F")], [z[v]["ratio_ci"] for v in ("O", "F")],
+                       title="psum(x) + 1 on a 2-host island")
+        print(f"wrote {args.png}")
     return 0
 
 

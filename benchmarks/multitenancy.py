@@ -16,9 +16,11 @@ island is never idle.
 2. **Aggregate throughput** with 1, 2, 4 and 8 clients (weight 1), each
    backlogged for ``--tp-seconds``: computations per second over the interval
    in which all were running, and the devices' busy fraction.
-3. **Timeline picture**: ``--png`` (default ``multitenancy_timeline.png``), a
-   ``--png-window``-second slice from the middle of the ``share`` run: one lane
-   per device, one bar per computation, coloured by client.
+3. **Pictures** (matplotlib, benchmarks/plots.py): ``--png`` (default
+   ``multitenancy_timeline.png``), a ``--png-window``-second slice from the
+   middle of the ``share`` run: one lane per device, one bar per computation,
+   coloured by client; ``--shares-png`` (default ``multitenancy_shares.png``):
+   each client's share against its target under both policies.
 
 This is a benchmark that prints figures, not a test.
 
@@ -36,6 +38,8 @@ import time
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import plots  # noqa: E402  (benchmarks/plots.py)
 
 CLIENT = r"""
 import sys, time
@@ -155,8 +159,6 @@ def throughput(cluster: Any, n: int, seconds: float, depth: int, size: int) -> d
 
 
 def picture(path: str, res: dict[str, Any], window: float) -> None:
-    from timeline_png import render_timeline
-
     ids, recs = res["ids"], res["records"]
     mid = (res["lo"] + res["hi"]) / 2
     t0, t1 = mid - window / 2, mid + window / 2
@@ -167,9 +169,9 @@ def picture(path: str, res: dict[str, Any], window: float) -> None:
     by_id = {row["client"]: row for row in res["clients"]}
     legend = [f"client {cid} weight {w:g}: {100 * by_id[cid]['share']:.1f}% (target {100 * by_id[cid]['target']:.1f}%)"
               for cid, w in sorted(ids.items(), key=lambda kv: kv[1])]
-    render_timeline(path, [f"device {d}" for d in devices], spans, legend,
-                    title=f"zpath proportional share, weights 1:2:4:8, {window:g} s of the run",
-                    t0=t0, t1=t1)
+    plots.timeline(path, [f"device {d}" for d in devices], spans, legend,
+                   title=f"zpath proportional share, weights 1:2:4:8, {window:g} s of the run",
+                   t0=t0, t1=t1)
 
 
 def main() -> int:
@@ -180,6 +182,7 @@ def main() -> int:
     ap.add_argument("--depth", type=int, default=32, help="calls each client keeps outstanding")
     ap.add_argument("--size", type=int, default=384, help="matrix side of the computation")
     ap.add_argument("--png", default="multitenancy_timeline.png")
+    ap.add_argument("--shares-png", default="multitenancy_shares.png")
     ap.add_argument("--png-window", type=float, default=1.0, help="seconds of the share run drawn")
     ap.add_argument("--json", help="also write the figures here")
     args = ap.parse_args()
@@ -208,6 +211,9 @@ def main() -> int:
                 picture(args.png, res, args.png_window)
                 print(f"timeline picture: {args.png}")
             out["shares"][policy] = {k: v for k, v in res.items() if k not in ("records", "ids")}
+    plots.shares(args.shares_png, {p: out["shares"][p]["clients"] for p in ("share", "fifo")},
+                 title="device-time share of 4 clients, weights 1:2:4:8")
+    print(f"shares picture: {args.shares_png}")
     print("\n## aggregate throughput (share policy, weight 1 each)")
     print("| clients | computations/s | devices busy | interval |")
     print("|---|---|---|---|")

@@ -3,7 +3,10 @@
 size, and DCN between islands with an emulated bandwidth cap (and what loopback
 TCP carries through the same path, the most any cap can reach here).
 
-    .venv/bin/python benchmarks/transfer.py [--quick] [--only ici|dcn]
+    .venv/bin/python benchmarks/transfer.py [--quick] [--only ici|dcn] [--png transfer.png]
+
+``--png`` draws throughput against size (and the DCN rate against its cap)
+with matplotlib (benchmarks/plots.py).
 
 Method: a value of N bytes is produced on host A (``v + 1``) and waited for;
 then a trivial consumer on host B (``v[..., :1] * 2``) reads it, which makes A
@@ -31,10 +34,14 @@ import time
 import numpy as np
 
 sys.path.insert(0, __file__.rsplit("/benchmarks/", 1)[0])
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+
+import plots   # noqa: E402  (benchmarks/plots.py)
 
 import zmq   # noqa: E402
 
 import zpath as zp   # noqa: E402
+from zpath.client import session as zp_session   # noqa: E402
 from zpath.cluster.launcher import LocalCluster   # noqa: E402
 from zpath.net import messages as m   # noqa: E402
 from zpath.net.transport import Endpoint   # noqa: E402
@@ -133,7 +140,8 @@ def repeats_for(n: int) -> int:
     return 30 if n <= 1 << 20 else 12 if n <= 16 << 20 else 7 if n <= 64 << 20 else 5
 
 
-def ici(quick: bool) -> None:
+def ici(quick: bool) -> dict[str, list[float]]:
+    """Prints the ICI table; returns GB/s per size (``sizes(quick)``) per path."""
     rows = {}
     for label, env in (("shm", {}), ("tcp", {"ZPATH_SHM": "0"})):
         with LocalCluster(islands=1, hosts_per_island=2, devices_per_host=1, env=env) as c:
@@ -163,6 +171,11 @@ def ici(quick: bool) -> None:
               f"{shm / mw:8.0%} {shm / mf:7.0%} | {_rate(n, r['shm wall']):>13} / "
               f"{_rate(n, r['tcp wall'])}")
     print("(call wall-base: '-' where the call took no longer than the 4-byte one, within noise)")
+    ns = sizes(quick)
+    return {"shm (channel)": [n / rows[n]["shm"] / 1e9 for n in ns],
+            "tcp (channel)": [n / rows[n]["tcp"] / 1e9 for n in ns],
+            "memcpy warm": [n / rows[n]["memcpy"][0] / 1e9 for n in ns],
+            "memcpy new": [n / rows[n]["memcpy"][1] / 1e9 for n in ns]}
 
 
 def _rate(nbytes: int, seconds: float) -> str:
@@ -174,7 +187,8 @@ def _rate(nbytes: int, seconds: float) -> str:
 UNCAPPED_GBPS = 1000.0
 
 
-def dcn(quick: bool) -> None:
+def dcn(quick: bool) -> list[tuple[float, float]]:
+    """Prints the DCN table; returns (cap Gbit/s, achieved Gbit/s) per cap."""
     n = 64 << 20
     rows = {}
     for gbps in (1.0, 4.0, 8.0, UNCAPPED_GBPS):
@@ -205,6 +219,7 @@ def dcn(quick: bool) -> None:
         note = "" if gbps <= link else f"cap not reachable (loopback {link:.2f} Gbit/s)"
         print(f"{gbps:10.1f} | {expected:10.3f} {t:10.3f} | {rate:11.2f} {rate / gbps:7.0%}"
               f" | {wall - base:16.3f} | {note}")
+    return [(gbps, n * 8 / t / 1e9) for gbps, (t, _, _) in rows.items() if gbps != UNCAPPED_GBPS]
 
 
 def _size(n: int) -> str:
@@ -218,13 +233,16 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="sizes up to 64 MiB, fewer repeats")
     p.add_argument("--only", choices=("ici", "dcn"), help="run only this part")
+    p.add_argument("--png", help="also draw the figures here (matplotlib)")
     args = p.parse_args()
     print(__doc__.split("Method:", 1)[1].strip().replace("\n", " ").replace("  ", " ")
           .join(["Method: ", "\n"]))
-    if args.only != "dcn":
-        ici(args.quick)
-    if args.only != "ici":
-        dcn(args.quick)
+    series = ici(args.quick) if args.only != "dcn" else {}
+    caps = dcn(args.quick) if args.only != "ici" else []
+    if args.png:
+        plots.throughput(args.png, sizes(args.quick) if series else [], series, caps,
+                         title="zpath data plane on this machine")
+        print(f"\npicture: {args.png}")
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ import zpath
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
-PUBLIC = {"init", "connect", "shutdown", "Cluster", "pmap", "jit", "program", "ProgramFunction", "Mesh",
+PUBLIC = {"init", "connect", "shutdown", "trace", "Cluster", "pmap", "jit", "program", "ProgramFunction", "Mesh",
           "P", "make_virtual_device_set", "VirtualDeviceSet", "VirtualDevice", "Slice", "Future",
           "ZpathError", "ProtocolError", "RemoteError", "HostLost", "Closed", "Broken",
           "DeadlineExceeded", "ResourceError"}
@@ -54,6 +54,7 @@ def test_client_and_cluster_tools_do_not_import_the_controller_or_the_workers():
     """The client library and the cluster tooling talk to the controller and
     the workers over the wire only (the CLI runs their main(), importing it then)."""
     assert _loaded("zpath.client.session, zpath.client.tracer, zpath.cluster.cli, zpath.cluster.ssh, "
+                   "zpath.cluster.slurm, "
                    "zpath.cluster.remote, zpath.cluster.state, zpath.cluster.testing",
                    "m.startswith(('zpath.controller', 'zpath.worker'))") == "[]"
 
@@ -90,7 +91,8 @@ def test_client_and_cluster_import_at_module_top():
     down` and `zpath --help` start fast: see test_the_cli_starts_without_the_wire_protocol)."""
     allowed = {("cli.py", "zpath.controller.server"), ("cli.py", "zpath.worker.server"),
                ("cli.py", "zpath.worker.simulate"),
-               ("cli.py", "zpath.cluster.ssh"), ("cli.py", "zpath.cluster.launcher"),
+               ("cli.py", "zpath.cluster.ssh"), ("cli.py", "zpath.cluster.slurm"),
+               ("cli.py", "zpath.cluster.launcher"), ("cli.py", "zpath.client.trace"),
                ("cli.py", "zpath.client.connection"), ("cli.py", "zpath.net")}
     found = [(p.name, line, mod) for p in CLIENT_AND_CLUSTER for line, mod in _imports(p)[1]
              if (p.name, mod) not in allowed]

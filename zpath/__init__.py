@@ -26,6 +26,7 @@ _LAZY = {
     "init": ("zpath.client.session", "init"),
     "connect": ("zpath.client.session", "connect"),
     "shutdown": ("zpath.client.session", "shutdown"),
+    "trace": ("zpath.client.session", "trace"),
     "Cluster": ("zpath.client.session", "Cluster"),
     "pmap": ("zpath.client.api", "pmap"),
     "jit": ("zpath.client.api", "jit"),
@@ -40,7 +41,7 @@ _LAZY = {
     "P": ("jax.sharding", "PartitionSpec"),
 }
 
-__all__ = ["init", "connect", "shutdown", "Cluster", "pmap", "jit", "program", "ProgramFunction", "Mesh", "P",
+__all__ = ["init", "connect", "shutdown", "trace", "Cluster", "pmap", "jit", "program", "ProgramFunction", "Mesh", "P",
            "make_virtual_device_set", "VirtualDeviceSet", "VirtualDevice", "Slice", "Future",
            "ZpathError", "ProtocolError", "RemoteError", "HostLost", "Closed", "Broken",
            "DeadlineExceeded", "ResourceError"]

@@ -183,6 +183,16 @@ class CommonConfig(_FromEnv):
                               "host name); hosts with the same id share segments")
 
 
+@dataclasses.dataclass(frozen=True)
+class SlurmJob(_FromEnv):
+    """The Slurm allocation ``zpath up --slurm`` runs inside, as Slurm describes it in
+    the environment of ``salloc``/``sbatch`` (not zpath settings: not in ``ROLES``)."""
+    job_id: str = setting("", "SLURM_JOB_ID", "the job (allocation) id")
+    nodelist: str = setting("", "SLURM_JOB_NODELIST", "the allocated nodes, compressed (n[1-4])")
+    tasks_per_node: str = setting("", "SLURM_TASKS_PER_NODE", "tasks per node, e.g. 2(x3),1")
+    cpus_per_task: int = setting(0, "SLURM_CPUS_PER_TASK", "CPUs per task (0: not given)")
+
+
 ROLES = (CommonConfig, ControllerConfig, WorkerConfig, ClientConfig, ClusterConfig)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
+import time
 from typing import Any, Callable, Sequence
 
 import jax
@@ -293,6 +294,7 @@ class Computation:
         if tracer.tracing():
             return tracer.record(self, args)
         client = self.client
+        began = time.time()
         leaves, in_tree = jax.tree_util.tree_flatten(args, is_leaf=lambda x: isinstance(x, Future))
         for x in leaves:
             if isinstance(x, Future) and x._client is not client:
@@ -310,7 +312,10 @@ class Computation:
         out_buffers = [client.new_buffer_id() for _ in traced.out_avals]
         futures = [self.future(b, a, spec) for b, a, spec in
                    zip(out_buffers, traced.out_avals, traced.out_specs, strict=True)]
-        client.post(self.call_message(traced, inputs, out_buffers))
+        msg = self.call_message(traced, inputs, out_buffers)
+        client.post(msg)
+        if client.recorder is not None:
+            client.recorder.add("call", self.name, began, time.time(), call=msg.call_id, outputs=out_buffers)
         return jax.tree_util.tree_unflatten(traced.out_tree, futures)
 
 

@@ -114,6 +114,7 @@ class Client:
         self._futures: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
         self._data: dict[int, zmq.Socket] = {}
         self._lost: dict[int, str] = {}               # rank -> why (HostDown)
+        self.recorder: Any = None       # a zp.trace in progress: calls, programs and fetches go to it
         self._thread = threading.Thread(target=self._loop, name="zpath-client-io", daemon=True)
         self._thread.start()
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import numbers
 import threading
+import time
 from typing import Any
 
 import numpy as np
@@ -100,6 +101,20 @@ class Future:
             raise ValueError(f"timeout must be a number of seconds > 0 and <= {MAX_TIMEOUT_S:g} "
                              f"(or None), not {timeout!r}")
         timeout = float(timeout)
+        with self._lock:
+            if self._error is not None:
+                raise _fresh(self._error)
+            if self._value is not None:
+                return self._value
+        recorder, began = getattr(self._client, "recorder", None), time.time()
+        try:
+            return self._result(timeout)
+        finally:
+            if recorder is not None:
+                recorder.add("fetch", f"{self.dtype}{list(self.shape)}", began, time.time(),
+                             buffer=self.buffer)
+
+    def _result(self, timeout: float) -> np.ndarray:
         with self._lock:
             if self._error is not None:
                 raise _fresh(self._error)

@@ -1,21 +1,24 @@
 """Connecting to a cluster from the user's process: ``init`` (start a local
-cluster and connect), ``connect`` (join a running one), ``shutdown``."""
+cluster and connect), ``connect`` (join a running one), ``shutdown``; ``trace``
+(a timeline of what ran, as Chrome Trace Event JSON)."""
 from __future__ import annotations
 
 import atexit
 import os
 import re
 import warnings
+from contextlib import AbstractContextManager
 from typing import Any
 
-from zpath.client.api import _current, whole_number
+from zpath.client import trace as trace_file
+from zpath.client.api import _current, current_client, whole_number
 from zpath.client.connection import Client
 from zpath.cluster.launcher import LocalCluster, default_shape
 from zpath.config import ClientConfig, ClusterConfig, CommonConfig
 from zpath.errors import ZpathError
 from zpath.keys import key_from_config, parse_key
 
-__all__ = ["Cluster", "init", "connect", "shutdown"]
+__all__ = ["Cluster", "init", "connect", "shutdown", "trace"]
 
 
 class Cluster:
@@ -144,3 +147,12 @@ def shutdown() -> None:
     finally:
         if cluster.local is not None:
             cluster.local.stop()
+
+
+def trace(path: str) -> AbstractContextManager[trace_file.Recorder]:
+    """``with zp.trace("trace.json"): ...`` writes, when the block ends, a Chrome
+    Trace Event JSON file (open it in ui.perfetto.dev) of what ran on the cluster
+    meanwhile: this client's calls, programs and fetches, every computation on every
+    device (all clients'), transfers with their channel and bytes, clocks aligned
+    (zpath/client/trace.py)."""
+    return trace_file.trace(path, current_client())

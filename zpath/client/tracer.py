@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import threading
+import time
 import weakref
 from typing import Any, Callable
 
@@ -238,7 +239,14 @@ class ProgramFunction:
         client.post(msg, body=body)
 
     def __call__(self, *args: Any) -> Any:
+        began = time.time()
         traced, bound = self.trace(*args)
+        out = self._submit(traced, bound)
+        if traced.client.recorder is not None:
+            traced.client.recorder.add("program", self.name, began, time.time(), dispatch=self.dispatch)
+        return out
+
+    def _submit(self, traced: Traced, bound: list) -> Any:
         client = traced.client
         if self.dispatch == "parallel":
             pattern = tuple(isinstance(b, Future) for b in bound)

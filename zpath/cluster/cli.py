@@ -1,4 +1,4 @@
-"""The ``zpath`` command: ``up``, ``down``, ``status``, ``controller``, ``worker``."""
+"""The ``zpath`` command: ``up``, ``down``, ``status``, ``trace``, ``controller``, ``worker``."""
 from __future__ import annotations
 
 import argparse
@@ -16,7 +16,7 @@ import zmq
 
 from zpath import logs
 from zpath.cluster import state as cluster_state
-from zpath.config import DEFAULT_SHAPE, POLICIES, ClientConfig, ClusterConfig, CommonConfig
+from zpath.config import DEFAULT_SHAPE, POLICIES, ClientConfig, ClusterConfig, CommonConfig, SlurmJob
 from zpath.errors import ZpathError
 from zpath.keys import key_from_config, parse_key
 
@@ -33,10 +33,12 @@ class Settings:
     common: CommonConfig
     client: ClientConfig
     cluster: ClusterConfig
+    slurm: SlurmJob
 
     @classmethod
     def from_env(cls) -> "Settings":
-        return cls(CommonConfig.from_env(), ClientConfig.from_env(), ClusterConfig.from_env())
+        return cls(CommonConfig.from_env(), ClientConfig.from_env(), ClusterConfig.from_env(),
+                   SlurmJob.from_env())
 
 
 def _arg(convert: Any, ok: Any, what: str) -> Any:
@@ -88,17 +90,30 @@ def _up(args: argparse.Namespace, cfg: Settings) -> int:
             return 1
     dcn = dict(dcn_latency_ms=args.dcn_latency_ms, dcn_gbps=args.dcn_gbps, dcn_encrypt=args.dcn_encrypt,
                policy=args.policy)
-    if args.hostfile:
+    if args.slurm:
+        from zpath.cluster.slurm import SlurmCluster, allocation  # lazy: see the top
+        tasks = allocation(cfg.slurm, args.islands or 1)
+        print(f"starting {len(tasks)} worker(s) as srun steps of job {cfg.slurm.job_id}, "
+              f"{len({t.island for t in tasks})} island(s)...", file=sys.stderr, flush=True)
+        cluster = SlurmCluster(cfg.slurm, tasks=tasks, devices_per_task=args.devices_per_host or 0,
+                               python=args.remote_python, bind_host=args.bind_host,
+                               controller_port=args.controller_port, coordinator_port=args.coordinator_port,
+                               log_dir=args.log_dir, start_timeout=args.start_timeout, config=cfg.cluster,
+                               **dcn)
+    elif args.hostfile:
         from zpath.cluster.ssh import SSHCluster, read_hostfile   # lazy: see the top
         hosts = read_hostfile(args.hostfile)
         print(f"starting {len(hosts)} host(s) over ssh...", file=sys.stderr, flush=True)
         cluster = SSHCluster(hosts, bind_host=args.bind_host, controller_port=args.controller_port,
-                             coordinator_port=args.coordinator_port, remote_python=args.remote_python,
+                             coordinator_port=args.coordinator_port,
+                             remote_python=args.remote_python or "python3",
                              ssh_options=shlex.split(args.ssh_options or cfg.cluster.ssh_options),
                              connect_timeout=args.connect_timeout, log_dir=args.log_dir,
                              start_timeout=args.start_timeout, config=cfg.cluster, **dcn)
     else:
         from zpath.cluster.launcher import LocalCluster           # lazy: see the top
+        args.islands = args.islands or DEFAULT_SHAPE["islands"]
+        args.devices_per_host = args.devices_per_host or DEFAULT_SHAPE["devices_per_host"]
         print(f"starting {args.islands} island(s) x {args.hosts_per_island} host(s) x "
               f"{args.devices_per_host} device(s)...", file=sys.stderr, flush=True)
         cluster = LocalCluster(args.islands, args.hosts_per_island, args.devices_per_host,
@@ -149,18 +164,20 @@ def _down(args: argparse.Namespace, cfg: Settings) -> int:
     return 0
 
 
-def _status(args: argparse.Namespace, cfg: Settings) -> int:
+def _connect(args: argparse.Namespace, cfg: Settings, command: str, name: str) -> Any:
+    """A ``Client`` of the cluster ``args.address`` names, else ZPATH_CONTROLLER,
+    else the `zpath up` of the state file (with its key file); None (after saying
+    why) when there is none."""
     from zpath.client.connection import Client     # lazy: see the top
-    from zpath.net import messages as m
     address = args.address or cfg.client.controller
     key = None
     if not address:
         # the cluster a `zpath up` on this machine runs (its state file has both)
         path = args.state or cluster_state.default_path(cfg.cluster.state)
         if not os.path.exists(path):
-            print("zpath status: give the controller address, set ZPATH_CONTROLLER, or run it where "
+            print(f"zpath {command}: give the controller address, set ZPATH_CONTROLLER, or run it where "
                   f"`zpath up` runs (no state file {path})", file=sys.stderr)
-            return 2
+            return None
         try:
             st = cluster_state.read_state(path)
             address = st["address"]
@@ -177,8 +194,16 @@ def _status(args: argparse.Namespace, cfg: Settings) -> int:
             except OSError as e:
                 raise ZpathError(f"cannot read the key file {st['key_file']}: {e.strerror}") from None
     _check_address(address)
-    c = Client(address, key or key_from_config(cfg.common), name="status", timeout=args.timeout,
-               config=cfg.client)
+    return Client(address, key or key_from_config(cfg.common), name=name, timeout=args.timeout,
+                  config=cfg.client)
+
+
+def _status(args: argparse.Namespace, cfg: Settings) -> int:
+    from zpath.net import messages as m           # lazy: see the top
+    c = _connect(args, cfg, "status", "status")
+    if c is None:
+        return 2
+    address = c.address
     try:
         st = c.request(m.StatusRequest(True), timeout=args.timeout)
     finally:
@@ -202,6 +227,27 @@ def _status(args: argparse.Namespace, cfg: Settings) -> int:
     for cl in st.clients:
         print(f"  client {cl.id} {cl.name}: weight {cl.weight:g}, device time {cl.device_seconds:.3f}s, "
               f"running {cl.running}, queued {cl.queued}")
+    return 0
+
+
+def _trace(args: argparse.Namespace, cfg: Settings) -> int:
+    from zpath.client.trace import TRANSFERS_OUT_TID, record_cluster  # lazy: see the top
+    c = _connect(args, cfg, "trace", "trace")
+    if c is None:
+        return 2
+    stop = threading.Event()
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    try:
+        print(f"tracing {c.address} for {args.seconds:g} s (Ctrl-C ends it sooner)...", file=sys.stderr,
+              flush=True)
+        doc = record_cluster(c, args.seconds, args.output, stop)
+    finally:
+        c.close()
+    n = sum(1 for e in doc["traceEvents"] if e.get("cat") == "computation")
+    t = sum(1 for e in doc["traceEvents"] if e.get("cat") == "transfer" and e["ph"] == "X"
+            and e["tid"] == TRANSFERS_OUT_TID)
+    print(f"wrote {args.output}: {n} computation slices, {t} transfers "
+          "(open it in https://ui.perfetto.dev)")
     return 0
 
 
@@ -247,20 +293,30 @@ def main(argv: list[str] | None = None) -> int:
     shape = DEFAULT_SHAPE
     p = argparse.ArgumentParser(prog="zpath", description="zpath: a single-controller runtime for JAX")
     sub = p.add_subparsers(dest="command", required=True)
-    up = sub.add_parser("up", help="run a cluster (local, or over ssh with --hostfile) in the foreground")
-    up.add_argument("--islands", type=_positive_int, default=shape["islands"])
+    up = sub.add_parser("up", help="run a cluster (local, over ssh with --hostfile, or in a Slurm "
+                        "allocation with --slurm) in the foreground")
+    up.add_argument("--islands", type=_positive_int, default=None,
+                    help=f"islands (default {shape['islands']}; with --slurm 1: the allocation's tasks "
+                         "split into this many equal runs in node order)")
     up.add_argument("--hosts-per-island", type=_positive_int, default=shape["hosts_per_island"])
-    up.add_argument("--devices-per-host", type=_positive_int, default=shape["devices_per_host"])
+    up.add_argument("--devices-per-host", type=_positive_int, default=None,
+                    help=f"emulated CPU devices per host (default {shape['devices_per_host']}; with "
+                         "--slurm: per task, default none set: the nodes' own devices)")
+    up.add_argument("--slurm", action="store_true",
+                    help="inside a Slurm allocation (salloc, sbatch): one worker per task, each an srun "
+                         "step; the controller here (see README: Slurm)")
     up.add_argument("--hostfile", help="start one worker per line over ssh (see README: SSH clusters); "
                     "--islands/--hosts-per-island/--devices-per-host are then ignored")
     up.add_argument("--bind-host", help="address the controller (and local workers) listen on "
                     "(default 127.0.0.1; with --hostfile this machine's address on the route to the first host)")
     up.add_argument("--controller-port", type=_port, default=0, help="controller port (default: a free one)")
     up.add_argument("--coordinator-port", type=_port, default=0,
-                    help="with --hostfile: base port of multi-host islands' jax.distributed coordinators "
+                    help="with --hostfile/--slurm: base port of multi-host islands' jax.distributed "
+                         "coordinators "
                          "(island i uses base+i; default: free/random)")
-    up.add_argument("--remote-python", default="python3",
-                    help="with --hostfile: python on the hosts, unless a line has python=")
+    up.add_argument("--remote-python", default=None,
+                    help="with --hostfile: python on the hosts, unless a line has python= (default "
+                         "python3); with --slurm: python on the nodes (default: this one)")
     up.add_argument("--ssh-options", help="with --hostfile: extra ssh arguments, e.g. \"-i KEY\" "
                     "(default $ZPATH_SSH_OPTIONS)")
     up.add_argument("--connect-timeout", type=_positive_int, default=10, help="ssh ConnectTimeout (s)")
@@ -289,11 +345,19 @@ def main(argv: list[str] | None = None) -> int:
                     "(default $ZPATH_STATE or ~/.zpath/cluster.json)")
     st.add_argument("--timeout", type=_positive, default=10.0)
     st.set_defaults(fn=_status)
+    tr = sub.add_parser("trace", help="record what a running cluster does for a while, as Chrome Trace "
+                        "Event JSON (Perfetto)")
+    tr.add_argument("address", nargs="?", help="controller address (default as for zpath status)")
+    tr.add_argument("--seconds", type=_positive, default=10.0, help="how long to record (default 10)")
+    tr.add_argument("-o", "--output", default="trace.json", help="the file to write (default trace.json)")
+    tr.add_argument("--state", help="with no address: the state file of `zpath up`")
+    tr.add_argument("--timeout", type=_positive, default=10.0)
+    tr.set_defaults(fn=_trace)
     sub.add_parser("controller", help="run a controller (see zpath controller --help)", add_help=False)
     sub.add_parser("worker", help="run a worker (see zpath worker --help)", add_help=False)
     args, extra = p.parse_known_args(argv)
     if extra:            # the subcommand's usage, not the top level's
-        {"up": up, "down": dn, "status": st}[args.command].error(
+        {"up": up, "down": dn, "status": st, "trace": tr}[args.command].error(
             f"unrecognized arguments: {' '.join(extra)}")
     return _friendly(args.command, args.fn, args, cfg)
 

@@ -7,6 +7,8 @@ axis name, or a list of axis names.
 """
 from __future__ import annotations
 
+import dataclasses
+
 from zpath.net.codec import Record, message, record
 
 Region = list[list[int]]
@@ -578,6 +580,17 @@ class ChannelStatsRequest(Record):
     reset: bool
 
 
+@record
+class SentPiece(Record):
+    """A piece a worker sent: when the send began (its wall time), through which
+    channel ("ICI-shm", "ICI-tcp", "DCN"), how many bytes, to which host."""
+    piece_id: int
+    at: float
+    channel: str
+    nbytes: int
+    dst_host: int
+
+
 @message(57)
 class ChannelStats(Record):
     """Worker -> asker: pieces and bytes sent per channel since start (or the
@@ -594,6 +607,10 @@ class ChannelStats(Record):
     segments: int
     sent_at: list[list[float]]   # recent pieces sent: [piece_id, wall time the send began]
     received_at: list[list[float]]   # recent pieces received: [piece_id, wall time it was stored]
+    # (added at the end, with defaults) the same recent pieces sent, with their channel,
+    # bytes and destination; the worker's wall time when it answered (clock offsets)
+    sent: list[SentPiece] = dataclasses.field(default_factory=list)
+    now: float = 0.0
 
 
 @message(58)

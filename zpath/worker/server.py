@@ -125,6 +125,7 @@ class Worker:
         # recent (piece id, wall time) of sends begun and pieces stored, for benchmarks
         self.sent_at: collections.deque = collections.deque(maxlen=256)
         self.received_at: collections.deque = collections.deque(maxlen=256)
+        self.sent: collections.deque = collections.deque(maxlen=256)     # m.SentPiece, for traces
         # shaped DCN pieces arriving as PieceChunks
         self.chunks = Chunks(lambda aval, flat: _array(aval, [flat]))
         self.poller = zmq.Poller()
@@ -467,7 +468,8 @@ class Worker:
                 log.warning("cannot acknowledge %d shared-memory segments: %s", len(segments), e)
 
     def _send_piece(self, msg: m.SendPiece, e: Entry) -> None:
-        self.sent_at.append([msg.piece_id, time.time()])
+        began = time.time()
+        self.sent_at.append([msg.piece_id, began])
         dcn = msg.channel == "DCN"
         if e.error is not None:
             self.post_peer(msg.dst_host, m.Piece(msg.piece_id, m.Aval([], ""), e.error), dcn=dcn)
@@ -486,11 +488,13 @@ class Worker:
                 log.warning("shared memory failed (%s); sending piece %d over TCP", err, msg.piece_id)
             else:
                 self._count("shm", view.nbytes)
+                self.sent.append(m.SentPiece(msg.piece_id, began, "ICI-shm", view.nbytes, msg.dst_host))
                 self.post_peer(msg.dst_host, m.ShmPiece(msg.piece_id, aval, name, offset, view.nbytes,
                                                         drop))
                 return
         data = view if view.flags.c_contiguous else view.copy(order="C")
         self._count("dcn" if dcn else "ici_tcp", data.nbytes)
+        self.sent.append(m.SentPiece(msg.piece_id, began, "DCN" if dcn else "ICI-tcp", data.nbytes, msg.dst_host))
         self.post_peer(msg.dst_host, m.Piece(msg.piece_id, aval, None), [data], dcn=dcn)
 
     def _count(self, channel: str, nbytes: int) -> None:
@@ -578,12 +582,14 @@ class Worker:
             case m.ChannelStatsRequest():
                 self.stats["segments"] = self.shm_out.live()
                 self.post_data(ident, m.ChannelStats(**{**self.stats, "sent_at": list(self.sent_at),
-                                                        "received_at": list(self.received_at)}),
+                                                        "received_at": list(self.received_at),
+                                                        "sent": list(self.sent), "now": time.time()}),
                                parent=msg_id)
                 if msg.reset:
                     self.stats = dict.fromkeys(self.stats, 0)
                     self.sent_at.clear()
                     self.received_at.clear()
+                    self.sent.clear()
             case m.Fetch():
                 # answered when the shard is done, or with an error at the
                 # deadline; no thread waits meanwhile
