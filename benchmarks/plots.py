@@ -14,6 +14,8 @@ a test) can look at what was drawn. Figures are built with the object API
   (transfer.py), and optionally the DCN rate achieved against its cap.
 * ``dispatch``: computations per second of zpath and JAX multi-controller per
   variant, with zpath/MC and its interval (island_dispatch.py).
+* ``scale``: dispatch throughput, the smallest busy computation and parallel
+  against sequential dispatch, against hosts (scale.py).
 * ``trace``: a Chrome Trace Event document (``zp.trace``) drawn as Perfetto lays it
   out, for docs/ (examples/trace_demo.py).
 """
@@ -153,6 +155,47 @@ def dispatch(path: str, variants: Sequence[str], zpath: Sequence[float], mc: Seq
                ncols=2, frameon=False)
     if title:
         ax.set_title(title)
+    fig.savefig(path, dpi=100)
+    return fig
+
+
+def scale(path: str, results: Sequence[dict[str, Any]], f_computations: int = 128,
+          busy: float = 0.95) -> Figure:
+    """The paper's Figures 5-7 shapes from benchmarks/scale.py's results (one
+    per host count): computations per second against hosts for -O, -C and -F;
+    the smallest computation that keeps the devices busy against hosts
+    (measured, and the bound the controller alone sets, beside the paper's two
+    points); pipeline stages per second against stages, parallel and
+    sequential dispatch."""
+    if not results:
+        raise ValueError("nothing to draw: no results")
+    hosts = [r["hosts"] for r in results]
+    fig = Figure(figsize=(16, 4.2), layout="constrained")
+    a, b, c = fig.subplots(1, 3)
+    for k, (key, label) in enumerate((("spmd_nodes_per_s", "-O (op by op)"),
+                                      ("traced_nodes_per_s", "-C (traced program)"),
+                                      ("fused_computations_per_s", f"-F ({f_computations} per call)"))):
+        a.plot(hosts, [r[key] for r in results], marker="o", color=colour(k), label=label)
+    a.set(xscale="log", yscale="log", xlabel="simulated hosts", ylabel="computations / s",
+          title="Dispatch throughput (cf. Fig. 5)")
+    measured = [(r["hosts"], r["min_busy_computation_ms"]) for r in results if r.get("min_busy_computation_ms")]
+    if measured:
+        b.plot(*zip(*measured), marker="o", color=colour(0), label="measured (hosts share 2 cores)")
+    b.plot(hosts, [r["ctl_bound_min_computation_ms"] for r in results], marker="s", color=colour(1),
+           label="controller alone (CPU per node / 0.95)")
+    b.plot([16, 512], [2.3, 35.0], "x--", color="black", label="Pathways paper (TPU)")
+    b.set(xscale="log", yscale="log", xlabel="simulated hosts", ylabel="ms",
+          title=f"Smallest computation keeping devices {busy:.0%} busy (cf. Fig. 6)")
+    stages = [r["pipeline_stages"] for r in results]
+    for k, mode in enumerate(("parallel", "sequential")):
+        c.plot(stages, [r["pipeline_runs_per_s"][mode] * r["pipeline_stages"] for r in results],
+               marker="o", color=colour(k), label=f"{mode} dispatch")
+    c.plot(stages, [1000.0] * len(stages), ":", color="gray", label="ideal (1 ms stages)")
+    c.set(xscale="log", xlabel="pipeline stages (one host each)", ylabel="stages / s",
+          title="Parallel and sequential dispatch (cf. Fig. 7)")
+    for ax in (a, b, c):
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(frameon=False, fontsize=8)
     fig.savefig(path, dpi=100)
     return fig
 

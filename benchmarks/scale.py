@@ -36,13 +36,13 @@ controller's, not a tracing client's) and prints per N:
   from the previous host: runs per second with parallel dispatch over runs per
   second with sequential dispatch (median of ``--repeats`` alternated runs).
 
-``--json`` prints one JSON object per N; ``--plot DIR`` draws the paper's
+``--json`` prints one JSON object per N; ``--png PATH`` draws the paper's
 Figures 5-7 shapes (throughput against hosts for -O, -C, -F; the smallest busy
 computation against hosts; parallel against sequential dispatch against
-stages) with matplotlib (``pip install zpath[bench]``). This is a benchmark
+stages) with matplotlib (benchmarks/plots.py, the ``bench`` extra). This is a benchmark
 that prints figures, not a test.
 
-    python benchmarks/scale.py [--hosts 1 8 64 256 512] [--devices 4] [--quick] [--json] [--plot docs]
+    python benchmarks/scale.py [--hosts 1 8 64 256 512] [--devices 4] [--quick] [--json] [--png docs/scale.png]
 """
 from __future__ import annotations
 
@@ -62,6 +62,7 @@ import psutil
 import zmq
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from zpath.cluster.launcher import SimulatedCluster  # noqa: E402
 from zpath.errors import ZpathError  # noqa: E402
@@ -70,12 +71,10 @@ from zpath.net.codec import PROTOCOL_VERSION  # noqa: E402
 from zpath.net.transport import Endpoint, make_context, unbatched  # noqa: E402
 from zpath.worker.simulate import sim_program  # noqa: E402
 
-try:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-except ImportError:          # an optional extra: figures are still printed
-    plt = None
+try:                         # benchmarks/plots.py: matplotlib, an optional extra
+    import plots
+except ImportError:          # the figures are still printed
+    plots = None
 
 HOSTS = (1, 8, 64, 256, 512)
 LADDER_MS = (0.5, 1.0, 2.3, 5.0, 10.0, 20.0, 35.0, 50.0, 100.0, 200.0)
@@ -386,53 +385,12 @@ def _measure(cluster: SimulatedCluster, d: Driver, ctl: psutil.Process, sim: psu
     return out
 
 
-def plot(results: list[dict], directory: str) -> list[str]:
-    if plt is None:
-        print("matplotlib is not installed (pip install 'zpath[bench]'): no figures drawn", file=sys.stderr)
-        return []
-    os.makedirs(directory, exist_ok=True)
-    hosts = [r["hosts"] for r in results]
-    paths = []
-    fig, ax = plt.subplots(figsize=(5.5, 3.6))
-    for key, label in (("spmd_nodes_per_s", "-O (op by op)"), ("traced_nodes_per_s", "-C (traced program)"),
-                       ("fused_computations_per_s", f"-F ({F_COMPUTATIONS} computations per call)")):
-        ax.plot(hosts, [r[key] for r in results], marker="o", label=label)
-    ax.set(xscale="log", yscale="log", xlabel="simulated hosts (4 devices each)",
-           ylabel="computations per second", title="Dispatch throughput (cf. paper Fig. 5)")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
-    paths.append(_save(fig, directory, "scale_throughput.png"))
-
-    fig, ax = plt.subplots(figsize=(5.5, 3.6))
-    pts = [(r["hosts"], r["min_busy_computation_ms"]) for r in results if r["min_busy_computation_ms"]]
-    ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label="zpath (this machine)")
-    ax.plot([16, 512], [2.3, 35], "k--", marker="x", label="Pathways paper (TPU)")
-    ax.set(xscale="log", yscale="log", xlabel="simulated hosts", ylabel="ms",
-           title=f"Smallest computation keeping devices {BUSY:.0%} busy (cf. Fig. 6)")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
-    paths.append(_save(fig, directory, "scale_min_computation.png"))
-
-    fig, ax = plt.subplots(figsize=(5.5, 3.6))
-    st = [r["pipeline_stages"] for r in results]
-    for key in ("parallel", "sequential"):
-        ax.plot(st, [r["pipeline_runs_per_s"][key] * r["pipeline_stages"] for r in results], marker="o",
-                label=f"{key} dispatch")
-    ax.plot(st, [1000.0] * len(st), "k:", label="ideal (1 ms stages)")
-    ax.set(xscale="log", xlabel="pipeline stages (one host each)", ylabel="stages per second",
-           title="Parallel vs sequential dispatch (cf. Fig. 7)")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
-    paths.append(_save(fig, directory, "scale_pipeline.png"))
-    return paths
-
-
-def _save(fig: Any, directory: str, name: str) -> str:
-    path = os.path.join(directory, name)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+def plot(results: list[dict], path: str) -> None:
+    if plots is None:
+        print("matplotlib is not installed (pip install 'zpath[bench]'): no figure drawn", file=sys.stderr)
+        return
+    plots.scale(path, results, F_COMPUTATIONS, BUSY)
+    print(f"wrote {path}", file=sys.stderr)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -443,7 +401,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=3, help="pipeline runs per dispatch mode")
     p.add_argument("--quick", action="store_true", help="fewer nodes per measurement")
     p.add_argument("--json", action="store_true", help="one JSON object per size")
-    p.add_argument("--plot", metavar="DIR", help="draw the figures into DIR (needs matplotlib)")
+    p.add_argument("--png", metavar="PATH", help="draw the figures into PATH (needs matplotlib)")
     p.add_argument("--probe", nargs=2, metavar=("ADDRESS", "PERIOD"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.probe:
@@ -464,9 +422,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"{r['big_program_s']:.2f} s); RSS {r['ctl_rss_mib']:.0f} MiB; "
                   f"busy at >= {r['min_busy_computation_ms']} ms; pipeline of {r['pipeline_stages']} "
                   f"parallel/sequential {r['pipeline_parallel_over_sequential']:.2f}", flush=True)
-    if args.plot:
-        for path in plot(results, args.plot):
-            print(f"wrote {path}", file=sys.stderr)
+    if args.png:
+        plot(results, args.png)
     return 0
 
 

@@ -161,3 +161,26 @@ def test_trace_draws_every_track_slice_and_flow(tmp_path):
     arrows = [a for a in ax.texts if getattr(a, "arrow_patch", None) is not None]
     assert len(arrows) == 1 and arrows[0].xy == (2.5, 2) and arrows[0].xyann == (2.0, 1)
     assert (tmp_path / "trace.png").stat().st_size > 0
+
+
+def test_scale_draws_throughput_busy_computation_and_pipelines_against_hosts(tmp_path):
+    def result(hosts: int, busy: float | None) -> dict:
+        return {"hosts": hosts, "spmd_nodes_per_s": 1000 / hosts, "traced_nodes_per_s": 800 / hosts,
+                "fused_computations_per_s": 128000 / hosts, "min_busy_computation_ms": busy,
+                "ctl_bound_min_computation_ms": hosts / 50, "pipeline_stages": min(hosts, 64),
+                "pipeline_runs_per_s": {"parallel": 900 / min(hosts, 64), "sequential": 300 / min(hosts, 64)}}
+    results = [result(8, 2.3), result(64, 20.0), result(512, None)]     # 512: never busy enough
+    fig = plots.scale(str(tmp_path / "s.png"), results)
+    assert (tmp_path / "s.png").stat().st_size > 0
+    dispatch, busy, pipeline = fig.axes[:3]
+    assert [line.get_label() for line in dispatch.get_lines()] == [
+        "-O (op by op)", "-C (traced program)", "-F (128 per call)"]
+    assert list(dispatch.get_lines()[0].get_ydata()) == [125.0, 1000 / 64, 1000 / 512]
+    lines = {line.get_label(): line for line in busy.get_lines()}
+    assert list(lines["measured (hosts share 2 cores)"].get_xdata()) == [8, 64]      # no rung met at 512
+    assert list(lines["controller alone (CPU per node / 0.95)"].get_ydata()) == [8 / 50, 64 / 50, 512 / 50]
+    assert list(lines["Pathways paper (TPU)"].get_ydata()) == [2.3, 35.0]
+    par = [line for line in pipeline.get_lines() if line.get_label() == "parallel dispatch"][0]
+    assert list(par.get_xdata()) == [8, 64, 64] and list(par.get_ydata()) == [900.0, 900.0, 900.0]
+    with pytest.raises(ValueError, match="nothing to draw"):
+        plots.scale(str(tmp_path / "e.png"), [])
