@@ -25,7 +25,7 @@ from zpath.errors import (Broken, Closed, DeadlineExceeded, ErrorKind, HostLost,
                           RemoteError, ResourceError, ZpathError)
 from zpath.net import messages as m
 from zpath.net.codec import PROTOCOL_VERSION, Record
-from zpath.net.transport import BadMessage, Endpoint, Outbox, make_context, unbatched
+from zpath.net.transport import BadMessage, Endpoint, Outbox, make_context, readable, unbatched
 from zpath.ids import buffer_id
 
 log = logging.getLogger(__name__)
@@ -410,7 +410,7 @@ class Client:
     def _recv(self, sock: zmq.Socket) -> None:
         if sock is self.ctl:
             self._last_heard = time.monotonic()
-        while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+        while readable(sock):
             try:
                 _, header, msg, buffers = self.ep.recv(sock)
             except BadMessage as e:

@@ -23,7 +23,7 @@ from zpath.errors import ProtocolError, ZpathError
 from zpath.keys import key_from_config
 from zpath.net import channels, codec
 from zpath.net import messages as m
-from zpath.net.transport import BadMessage, Endpoint, make_context, unbatched
+from zpath.net.transport import BadMessage, Endpoint, make_context, readable, unbatched
 from zpath.process import die_with_parent
 
 log = logging.getLogger(__name__)
@@ -247,7 +247,7 @@ class Controller:
                         self._flush_out()
             finally:
                 self._flush_out()
-            if not self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            if not readable(self.sock):
                 return
 
     def stop(self, *_: Any) -> None:

@@ -40,6 +40,16 @@ _RCVMORE = int(zmq.RCVMORE)
 # the send of pyzmq's compiled socket class, under zmq.Socket.send (a Python
 # wrapper that only adds the DRAFT routing_id/group arguments)
 _SEND = zmq.backend.Socket.send
+# its get: getsockopt(zmq.EVENTS) costs twice as much (it converts the option)
+_GET = zmq.backend.Socket.get
+_EVENTS = int(zmq.EVENTS)
+_POLLIN = int(zmq.POLLIN)
+
+
+def readable(sock: zmq.Socket) -> bool:
+    """Whether a message is waiting on ``sock`` (``getsockopt(zmq.EVENTS) &
+    zmq.POLLIN``, without pyzmq's conversions)."""
+    return bool(_GET(sock, _EVENTS) & _POLLIN)
 
 
 def raw(buffer: Any) -> Any:

@@ -41,7 +41,7 @@ from zpath.process import die_with_parent
 from zpath.net import channels
 from zpath.net import messages as m
 from zpath.net.codec import PROTOCOL_VERSION, Record
-from zpath.net.transport import BadMessage, Endpoint, Outbox, backoff, make_context, unbatched
+from zpath.net.transport import BadMessage, Endpoint, Outbox, backoff, make_context, readable, unbatched
 from zpath.worker.executor import Executor
 from zpath.worker.state import Chunks, FusedRun, PendingFetch, ShapedLink, WorkerState, with_local_shards
 from zpath.worker.store import Entry, PieceKey, Store, shard_key
@@ -336,7 +336,7 @@ class Worker:
                     log.warning("peer reported: %s: %s", msg.code, msg.message)
                 case _:
                     log.warning("unexpected %s from a peer", type(msg).__name__)
-            if not sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            if not readable(sock):
                 return
 
     def _drain(self, sock: zmq.Socket, router: bool) -> None:
@@ -370,7 +370,7 @@ class Worker:
                         self._handle_ctl(msg, buffers)
                 except Exception:
                     log.exception("error handling %s", type(msg).__name__)
-            if not sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            if not readable(sock):
                 return
 
     # ---- control messages ----------------------------------------------------
