@@ -3,6 +3,7 @@ executor directly (an API the rest of the runtime may change under it): with
 a few nodes it runs every variant to the right value and prints its table."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -21,7 +22,6 @@ def test_worker_loop_benchmark_runs_every_variant(tmp_path):
     assert p.returncode == 0, out + err[-3000:]
     for variant in ("jax-end", "jax-each", "fused", "plain"):
         assert any(line.startswith(variant + " ") for line in out.splitlines()), out
-    import json
     res = json.loads(out_json.read_text())["results"]
     assert all(r["us_per_comp"] > 0 and len(r["runs_s"]) == 1 for r in res.values())
 
@@ -30,7 +30,6 @@ def test_core_scale_benchmark_times_the_core_per_node():
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "core_scale.py"
     p = run_script([str(script), "--hosts", "2", "8", "--nodes", "3", "--repeats", "1", "--json"], timeout=120)
     assert p.returncode == 0, p.stdout + p.stderr[-3000:]
-    import json
     rows = [json.loads(line) for line in p.stdout.splitlines()]
     assert [r["hosts"] for r in rows] == [2, 8] and [r["devices"] for r in rows] == [8, 32]
     assert all(r["call_us"] > 0 and r["exec_done_us"] > 0 and r["release_us"] > 0 for r in rows)
