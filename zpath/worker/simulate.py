@@ -62,6 +62,12 @@ from zpath.worker.store import Entry, PieceKey, ShardKey, Store, shard_key
 
 log = logging.getLogger(__name__)
 
+# pyzmq's compiled recv and get, with plain int flags (its Python wrappers
+# convert them: a measurable share of a simulated host's work)
+_RECV = zmq.backend.Socket.recv
+_GET = zmq.backend.Socket.get
+_NOBLOCK, _RCVMORE = int(zmq.NOBLOCK), int(zmq.RCVMORE)
+
 SIM_MAGIC = b"zpath-sim-program\n"
 REGISTER_TIMEOUT_S = 60.0
 # messages decoded once for every host of the process they reach (by signature)
@@ -329,9 +335,9 @@ class SimHost:
         for o in ex.outputs:
             got = place(ex, o, self.index)
             if got:
-                size = sum(x[3] for x in got)
+                size, parts = self.proc.sizes(got)
                 outputs.append((whole_key(buffer(o.buffer), self.index),
-                                SimValue((size,), o.aval.dtype, 0.0, size, tuple((x[0], x[3]) for x in got))))
+                                SimValue((size,), o.aval.dtype, 0.0, size, parts)))
         return _Run(ex.exec_id, frozenset(local), needs, outputs, self._cost(ex.program),
                     ex.hold, index, [])
 
@@ -580,6 +586,7 @@ class SimProcess:
         # shape, and by the decoded message (hosts of one process share it)
         self._local_of: dict[tuple, dict[int, list[int]]] = {}
         self._placement: dict[tuple, dict[int, list]] = {}
+        self._sizes: dict[int, tuple] = {}
         self._local: collections.OrderedDict[int, tuple] = collections.OrderedDict()
         self._placed: collections.OrderedDict[int, tuple] = collections.OrderedDict()
         self.now = time.monotonic()
@@ -685,6 +692,14 @@ class SimProcess:
             self._remember(self._placement, key, got)
             self._placed[id(value)] = (value, ex, got)
         return got.get(host, [])
+
+    def sizes(self, placed: list) -> tuple[int, tuple[tuple[int, int], ...]]:
+        """(elements in all, (device, elements) each) of a host's placement."""
+        hit = self._sizes.get(id(placed))
+        if hit is None or hit[0] is not placed:
+            hit = (placed, sum(x[3] for x in placed), tuple((x[0], x[3]) for x in placed))
+            self._remember(self._sizes, id(placed), hit)
+        return hit[1], hit[2]
 
     @staticmethod
     def _remember(cache: dict, key: Any, value: Any) -> None:
@@ -798,9 +813,11 @@ class SimProcess:
             if not h.alive:
                 return
             try:
-                frames = sock.recv_multipart(zmq.NOBLOCK)
+                frames = [_RECV(sock, _NOBLOCK)]
             except zmq.Again:
                 return
+            while _GET(sock, _RCVMORE):
+                frames.append(_RECV(sock, _NOBLOCK))
             try:
                 header, msg, buffers = self._decode(frames)
             except ProtocolError as e:
