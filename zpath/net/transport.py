@@ -42,6 +42,7 @@ _RCVMORE = int(zmq.RCVMORE)
 _SEND = zmq.backend.Socket.send
 # its get: getsockopt(zmq.EVENTS) costs twice as much (it converts the option)
 _GET = zmq.backend.Socket.get
+_RECV = zmq.backend.Socket.recv
 _EVENTS = int(zmq.EVENTS)
 _POLLIN = int(zmq.POLLIN)
 
@@ -186,7 +187,10 @@ class Endpoint:
         ``block=False`` an empty queue raises zmq.Again instead of waiting. A
         Batch comes as a ``codec.Batched``: pass the result to :func:`unbatched`."""
         flags = 0 if block else _NOBLOCK
-        recv, more = sock.recv, sock.get
+        if type(sock) is zmq.Socket:        # the compiled methods, without pyzmq's conversions
+            recv, more = _RECV.__get__(sock), _GET.__get__(sock)
+        else:
+            recv, more = sock.recv, sock.get
         # the routing identity, signature, header and body come as bytes (a
         # copy is cheaper than a zmq.Frame for small frames); buffers as Frames
         small = 4 if router else 3
