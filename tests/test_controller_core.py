@@ -11,10 +11,11 @@ import sys
 
 import pytest
 
+from zpath.controller.admission import SEND_BUDGET, SEND_COST
 from zpath.controller.core import ControllerCore, RemoveSegments, Send
 from zpath.controller.records import call_buffers
 from zpath.net import messages as m
-from tests.test_controller_tenancy import make_rig  # noqa: F401  (fixture)
+from tests.test_controller_tenancy import _fill_window, make_rig  # noqa: F401  (fixture)
 from tests.test_templates import define, run, sent
 
 pytestmark = pytest.mark.timeout(60)
@@ -170,6 +171,31 @@ def test_a_client_that_leaves_while_its_program_is_paused_has_nothing_more_plann
     rig.c.validate_state()
     assert not rig.c.busy and not rig.c.deferred_msgs and planned < 100
     assert not rig.c.resume(rig.now)
+
+
+def test_what_one_event_sends_of_planned_nodes_is_bounded_and_resume_goes_on(make_rig):
+    """When the computations that fill a device's window finish, the 1,000
+    nodes queued behind them may all go: one event sends a budget's worth
+    (SEND_BUDGET / (SEND_COST + hosts' parts) nodes), then the core is busy
+    and each resume sends the next share, so no event holds the loop up."""
+    rig = make_rig()
+    _fill_window(rig, 0)
+    a, ca = rig.client("a")
+    rig.c.tenants._cost[(rig.programs["f"][0], (0,))] = 1e-6      # the window takes them all
+    calls, _ = _chain(rig, a, 1000)
+    rig.handle(a, m.Program(1, "chain", "parallel", calls, []))
+    assert rig.c._queued(ca) == 1000 and not rig.c.busy
+    per_event = SEND_BUDGET // (SEND_COST + 1) + 1
+    groups = []
+    for exec_id in list(rig.c.in_flight):         # the window's computations finish
+        for h in list(rig.c.in_flight[exec_id].hosts):
+            out = rig.c.handle(rig.now, rig.c.worker_ident[h], 9, m.ExecDone(exec_id, None, 1000.0, 1001.0), [])
+            groups.append(sum(isinstance(e.msg, m.Execute) for e in out))
+    while rig.c.busy:
+        rig.c.validate_state()
+        groups.append(sum(isinstance(e.msg, m.Execute) for e in rig.c.resume(rig.now)))
+    assert max(groups) <= per_event and len([g for g in groups if g]) > 5, groups
+    assert sum(groups) == 1000 and rig.c._queued(ca) == 0      # all of them, in the end
 
 
 def test_a_template_is_fused_once_its_stopped_first_run_is_planned(make_rig):

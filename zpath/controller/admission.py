@@ -26,6 +26,11 @@ from zpath.net import messages as m
 # hosts' parts in all, before the loop gets back to its sockets
 SLICE_NODES = 64
 SLICE_HOST_PARTS = 2048
+# what one event may send of nodes already planned (parked nodes released, the
+# tenant queue pumped), in units of SEND_COST per node plus its hosts' parts;
+# the rest goes after the loop has looked at its sockets (see Dispatch._pump)
+SEND_BUDGET = SLICE_HOST_PARTS
+SEND_COST = 32
 
 
 def release_points(calls: list[m.Call], release: list[int]) -> dict[int, list[int]]:
@@ -60,7 +65,9 @@ class Admission:
         self._arrivals = 0
         # planning stopped at a flush point: the submissions to go on with, in
         # turn, None standing for the head of memory_waiting (see busy, resume)
-        self._paused: collections.deque[Submission | None] = collections.deque()
+        # and ("pump", island) / ("released",): sending planned nodes, to go on
+        self._paused: collections.deque[Submission | tuple | None] = collections.deque()
+        self.send_budget = SEND_BUDGET
 
     @property
     def busy(self) -> bool:
@@ -68,14 +75,14 @@ class Admission:
         what came meanwhile, and call ``resume``."""
         return bool(self._paused)
 
-    def _pause(self, sub: Submission | None) -> None:
-        if sub is not None or None not in self._paused:
+    def _pause(self, sub: Submission | tuple | None) -> None:
+        if type(sub) is Submission or sub not in self._paused:
             self._paused.append(sub)
 
     def paused_client(self, peer: Peer) -> bool:
         """Whether a submission of this client is paused at a flush point (its
         later messages wait until it is planned)."""
-        return any(s is not None and s.peer is peer for s in self._paused)
+        return any(type(s) is Submission and s.peer is peer for s in self._paused)
 
     def _go_on(self) -> None:
         """Plan one more slice of the paused submission whose turn it is."""
@@ -84,6 +91,12 @@ class Admission:
         sub = self._paused.popleft()
         if sub is None:
             self._resume_waiting()
+            return
+        if type(sub) is tuple:           # sending planned nodes
+            if sub[0] == "pump":
+                self._pump(sub[1])
+            else:
+                self._send_released()
             return
         if sub.peer.gone:
             self._drop_waiting(sub)
@@ -264,7 +277,11 @@ class Admission:
             sub.first = sub.slice_from = sub.next
             sub.parts = 0
         sub.paused = False
-        if self.memory_limit and run.release and len(calls) > 1 and sub.release_at is None:
+        if run.release and (self.memory_limit or len(calls) > SLICE_NODES) and len(calls) > 1 \
+                and sub.release_at is None:
+            # a long program (or any, under a memory limit) frees as it goes:
+            # its values are released as their last reader is planned, not all
+            # at once at the end (which would hold the loop up)
             sub.release_at = release_points(calls, run.release)
         while sub.next < len(calls):
             k, call = sub.next, calls[sub.next]
@@ -386,9 +403,10 @@ class Admission:
         for node in self.parked_nodes():
             expected.update(call_buffers(node.call))
         subs = list(self.memory_waiting)
-        paused = [s for s in self._paused if s is not None]
+        paused = [s for s in self._paused if type(s) is Submission]
         assert len({id(s) for s in paused}) == len(paused), "a submission paused twice"
-        assert self._paused.count(None) <= 1
+        markers = [s for s in self._paused if type(s) is not Submission]
+        assert len(markers) == len(set(markers)), f"a continuation paused twice: {markers}"
         subs += paused
         for s in subs:
             if s.pinned_from is not None:

@@ -16,7 +16,7 @@ import logging
 from typing import Any
 
 from zpath.config import ControllerConfig
-from zpath.controller.admission import Admission
+from zpath.controller.admission import SEND_BUDGET, Admission
 from zpath.controller.directory import Directory
 from zpath.controller.dispatch import Dispatch
 from zpath.controller.failures import Failures
@@ -105,6 +105,7 @@ class ControllerCore(Peers, Admission, Dispatch, Fusion, Failures):
         planned in full: one of them may read or release what its unplanned
         nodes make. Everyone else's are handled at once."""
         self.now = now
+        self.send_budget = SEND_BUDGET
         peer = self.peers.get(ident)
         if type(msg) is m.ExecDone and peer is not None and peer.role == "worker":
             # the most frequent message of all (one per host per computation): straight to it
@@ -151,6 +152,7 @@ class ControllerCore(Peers, Admission, Dispatch, Fusion, Failures):
         """Ping every worker; a worker silent past its timeout is lost, a client
         has left."""
         self.now = now
+        self.send_budget = SEND_BUDGET
         self._pings()
         try:
             self._check_liveness(now)
@@ -159,8 +161,10 @@ class ControllerCore(Peers, Admission, Dispatch, Fusion, Failures):
         return self._take()
 
     def resume(self, now: float) -> list[Effect]:
-        """Go on with the planning that stopped at a flush point (``busy``)."""
+        """Go on with the planning (or sending) that stopped at a flush point
+        (``busy``)."""
         self.now = now
+        self.send_budget = SEND_BUDGET
         try:
             self._go_on()
         except Exception:

@@ -11,6 +11,7 @@ from typing import Any
 
 from zpath import sharding
 from zpath.controller.report_hold import may_hold
+from zpath.controller.admission import SEND_COST
 from zpath.controller.records import ParkedNode, InFlight, Peer, call_buffers
 from zpath.controller.directory import Directory, Plan, PlanError
 from zpath.controller.resources import LostHosts
@@ -191,9 +192,14 @@ class Dispatch:
         self._pump(node.island)
 
     def _pump(self, island: int) -> None:
-        """Send what the multi-tenant scheduler lets go on an island."""
+        """Send what the multi-tenant scheduler lets go on an island, as much as
+        this event's budget allows (``send_budget``); the rest goes on in a
+        later ``resume``, after the loop has looked at its sockets."""
         while (ready := self.tenants.pick(island)) is not None:
             self._send(ready, was_parked=True)
+            if self.send_budget <= 0:
+                self._pause(("pump", island))
+                return
 
     def _send(self, ready: Ready, was_parked: bool) -> None:
         """Dispatch a node whose turn it is (or fail it, if a host it needs was
@@ -208,6 +214,7 @@ class Dispatch:
             return
         hold = may_hold(self.tenants, node.island, run.peer.id, run.sequential, self.memory_limit)
         exec_id = self._dispatch(run.peer, node.call, *node.planned, hold=hold)
+        self.send_budget -= SEND_COST + len(node.planned[0].executes)
         self.tenants.sent(exec_id, ready)
         run.sent += 1
         if was_parked:
@@ -303,11 +310,18 @@ class Dispatch:
             node.waits.discard(key)
             if not node.waits:
                 self._released.append(node)
-        if self._releasing:
-            return                        # the loop below, further up the stack, sends it
+        if not self._releasing:           # (else the loop further up the stack sends it)
+            self._send_released()
+
+    def _send_released(self) -> None:
+        """Send the parked nodes whose waits are over, in order, as much as this
+        event's budget allows; the rest goes on in a later ``resume``."""
         self._releasing = True
         try:
             while self._released:
+                if self.send_budget <= 0:
+                    self._pause(("released",))
+                    return
                 self._send_parked(self._released.popleft())
         finally:
             self._releasing = False
@@ -393,7 +407,8 @@ class Dispatch:
         """The parked-node graph is consistent: waiters list parked nodes under
         what they wait for, parked outputs and unsent copies are those of parked
         nodes, and computations in flight run on live hosts."""
-        assert not self._released and not self._releasing, "released parked nodes left unsent"
+        assert not self._releasing
+        assert not self._released or ("released",) in self._paused, "released parked nodes left unsent"
         parked = self.parked_nodes()
         by_exec = {h.exec_id: h for h in parked}
         for key, waiting in self.waiters.items():

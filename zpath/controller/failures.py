@@ -5,7 +5,7 @@ from __future__ import annotations
 import collections
 import logging
 
-from zpath.controller.records import Peer, RemoveSegments
+from zpath.controller.records import Peer, RemoveSegments, Submission
 from zpath.errors import ErrorKind
 from zpath.net import messages as m
 
@@ -53,9 +53,9 @@ class Failures:
         waiting_subs = [s for s in self.memory_waiting if s.peer is peer]
         if waiting_subs:
             self.memory_waiting = collections.deque(s for s in self.memory_waiting if s.peer is not peer)
-        paused = [s for s in self._paused if s is not None and s.peer is peer]
+        paused = [s for s in self._paused if type(s) is Submission and s.peer is peer]
         if paused:           # stopped at a flush point: the rest of them will not be planned
-            self._paused = collections.deque(s for s in self._paused if s is None or s.peer is not peer)
+            self._paused = collections.deque(s for s in self._paused if not any(s is p for p in paused))
             waiting_subs += paused
         self.deferred_msgs.pop(peer.ident, None)      # what it sent meanwhile
         islands = set(self.tenants.islands())

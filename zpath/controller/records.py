@@ -49,8 +49,9 @@ class Submission:
     # it waited for memory: the outputs of its calls from here on are pinned
     # (a release of one before its call is planned waits for the plan)
     pinned_from: int | None = None
-    # under a memory limit: node index -> the program's buffers to release once
-    # that node (their last reader) is planned, so a long program frees as it goes
+    # under a memory limit or for a long program: node index -> the program's
+    # buffers to release once that node (their last reader) is planned, so it
+    # frees as it goes
     release_at: dict[int, list[int]] | None = None
     record: list[Any] | None = None   # its plans, in order (to fuse a template)
     # planning stopped at a flush point (see _advance); ``first``: the node
