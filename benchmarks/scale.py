@@ -163,7 +163,8 @@ class Driver:
             self.ep.send(self.sock, c)
 
     def send_program(self, calls: list[m.Call], dispatch: str = "parallel", release: list[int] = ()) -> None:
-        self.ep.send(self.sock, m.Program(next(self._calls), "scale", dispatch, calls, list(release)))
+        for part in m.program_parts(m.Program(next(self._calls), "scale", dispatch, calls, list(release))):
+            self.ep.send(self.sock, part)
 
     def release(self, buffers: list[int]) -> None:
         if buffers:

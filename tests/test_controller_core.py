@@ -307,3 +307,42 @@ def test_a_core_is_built_from_config_alone():
     assert c.tenants.policy == "fifo" and c.tenants.window_s == 0.005 and c.tenants.solo_window_s == 0.05
     assert c.memory_limit == 123
     c.validate_state()
+
+
+def test_a_long_program_in_parts_runs_as_one_once_its_last_part_has_come(make_rig):
+    rig = make_rig()
+    a, ca = rig.client("a")
+    rig.c.tenants._cost[(rig.programs["f"][0], (0,))] = 1e-6
+    calls, last = _chain(rig, a, 2500)
+    release = [c.outputs[0].buffer for c in calls[:-1]]
+    parts = m.program_parts(m.Program(7, "chain", "parallel", calls, release))
+    assert [len(p.calls) for p in parts] == [1024, 1024, 452] and [p.more for p in parts] == [True, True, False]
+    assert parts[-1].release == release and not parts[0].release
+    for p in parts[:-1]:
+        rig.handle(a, p)
+        assert not rig.executes() and (a, 7) in rig.c.program_parts       # kept, nothing runs yet
+    rig.handle(a, parts[-1])
+    assert not rig.c.program_parts
+    assert [x.outputs[0].buffer for x in rig.executes()] == [c.outputs[0].buffer for c in calls]
+    rig.drain()
+    # the intermediates went as their readers were planned: left are the result
+    # and the value put for the first node (the program did not release it)
+    assert set(rig.c.directory.buffers) == {last, calls[0].inputs[0].buffer}
+
+
+def test_a_client_s_program_parts_are_bounded_and_dropped_when_it_leaves(make_rig, monkeypatch):
+    monkeypatch.setattr("zpath.controller.admission.MAX_PROGRAM_CALLS", 1500)
+    rig = make_rig()
+    a, _ = rig.client("a")
+    calls, _ = _chain(rig, a, 3000)
+    parts = m.program_parts(m.Program(8, "big", "parallel", calls, []))
+    rig.handle(a, parts[0])
+    rig.handle(a, parts[1])                      # 2,048 calls held: over the bound
+    assert {c.outputs[0].buffer for c in calls[:2048]} <= rig.failed(a)
+    rig.handle(a, parts[2])                      # its last part is refused too, nothing ran
+    assert {c.outputs[0].buffer for c in calls} <= rig.failed(a) and not rig.executes()
+    assert not rig.c.program_parts
+    rig.handle(a, m.program_parts(m.Program(9, "other", "parallel", _chain(rig, a, 1100)[0], []))[0])
+    assert (a, 9) in rig.c.program_parts
+    rig.handle(a, m.Goodbye("bye"))
+    assert not rig.c.program_parts

@@ -228,15 +228,17 @@ class ProgramFunction:
         """Send a program's client values, then the program: first checked
         against the size one message may carry, so that a program too large
         fails here, having sent nothing, rather than at the controller."""
-        body = codec.pack_body(msg)
-        if len(body) > codec.MAX_BODY_BYTES:
+        parts = m.program_parts(msg) if type(msg) is m.Program else [msg]
+        bodies = [codec.pack_body(p) for p in parts]
+        if any(len(body) > codec.MAX_BODY_BYTES for body in bodies):
             raise ZpathError(
-                f"{self.name}: this program's plan takes {len(body) / 2**20:.1f} MiB, more than "
-                f"one message may carry ({codec.MAX_BODY_BYTES >> 20} MiB): split it into "
+                f"{self.name}: this program's plan takes {max(map(len, bodies)) / 2**20:.1f} MiB in one "
+                f"message, more than one may carry ({codec.MAX_BODY_BYTES >> 20} MiB): split it into "
                 f"smaller programs")
         for computation, buf, value, spec in puts:
             computation.send_put(buf, value, spec)
-        client.post(msg, body=body)
+        for part, body in zip(parts, bodies, strict=True):      # a long program in parts
+            client.post(part, body=body)
 
     def __call__(self, *args: Any) -> Any:
         began = time.time()

@@ -31,6 +31,8 @@ SLICE_HOST_PARTS = 2048
 # the rest goes after the loop has looked at its sockets (see Dispatch._pump)
 SEND_BUDGET = SLICE_HOST_PARTS
 SEND_COST = 32
+# calls a client's long programs may hold while their parts come in
+MAX_PROGRAM_CALLS = 1 << 18
 
 
 def release_points(calls: list[m.Call], release: list[int]) -> dict[int, list[int]]:
@@ -68,6 +70,10 @@ class Admission:
         # and ("pump", island) / ("released",): sending planned nodes, to go on
         self._paused: collections.deque[Submission | tuple | None] = collections.deque()
         self.send_budget = SEND_BUDGET
+        # (client, program id) -> the calls and releases of a long program's
+        # parts come so far (see Program.more)
+        # (None: refused for its size; its later parts are refused too)
+        self.program_parts: dict[tuple[bytes, int], tuple[list[m.Call], list[int]] | None] = {}
 
     @property
     def busy(self) -> bool:
@@ -122,7 +128,31 @@ class Admission:
 
     def _program(self, ident: bytes, peer: Peer, prog: m.Program) -> None:
         """A traced program: plan every node now; send them all at once
-        (parallel) or each once the nodes it reads have finished (sequential)."""
+        (parallel) or each once the nodes it reads have finished (sequential).
+        A long one comes in parts (``Program.more``): kept until the last."""
+        key = (ident, prog.program_id)
+        if prog.more or key in self.program_parts:
+            kept = self.program_parts.pop(key, ([], []))
+            if kept is None:             # refused already: so are its later parts
+                calls, release, held = list(prog.calls), list(prog.release), 0
+            else:
+                calls, release = kept
+                calls += prog.calls
+                release += prog.release
+                held = sum(len(p[0]) for (i, _), p in self.program_parts.items() if i == ident and p)
+            if kept is None or held + len(calls) > MAX_PROGRAM_CALLS:
+                err = m.ErrorInfo(ErrorKind.CALL_FAILED, f"program {prog.name!r} has more than "
+                                  f"{MAX_PROGRAM_CALLS} calls waiting for their last part", None, prog.name, "")
+                for call in calls:
+                    self._fail_call(ident, peer.id, call, err)
+                self._release(release, peer.id)
+                if prog.more:
+                    self.program_parts[key] = None
+                return
+            if prog.more:
+                self.program_parts[key] = (calls, release)
+                return
+            prog = m.Program(prog.program_id, prog.name, prog.dispatch, calls, release)
         if prog.dispatch not in ("parallel", "sequential"):
             err = m.ErrorInfo(ErrorKind.CALL_FAILED, f"unknown dispatch mode {prog.dispatch!r}", None, prog.name, "")
             for call in prog.calls:
@@ -403,6 +433,8 @@ class Admission:
         for node in self.parked_nodes():
             expected.update(call_buffers(node.call))
         subs = list(self.memory_waiting)
+        for ident, _ in self.program_parts:
+            assert ident in self.peers, "the parts of a departed client's program are kept"
         paused = [s for s in self._paused if type(s) is Submission]
         assert len({id(s) for s in paused}) == len(paused), "a submission paused twice"
         markers = [s for s in self._paused if type(s) is not Submission]

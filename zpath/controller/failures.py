@@ -58,6 +58,8 @@ class Failures:
             self._paused = collections.deque(s for s in self._paused if not any(s is p for p in paused))
             waiting_subs += paused
         self.deferred_msgs.pop(peer.ident, None)      # what it sent meanwhile
+        for key in [k for k in self.program_parts if k[0] == peer.ident]:
+            del self.program_parts[key]                 # a long program whose last part never came
         islands = set(self.tenants.islands())
         cancelled = {id(r.item): r.item for r in self.tenants.remove_client(peer.id)}
         for key, waiting in list(self.waiters.items()):

@@ -390,12 +390,32 @@ class Program(Record):
     order. ``dispatch`` is "parallel" (every node is sent to its hosts at once)
     or "sequential" (a node is sent once the nodes it reads have finished).
     ``release`` names buffers to free once the program has used them (its
-    intermediates and the values the client put for it)."""
+    intermediates and the values the client put for it). A long program comes
+    in parts (``more``: another part follows; the controller takes the calls and
+    releases of every part, in order, and runs them when the last has come), so
+    that no one message takes long to decode."""
     program_id: int
     name: str
     dispatch: str
     calls: list[Call]
     release: list[int]
+    more: bool = False       # more of its calls follow, in Programs of the same program_id
+
+
+# calls per part of a long Program (see Program.more)
+PROGRAM_PART_CALLS = 1024
+
+
+def program_parts(prog: Program) -> list[Program]:
+    """``prog`` as the Programs that carry it: itself, or parts of at most
+    PROGRAM_PART_CALLS calls (the releases go with the last)."""
+    n = PROGRAM_PART_CALLS
+    if len(prog.calls) <= n:
+        return [prog]
+    starts = range(0, len(prog.calls), n)
+    return [Program(prog.program_id, prog.name, prog.dispatch, prog.calls[k:k + n],
+                    prog.release if k + n >= len(prog.calls) else [], more=k + n < len(prog.calls))
+            for k in starts]
 
 
 @message(41)
