@@ -175,7 +175,7 @@ def test_a_client_that_leaves_while_its_program_is_paused_has_nothing_more_plann
 
 def test_what_one_event_sends_of_planned_nodes_is_bounded_and_resume_goes_on(make_rig):
     """When the computations that fill a device's window finish, the 1,000
-    nodes queued behind them may all go: one event sends a budget's worth
+    nodes queued behind them may all go: one round of messages sends a budget's worth
     (SEND_BUDGET / (SEND_COST + hosts' parts) nodes), then the core is busy
     and each resume sends the next share, so no event holds the loop up."""
     rig = make_rig()
@@ -187,10 +187,12 @@ def test_what_one_event_sends_of_planned_nodes_is_bounded_and_resume_goes_on(mak
     assert rig.c._queued(ca) == 1000 and not rig.c.busy
     per_event = SEND_BUDGET // (SEND_COST + 1) + 1
     groups = []
+    rig.c.begin_turn()                            # the loop reads a round of messages:
     for exec_id in list(rig.c.in_flight):         # the window's computations finish
         for h in list(rig.c.in_flight[exec_id].hosts):
             out = rig.c.handle(rig.now, rig.c.worker_ident[h], 9, m.ExecDone(exec_id, None, 1000.0, 1001.0), [])
             groups.append(sum(isinstance(e.msg, m.Execute) for e in out))
+    assert sum(groups) <= per_event                # one budget for the round
     while rig.c.busy:
         rig.c.validate_state()
         groups.append(sum(isinstance(e.msg, m.Execute) for e in rig.c.resume(rig.now)))

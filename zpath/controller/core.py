@@ -105,7 +105,6 @@ class ControllerCore(Peers, Admission, Dispatch, Fusion, Failures):
         planned in full: one of them may read or release what its unplanned
         nodes make. Everyone else's are handled at once."""
         self.now = now
-        self.send_budget = SEND_BUDGET
         peer = self.peers.get(ident)
         if type(msg) is m.ExecDone and peer is not None and peer.role == "worker":
             # the most frequent message of all (one per host per computation): straight to it
@@ -147,6 +146,12 @@ class ControllerCore(Peers, Admission, Dispatch, Fusion, Failures):
             else:
                 self.reply_error(ident, parent, ErrorKind.INTERNAL,
                                  f"controller failed handling {type(msg).__name__}")
+
+    def begin_turn(self) -> None:
+        """The loop starts reading a round of messages: what their handling may
+        send of nodes already planned is one budget (``send_budget``) for the
+        round; beyond it, the core is ``busy`` and ``resume`` goes on."""
+        self.send_budget = SEND_BUDGET
 
     def tick(self, now: float) -> list[Effect]:
         """Ping every worker; a worker silent past its timeout is lost, a client

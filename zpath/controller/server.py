@@ -215,7 +215,9 @@ class Controller:
 
     def _recv_all(self, budget: int = 1000) -> None:
         """Handle waiting messages, at most ``budget`` of them, so the loop gets
-        back to its timers (pings) even under a flood."""
+        back to its timers (pings) even under a flood; what their handling
+        sends of planned nodes is bounded too (``ControllerCore.begin_turn``)."""
+        self.core.begin_turn()
         while budget > 0:
             if not self.running:
                 return
