@@ -37,8 +37,8 @@ def _is_spec(x: Any) -> bool:
     return isinstance(x, P)
 
 
-def _scalar(loss: Any) -> float:
-    return float(np.asarray(loss.result(timeout=600)).ravel()[0])
+def _scalar(loss: Any, timeout: float | None) -> float:
+    return float(np.asarray(loss.result(timeout=timeout)).ravel()[0])
 
 
 class Layout:
@@ -51,20 +51,22 @@ class Layout:
         copy of it per device)."""
         raise NotImplementedError
 
-    def train(self, data: Sequence[np.ndarray], on_loss: Callable[[int, float], None] | None = None
-              ) -> list[float]:
-        """Train on every batch of ``data``; the per-step losses. Step i + 1 is
-        submitted before the loss of step i is fetched, so the cluster never
-        waits for this process."""
+    def train(self, data: Sequence[np.ndarray], on_loss: Callable[[int, float], None] | None = None,
+              timeout: float | None = None) -> list[float]:
+        """Train on every batch of ``data``; the per-step losses (``on_loss(step,
+        loss)`` is called as each arrives). Step i + 1 is submitted before the
+        loss of step i is fetched, so the cluster never waits for this process.
+        ``timeout``: seconds to wait for each loss (default: the client's
+        fetch timeout)."""
         futures: list[Any] = []
         losses: list[float] = []
         for seqs in data:
             futures.append(self.step(seqs))
             if len(futures) >= 2:
-                losses.append(_scalar(futures[-2]))
+                losses.append(_scalar(futures[-2], timeout))
                 if on_loss:
                     on_loss(len(losses) - 1, losses[-1])
-        losses.append(_scalar(futures[-1]))
+        losses.append(_scalar(futures[-1], timeout))
         if on_loss:
             on_loss(len(losses) - 1, losses[-1])
         return losses
