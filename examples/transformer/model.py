@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import time
 from typing import Any
 
 import jax
@@ -54,6 +55,16 @@ def make_language(cfg: Config, seed: int = 0, successors: int = 4) -> np.ndarray
         nxt = rng.choice(cfg.vocab, size=successors, replace=False)
         trans[t, nxt] += rng.dirichlet(np.ones(successors)) * 0.98
     return trans / trans.sum(axis=1, keepdims=True)
+
+
+def entropy_rate(cfg: Config) -> float:
+    """The language's entropy rate in nats per token: the expected loss of a
+    model that knows its transition matrix (the first token aside)."""
+    trans = make_language(cfg)
+    w, v = np.linalg.eig(trans.T)
+    stationary = np.real(v[:, np.argmin(np.abs(w - 1))])
+    stationary /= stationary.sum()
+    return float(-(stationary[:, None] * trans * np.log(trans)).sum())
 
 
 def batches(cfg: Config, steps: int, seed: int = 1) -> list[np.ndarray]:
@@ -188,8 +199,10 @@ def apply_update(opt: optax.GradientTransformation, params: Params, opt_state: A
 
 # --- the reference: the same training in one process -----------------------------------
 
-def reference_losses(cfg: Config, data: list[np.ndarray], seed: int = 0) -> list[float]:
-    """Per-step losses of training on ``data`` with plain JAX in this process."""
+def reference_losses(cfg: Config, data: list[np.ndarray], seed: int = 0,
+                     times: list[float] | None = None) -> list[float]:
+    """Per-step losses of training on ``data`` with plain JAX in this process
+    (with ``times``: each step is waited for, and its seconds appended there)."""
     opt = optimizer(cfg)
     params = jax.tree.map(jnp.asarray, init_params(cfg, seed))
     opt_state = opt.init(params)
@@ -202,8 +215,12 @@ def reference_losses(cfg: Config, data: list[np.ndarray], seed: int = 0) -> list
 
     losses = []
     for seqs in data:
+        t0 = time.perf_counter()
         params, opt_state, loss = step(params, opt_state, seqs)
         losses.append(loss)
+        if times is not None:
+            loss.block_until_ready()
+            times.append(time.perf_counter() - t0)
     return [float(x) for x in losses]
 
 
