@@ -26,8 +26,10 @@ steps (tracing, compiling), then ``--repeats`` timed runs of ``--steps`` steps
 median run. Every step's loss is compared with plain JAX training the same model
 in this process (``max_abs_loss_diff``). CPU seconds per step of every process of
 the cluster and this client are measured over the timed runs (``/proc`` schedstat),
-with the share of the machine's cores they fill: near 1, the layouts compete for
-CPU, not for devices or links, and the ratios say how much CPU each needs.
+with the share of the machine's cores they fill: near the number of cores, the layouts compete for
+CPU, not for devices or links. ``cpu_bound_ratios`` gives each ratio as the inverse
+ratio of CPU seconds per step: what it is when the cores are the limit, which is
+steadier than tokens/s on a machine shared with other work.
 
     .venv/bin/python benchmarks/transformer.py [--quick] [--json] [--steps 10] [--repeats 3]
                                                [--dcn-latency-ms 0.1] [--plot docs/transformer.png]
@@ -63,8 +65,9 @@ from transformer import model as M   # noqa: E402
 
 try:           # optional: the bench extra (pip install -e '.[bench]')
     import matplotlib
-    matplotlib.use("Agg")
+    import matplotlib.patches
     import matplotlib.pyplot as plt
+    matplotlib.use("Agg")
 except ImportError:
     plt = None
 
@@ -92,6 +95,9 @@ CLUSTERS: dict[str, tuple[dict[str, Any], dict[str, Builder]]] = {
         "one_island_1host": lambda cfg, h, mb: L.Spmd(cfg, h[0], (4, 1)),
     }),
 }
+CLUSTER_LABELS = {"ici2": "1 island x 2 hosts x 2", "ici4": "1 island x 4 hosts x 1",
+                  "dcn10": "2 islands x 1 host x 2, DCN 10 Gbit/s", "dcn1": "the same, DCN 1 Gbit/s",
+                  "host1": "1 island x 1 host x 4", "": "plain JAX, this process"}
 RATIOS = {"pipeline_s2_over_spmd": ("pipeline_s2", "spmd"),
           "pipeline_s4_over_spmd": ("pipeline_s4", "spmd_4hosts"),
           "two_islands_over_one": ("two_islands", "one_island"),
@@ -198,6 +204,9 @@ def plot(results: dict[str, Any], path: Path) -> None:
     ax.bar(names, tps, color=[colors[results["layouts"][n].get("cluster", "")] for n in names])
     for i, v in enumerate(tps):
         ax.text(i, v, f"{v:,.0f}", ha="center", va="bottom", fontsize=8)
+    shown = {results["layouts"][n].get("cluster", "") for n in names}
+    ax.legend(handles=[matplotlib.patches.Patch(color=colors[c], label=CLUSTER_LABELS[c])
+                       for c in colors if c in shown], fontsize=7, loc="upper left")
     ax.set_ylabel("tokens / s")
     r = results["ratios"]
     ax.set_title(f"transformer ({results['config']['params']:,} params), {results['machine']['cores']} cores: "
@@ -241,9 +250,13 @@ def main() -> None:
     results["layouts"]["plain_jax_1device"] = {"cluster": "", "tokens_per_s": jax_tps, "max_abs_loss_diff": 0.0,
                                                "ms_per_step": cfg.tokens_per_step / jax_tps * 1e3}
     lay = results["layouts"]
+    results["cpu_bound_ratios"] = {}
     for r, (a, b) in RATIOS.items():
         if a in lay and b in lay:
             results["ratios"][r] = lay[a]["tokens_per_s"] / lay[b]["tokens_per_s"]
+            # what the ratio is when the machine's cores are the limit: CPU seconds per step, inverted
+            results["cpu_bound_ratios"][r] = (lay[b]["cpu_s_per_step"]["total"]
+                                              / lay[a]["cpu_s_per_step"]["total"])
     results["config"] = {**vars(cfg), "params": sum(x.size for x in jax.tree.leaves(M.init_params(cfg))),
                          "steps": args.steps, "repeats": args.repeats, "warmup": args.warmup,
                          "microbatches": args.microbatches, "dcn_latency_ms": args.dcn_latency_ms}
@@ -258,7 +271,7 @@ def main() -> None:
             f"{c.get('total', 0):>10.3f} {c.get('workers', 0):>9.3f} {v.get('cores_busy', 0):>10.2f} "
             f"{v['max_abs_loss_diff']:>11.2e}")
     for r, v in results["ratios"].items():
-        log(f"{r}: {v:.3f}")
+        log(f"{r}: {v:.3f}  (from CPU seconds per step: {results['cpu_bound_ratios'][r]:.3f})")
     if args.plot:
         plot(results, args.plot)
     if args.json:
