@@ -193,28 +193,40 @@ def plain_jax(cfg: M.Config, data: list[np.ndarray]) -> tuple[list[float], float
 
 
 def plot(results: dict[str, Any], path: Path) -> None:
+    """Tokens/s and CPU seconds per step of every layout, coloured by cluster."""
     if plt is None:
         log("matplotlib is not installed (pip install -e '.[bench]'): no plot")
         return
-    names = list(results["layouts"])
-    tps = [results["layouts"][n]["tokens_per_s"] for n in names]
-    fig, ax = plt.subplots(figsize=(8, 3.6))
+    lay = results["layouts"]
+    names = list(lay)
     colors = {"ici2": "#4c72b0", "ici4": "#55a868", "dcn10": "#c44e52", "dcn1": "#8172b2",
               "host1": "#dd8452", "": "#999999"}
-    ax.bar(names, tps, color=[colors[results["layouts"][n].get("cluster", "")] for n in names])
+    bar_colors = [colors[lay[n].get("cluster", "")] for n in names]
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(12, 4))
+    tps = [lay[n]["tokens_per_s"] for n in names]
+    ax.bar(names, tps, color=bar_colors)
     for i, v in enumerate(tps):
-        ax.text(i, v, f"{v:,.0f}", ha="center", va="bottom", fontsize=8)
-    shown = {results["layouts"][n].get("cluster", "") for n in names}
-    ax.legend(handles=[matplotlib.patches.Patch(color=colors[c], label=CLUSTER_LABELS[c])
-                       for c in colors if c in shown], fontsize=7, loc="upper left")
+        ax.text(i, v, f"{v:,.0f}", ha="center", va="bottom", fontsize=7)
     ax.set_ylabel("tokens / s")
-    r = results["ratios"]
-    ax.set_title(f"transformer ({results['config']['params']:,} params), {results['machine']['cores']} cores: "
-                 f"pipeline/SPMD {r['pipeline_s2_over_spmd']:.2f} (S=2), {r['pipeline_s4_over_spmd']:.2f} (S=4); "
-                 f"two/one island {r['two_islands_over_one']:.2f}", fontsize=8)
-    ax.tick_params(axis="x", labelsize=8, rotation=20)
+    cpu = [lay[n].get("cpu_s_per_step", {}).get("total", 0.0) for n in names]
+    ax2.bar(names, cpu, color=bar_colors)
+    for i, v in enumerate(cpu):
+        ax2.text(i, v, f"{v:.2f}" if v else "", ha="center", va="bottom", fontsize=7)
+    ax2.set_ylabel("CPU seconds per step (all processes)")
+    shown = {lay[n].get("cluster", "") for n in names}
+    ax2.legend(handles=[matplotlib.patches.Patch(color=colors[c], label=CLUSTER_LABELS[c])
+                        for c in colors if c in shown], fontsize=7, loc="upper left",
+               bbox_to_anchor=(1.0, 1.0))
+    for a in (ax, ax2):
+        a.tick_params(axis="x", labelsize=7, rotation=30)
+    r, c = results["ratios"], results.get("cpu_bound_ratios", {})
+    fig.suptitle(f"transformer ({results['config']['params']:,} params), {results['machine']['cores']} cores, "
+                 f"{results['machine']['date']}. Ratios by tokens/s (by CPU s/step): pipeline/SPMD "
+                 f"{r['pipeline_s2_over_spmd']:.2f} ({c.get('pipeline_s2_over_spmd', 0):.2f}) S=2, "
+                 f"{r['pipeline_s4_over_spmd']:.2f} ({c.get('pipeline_s4_over_spmd', 0):.2f}) S=4; two/one island "
+                 f"{r['two_islands_over_one']:.2f} ({c.get('two_islands_over_one', 0):.2f})", fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=110)
     log(f"wrote {path}")
 
 
