@@ -1,10 +1,11 @@
-# zpath: `make run` runs the demo on a local cluster it starts; `make test` runs the tests.
+# zpath: `make run` trains a small transformer pipelined over the hosts of a local cluster it
+# starts; `make demo` runs the Figure-2 program; `make test` runs the tests.
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test test-fast bench install clean
+.PHONY: run demo test test-fast bench install clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -15,6 +16,9 @@ $(STAMP): pyproject.toml constraints.txt
 install: $(STAMP)
 
 run: $(STAMP)
+	$(PY) examples/transformer/train.py
+
+demo: $(STAMP)
 	$(PY) examples/demo.py
 
 test: $(STAMP)
