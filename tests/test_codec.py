@@ -343,10 +343,10 @@ def _set(value: list, path: tuple, new: Any) -> list:
     (m.Free, [{"a": 1}], "Free.buffers: expected list, got dict"),
     (m.Free, [[1, "2"]], "Free.buffers[1]: expected int, got str"),
     (m.AllocSlice, [2, "0", None], "AllocSlice.island: matches no alternative"),
-    (m.ExecDone, [1, "boom", 0.0, 1.0], "ExecDone.error: matches no alternative"),
-    (m.ExecDone, [1, ["k", "m", None, "c"], 0.0, 1.0], "expected 5 fields, got 4"),
-    (m.ExecDone, [1, None, "0", 1.0], "ExecDone.start: expected float, got str"),
-    (m.ExecDone, [1, None], "ExecDone: expected 4 fields, got 2"),
+    (m.ExecDone, [1, "boom", 0.0, 1.0, 0.0], "ExecDone.error: matches no alternative"),
+    (m.ExecDone, [1, ["k", "m", None, "c"], 0.0, 1.0, 0.0], "expected 5 fields, got 4"),
+    (m.ExecDone, [1, None, "0", 1.0, 0.0], "ExecDone.start: expected float, got str"),
+    (m.ExecDone, [1, None], "ExecDone: expected 5 fields, got 2"),
     (m.Welcome, _set(_good_welcome(), (1, 0, 4, 1, 3), "0"),
      "Welcome.hosts[0].devices[1].local_index: expected int, got str"),
     (m.Welcome, _set(_good_welcome(), (1, 0, 4, 0), [0, 0, 0, 0]),
@@ -720,9 +720,9 @@ GOLDEN = [
         "cf000000010000001392920804a7666c6f6174333292a169c0c2",
     ]),
     ("ExecDone", 1001, [
-        "9f08ebe2a3d3d46e6e0d782a1fee9603fc95c2fc0d1e72570fc993be2b8363f9",
+        "30a2fe0a070b16f71ce3207bbae47ab403fbd6f1c7069350ce47de1c3e144158",
         "950222cd03e907ad776f726b65723a676f6c64656e",
-        "94ce0001e240c0cb41d999a660080000cb41d999a660100000",
+        "95ce0001e240c0cb41d999a660080000cb41d999a660100000cb0000000000000000",
     ]),
     ("Call", 1002, [
         "586c4be83af71e30a88fc5c7e91848740ecddd2ace92c01fca074ded3fff6606",
@@ -742,9 +742,9 @@ GOLDEN = [
         "941f0ccd100092cd0800cd0800",
     ]),
     ("ExecDoneErr", 1005, [
-        "61a6ce836eb3e2cb5d5be33d259b23fb5e83964c59d89d37476f2d2cc96cfb41",
+        "b5bff0b3abe45b8f61b946de86460c7ec6574448607bb4ef7f92d5e114dfd0cd",
         "950222cd03ed07ad776f726b65723a676f6c64656e",
-        "940595ab52656d6f74654572726f72a8626f6f6d20e29c93c0a166a27462cb3ff0000000000000cb4004000000000000",
+        "950595ab52656d6f74654572726f72a8626f6f6d20e29c93c0a166a27462cb3ff0000000000000cb4004000000000000cb0000000000000000",
     ]),
     ("Put", 1006, [
         "08732737a272105db551f27b97f6e9c2b379e0f37cbaac8470bea771b03c398b",

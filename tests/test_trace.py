@@ -94,6 +94,33 @@ def test_build_places_computations_transfers_and_client_slices():
     assert doc["otherData"]["clock_offsets_s"] == {"0": 0.0, "1": 0.5}
 
 
+def test_build_places_the_controller_s_planning_memory_waits_and_input_waits():
+    hosts = [host(0, 0, [0, 1], "a")]
+    views = {0: tr.HostView(offset=0.0, rtt=0.001, stats=stats([], []))}
+    # the controller's clock is 2 s ahead of ours
+    events = [m.ControllerEvent("plan", 7, "step", 1002.10, 1002.15),
+              m.ControllerEvent("memory", 7, "step", 1002.20, 1002.50),
+              m.ControllerEvent("plan", 7, "old", 900.0, 900.1)]                 # before the trace
+    records = [m.ExecRecord(1, 1, 0, 0, 7, "f", [0, 1], 1000.60, 1000.70, True, 0.04),
+               m.ExecRecord(2, 2, 0, 0, 7, "g", [0, 1], 1000.70, 1000.80, True)]
+    doc = tr.build(begin=1000.0, end=1001.0, status=status(hosts), records=records, views=views,
+                   controller_events=events, controller_offset=2.0)
+    doc = json.loads(json.dumps(doc))
+    n = names(doc)
+    assert n[(tr.CONTROLLER_PID, tr.PLAN_TID)] == "planning and dispatch"
+    assert n[(tr.CONTROLLER_PID, tr.MEMORY_TID)] == "waits for memory"
+    plan, = by(doc, cat="plan")
+    assert (plan["name"], plan["tid"], plan["args"]["client"]) == ("plan step", tr.PLAN_TID, 7)
+    assert plan["ts"] == pytest.approx(100_000) and plan["dur"] == pytest.approx(50_000)   # offset applied
+    wait, = by(doc, cat="memory")
+    assert (wait["name"], wait["tid"]) == ("wait for memory step", tr.MEMORY_TID)
+    assert wait["dur"] == pytest.approx(300_000)
+    inputs = by(doc, cat="wait")
+    assert sorted(e["tid"] for e in inputs) == [0, 1] and all(e["name"] == "wait for inputs" for e in inputs)
+    assert all(e["ts"] == pytest.approx(600_000) and e["dur"] == pytest.approx(40_000) for e in inputs)
+    assert all(e["args"]["exec_id"] == 1 for e in inputs)     # g did not wait: no slice
+
+
 def test_build_with_a_lost_and_a_silent_host():
     hosts = [host(0, 0, [0])]
     views = {0: tr.HostView(error="no answer in 2 s")}
@@ -160,6 +187,13 @@ def test_traced_program_every_computation_once_on_its_device(cluster, tmp_path):
     client = by(doc, pid=tr.client_pid(me), ph="X")
     assert [e["name"] for e in client if e["cat"] == "program"] == ["program step"] * 3
     assert sum(1 for e in client if e["cat"] == "fetch") == 3
+    # the controller planned and dispatched each of them
+    plans = [e for e in by(doc, cat="plan") if e["args"]["client"] == me]
+    assert [e["name"] for e in plans].count("plan step") >= 3 and all(e["tid"] == tr.PLAN_TID for e in plans)
+    # a wait for inputs (island 1 waits for the DCN piece) lies inside its computation
+    for w in by(doc, cat="wait"):
+        comp = [e for e in mine if e["args"]["exec_id"] == w["args"]["exec_id"] and e["tid"] == w["tid"]]
+        assert comp and comp[0]["ts"] <= w["ts"] and w["ts"] + w["dur"] <= comp[0]["ts"] + comp[0]["dur"] + 1
     # and every slice lies inside the trace, in order on each device track
     end_us = (doc["otherData"]["end_unix_s"] - doc["otherData"]["begin_unix_s"]) * 1e6
     assert all(-1e5 < e["ts"] <= end_us + 1e5 for e in mine)

@@ -9,10 +9,14 @@ What goes in (all of it already recorded by the cluster):
 
 * one process per client, with a track of this client's calls, programs and fetches
   (recorded here, when a trace is active);
-* the controller, one process, with an instant per client and lost host;
+* the controller, one process, with an instant per client and lost host, a track of
+  its planning and dispatch (a slice per call, program or slice of a long one, the
+  loop's own time) and one of the submissions that waited for device memory;
 * one process per worker (``host R NAME (island I)``), a track per device with one
   slice per computation the controller's timeline has (``TimelineRequest``: the
-  worker's start and end of each), named by the computation, its client in its args;
+  worker's start and end of each), named by the computation, its client in its args,
+  and inside it a "wait for inputs" slice for the time its inputs were not there yet
+  (``ExecDone.waited``);
 * transfers: from the workers' ``ChannelStats`` (the pieces each sent, with channel,
   bytes and destination, and when each was received), a slice on the sender's
   ``transfers out`` track from the send's start to its receipt, an instant on the
@@ -22,7 +26,8 @@ Clocks: every timestamp is turned into this machine's clock. A worker's offset i
 measured when the trace starts (and again when it ends) by asking its data port for
 ``ChannelStats``, which carries the worker's wall time: offset = its time minus the
 middle of the round trip, from the fastest of a few asks. The controller's timeline
-carries the workers' own times, corrected the same way.
+carries the workers' own times, corrected the same way, and its answer the
+controller's time (``Timeline.now``), which gives the controller's offset.
 
 A host that is lost, or does not answer within ``ASK_TIMEOUT_S``, gives no transfers;
 its computations still appear (the controller has them) and the trace still closes.
@@ -49,6 +54,7 @@ TIMELINE_LIMIT = 1_000_000    # records asked from the controller (it keeps the 
 CONTROLLER_PID = 1
 TRANSFERS_OUT_TID = 1_000_000
 TRANSFERS_IN_TID = 1_000_001
+PLAN_TID, MEMORY_TID = 1, 2           # the controller's tracks (0: the cluster's instants)
 
 
 def worker_pid(rank: int) -> int:
@@ -139,9 +145,12 @@ def ask_workers(key: bytes, hosts: list[m.HostInfo], samples: int = 1,
 
 def build(*, begin: float, end: float, status: m.Status, records: list[m.ExecRecord],
           views: dict[int, HostView], client_id: int | None = None,
-          slices: Sequence[ClientSlice] = (), address: str = "") -> dict[str, Any]:
+          slices: Sequence[ClientSlice] = (), address: str = "",
+          controller_events: Sequence[m.ControllerEvent] = (), controller_offset: float = 0.0) -> dict[str, Any]:
     """The Chrome Trace Event document of [begin, end] (this machine's wall clock).
-    Pure: what the cluster answered in, the JSON-ready dict out."""
+    Pure: what the cluster answered in, the JSON-ready dict out. ``controller_events``:
+    the controller's planning and waits for memory (its clock ahead of this one
+    by ``controller_offset``)."""
     events: list[dict[str, Any]] = []
 
     def us(t: float) -> float:
@@ -166,6 +175,8 @@ def build(*, begin: float, end: float, status: m.Status, records: list[m.ExecRec
     # processes and tracks
     meta(CONTROLLER_PID, f"controller {address}".strip(), sort=0)
     meta(CONTROLLER_PID, "cluster", tid=0)
+    meta(CONTROLLER_PID, "planning and dispatch", tid=PLAN_TID, sort=PLAN_TID)
+    meta(CONTROLLER_PID, "waits for memory", tid=MEMORY_TID, sort=MEMORY_TID)
     for rank, h in sorted(hosts.items()):
         pid = worker_pid(rank)
         meta(pid, f"host {rank} {h.name} (island {h.island})" + (" LOST" if rank in lost else ""),
@@ -193,6 +204,18 @@ def build(*, begin: float, end: float, status: m.Status, records: list[m.ExecRec
                            "tid": 0, "ts": us(s.start), "dur": round((s.end - s.start) * 1e6, 3),
                            "args": {k: v for k, v in s.args.items()}})
 
+    # the controller's work and what waited there
+    for e in controller_events:
+        start, stop = e.start - controller_offset, e.end - controller_offset
+        if stop < begin or start > end:
+            continue
+        plan = e.kind == "plan"
+        events.append({"ph": "X", "name": f"{'plan' if plan else 'wait for memory'} {e.name}".strip(),
+                       "cat": "plan" if plan else "memory", "pid": CONTROLLER_PID,
+                       "tid": PLAN_TID if plan else MEMORY_TID, "ts": us(start),
+                       "dur": round(max(0.0, stop - start) * 1e6, 3),
+                       "args": {"client": e.client, "client_name": names.get(e.client, "")}})
+
     # computations: one slice per device of the host that ran that part
     for r in records:
         off = views[r.host].offset if r.host in views else 0.0
@@ -205,7 +228,12 @@ def build(*, begin: float, end: float, status: m.Status, records: list[m.ExecRec
             events.append({"ph": "X", "name": r.name, "cat": "computation", "pid": worker_pid(r.host), "tid": d,
                            "ts": us(start), "dur": round((stop - start) * 1e6, 3),
                            "args": {"client": r.client, "client_name": names.get(r.client, ""),
-                                    "exec_id": r.exec_id, "seq": r.seq, "island": r.island, "ok": r.ok}})
+                                    "exec_id": r.exec_id, "seq": r.seq, "island": r.island, "ok": r.ok,
+                                    "waited_for_inputs_s": r.waited}})
+            if r.waited > 0:      # inside it: the time its inputs were not there yet
+                events.append({"ph": "X", "name": "wait for inputs", "cat": "wait", "pid": worker_pid(r.host),
+                               "tid": d, "ts": us(start), "dur": round(min(r.waited, stop - start) * 1e6, 3),
+                               "args": {"exec_id": r.exec_id, "client": r.client}})
 
     # transfers: sender slice [send began, received], receiver instant, a flow between
     received: dict[int, tuple[int, float]] = {}
@@ -253,14 +281,20 @@ def collect(client: Any, begin: float, end: float, at_start: tuple[dict[int, Hos
     now = {c.id for c in status.clients}
     status = dataclasses.replace(status, clients=[*status.clients,
                                                   *(c for c in clients_at_start if c.id not in now)])
-    records = client.request(m.TimelineRequest(TIMELINE_LIMIT)).records
+    asked = time.time()
+    timeline = client.request(m.TimelineRequest(TIMELINE_LIMIT))
+    answered = time.time()
+    records = timeline.records
+    # the controller's clock against this one's (its answer's time, mid-way)
+    controller_offset = timeline.now - (asked + answered) / 2 if timeline.now else 0.0
     views = ask_workers(client.ep.key, list(status.hosts), samples=1)
     for rank, v in views.items():             # keep the better clock measurement
         first = views_at_start.get(rank)
         if first is not None and first.rtt < v.rtt:
             v.offset, v.rtt = first.offset, first.rtt
     return build(begin=begin, end=end, status=status, records=records, views=views,
-                 client_id=client_id, slices=slices, address=client.address)
+                 client_id=client_id, slices=slices, address=client.address,
+                 controller_events=timeline.events, controller_offset=controller_offset)
 
 
 def write(path: str, doc: dict[str, Any]) -> None:

@@ -112,7 +112,7 @@ class Admission:
             self._paused.append(sub)
             return
         if not done:
-            self.memory_waiting.append(sub)
+            self._wait_for_memory(sub)
         elif sub.then is not None:
             sub.then(sub)
         self._replay(sub.ident)
@@ -171,16 +171,28 @@ class Admission:
                          seq=self._arrivals, record=[] if record else None, then=then)
         if self.memory_waiting:          # keep arrival order behind waiting work
             self._pin_waiting(sub)
-            self.memory_waiting.append(sub)
+            self._wait_for_memory(sub)
             return sub
         done = self._advance(sub)
         if done is None:                 # the loop sends what is ready, then resume goes on
             self._pause(sub)
         elif not done:
-            self.memory_waiting.append(sub)
+            self._wait_for_memory(sub)
         elif then is not None:
             then(sub)
         return sub
+
+    def _wait_for_memory(self, sub: Submission) -> None:
+        self.memory_waiting.append(sub)
+        sub.waiting_since = self.now
+
+    def _memory_wait_over(self, sub: Submission) -> None:
+        """A submission left the memory queue: its wait goes on the timeline."""
+        if sub.waiting_since is not None:
+            name = self.program_name(sub.calls[0].program) if sub.calls else ""
+            self.events.append(m.ControllerEvent("memory", sub.peer.id, name, sub.waiting_since + self.wall_offset,
+                                                 self.now + self.wall_offset))
+            sub.waiting_since = None
 
     def _node_done(self, sub: Submission, k: int, call: m.Call) -> None:
         """Node ``k`` of a submission was planned (or failed): it no longer pins
@@ -237,6 +249,7 @@ class Admission:
                     continue                   # memory may have been freed: the head again
                 if self.memory_waiting and self.memory_waiting[0] is sub:
                     self.memory_waiting.popleft()
+                    self._memory_wait_over(sub)
         finally:
             self._resuming = False
 
@@ -252,6 +265,7 @@ class Admission:
                 continue
             if self._advance(sub, pause=False):
                 self.memory_waiting.remove(sub)
+                self._memory_wait_over(sub)
                 return True
         return False
 

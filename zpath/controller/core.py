@@ -147,6 +147,17 @@ class ControllerCore(Peers, Admission, Dispatch, Fusion, Failures):
                 self.reply_error(ident, parent, ErrorKind.INTERNAL,
                                  f"controller failed handling {type(msg).__name__}")
 
+    def program_name(self, digest: str) -> str:
+        prog = self.programs.get(digest)
+        return prog[0] if prog else ""
+
+    def resume_label(self) -> tuple[int, str]:
+        """(client, name) of what ``resume`` goes on with (-1, "" if not a submission)."""
+        head = self._paused[0] if self._paused else None
+        if head is not None and type(head) is not tuple:
+            return head.peer.id, self.program_name(head.calls[head.next].program) if head.next < len(head.calls) else ""
+        return -1, "sending planned nodes" if head is not None else ""
+
     def begin_turn(self) -> None:
         """The loop starts reading a round of messages: what their handling may
         send of nodes already planned is one budget (``send_budget``) for the
@@ -246,7 +257,9 @@ class ControllerCore(Peers, Admission, Dispatch, Fusion, Failures):
             case m.ExecDone() if peer.role == "worker":
                 self._exec_done(peer.id, msg)
             case m.TimelineRequest():
-                self.send(ident, m.Timeline(self.timeline_records(msg.limit)), parent)
+                events = list(self.events)[-msg.limit:] if msg.limit > 0 else []
+                self.send(ident, m.Timeline(self.timeline_records(msg.limit), events, self.now + self.wall_offset),
+                          parent)
             case m.Release() if peer.role == "client":
                 self._release(msg.buffers, peer.id)
             case m.Goodbye() if peer.role == "client":

@@ -368,7 +368,7 @@ class Dispatch:
         """The last ``limit`` host reports, oldest first."""
         recent = list(self.timeline)[-limit:] if limit > 0 else []
         return [m.ExecRecord(msg.exec_id, info.seq, info.island, host, info.client, info.name, info.devices,
-                             msg.start, msg.end, msg.error is None) for msg, host, info in recent]
+                             msg.start, msg.end, msg.error is None, msg.waited) for msg, host, info in recent]
 
     def _explain(self, ident: bytes, parent: int, peer: Peer, req: m.ExplainRequest) -> None:
         """Plan a program on a scratch copy of the directory and describe it."""

@@ -17,6 +17,7 @@ log = logging.getLogger(__name__)
 MAX_WEIGHT = 1e6
 MAX_PROGRAM_BYTES = 256 << 20
 TIMELINE_RECORDS = 100_000
+EVENT_RECORDS = 10_000
 
 
 class Peers:
@@ -30,6 +31,9 @@ class Peers:
         self.device_held: dict[int, int] = {}               # device -> bytes its worker holds (Pong)
         # (ExecDone, host, InFlight) per host report, made into ExecRecords when asked
         self.timeline: collections.deque[tuple] = collections.deque(maxlen=TIMELINE_RECORDS)
+        # what the controller did and what waited there (plans, waits for memory)
+        self.events: collections.deque[m.ControllerEvent] = collections.deque(maxlen=EVENT_RECORDS)
+        self.wall_offset = 0.0     # wall clock - the loop's clock (set by the loop: events are wall time)
         self.programs: dict[str, tuple[str, bytes]] = {}
         self.host_programs: dict[int, set[str]] = {}
         self._ping_seq = 0

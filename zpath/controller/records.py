@@ -61,6 +61,8 @@ class Submission:
     # the node the current slice started at, and the hosts' parts planned in it
     slice_from: int = 0
     parts: int = 0
+    # when it began waiting for memory (the loop's clock), while it does
+    waiting_since: float | None = None
     # called once it is planned in full without waiting for memory
     then: Callable[[Submission], None] | None = None
 

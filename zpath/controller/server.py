@@ -56,6 +56,7 @@ class Controller:
         # lost hosts on this machine: their segments go
         self.core = ControllerCore(self.config, machine=channels.machine_id(self.common.machine_id),
                                    gang=gang)
+        self.core.wall_offset = time.time() - time.monotonic()     # its events in wall time
         self.running = True
         # messages held while one received message is handled (see _emit):
         # (message, parent, msg_id, body) per peer; a message object sent to
@@ -167,7 +168,10 @@ class Controller:
         self._flush_out()
         self._recv_all(budget=1000)
         if self.core.busy:
+            client, name = self.core.resume_label()
+            t0 = time.time()
             self._emit(self.core.resume(time.monotonic()))
+            self.core.events.append(m.ControllerEvent("plan", client, name, t0, time.time()))
             self._flush_out()
 
     def _dropped(self, ident: bytes, what: str) -> None:
@@ -244,13 +248,30 @@ class Controller:
                         self._run(self.core.reject(now, ident, header.msg_id, str(BadMessage(
                             str(msg), ident, header))))
                         continue
-                    self._run(self.core.handle(now, ident, header.msg_id, msg, buffers))
-                    if type(msg) in _FLUSH_AFTER:
+                    if type(msg) in _FLUSH_AFTER:        # a submission: its planning on the timeline
+                        t0 = time.time()
+                        self._run(self.core.handle(now, ident, header.msg_id, msg, buffers))
+                        self._plan_event(ident, msg, t0, time.time())
                         self._flush_out()
+                    else:
+                        self._run(self.core.handle(now, ident, header.msg_id, msg, buffers))
             finally:
                 self._flush_out()
             if not readable(self.sock):
                 return
+
+    def _plan_event(self, ident: bytes, msg: Any, start: float, end: float) -> None:
+        peer = self.core.peers.get(ident)
+        match msg:
+            case m.Call():
+                name = self.core.program_name(msg.program)
+            case m.Program():
+                name = msg.name
+            case m.DefineProgram():
+                name = msg.program.name
+            case _:
+                name = f"template {msg.template}"
+        self.core.events.append(m.ControllerEvent("plan", peer.id if peer else -1, name, start, end))
 
     def stop(self, *_: Any) -> None:
         self.running = False

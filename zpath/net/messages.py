@@ -327,6 +327,7 @@ class ExecDone(Record):
     error: ErrorInfo | None
     start: float
     end: float
+    waited: float = 0.0      # seconds of [start, end] it waited for inputs that were not there yet
 
 
 @message(35)
@@ -377,11 +378,27 @@ class ExecRecord(Record):
     start: float
     end: float
     ok: bool
+    waited: float = 0.0      # as ExecDone.waited
+
+
+@record
+class ControllerEvent(Record):
+    """What the controller did or what waited there, for timelines: ``kind``
+    "plan" (planning and dispatching a submission, or a slice of a long one:
+    ``name`` is its program's) or "memory" (a submission waiting for device
+    memory); wall-clock ``start`` and ``end``."""
+    kind: str
+    client: int
+    name: str
+    start: float
+    end: float
 
 
 @message(38)
 class Timeline(Record):
     records: list[ExecRecord]
+    events: list[ControllerEvent] = dataclasses.field(default_factory=list)   # the most recent, oldest first
+    now: float = 0.0         # the controller's wall clock when it answered (to align clocks)
 
 
 @message(40)

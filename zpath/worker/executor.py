@@ -110,6 +110,10 @@ class Executor:
         # arrival indices of computations not finished yet, in arrival order,
         # and frees waiting for every computation that arrived before them
         self._order = FreeOrder()
+        # seconds a computation waited for inputs that were not there yet, by exec
+        # id, for its report (only those that waited); per thread while it runs
+        self.waited: dict[int, float] = {}
+        self._waits = threading.local()
         # computations ready to start, taken by the executor threads; at most
         # one computation per device runs at a time, so one thread per device
         self._ready: queue.SimpleQueue[tuple[m.Execute, frozenset[int], int] | None] = queue.SimpleQueue()
@@ -323,6 +327,7 @@ class Executor:
         pending."""
         start = time.time()
         t0 = time.perf_counter()
+        self._waits.s = 0.0
         ran = None
         if type(ex) is FusedRun:
             error = self._run_fused(ex)
@@ -335,6 +340,8 @@ class Executor:
                     self._drain_settles()
                 error = self._failed(ex, ex.exec_id, _as_is, e, None)
         end = time.time()
+        if self._waits.s > 0:            # read (and dropped) by whoever reports it
+            self.waited[ex.exec_id] = self._waits.s
         started: list[tuple[m.Execute, frozenset[int], int]] = []
         with self._lock:
             self._busy -= devs
@@ -611,13 +618,17 @@ class Executor:
         return data
 
     def _wait(self, key: ShardKey | PieceKey, buffer: int) -> Any:
+        t0 = 0.0
         if not self.store.is_done(key):
             # (it may be an output the settler has yet to store; and reports
             # must not stay held while this waits)
             self._drain_settles()
             if self.release_held is not None:
                 self.release_held()
+            t0 = time.perf_counter()
         e = self.store.wait(key, self.input_timeout_s)
+        if t0:          # the time this computation waited for its inputs (see _run)
+            self._waits.s = getattr(self._waits, "s", 0.0) + time.perf_counter() - t0
         if not e.done:
             err = m.ErrorInfo(ErrorKind.DEADLINE_EXCEEDED, f"input buffer {buffer} did not arrive within "
                               f"{self.input_timeout_s:.0f}s", self.rank, "", "")

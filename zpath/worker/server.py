@@ -191,7 +191,8 @@ class Worker:
         waits up to that long (less if one held before must go earlier, or until
         one not held) to go to the controller with the next ones, as one Batch."""
         self.chaining = 0 < hold <= HOLD_SHORT_S
-        self.outbox.hold(("ctl", None, m.ExecDone(exec_id, error, start, end), (), 0), hold,
+        waited = self.executor.waited.pop(exec_id, 0.0) if self.executor is not None else 0.0
+        self.outbox.hold(("ctl", None, m.ExecDone(exec_id, error, start, end, waited), (), 0), hold,
                          release=not hold)
 
     def _release_held(self) -> None:

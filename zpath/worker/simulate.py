@@ -189,7 +189,9 @@ class SimHost:
         self.held_due = 0.0                        # when they go at the latest
         self.out: list[Record] = []                # control messages to send at the next flush
         self.alive = True
-        self.busy_s = 0.0                          # device-seconds of emulated computation run
+        self.busy_s = 0.0
+        # messages that came after its Registered while other hosts registered
+        self.early: list[tuple[Record, list]] = []                          # device-seconds of emulated computation run
 
     # ---- start-up ------------------------------------------------------------
     def register_message(self, devices: int) -> m.RegisterWorker:
@@ -634,12 +636,14 @@ class SimProcess:
                     _, header, got, buffers = h.ep.recv(sock, block=False)
                 except (zmq.Again, BadMessage):
                     continue
-                for _, reply, _ in unbatched(header, got, buffers):
+                for _, reply, bufs in unbatched(header, got, buffers):
                     if isinstance(reply, m.Registered) and h in waiting:
                         h.registered(reply)
                         waiting.discard(h)
                     elif isinstance(reply, m.Error):
                         raise ZpathError(f"controller refused simulated host {h.name}: {reply.message}")
+                    elif h not in waiting:        # already registered: handled once serving
+                        h.early.append((reply, bufs))
         if waiting:
             raise ZpathError("stopped while registering")
         for h in self.hosts:
@@ -765,6 +769,10 @@ class SimProcess:
             poller.register(sock, zmq.POLLIN)
         poller.register(self.data, zmq.POLLIN)
         self.heard = time.monotonic()
+        for h in self.hosts:
+            for msg, bufs in h.early:
+                h.handle_ctl(msg, bufs, time.monotonic())
+            h.early.clear()
         while self.running:
             self.now = time.monotonic()
             self.timers.run_due(self.now)
