@@ -269,8 +269,9 @@ class Controller:
                 name = msg.name
             case m.DefineProgram():
                 name = msg.program.name
-            case _:
-                name = f"template {msg.template}"
+            case _:          # a template's run: its program's name
+                t = self.core.templates.get((peer.id, msg.template)) if peer else None
+                name = t.name if t is not None else f"template {msg.template}"
         self.core.events.append(m.ControllerEvent("plan", peer.id if peer else -1, name, start, end))
 
     def stop(self, *_: Any) -> None:

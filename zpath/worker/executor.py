@@ -625,10 +625,10 @@ class Executor:
             self._drain_settles()
             if self.release_held is not None:
                 self.release_held()
-            t0 = time.perf_counter()
+            t0 = time.monotonic()
         e = self.store.wait(key, self.input_timeout_s)
         if t0:          # the time this computation waited for its inputs (see _run)
-            self._waits.s = getattr(self._waits, "s", 0.0) + time.perf_counter() - t0
+            self._waits.s = getattr(self._waits, "s", 0.0) + time.monotonic() - t0
         if not e.done:
             err = m.ErrorInfo(ErrorKind.DEADLINE_EXCEEDED, f"input buffer {buffer} did not arrive within "
                               f"{self.input_timeout_s:.0f}s", self.rank, "", "")
