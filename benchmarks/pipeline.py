@@ -75,7 +75,7 @@ def _check(what: str, got: Any, want: np.ndarray) -> None:
                              f"(shape {got.shape})")
 
 
-def _cpu(procs: dict[str, Any]) -> dict[str, float]:
+def cpu_seconds(procs: dict[str, Any]) -> dict[str, float]:
     """CPU seconds used so far by each process: the sum of its threads'
     /proc/<pid>/task/*/schedstat run times (nanoseconds; a thread that exited is
     no longer counted), or psutil's user + system (10 ms ticks) where that is
@@ -155,7 +155,7 @@ class PipelineBench:
         (untimed, not counted)."""
         prog = self.program(stages, mode)
         outs = []
-        c0 = _cpu(self.procs)
+        c0 = cpu_seconds(self.procs)
         t0 = time.perf_counter()
         x = self.x0
         for _ in range(programs):
@@ -165,7 +165,7 @@ class PipelineBench:
                 x = y
         outs[-1].result(timeout=600)
         t = time.perf_counter() - t0
-        c1 = _cpu(self.procs)
+        c1 = cpu_seconds(self.procs)
         for i, y in enumerate(outs):
             k = stages * (i + 1) if inputs == "chained" else stages
             _check(f"S={stages} {mode} {inputs} program {i}", y.result(timeout=600),

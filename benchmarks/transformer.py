@@ -62,6 +62,7 @@ sys.path.insert(0, str(ROOT / "examples"))
 import zpath as zp   # noqa: E402
 from transformer import layouts as L   # noqa: E402  (examples/ is not a package)
 from transformer import model as M   # noqa: E402
+from pipeline import cpu_seconds   # noqa: E402  (benchmarks/pipeline.py: schedstat run times)
 
 try:           # optional: the bench extra (pip install -e '.[bench]')
     import matplotlib
@@ -106,22 +107,6 @@ RATIOS = {"pipeline_s2_over_spmd": ("pipeline_s2", "spmd"),
 
 def log(*a: Any) -> None:
     print(*a, file=sys.stderr, flush=True)
-
-
-def cpu_seconds(procs: dict[str, psutil.Process]) -> dict[str, float]:
-    """CPU seconds used so far by each process: its threads' schedstat run
-    times (psutil's 10 ms ticks are coarse for short runs)."""
-    out = {}
-    for name, p in procs.items():
-        total = 0
-        for tid in os.listdir(f"/proc/{p.pid}/task"):
-            try:
-                with open(f"/proc/{p.pid}/task/{tid}/schedstat") as f:
-                    total += int(f.read().split()[0])
-            except (OSError, ValueError, IndexError):
-                pass          # the thread exited meanwhile
-        out[name] = total / 1e9
-    return out
 
 
 def run_cluster(name: str, cfg: M.Config, data: list[np.ndarray], reference: list[float],

@@ -144,6 +144,17 @@ class ClusterLauncher:
         self.procs.append((name, p))
         return p
 
+    def _spawn_with_key(self, name: str, argv: list[str], env: dict[str, str]) -> subprocess.Popen:
+        """``_spawn`` a remote worker (ssh, srun) that reads the cluster key from
+        its standard input (zpath.cluster.remote): never on a command line."""
+        p = self._spawn(name, argv, env, stdin=subprocess.PIPE)
+        try:
+            p.stdin.write(self.key.hex().encode() + b"\n")
+            p.stdin.flush()
+        except OSError:
+            pass           # it already exited: reported by the wait, with its log
+        return p
+
     def _start_controller(self, bind_host: str, port: int, deadline: float) -> subprocess.Popen:
         addr_file = os.path.join(self.dir, "controller.address")
         if os.path.exists(addr_file):      # left by an earlier cluster in this directory

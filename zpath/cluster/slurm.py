@@ -189,14 +189,9 @@ class SlurmCluster(ClusterLauncher):
                       *(["--process-id", str(t.rank)] if t.island in runtime else []), *self.dcn_flags]
             command = [self.python, "-m", "zpath.cluster.remote",
                        f"--devices={self.devices_per_task}", "--", *worker]
-            p = self._spawn(name, self.srun_argv(t, command), env, stdin=subprocess.PIPE)
+            self._spawn_with_key(name, self.srun_argv(t, command), env)
             self.expected[name] = t.name
             self.task_of[name] = t
-            try:
-                p.stdin.write(self.key.hex().encode() + b"\n")
-                p.stdin.flush()
-            except OSError:
-                pass           # srun already exited: reported by the wait with its log
 
     def _describe_exit(self, name: str, p: subprocess.Popen) -> str:
         t = self.task_of.get(name)

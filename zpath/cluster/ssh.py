@@ -222,14 +222,9 @@ class SSHCluster(ClusterLauncher):
             remote = " ".join(shlex.quote(a) for a in [
                 python, "-m", "zpath.cluster.remote", f"--devices={h.devices}", *setenv, "--", *worker])
             env = {k: v for k, v in self._env.items() if k not in ("ZPATH_KEY", PARENT_PID_ENV)}
-            p = self._spawn(name, self.ssh_argv(h, "exec " + remote), env, stdin=subprocess.PIPE)
+            self._spawn_with_key(name, self.ssh_argv(h, "exec " + remote), env)
             self.expected[name] = host_name
             self.host_of[name] = h
-            try:
-                p.stdin.write(self.key.hex().encode() + b"\n")
-                p.stdin.flush()
-            except OSError:
-                pass          # ssh already exited: reported by the wait with its log
 
     def _describe_exit(self, name: str, p: subprocess.Popen) -> str:
         h = self.host_of.get(name)

@@ -186,6 +186,18 @@ class Endpoint:
         carrying what is known about its sender, so the caller can answer. With
         ``block=False`` an empty queue raises zmq.Again instead of waiting. A
         Batch comes as a ``codec.Batched``: pass the result to :func:`unbatched`."""
+        ident, frames = self.recv_frames(sock, router=router, block=block)
+        try:
+            header, msg, buffers = codec.decode(self.key, frames)
+        except ProtocolError as e:
+            raise BadMessage(str(e), ident, codec.decode_header(frames)) from None
+        return ident, header, msg, buffers
+
+    def recv_frames(self, sock: zmq.Socket, *, router: bool = False, block: bool = True
+                    ) -> tuple[bytes | None, list[Any]]:
+        """Receive one message's frames, not checked yet (``codec.decode`` checks
+        them): the sender's identity (on a ROUTER) and the envelope's frames.
+        Refuses (BadMessage) a message of more frames than any has."""
         flags = 0 if block else _NOBLOCK
         if type(sock) is zmq.Socket:        # the compiled methods, without pyzmq's conversions
             recv, more = _RECV.__get__(sock), _GET.__get__(sock)
@@ -206,15 +218,9 @@ class Endpoint:
                 raise BadMessage(f"too many frames ({got}; at most {most})", ident,
                                  codec.decode_header(frames[1:] if router else frames))
             frames.append(recv(flags) if len(frames) < small else recv(flags, copy=False))
-        ident = None
         if router:
-            ident = frames[0]
-            frames = frames[1:]
-        try:
-            header, msg, buffers = codec.decode(self.key, frames)
-        except ProtocolError as e:
-            raise BadMessage(str(e), ident, codec.decode_header(frames)) from None
-        return ident, header, msg, buffers
+            return frames[0], frames[1:]
+        return None, frames
 
 
 def _discard_rest(sock: zmq.Socket) -> int:

@@ -42,7 +42,7 @@ import signal
 import socket
 import sys
 import time
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import zmq
 
@@ -61,12 +61,6 @@ from zpath.worker.state import FreeOrder, IdRanges
 from zpath.worker.store import Entry, PieceKey, ShardKey, Store, shard_key
 
 log = logging.getLogger(__name__)
-
-# pyzmq's compiled recv and get, with plain int flags (its Python wrappers
-# convert them: a measurable share of a simulated host's work)
-_RECV = zmq.backend.Socket.recv
-_GET = zmq.backend.Socket.get
-_NOBLOCK, _RCVMORE = int(zmq.NOBLOCK), int(zmq.RCVMORE)
 
 SIM_MAGIC = b"zpath-sim-program\n"
 REGISTER_TIMEOUT_S = 60.0
@@ -129,6 +123,17 @@ def _itemsize(dtype: str) -> int:
     return n
 
 
+class Placed(NamedTuple):
+    """A host's shards of a value: (device, region) each, its elements in all,
+    and (device, elements) each."""
+    shards: list[tuple[int, tuple]]
+    size: int
+    parts: tuple[tuple[int, int], ...]
+
+
+NOWHERE = Placed([], 0, ())
+
+
 class _Run:
     """One queued computation of a host: an Execute or a fused run."""
     __slots__ = ("exec_id", "devices", "needs", "outputs", "cost", "hold", "index", "release",
@@ -189,7 +194,6 @@ class SimHost:
         self.held_due = 0.0                        # when they go at the latest
         self.out: list[Record] = []                # control messages to send at the next flush
         self.alive = True
-        self.busy_s = 0.0
         # messages that came after its Registered while other hosts registered
         self.early: list[tuple[Record, list]] = []                          # device-seconds of emulated computation run
 
@@ -336,10 +340,9 @@ class SimHost:
                 needs.append((b, place(ex, inp, self.index)))
         for o in ex.outputs:
             got = place(ex, o, self.index)
-            if got:
-                size, parts = self.proc.sizes(got)
+            if got.shards:
                 outputs.append((whole_key(buffer(o.buffer), self.index),
-                                SimValue((size,), o.aval.dtype, 0.0, size, parts)))
+                                SimValue((got.size,), o.aval.dtype, 0.0, got.size, got.parts)))
         return _Run(ex.exec_id, frozenset(local), needs, outputs, self._cost(ex.program),
                     ex.hold, index, [])
 
@@ -443,7 +446,7 @@ class SimHost:
         if e is not None and e.done:
             return [e]
         got = []
-        for d, r, _, _ in placed:
+        for d, r in placed.shards:
             key = ShardKey(b, d, r)
             e = shards.get(key)
             if e is None or not e.done:
@@ -479,8 +482,6 @@ class SimHost:
         self.busy -= run.devices
         for d in run.devices:
             self.free_at[d] = run.end
-        if error is None:
-            self.busy_s += run.cost * len(run.devices)
         self._free(self.order.finish(run.index))
         wall = time.time() - time.monotonic()
         nxt = None
@@ -588,7 +589,6 @@ class SimProcess:
         # shape, and by the decoded message (hosts of one process share it)
         self._local_of: dict[tuple, dict[int, list[int]]] = {}
         self._placement: dict[tuple, dict[int, list]] = {}
-        self._sizes: dict[int, tuple] = {}
         self._local: collections.OrderedDict[int, tuple] = collections.OrderedDict()
         self._placed: collections.OrderedDict[int, tuple] = collections.OrderedDict()
         self.now = time.monotonic()
@@ -673,12 +673,12 @@ class SimProcess:
             self._local.popitem(last=False)
         return got
 
-    def placement(self, ex: m.Execute, value: Any, host: int) -> list[tuple[int, tuple, tuple, int]]:
-        """(device, region, shape, elements) of the shards of an input or output of ``ex``
-        on host ``host``'s devices, each where the spec puts it."""
+    def placement(self, ex: m.Execute, value: Any, host: int) -> "Placed":
+        """The shards of an input or output of ``ex`` on host ``host``'s devices,
+        each where the spec puts it."""
         hit = self._placed.get(id(value))
         if hit is not None and hit[0] is value and hit[1] is ex:
-            return hit[2].get(host, [])
+            return hit[2].get(host, NOWHERE)
         spec = tuple(a if a is None or type(a) is str else tuple(a) for a in value.spec)
         key = (tuple(ex.devices), tuple(value.aval.shape), tuple(ex.mesh_shape), tuple(ex.axis_names), spec)
         got = self._placement.get(key)
@@ -687,23 +687,18 @@ class SimProcess:
             self._placed.popitem(last=False)
         if got is None:
             regs = sharding.regions_of(value.aval.shape, ex.mesh_shape, ex.axis_names, value.spec)
-            got = {}
+            shards: dict[int, list[tuple[int, tuple]]] = {}
             for p, d in enumerate(ex.devices):
                 h = self.by_device.get(d)
                 if h is not None:
-                    shape = sharding.region_shape(regs[p])
-                    got.setdefault(h.index, []).append((d, regs[p], shape, math.prod(shape)))
+                    shards.setdefault(h.index, []).append((d, regs[p]))
+            got = {}
+            for index, mine in shards.items():
+                parts = tuple((d, math.prod(sharding.region_shape(r))) for d, r in mine)
+                got[index] = Placed(mine, sum(n for _, n in parts), parts)
             self._remember(self._placement, key, got)
             self._placed[id(value)] = (value, ex, got)
-        return got.get(host, [])
-
-    def sizes(self, placed: list) -> tuple[int, tuple[tuple[int, int], ...]]:
-        """(elements in all, (device, elements) each) of a host's placement."""
-        hit = self._sizes.get(id(placed))
-        if hit is None or hit[0] is not placed:
-            hit = (placed, sum(x[3] for x in placed), tuple((x[0], x[3]) for x in placed))
-            self._remember(self._sizes, id(placed), hit)
-        return hit[1], hit[2]
+        return got.get(host, NOWHERE)
 
     @staticmethod
     def _remember(cache: dict, key: Any, value: Any) -> None:
@@ -821,13 +816,10 @@ class SimProcess:
             if not h.alive:
                 return
             try:
-                frames = [_RECV(sock, _NOBLOCK)]
+                _, frames = h.ep.recv_frames(sock, block=False)
+                header, msg, buffers = self._decode(frames)
             except zmq.Again:
                 return
-            while _GET(sock, _RCVMORE):
-                frames.append(_RECV(sock, _NOBLOCK))
-            try:
-                header, msg, buffers = self._decode(frames)
             except ProtocolError as e:
                 log.warning("host %s: rejected message on the control socket: %s", h.rank, e)
                 continue
@@ -919,10 +911,6 @@ class SimProcess:
         for s in [self.data, *self.peer_socks.values()]:
             s.close(0)
         self.ctx.term()
-
-    def device_busy_s(self) -> float:
-        """Device-seconds of emulated computation run by every host so far."""
-        return sum(h.busy_s for h in self.hosts)
 
 
 def main(argv: list[str] | None = None) -> int:
