@@ -67,7 +67,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from zpath.cluster.launcher import SimulatedCluster  # noqa: E402
 from zpath.errors import ZpathError  # noqa: E402
 from zpath.net import messages as m  # noqa: E402
-from zpath.net.codec import PROTOCOL_VERSION  # noqa: E402
+from zpath.keys import client_keys  # noqa: E402
+from zpath.net.codec import CLIENTS, PROTOCOL_VERSION  # noqa: E402
 from zpath.net.transport import Endpoint, make_context, unbatched  # noqa: E402
 from zpath.worker.simulate import sim_program  # noqa: E402
 
@@ -88,12 +89,14 @@ class Driver:
 
     def __init__(self, address: str, key: bytes, name: str = "scale") -> None:
         self.ctx = make_context()
-        self.ep = Endpoint(key, f"client:{name}:{os.getpid()}")
+        self.ep = Endpoint(key, f"client:{name}:{os.getpid()}", signer=CLIENTS)
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.connect(address)
-        self.ep.send(self.sock, m.Hello(name, PROTOCOL_VERSION, 1.0))
+        nonce = os.urandom(16)
+        self.ep.send(self.sock, m.Hello(name, PROTOCOL_VERSION, 1.0, nonce))
         welcome = self._wait(lambda msg: isinstance(msg, m.Welcome), 30.0)
         self.client_id = welcome.client_id
+        self.ep.sign_as(*client_keys(key, nonce, welcome.client_id, welcome.session_key))
         self.hosts = sorted(welcome.hosts, key=lambda h: h.rank)
         self.devices = [d.id for h in self.hosts for d in h.devices]
         self.address_of = {d.id: h.data_address for h in self.hosts for d in h.devices}
@@ -217,12 +220,15 @@ class Prober:
 def probe(address: str, period: float) -> None:
     """The prober's process: ping until stdin says stop, then print the round trips."""
     ctx = make_context()
-    ep = Endpoint(bytes.fromhex(os.environ["ZPATH_KEY"]), f"client:probe:{os.getpid()}")
+    key = bytes.fromhex(os.environ["ZPATH_KEY"])
+    ep = Endpoint(key, f"client:probe:{os.getpid()}", signer=CLIENTS)
     s = ctx.socket(zmq.DEALER)
     s.connect(address)
-    ep.send(s, m.Hello("probe", PROTOCOL_VERSION, 1.0))
+    nonce = os.urandom(16)
+    ep.send(s, m.Hello("probe", PROTOCOL_VERSION, 1.0, nonce))
     s.poll(30_000)
-    ep.recv(s)
+    _, _, welcome, _ = ep.recv(s)
+    ep.sign_as(*client_keys(key, nonce, welcome.client_id, welcome.session_key))
     stop = threading.Event()
     threading.Thread(target=lambda: (sys.stdin.readline(), stop.set()), daemon=True).start()
     print("ready", flush=True)

@@ -44,6 +44,7 @@ import zpath as zp   # noqa: E402
 from zpath.client import session as zp_session   # noqa: E402
 from zpath.cluster.launcher import LocalCluster   # noqa: E402
 from zpath.net import messages as m   # noqa: E402
+from zpath.net.codec import CLIENTS   # noqa: E402
 from zpath.net.transport import Endpoint   # noqa: E402
 
 
@@ -51,7 +52,7 @@ class Stats:
     """Asks workers' data ports for their ChannelStats."""
 
     def __init__(self, key: bytes, hosts: dict) -> None:
-        self.ep = Endpoint(key, "client:bench")
+        self.ep = Endpoint(key, "client:bench", signer=CLIENTS)
         self.ctx = zmq.Context()
         self.socks = {}
         for rank, info in hosts.items():

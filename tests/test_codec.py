@@ -163,7 +163,7 @@ def test_round_trip_hand_built_call():
 
 
 def test_float_field_accepts_int_and_returns_float():
-    frames = signed(hdr(PROTOCOL_VERSION, m.Fetch.TYPE, 1, 0, "c"), body([1, 2, 3, [[0, 4]], 5]))
+    frames = signed(hdr(PROTOCOL_VERSION, m.Fetch.TYPE, 1, 0, "c", 0), body([1, 2, 3, [[0, 4]], 5]))
     _, out, _ = codec.decode(KEY, frames)
     assert out.timeout_s == 5.0 and type(out.timeout_s) is float
 
@@ -227,7 +227,7 @@ def test_signature_is_hmac_sha256_over_length_prefixed_parts():
 def test_wrong_key_is_rejected():
     frames = enc(m.Hello("c", 1, 1.0), key=OTHER_KEY)
     err = rejects(frames, "bad signature")
-    assert "wrong cluster key" in str(err)
+    assert "wrong key" in str(err)
     assert isinstance(err, ZpathError)
 
 
@@ -265,24 +265,26 @@ def test_header_not_msgpack(header: bytes) -> None:
 
 @pytest.mark.parametrize("fields", [
     7, "text", {"version": 1}, None,
-    [1, 7, 1, 0],                          # too short
-    [1, 7, 1, 0, "s", "extra"],            # too long
-    [1, 7, 1, 0, 5],                       # sender not a string
-    [1, 7, "1", 0, "s"],                   # id not an int
-    [1, 7, 1, 0.5, "s"],                   # parent a float
-    [True, 7, 1, 0, "s"],                  # bool is not an int
-    [1, False, 1, 0, "s"],
-    [1, 7, 1, None, "s"],
-    [1, 7, 1, 0, b"s"],                    # bin, not str
+    [1, 7, 1, 0, "s"],                     # too short (no signer)
+    [1, 7, 1, 0, "s", 0, "extra"],         # too long
+    [1, 7, 1, 0, 5, 0],                    # sender not a string
+    [1, 7, "1", 0, "s", 0],                # id not an int
+    [1, 7, 1, 0.5, "s", 0],                # parent a float
+    [True, 7, 1, 0, "s", 0],               # bool is not an int
+    [1, False, 1, 0, "s", 0],
+    [1, 7, 1, None, "s", 0],
+    [1, 7, 1, 0, b"s", 0],                 # bin, not str
+    [1, 7, 1, 0, "s", "0"],                # signer not an int
+    [1, 7, 1, 0, "s", False],
 ])
 def test_header_wrong_shape(fields: Any) -> None:
     h = msgpack.packb(fields, use_bin_type=True)
-    rejects(signed(h, body([1])), re.escape("header must be [version, type, id, parent, sender]"))
+    rejects(signed(h, body([1])), re.escape("header must be [version, type, id, parent, sender, signer]"))
 
 
 @pytest.mark.parametrize("version", [0, PROTOCOL_VERSION - 1, PROTOCOL_VERSION + 1, 99, -1])
 def test_wrong_protocol_version(version: int) -> None:
-    err = rejects(signed(hdr(version, m.Ping.TYPE, 1, 0, "s"), body([1])),
+    err = rejects(signed(hdr(version, m.Ping.TYPE, 1, 0, "s", 0), body([1])),
                   f"protocol version {version} not supported")
     assert f"speaks {codec.PROTOCOL_VERSION}" in str(err)
 
@@ -290,12 +292,12 @@ def test_wrong_protocol_version(version: int) -> None:
 @pytest.mark.parametrize("tid", [0, 10, 999, -1, 2**40])
 def test_unknown_type_id(tid: int) -> None:
     assert tid not in codec.registry()
-    rejects(signed(hdr(PROTOCOL_VERSION, tid, 1, 0, "s"), body([1])), f"unknown message type {tid}$")
+    rejects(signed(hdr(PROTOCOL_VERSION, tid, 1, 0, "s", 0), body([1])), f"unknown message type {tid}$")
 
 
 @pytest.mark.parametrize("raw", [b"", b"\xc1", b"\x92\x01", b"\x91\x01\x02", b"\xd9\x02\xff\xfe"])
 def test_body_not_msgpack(raw: bytes) -> None:
-    rejects(signed(hdr(PROTOCOL_VERSION, m.Ping.TYPE, 1, 0, "s"), raw), "body of Ping is not msgpack")
+    rejects(signed(hdr(PROTOCOL_VERSION, m.Ping.TYPE, 1, 0, "s", 0), raw), "body of Ping is not msgpack")
 
 
 @pytest.mark.parametrize("value,pattern", [
@@ -306,11 +308,11 @@ def test_body_not_msgpack(raw: bytes) -> None:
     (None, "Ping: expected 1 fields, got NoneType"),
 ])
 def test_wrong_field_count(value: Any, pattern: str) -> None:
-    rejects(signed(hdr(PROTOCOL_VERSION, m.Ping.TYPE, 1, 0, "s"), body(value)), re.escape(pattern))
+    rejects(signed(hdr(PROTOCOL_VERSION, m.Ping.TYPE, 1, 0, "s", 0), body(value)), re.escape(pattern))
 
 
 def _good_welcome() -> list:
-    return [3, [[0, 0, "h", "tcp://a:1", [[0, 0, 0, 0, 0], [1, 0, 0, 1, 1]]]]]
+    return [3, [[0, 0, "h", "tcp://a:1", [[0, 0, 0, 0, 0], [1, 0, 0, 1, 1]]]], b"s" * 32]
 
 
 def _good_call() -> list:
@@ -333,8 +335,9 @@ def _set(value: list, path: tuple, new: Any) -> list:
     (m.Ping, [True], "Ping.seq: expected int, got bool"),
     (m.Ping, [1.0], "Ping.seq: expected int, got float"),
     (m.Ping, [None], "Ping.seq: expected int, got NoneType"),
-    (m.Hello, [5, 1, 1.0], "Hello.name: expected str, got int"),
-    (m.Hello, [b"c", 1, 1.0], "Hello.name: expected str, got bytes"),
+    (m.Hello, [5, 1, 1.0, b""], "Hello.name: expected str, got int"),
+    (m.Hello, [b"c", 1, 1.0, b""], "Hello.name: expected str, got bytes"),
+    (m.Hello, ["c", 1, 1.0, "n"], "Hello.nonce: expected bytes, got str"),
     (m.StatusRequest, [1], "StatusRequest.verbose: expected bool, got int"),
     (m.Fetch, [1, 2, 3, [[0, 1]], True], "Fetch.timeout_s: expected float, got bool"),
     (m.Fetch, [1, 2, 3, [[0, 1]], "5"], "Fetch.timeout_s: expected float, got str"),
@@ -366,37 +369,37 @@ def _set(value: list, path: tuple, new: Any) -> list:
 ])
 def test_wrong_field_types(cls: type, value: list, pattern: str) -> None:
     """``pattern`` is a literal part of the message."""
-    rejects(signed(hdr(PROTOCOL_VERSION, cls.TYPE, 1, 0, "s"), body(value)), re.escape(pattern))
+    rejects(signed(hdr(PROTOCOL_VERSION, cls.TYPE, 1, 0, "s", 0), body(value)), re.escape(pattern))
 
 
 def test_good_samples_of_the_field_type_tests_decode():
     """The malformed values above differ from these in one place only."""
-    _, w, _ = codec.decode(KEY, signed(hdr(PROTOCOL_VERSION, m.Welcome.TYPE, 1, 0, "s"), body(_good_welcome())))
+    _, w, _ = codec.decode(KEY, signed(hdr(PROTOCOL_VERSION, m.Welcome.TYPE, 1, 0, "s", 0), body(_good_welcome())))
     assert w.hosts[0].devices[1] == m.DeviceInfo(1, 0, 0, 1, 1)
-    _, c, _ = codec.decode(KEY, signed(hdr(PROTOCOL_VERSION, m.Call.TYPE, 1, 0, "s"), body(_good_call())))
+    _, c, _ = codec.decode(KEY, signed(hdr(PROTOCOL_VERSION, m.Call.TYPE, 1, 0, "s", 0), body(_good_call())))
     assert c.inputs[0].put is True and c.outputs[0].spec == [None]
 
 
 def test_oversized_body():
     big = b"\0" * (codec.MAX_BODY_BYTES + 1)
-    rejects(signed(hdr(PROTOCOL_VERSION, m.Ping.TYPE, 1, 0, "s"), big), f"body too large \\({codec.MAX_BODY_BYTES + 1} bytes\\)")
+    rejects(signed(hdr(PROTOCOL_VERSION, m.Ping.TYPE, 1, 0, "s", 0), big), f"body too large \\({codec.MAX_BODY_BYTES + 1} bytes\\)")
 
 
 def test_body_at_the_limit_passes_the_size_check():
     # a valid string field padded up to exactly MAX_BODY_BYTES
-    overhead = len(body(["", 1, 1.0]))
+    overhead = len(body(["", 1, 1.0, b""]))
     name = "a" * (codec.MAX_BODY_BYTES - overhead - 4)
-    raw = body([name, 1, 1.0])
+    raw = body([name, 1, 1.0, b""])
     assert len(raw) == codec.MAX_BODY_BYTES
-    _, msg, _ = codec.decode(KEY, signed(hdr(PROTOCOL_VERSION, m.Hello.TYPE, 1, 0, "s"), raw))
+    _, msg, _ = codec.decode(KEY, signed(hdr(PROTOCOL_VERSION, m.Hello.TYPE, 1, 0, "s", 0), raw))
     assert msg == m.Hello(name, 1, 1.0)
 
 
 def test_too_many_buffers():
     bufs = [b""] * (codec.MAX_BUFFERS + 1)
-    rejects(signed(hdr(PROTOCOL_VERSION, m.Ping.TYPE, 1, 0, "s"), body([1]), *bufs),
+    rejects(signed(hdr(PROTOCOL_VERSION, m.Ping.TYPE, 1, 0, "s", 0), body([1]), *bufs),
             f"too many buffers \\({codec.MAX_BUFFERS + 1} > {codec.MAX_BUFFERS}\\)")
-    ok = signed(hdr(PROTOCOL_VERSION, m.Ping.TYPE, 1, 0, "s"), body([1]), *bufs[:-1])
+    ok = signed(hdr(PROTOCOL_VERSION, m.Ping.TYPE, 1, 0, "s", 0), body([1]), *bufs[:-1])
     assert len(codec.decode(KEY, ok)[2]) == codec.MAX_BUFFERS
 
 
@@ -444,11 +447,11 @@ def _fuzz_case(rng: random.Random, i: int) -> list[Any]:
     if kind == 1:      # random header and body, correctly signed
         return signed(rng.randbytes(rng.randrange(12)), rng.randbytes(rng.randrange(30)))
     if kind == 2:      # valid header, random msgpack body
-        return signed(hdr(PROTOCOL_VERSION, rng.choice(tids), i, 0, "f"), body(_random_value(rng)))
+        return signed(hdr(PROTOCOL_VERSION, rng.choice(tids), i, 0, "f", 0), body(_random_value(rng)))
     if kind == 3:      # valid header, random list with the right arity
         tid = rng.choice(tids)
         n = len(dataclasses.fields(codec.registry()[tid]))
-        return signed(hdr(PROTOCOL_VERSION, tid, i, 0, "f"), body([_random_value(rng) for _ in range(n)]))
+        return signed(hdr(PROTOCOL_VERSION, tid, i, 0, "f", 0), body([_random_value(rng) for _ in range(n)]))
     if kind == 4:      # a valid message whose body bytes were damaged, re-signed
         tid = rng.choice(tids)
         good = enc(sample_record(codec.registry()[tid], rng, i))
@@ -564,7 +567,7 @@ def ref_sign(key: bytes, parts: list[Any]) -> bytes:
 
 def ref_encode(key: bytes, msg: codec.Record, msg_id: int, sender: str, parent: int = 0,
                buffers: tuple = ()) -> list[bytes]:
-    header = msgpack.packb([codec.PROTOCOL_VERSION, msg.TYPE, msg_id, parent, sender])
+    header = msgpack.packb([codec.PROTOCOL_VERSION, msg.TYPE, msg_id, parent, sender, codec.CLUSTER])
     body = msgpack.packb(ref_to_wire(msg), use_bin_type=True)
     parts = [header, body, *buffers]
     return [ref_sign(key, parts), *parts]
@@ -707,12 +710,13 @@ def _golden_messages() -> dict[str, tuple[codec.Record, tuple]]:
 
 # frames of codec.encode(b"k" * 32, msg, msg_id=..., sender="worker:golden", parent=7,
 # buffers=...) for the messages above, recorded (hex) from the codec before its
-# fast paths (commit a5173e3)
+# fast paths (commit a5173e3); signatures and headers re-recorded for protocol 3
+# (the header's signer), bodies unchanged
 GOLDEN = [
     ("Execute", 1000, [      # (re-recorded when Execute.hold was appended: the same
         # body with 11 fields instead of 10 and a trailing false)
-        "5dfb6100243d11b8ed81e1fab8b8d4246ac530196577ed23994b28b685175c18",
-        "950221cd03e807ad776f726b65723a676f6c64656e",
+        "dd96bfdbd6fc5997ef672d1769997f3e647aa14615f1a2c3825e681d57f6a04e",
+        "960321cd03e807ad776f726b65723a676f6c64656e00",
         "9bce0001e240cd2694d94061626162616261626162616261626162616261626162616261626162616261626162616261"
         "626162616261626162616261626162616261626162616261626162ac6a69745f5f6c616d6264615f910291a169920001"
         "9200019294cf000000010000001192920804a7666c6f6174333292a169c0919300929200049200049094cf0000000100"
@@ -720,35 +724,35 @@ GOLDEN = [
         "cf000000010000001392920804a7666c6f6174333292a169c0c2",
     ]),
     ("ExecDone", 1001, [
-        "30a2fe0a070b16f71ce3207bbae47ab403fbd6f1c7069350ce47de1c3e144158",
-        "950222cd03e907ad776f726b65723a676f6c64656e",
+        "5c764d3593c5b8caf8ca63f0c86ca8063596504fafd14cdcb5b01685693251c9",
+        "960322cd03e907ad776f726b65723a676f6c64656e00",
         "95ce0001e240c0cb41d999a660080000cb41d999a660100000cb0000000000000000",
     ]),
     ("Call", 1002, [
-        "586c4be83af71e30a88fc5c7e91848740ecddd2ace92c01fca074ded3fff6606",
-        "95021fcd03ea07ad776f726b65723a676f6c64656e",
+        "43e8a95be98feb9371982a2d09b645aa83ccad779105d783c2fe4826123e2c85",
+        "96031fcd03ea07ad776f726b65723a676f6c64656e00",
         "97cd1092d94063646364636463646364636463646364636463646364636463646364636463646364636463646364636463"
         "646364636463646364636463646364636463646364910291a1699200019194cf000000010000001192920804a7666c6f"
         "6174333292a169c0c39193cf000000010000001392920804a7666c6f6174333292a169c0",
     ]),
     ("Ping", 1003, [
-        "adb601b8060955c53569a90433cc4d11ebbe3462b43cf34dd688a572fdbc5619",
-        "950207cd03eb07ad776f726b65723a676f6c64656e",
+        "2e9ad4183f64fa887a71bff2df189c54aea5fa8b8d3f2562644902bbbd4a9831",
+        "960307cd03eb07ad776f726b65723a676f6c64656e00",
         "911f",
     ]),
     ("Pong", 1004, [
-        "e19ed72ce734b333bfb4e91e2a52f18a2dce1a3f1e7417cb0ac01ee8193c4c84",
-        "950208cd03ec07ad776f726b65723a676f6c64656e",
+        "4f501c7b4a116c664fa3e44b9e3c023634f556f4f184b7bebcfcf4569e112519",
+        "960308cd03ec07ad776f726b65723a676f6c64656e00",
         "941f0ccd100092cd0800cd0800",
     ]),
     ("ExecDoneErr", 1005, [
-        "b5bff0b3abe45b8f61b946de86460c7ec6574448607bb4ef7f92d5e114dfd0cd",
-        "950222cd03ed07ad776f726b65723a676f6c64656e",
+        "12c43940da51b7ea070451196d832d2f4b0bc7e7ae578ac812631c0580346a4f",
+        "960322cd03ed07ad776f726b65723a676f6c64656e00",
         "950595ab52656d6f74654572726f72a8626f6f6d20e29c93c0a166a27462cb3ff0000000000000cb4004000000000000cb0000000000000000",
     ]),
     ("Put", 1006, [
-        "08732737a272105db551f27b97f6e9c2b379e0f37cbaac8470bea771b03c398b",
-        "950232cd03ee07ad776f726b65723a676f6c64656e",
+        "f378531946e034bca56dbe5df2073674f44bc0484eef263d07093903aef873b3",
+        "960332cd03ee07ad776f726b65723a676f6c64656e00",
         "94cf0000000100000003029292000492000692920406a7666c6f61743332",
         "010203",
         "",
@@ -859,7 +863,7 @@ def test_generated_checker_agrees_with_the_reference(tid: int, cls: type) -> Non
             refused += 1
             with pytest.raises(ProtocolError, match=rf"^{cls.__name__}[.:\[]"):
                 cls.from_wire(value)
-            frames = signed(hdr(PROTOCOL_VERSION, tid, 1, 0, "s"), body(value))
+            frames = signed(hdr(PROTOCOL_VERSION, tid, 1, 0, "s", 0), body(value))
             with pytest.raises(ProtocolError) as info:
                 codec.decode(KEY, frames)
             with pytest.raises(ProtocolError) as precise:
@@ -995,7 +999,7 @@ def test_a_batch_itself_is_checked_like_any_message():
     good = codec.pack_body(m.Ping(1))
     # the item list is checked like any record field
     with pytest.raises(ProtocolError, match="Batch.items"):
-        codec.decode(KEY, signed(hdr(PROTOCOL_VERSION, m.Batch.TYPE, 1, 0, "x"), body([[[1, 2, 3]]])))
+        codec.decode(KEY, signed(hdr(PROTOCOL_VERSION, m.Batch.TYPE, 1, 0, "x", 0), body([[[1, 2, 3]]])))
     # a batch carries no buffers
     with pytest.raises(ProtocolError, match="no buffers"):
         codec.decode(KEY, enc(m.Batch([(m.Ping.TYPE, 1, 0, good)]), buffers=[b"x"]))

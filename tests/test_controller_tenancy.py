@@ -267,6 +267,7 @@ def loop_on():
 
     def make(rig: Rig) -> Controller:
         ctl = Controller(b"k" * 32, config=rig.config)
+        rig.c.keys = ctl.keys            # the loop's keys check and sign for the rig's core
         ctl.core = rig.c
         loops.append(ctl)
         return ctl
@@ -282,8 +283,9 @@ def test_what_one_received_message_makes_the_controller_send_goes_out_as_one_bat
     rig = make_rig(hosts=((0, 2),))
     ctl = loop_on(rig)
     sent: list[tuple[bytes, list[m.Record]]] = []
-    ctl.ep.send_batch = lambda sock, msgs, to=None, block=True: sent.append((to, [e[0] for e in msgs])) or []
-    ctl.ep.send = lambda sock, msg, to=None, parent=0, buffers=(), msg_id=0, block=True: \
+    ctl.ep.send_batch = lambda sock, msgs, to=None, block=True, sign=None: \
+        sent.append((to, [e[0] for e in msgs])) or []
+    ctl.ep.send = lambda sock, msg, to=None, parent=0, buffers=(), msg_id=0, block=True, sign=None: \
         sent.append((to, [msg, len(buffers)]))
     a, _ = rig.client("a")
     sent.clear()
@@ -348,7 +350,7 @@ def test_a_batch_through_the_controller_socket_each_item_handled_and_a_bad_one_a
     dealer.setsockopt(zmq.LINGER, 0)
     dealer.connect(ctl.address)
     try:
-        ep = Endpoint(b"k" * 32, "client:t")
+        ep = Endpoint(b"k" * 32, "client:t", signer=codec.CLIENTS)
         hello = codec.pack_body(m.Hello("t", PROTOCOL_VERSION, 1.0))
         items = [(m.Hello.TYPE, 11, 0, hello),
                  (m.StatusRequest.TYPE, 12, 0, b"\xc1"),               # does not decode

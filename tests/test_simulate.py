@@ -26,8 +26,9 @@ import zmq
 from tests.conftest import run_script
 from zpath.cluster.launcher import SimulatedCluster
 from zpath.errors import ErrorKind
+from zpath.keys import session_key
 from zpath.net import messages as m
-from zpath.net.codec import PROTOCOL_VERSION
+from zpath.net.codec import CLUSTER, PROTOCOL_VERSION
 from zpath.net.transport import Endpoint, make_context, unbatched
 from zpath.worker.simulate import SimProcess, program_cost_s, sim_program
 
@@ -102,10 +103,21 @@ def sim():
     assert not t.is_alive()
 
 
-def _request(ctl: FakeController, data: zmq.Socket, msg: m.Record, buffers: list | None = None):
-    ctl.ep.send(data, msg, buffers=buffers or [])
+def _client_ep(client: int) -> Endpoint:
+    """What client ``client`` signs with (KEY is the worker key here too)."""
+    return Endpoint(session_key(KEY, client), f"client:{client}", signer=client)
+
+
+def _request(ctl: FakeController, data: zmq.Socket, msg: m.Record, buffers: list | None = None,
+             signer: int | None = None):
+    """Send ``msg`` on the data port and return the answer: as the client whose
+    buffer it names (``signer``: as that client instead), else as the controller."""
+    if signer is None and isinstance(msg, (m.Put, m.Fetch)):
+        signer = msg.buffer >> 32
+    ep = ctl.ep if signer in (None, CLUSTER) else _client_ep(signer)
+    ep.send(data, msg, buffers=buffers or [])
     assert data.poll(10_000), f"no answer to {type(msg).__name__}"
-    _, _, reply, bufs = ctl.ep.recv(data)
+    _, _, reply, bufs = ep.recv(data)
     return reply, bufs
 
 
@@ -216,9 +228,13 @@ def test_the_data_port_takes_puts_answers_fetches_and_refuses_the_rest(sim):
     ctl, proc, idents, data = sim
     b = 3 << 32 | 1
     put = m.Put(b, 1, [[2, 4]], m.Aval([2], "float32"))
-    ctl.ep.send(data, put, buffers=[np.zeros(2, np.float32)])
+    _client_ep(3).send(data, put, buffers=[np.zeros(2, np.float32)])
     reply, bufs = _request(ctl, data, m.Fetch(1, b, 1, [[2, 4]], 10.0))
     assert reply.error is None and reply.aval == m.Aval([2], "float32") and len(bytes(bufs[0])) == 8
+    # another client (or the worker key) may not fetch it, nor put in its place
+    for signer in (4, 0):
+        reply, _ = _request(ctl, data, m.Fetch(9, b, 1, [[2, 4]], 10.0), signer=signer)
+        assert isinstance(reply, m.Error) and "not the signer's" in reply.message
     # a Put whose bytes do not make its shape is refused
     reply, _ = _request(ctl, data, m.Put(b + 1, 1, [[0, 2]], m.Aval([2], "float32")), [b"xyz"])
     assert isinstance(reply, m.Error) and reply.code == ErrorKind.BAD_REQUEST

@@ -6,12 +6,17 @@ Fetch names, and free or refuse a departed client's buffers by its id alone.
 """
 from __future__ import annotations
 
+from zpath.errors import ZpathError
+
 CLIENT_SHIFT = 32
 SERIAL_MASK = (1 << CLIENT_SHIFT) - 1
 
 
 def buffer_id(client: int, n: int) -> int:
-    """The id of buffer ``n`` (1 <= n < 2**32) of client ``client``."""
+    """The id of buffer ``n`` (1 <= n < 2**32) of client ``client``: a counter
+    past its range would name another client's buffers, so it raises instead."""
+    if not 0 < n <= SERIAL_MASK:
+        raise ZpathError(f"client {client} has used all its {SERIAL_MASK} buffer ids (reconnect)")
     return (client << CLIENT_SHIFT) | n
 
 

@@ -24,7 +24,8 @@ from zpath.config import ClientConfig
 from zpath.errors import (Broken, Closed, DeadlineExceeded, ErrorKind, HostLost, ProtocolError,
                           RemoteError, ResourceError, ZpathError)
 from zpath.net import messages as m
-from zpath.net.codec import PROTOCOL_VERSION, Record
+from zpath.keys import client_keys
+from zpath.net.codec import CLIENTS, PROTOCOL_VERSION, Record
 from zpath.net.transport import BadMessage, Endpoint, Outbox, make_context, readable, unbatched
 from zpath.ids import buffer_id
 
@@ -82,7 +83,8 @@ class Client:
         if timeout is None:
             timeout = self.config.connect_timeout_s
         self.ctx = make_context()
-        self.ep = Endpoint(key, f"client:{name}:{os.getpid()}")
+        # the cluster key signs the Hello; the session key the Welcome brings, the rest
+        self.ep = Endpoint(key, f"client:{name}:{os.getpid()}", signer=CLIENTS)
         self.ctl = self.ctx.socket(zmq.DEALER)
         try:
             self.ctl.connect(address)
@@ -99,6 +101,9 @@ class Client:
             self.ctx.term()
             raise
         self.client_id = welcome.client_id
+        # from now on it signs with its session key (the controller's messages
+        # come under the cluster key, workers' under the session key)
+        self.ep.sign_as(*client_keys(key, self._nonce, welcome.client_id, welcome.session_key))
         self.hosts: dict[int, m.HostInfo] = {h.rank: h for h in welcome.hosts}
         self.devices: dict[int, m.DeviceInfo] = {d.id: d for h in welcome.hosts for d in h.devices}
         self._buffer_ids = itertools.count(1)
@@ -119,7 +124,8 @@ class Client:
         self._thread.start()
 
     def _handshake(self, name: str, timeout: float, weight: float) -> m.Welcome:
-        msg_id = self.ep.send(self.ctl, m.Hello(name, PROTOCOL_VERSION, weight))
+        self._nonce = os.urandom(16)
+        msg_id = self.ep.send(self.ctl, m.Hello(name, PROTOCOL_VERSION, weight, self._nonce))
         deadline = time.monotonic() + timeout
         while True:
             left = deadline - time.monotonic()
@@ -151,6 +157,7 @@ class Client:
         """The first of ``n`` new buffer ids in a row (a program run's)."""
         with self._ids_lock:
             first = next(self._buffer_ids)
+            buffer_id(self.client_id, first + n - 1)      # raises if the last is out of range
             self._buffer_ids = itertools.count(first + n)
         return buffer_id(self.client_id, first)
 

@@ -45,6 +45,7 @@ from typing import Any
 import zmq
 
 from zpath.net import messages as m
+from zpath.net.codec import CLIENTS
 from zpath.net.transport import Endpoint
 
 ASK_TIMEOUT_S = 2.0           # per worker and ask
@@ -101,7 +102,7 @@ def ask_workers(key: bytes, hosts: list[m.HostInfo], samples: int = 1,
     """Ask every host's data port for its ChannelStats ``samples`` times (all hosts
     at once); keep, per host, the answer of the fastest round trip and the clock
     offset it gives. A host that does not answer in ``timeout`` has ``error`` set."""
-    ep = Endpoint(key, "client:trace")
+    ep = Endpoint(key, "client:trace", signer=CLIENTS)  # what anyone with the cluster key may ask
     ctx = zmq.Context.instance()
     views = {h.rank: HostView() for h in hosts}
     socks: dict[int, zmq.Socket] = {}

@@ -100,7 +100,10 @@ class ClusterLauncher:
             raise ValueError(f"unknown scheduling policy {policy!r} (choose from {', '.join(POLICIES)})")
         self.config = ClusterConfig() if config is None else config
         self.key = new_key()
-        self.shm_prefix = shm_prefix(self.key)    # names of its shared-memory segments
+        # what only the controller and the workers hold (never written to a file
+        # a client reads): a client cannot act as a worker or as another client
+        self.worker_key = new_key()
+        self.shm_prefix = shm_prefix(self.worker_key)    # names of its shared-memory segments
         self._own_dir = log_dir is None
         self.dir = log_dir or tempfile.mkdtemp(prefix="zpath-")
         os.makedirs(self.dir, exist_ok=True)
@@ -111,6 +114,8 @@ class ClusterLauncher:
         self.address = ""
         self._env = dict(os.environ, **(env or {}))
         self._env["ZPATH_KEY"] = self.key.hex()
+        self._env["ZPATH_WORKER_KEY"] = self.worker_key.hex()
+        self._env.pop("ZPATH_WORKER_KEY_FILE", None)
         self._env[PARENT_PID_ENV] = str(os.getpid())
         self._env.pop("ZPATH_CONTROLLER", None)
         if policy is not None:
@@ -145,11 +150,12 @@ class ClusterLauncher:
         return p
 
     def _spawn_with_key(self, name: str, argv: list[str], env: dict[str, str]) -> subprocess.Popen:
-        """``_spawn`` a remote worker (ssh, srun) that reads the cluster key from
-        its standard input (zpath.cluster.remote): never on a command line."""
+        """``_spawn`` a remote worker (ssh, srun) that reads the cluster key and
+        the worker key from its standard input, a line each
+        (zpath.cluster.remote): never on a command line."""
         p = self._spawn(name, argv, env, stdin=subprocess.PIPE)
         try:
-            p.stdin.write(self.key.hex().encode() + b"\n")
+            p.stdin.write(self.key.hex().encode() + b"\n" + self.worker_key.hex().encode() + b"\n")
             p.stdin.flush()
         except OSError:
             pass           # it already exited: reported by the wait, with its log

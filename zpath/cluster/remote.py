@@ -2,9 +2,9 @@
 
 Run by ``zpath.cluster.ssh.SSHCluster`` as the command of one ssh session per host. It
 
-* reads the cluster key from the first line of its standard input (so the key
-  never appears on a command line that ``ps`` shows) and passes it to the worker
-  in ``ZPATH_KEY``;
+* reads the cluster key and the worker key from the first two lines of its
+  standard input (so neither appears on a command line that ``ps`` shows) and
+  passes them to the worker in ``ZPATH_KEY`` and ``ZPATH_WORKER_KEY``;
 * sets ``XLA_FLAGS`` for ``--devices`` emulated devices and the ``--setenv``
   variables, and starts ``python -m zpath.worker WORKER ARGS`` as its child;
 * prints one line ``zpath-remote: host H pid P worker W`` so the launcher knows
@@ -50,13 +50,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("worker_args", nargs=argparse.REMAINDER)
     args = p.parse_args(argv)
     worker_args = args.worker_args[1:] if args.worker_args[:1] == ["--"] else args.worker_args
-    key = _read_key_line()
+    key, worker_key = _read_key_line(), _read_key_line()
     try:
         bytes.fromhex(key)
+        bytes.fromhex(worker_key)
     except ValueError:
         key = ""
-    if not key:
-        print("zpath-remote: no cluster key on standard input", file=sys.stderr, flush=True)
+    if not key or not worker_key:
+        print("zpath-remote: no cluster key and worker key on standard input", file=sys.stderr, flush=True)
         return 2
     env = dict(os.environ)
     for item in args.setenv:
@@ -65,8 +66,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.devices:
         env["XLA_FLAGS"] = worker_xla_flags(env, args.devices)
     env["ZPATH_KEY"] = key
+    env["ZPATH_WORKER_KEY"] = worker_key
     env[PARENT_PID_ENV] = str(os.getpid())
-    for name in ("ZPATH_KEY_FILE", "ZPATH_CONTROLLER"):
+    for name in ("ZPATH_KEY_FILE", "ZPATH_WORKER_KEY_FILE", "ZPATH_CONTROLLER"):
         env.pop(name, None)
 
     stop = threading.Event()

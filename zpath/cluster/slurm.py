@@ -181,7 +181,7 @@ class SlurmCluster(ClusterLauncher):
 
     def _start_workers(self, deadline: float) -> None:
         runtime = self._coordinators()
-        env = {k: v for k, v in self._env.items() if k not in ("ZPATH_KEY", PARENT_PID_ENV)}
+        env = {k: v for k, v in self._env.items() if k not in ("ZPATH_KEY", "ZPATH_WORKER_KEY", PARENT_PID_ENV)}
         for t in self.tasks:
             name = f"worker-{t.index}-{re.sub(r'[^A-Za-z0-9_.-]', '_', t.name)}"
             worker = ["--controller", self.address, "--island", str(t.island), "--bind-host", t.address,

@@ -221,7 +221,7 @@ class SSHCluster(ClusterLauncher):
             python = h.python or self.remote_python
             remote = " ".join(shlex.quote(a) for a in [
                 python, "-m", "zpath.cluster.remote", f"--devices={h.devices}", *setenv, "--", *worker])
-            env = {k: v for k, v in self._env.items() if k not in ("ZPATH_KEY", PARENT_PID_ENV)}
+            env = {k: v for k, v in self._env.items() if k not in ("ZPATH_KEY", "ZPATH_WORKER_KEY", PARENT_PID_ENV)}
             self._spawn_with_key(name, self.ssh_argv(h, "exec " + remote), env)
             self.expected[name] = host_name
             self.host_of[name] = h

@@ -20,6 +20,7 @@ from typing import Callable
 from zpath.controller.directory import _layouts_key, footprint_of
 from zpath.controller.records import ParkedNode, Peer, ProgramRun, Submission, call_buffers
 from zpath.errors import ErrorKind
+from zpath.ids import client_of
 from zpath.net import messages as m
 
 # a paused submission plans at most this many nodes, or nodes with this many
@@ -210,7 +211,7 @@ class Admission:
         """A waiting submission of a client that left: free what the client put
         for its calls not planned yet, unpin them, release the program's values."""
         for call in sub.calls[sub.next:]:
-            self._free_puts(call)
+            self._free_puts(call, sub.peer.id)
             if sub.pinned_from is not None:
                 self._unpin(call_buffers(call))
         sub.run.sent = sub.run.total
@@ -335,7 +336,7 @@ class Admission:
                 return False
             sub.next += 1
             if fits == "failed":
-                self._free_puts(call)        # what the client put for it
+                self._free_puts(call, sub.peer.id)        # what the client put for it
                 run.sent += 1
                 self._node_done(sub, k, call)
                 continue
@@ -426,10 +427,12 @@ class Admission:
         if frees and self.memory_waiting:
             self._resume_waiting()
 
-    def _free_puts(self, call: m.Call) -> None:
+    def _free_puts(self, call: m.Call, owner: int) -> None:
         """Shards the client already put for a call that will not run: free them
-        where they went."""
-        puts = [i.buffer for i in call.inputs if i.put and i.buffer not in self.directory.buffers]
+        where they went. Only the owner's own new ids: a call that names another
+        client's next ids frees nothing of that client's."""
+        puts = [i.buffer for i in call.inputs
+                if i.put and client_of(i.buffer) == owner and i.buffer not in self.directory.buffers]
         hosts = {self.rm.devices[d].host for d in call.devices if d in self.rm.devices}
         if puts:
             self._free({h: puts for h in hosts})

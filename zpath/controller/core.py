@@ -26,8 +26,10 @@ from zpath.controller.records import Effect, RemoveSegments, Send
 from zpath.controller.resources import ResourceManager
 from zpath.controller.scheduler import GangScheduler, TenantScheduler
 from zpath.errors import ErrorKind
+from zpath.keys import Keys
 from zpath.net import messages as m
-from zpath.net.codec import Record
+from zpath.net.codec import CLIENTS, CLUSTER, KeyOf, Record
+from zpath.net.transport import LOG_BURST, LOG_RATE, REPLY_BURST, REPLY_RATE, RateLimit
 
 __all__ = ["ControllerCore", "Effect", "RemoveSegments", "Send"]
 
@@ -44,11 +46,16 @@ class ControllerCore(Peers, Admission, Dispatch, Fusion, Failures):
     Each returns the effects to carry out, in order."""
 
     def __init__(self, config: ControllerConfig, machine: str = "",
-                 gang: GangScheduler | None = None) -> None:
+                 gang: GangScheduler | None = None, keys: Keys | None = None) -> None:
         """``machine``: this machine's id (lost hosts on it: their segments
-        are removed); ``gang``: the gang scheduler (tests may give another)."""
+        are removed); ``gang``: the gang scheduler (tests may give another);
+        ``keys``: the cluster's keys (default: new random ones)."""
         self.config = config
         self.machine = machine
+        self.keys = keys if keys is not None else Keys.random()
+        # bad messages: an Error reply per peer and a log line in all, rate-limited
+        self.reply_limit = RateLimit(REPLY_RATE, REPLY_BURST)
+        self.log_limit = RateLimit(LOG_RATE, LOG_BURST)
         self.now = 0.0                     # the time of the event being handled
         self._out: list[Effect] = []
         self.rm = ResourceManager()
@@ -188,13 +195,56 @@ class ControllerCore(Peers, Admission, Dispatch, Fusion, Failures):
         return self._take()
 
     def reject(self, now: float, ident: bytes | None, parent: int, why: str) -> list[Effect]:
-        """A message that could not be decoded."""
+        """A message that could not be decoded (or was signed by the wrong key
+        for what it asks): a log line and an Error reply, each rate-limited (a
+        flood of garbage gets a few of each per second)."""
         self.now = now
         who = self.peers.get(ident) if ident else None
-        log.warning("rejected message from %s: %s", f"{who.role} {who.id}" if who else repr(ident), why)
-        if ident is not None:
+        n = self.log_limit.allow(None, now)
+        if n:
+            log.warning("rejected message from %s: %s%s", f"{who.role} {who.id}" if who else repr(ident), why,
+                        f" ({n - 1} more rejected messages not logged)" if n > 1 else "")
+        if ident is not None and self.reply_limit.allow(ident, now):
             self.reply_error(ident, parent, ErrorKind.PROTOCOL, why)
         return self._take()
+
+    # ---- credentials -------------------------------------------------------------
+    def keys_of(self, ident: bytes) -> KeyOf:
+        """What checks a message from ``ident`` (see ``codec.decode``): a worker
+        signs with the worker key, a client with its own session key; a new
+        connection with the cluster key (Hello, StatusRequest) or the worker key
+        (RegisterWorker); a client the controller dropped with its session key
+        (it is then told it is not registered)."""
+        peer = self.peers.get(ident)
+        if peer is None:
+            return self.keys.of
+        if peer.role == "worker":
+            return self._worker_keys
+        return peer.keys
+
+    def _worker_keys(self, signer: int) -> bytes | None:
+        return self.keys.workers if signer == CLUSTER else None
+
+    def sign_for(self, ident: bytes) -> tuple[bytes, int]:
+        """What the messages to ``ident`` are signed with: the worker key for a
+        worker, the cluster key for anyone else (a client checks the
+        controller's messages with it)."""
+        peer = self.peers.get(ident)
+        if peer is not None and peer.role == "worker":
+            return self.keys.workers, CLUSTER
+        return self.keys.clients, CLIENTS
+
+    def refuses(self, ident: bytes, signer: int, msg: Record) -> str:
+        """Why a message, checked against ``keys_of(ident)``, is refused for
+        what it asks ("" if it is not): only the worker key registers a worker,
+        and a client says Hello with the cluster key."""
+        if ident in self.peers:
+            return ""
+        if type(msg) is m.RegisterWorker and signer != CLUSTER:
+            return "RegisterWorker must be signed with the worker key"
+        if type(msg) is m.Hello and signer != CLIENTS:
+            return "Hello must be signed with the cluster key"
+        return ""
 
     def farewell(self, reason: str) -> list[Effect]:
         """Shutting down: the workers stop, the clients fail what waits."""

@@ -300,6 +300,7 @@ class Directory:
                 return self._apply(t, call, owner, name)
             self.cache_misses += 1
         hosts = self._check_mesh(call)
+        _check_sizes(call)
         self._check_state(call, owner)
         t = self._lower(call, hosts)
         if key is not None:
@@ -602,6 +603,30 @@ def footprint(buf: Buffer) -> dict[int, int]:
     if buf.fp is None:
         buf.fp = footprint_of(buf.layouts, buf.dtype)
     return buf.fp
+
+
+# the largest buffer a call may declare (an output, or a value put): what the
+# controller counts per device stays far from an int64's range
+MAX_BUFFER_BYTES = 1 << 44
+MAX_DIMS = 64
+
+
+def _check_sizes(call: m.Call) -> None:
+    """Declared shapes are bounded: no negative dimension, a known dtype, at most
+    MAX_BUFFER_BYTES (part of the plan key: a cached plan passed this already)."""
+    for what, aval in [*(("output", o.aval) for o in call.outputs),
+                       *(("input", i.aval) for i in call.inputs if i.put)]:
+        if len(aval.shape) > MAX_DIMS or any(n < 0 for n in aval.shape):
+            raise PlanError(ErrorKind.BAD_REQUEST, f"{what} shape {aval.shape[:MAX_DIMS]} is not a shape")
+        try:
+            size = sharding.itemsize(aval.dtype)
+        except Exception:
+            raise PlanError(ErrorKind.BAD_REQUEST, f"{what} dtype {aval.dtype[:40]!r} is not known") from None
+        for n in aval.shape:
+            size *= n
+            if size > MAX_BUFFER_BYTES:
+                raise PlanError(ErrorKind.BAD_REQUEST, f"{what} {aval.dtype}{aval.shape} is larger than "
+                                f"{MAX_BUFFER_BYTES} bytes")
 
 
 def footprint_of(layouts: list[dict[Region, list[int]]], dtype: str) -> "Footprint":

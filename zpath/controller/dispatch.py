@@ -90,7 +90,7 @@ class Dispatch:
             err = e.error or m.ErrorInfo(ErrorKind.CALL_FAILED, f"call rejected: {e}", None,
                                          prog[0] if prog else "", "")
             self._fail_call(ident, peer.id, call, err)
-            self._free_puts(call)
+            self._free_puts(call, peer.id)
             return None
 
     def _fail_call(self, ident: bytes, client: int, call: m.Call, err: m.ErrorInfo) -> None:
@@ -337,6 +337,11 @@ class Dispatch:
         if msg.error is not None:
             log.info("computation %d failed on host %d: %s", msg.exec_id, host, msg.error.message)
         if info is None:
+            return
+        if host not in info.hosts:
+            # not a host that runs it, or one that reported it already: only the
+            # hosts an execution was sent to finish it
+            log.warning("host %d reported computation %d, which it does not run (any more)", host, msg.exec_id)
             return
         if info.fused and msg.error is not None and msg.error.kind == ErrorKind.FUSED_UNKNOWN:
             # the host did not run it, so nothing there will ever hold its results

@@ -9,12 +9,14 @@ import logging
 from zpath import sharding
 from zpath.controller.records import Peer
 from zpath.errors import ErrorKind, ResourceError
+from zpath.keys import MAX_CLIENT_ID, seal
 from zpath.net import messages as m
 from zpath.net.codec import PROTOCOL_VERSION
 
 log = logging.getLogger(__name__)
 
 MAX_WEIGHT = 1e6
+MAX_NONCE_BYTES = 64
 MAX_PROGRAM_BYTES = 256 << 20
 TIMELINE_RECORDS = 100_000
 EVENT_RECORDS = 10_000
@@ -55,11 +57,21 @@ class Peers:
         if ident in self.peers:
             self.reply_error(ident, parent, ErrorKind.BAD_REQUEST, "already connected")
             return
+        if len(msg.nonce) > MAX_NONCE_BYTES:
+            self.reply_error(ident, parent, ErrorKind.BAD_REQUEST, f"a nonce of more than {MAX_NONCE_BYTES} bytes")
+            return
+        if self.client_ids >= MAX_CLIENT_ID:
+            self.reply_error(ident, parent, ErrorKind.RESOURCE, "no client ids left (restart the controller)")
+            return
         self.client_ids += 1
-        self.peers[ident] = Peer("client", self.client_ids, msg.name, self.now, ident, msg.weight)
-        self.tenants.add_client(self.client_ids, msg.weight)
-        log.info("client %d (%s, weight %g) connected", self.client_ids, msg.name, msg.weight)
-        self.send(ident, m.Welcome(self.client_ids, self._host_infos()), parent)
+        cid = self.client_ids
+        session = self.keys.session(cid)
+        self.peers[ident] = Peer("client", cid, msg.name, self.now, ident, msg.weight,
+                                 keys=lambda signer: session if signer == cid else None)
+        self.tenants.add_client(cid, msg.weight)
+        log.info("client %d (%s, weight %g) connected", cid, msg.name, msg.weight)
+        self.send(ident, m.Welcome(cid, self._host_infos(), seal(self.keys.clients, msg.nonce, cid, session)),
+                  parent)
 
     def _status(self, ident: bytes, parent: int) -> None:
         stores = [m.HostStatus(r, *self.host_stores.get(r, (0, 0))) for r in self.rm.hosts]

@@ -20,6 +20,8 @@ class Peer:
     ident: bytes = b""
     weight: float = 1.0
     gone: bool = False
+    # a client's: what checks its messages (its session key, as its own id only)
+    keys: Any = None
 
 
 @dataclasses.dataclass

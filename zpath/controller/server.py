@@ -20,7 +20,7 @@ from zpath.config import POLICIES, CommonConfig, ControllerConfig
 from zpath.controller.core import ControllerCore, Effect, RemoveSegments, Send
 from zpath.controller.scheduler import GangScheduler
 from zpath.errors import ProtocolError, ZpathError
-from zpath.keys import key_from_config
+from zpath.keys import Keys, key_from_config, worker_key_from_config
 from zpath.net import channels, codec
 from zpath.net import messages as m
 from zpath.net.transport import BadMessage, Endpoint, make_context, readable, unbatched
@@ -29,6 +29,9 @@ from zpath.process import die_with_parent
 log = logging.getLogger(__name__)
 
 STALL_S = 1.0            # the loop held up longer than this: not the peers' silence
+# the largest frame the controller accepts (ZeroMQ MAXMSGSIZE): a program (at
+# most MAX_PROGRAM_BYTES) or a body (at most codec.MAX_BODY_BYTES)
+MAX_FRAME_BYTES = 272 << 20
 
 # after these, what handling them sends goes out before the next item of a batch
 _FLUSH_AFTER = (m.Call, m.Program, m.RunProgram, m.DefineProgram)
@@ -40,11 +43,14 @@ class Controller:
 
     def __init__(self, key: bytes, bind: str = "tcp://127.0.0.1:0",
                  config: ControllerConfig | None = None, gang: GangScheduler | None = None,
-                 common: CommonConfig | None = None) -> None:
+                 common: CommonConfig | None = None, worker_key: bytes | None = None) -> None:
+        """``key``: the cluster key (clients'); ``worker_key``: the worker key
+        (default: the cluster key, which keeps no client apart)."""
         self.config = config if config is not None else ControllerConfig()
         self.common = common if common is not None else CommonConfig()
-        self.ep = Endpoint(key, "controller")
-        self.ctx = make_context()
+        self.keys = Keys(key, worker_key if worker_key is not None else key)
+        self.ep = Endpoint(self.keys.workers, "controller")
+        self.ctx = make_context(min(MAX_FRAME_BYTES, self.common.max_message_bytes))
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         if bind.rsplit(":", 1)[-1] in ("0", "*"):
@@ -55,7 +61,7 @@ class Controller:
             self.address = bind
         # lost hosts on this machine: their segments go
         self.core = ControllerCore(self.config, machine=channels.machine_id(self.common.machine_id),
-                                   gang=gang)
+                                   gang=gang, keys=self.keys)
         self.core.wall_offset = time.time() - time.monotonic()     # its events in wall time
         self.running = True
         # messages held while one received message is handled (see _emit):
@@ -97,7 +103,8 @@ class Controller:
 
     def _send_one(self, e: Send) -> None:
         try:
-            self.ep.send(self.sock, e.msg, to=e.ident, parent=e.parent, buffers=e.buffers, block=False)
+            self.ep.send(self.sock, e.msg, to=e.ident, parent=e.parent, buffers=e.buffers, block=False,
+                         sign=self.core.sign_for(e.ident))
         except zmq.Again:
             self._dropped(e.ident, type(e.msg).__name__)
         except zmq.ZMQError as err:
@@ -105,7 +112,8 @@ class Controller:
 
     def _send_now(self, ident: bytes, msgs: list[tuple]) -> None:
         try:
-            for msg, _, e in self.ep.send_batch(self.sock, msgs, to=ident, block=False):
+            for msg, _, e in self.ep.send_batch(self.sock, msgs, to=ident, block=False,
+                                                sign=self.core.sign_for(ident)):
                 log.error("cannot send %s to %r: %s", type(msg).__name__, ident, e)
         except zmq.Again:
             self._dropped(ident, ", ".join(sorted({type(x[0]).__name__ for x in msgs})))
@@ -126,7 +134,8 @@ class Controller:
             return
         same: dict[tuple[int, ...], tuple[list[tuple], list[bytes]]] = {}
         for ident, msgs in out.items():
-            group = same.get(key := tuple(map(id, msgs)))
+            # (a worker and a client never get the same frames: signed with other keys)
+            group = same.get(key := (self.core.sign_for(ident)[1], *map(id, msgs)))
             if group is None:
                 same[key] = (msgs, [ident])
             else:
@@ -139,7 +148,7 @@ class Controller:
 
     def _send_to_many(self, idents: list[bytes], msgs: list[tuple]) -> None:
         try:
-            messages, failed = self.ep.batch_frames(msgs)
+            messages, failed = self.ep.batch_frames(msgs, sign=self.core.sign_for(idents[0]))
         except Exception:     # an unencodable message is a bug: lose it, not the loop
             log.exception("cannot send %d messages to %d peers", len(msgs), len(idents))
             return
@@ -226,7 +235,8 @@ class Controller:
             if not self.running:
                 return
             try:
-                ident, header, msg, buffers = self.ep.recv(self.sock, router=True, block=False)
+                ident, frames = self.ep.recv_frames(self.sock, router=True, block=False)
+                header, msg, buffers = self.ep.decode(frames, ident, self.core.keys_of(ident))
             except zmq.Again:
                 return
             except BadMessage as e:
@@ -247,6 +257,10 @@ class Controller:
                     if isinstance(msg, ProtocolError):      # one bad item of a batch
                         self._run(self.core.reject(now, ident, header.msg_id, str(BadMessage(
                             str(msg), ident, header))))
+                        continue
+                    why = self.core.refuses(ident, header.signer, msg)
+                    if why:
+                        self._run(self.core.reject(now, ident, header.msg_id, why))
                         continue
                     if type(msg) in _FLUSH_AFTER:        # a submission: its planning on the timeline
                         t0 = time.time()
@@ -284,7 +298,7 @@ class Controller:
         for e in self.core.farewell(reason):
             if isinstance(e, Send):
                 try:
-                    self.ep.send(self.sock, e.msg, to=e.ident, block=False)
+                    self.ep.send(self.sock, e.msg, to=e.ident, block=False, sign=self.core.sign_for(e.ident))
                 except zmq.ZMQError:
                     pass
 
@@ -309,8 +323,9 @@ def main(argv: list[str] | None = None, gang: GangScheduler | None = None) -> in
         return 2
     logs.setup("controller", common.log_level)
     key = key_from_config(common)     # a missing key: one line from the CLI, as for the worker
+    worker_key = worker_key_from_config(common, key)
     try:
-        ctl = Controller(key, args.bind, config, gang=gang, common=common)
+        ctl = Controller(key, args.bind, config, gang=gang, common=common, worker_key=worker_key)
     except zmq.ZMQError as e:        # the address is taken, or not this machine's
         print(f"zpath controller: cannot listen on {args.bind}: {e}", file=sys.stderr, flush=True)
         return 1

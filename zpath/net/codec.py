@@ -6,8 +6,11 @@ A message on the wire is a list of ZeroMQ frames::
 
 ``header`` and ``body`` are msgpack; ``buffers`` are raw tensor bytes.
 ``signature`` is HMAC-SHA256 over the header, the body and every buffer (each
-prefixed by its length), under the cluster key. The header is
-``[protocol_version, type_id, message_id, parent_id, sender]``. The body is the
+prefixed by its length), under the key of the signer the header names. The
+header is ``[protocol_version, type_id, message_id, parent_id, sender, signer]``:
+``signer`` is :data:`CLUSTER` (the worker key, held by the controller and the
+workers), :data:`CLIENTS` (the client key, held by every client) or a client id
+(that client's session key, see :mod:`zpath.keys`). The body is the
 record's fields in declaration order, checked against their annotations on decode.
 
 Every message crosses this module twice, so its common path is kept cheap
@@ -42,11 +45,18 @@ import msgpack
 
 from zpath.errors import ProtocolError
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 MAX_BODY_BYTES = 16 << 20
+MAX_HEADER_BYTES = 4096
 MAX_BUFFERS = 4096
 MAX_BATCH_ITEMS = 262_144     # messages in one Batch (a program's nodes to one host go in groups)
 SIG_BYTES = 32
+# who signed a message (the header's last item): the worker key, the client key,
+# or else a client id (its session key)
+CLUSTER = 0
+CLIENTS = -1
+# a receiver's keys: the key a signer signs with, or None for a signer it does not accept
+KeyOf = Callable[[int], "bytes | None"]
 
 _REGISTRY: dict[int, type["Record"]] = {}
 _Check = Callable[[Any, str | None], Any]   # (value, path or None) -> checked value
@@ -518,6 +528,7 @@ class Header:
     msg_id: int
     parent: int
     sender: str
+    signer: int = CLUSTER
 
 
 _header = _fast_init(Header)
@@ -579,14 +590,14 @@ def _sign(key: bytes, parts: Sequence[Any]) -> bytes:
 # ---- the envelope ---------------------------------------------------------------------
 
 def encode(key: bytes, msg: Record, *, msg_id: int, sender: str, parent: int = 0,
-           buffers: Sequence[Any] = (), body: bytes | None = None) -> list[Any]:
-    """Frames for one message. ``buffers`` are bytes-like objects (e.g. contiguous
-    numpy arrays) sent as raw frames. ``body``: the message's body if it was
-    already packed (:func:`pack_body`)."""
+           buffers: Sequence[Any] = (), body: bytes | None = None, signer: int = CLUSTER) -> list[Any]:
+    """Frames for one message, signed with ``key`` as ``signer``. ``buffers``
+    are bytes-like objects (e.g. contiguous numpy arrays) sent as raw frames.
+    ``body``: the message's body if it was already packed (:func:`pack_body`)."""
     if msg.TYPE < 0:
         raise TypeError(f"{type(msg).__name__} is not a top-level message")
     pack = _packer().pack
-    header = pack((PROTOCOL_VERSION, msg.TYPE, msg_id, parent, sender))
+    header = pack((PROTOCOL_VERSION, msg.TYPE, msg_id, parent, sender, signer))
     if body is None:
         body = pack(msg)
     parts = [header, body, *buffers]
@@ -627,10 +638,10 @@ def _unbatch(header: "Header", items: list) -> Batched:
     out: list[tuple[Header, Any]] = []
     for i, (type_id, msg_id, parent, body_b) in enumerate(items):
         try:
-            out.append((_header(header.version, type_id, msg_id, parent, header.sender),
+            out.append((_header(header.version, type_id, msg_id, parent, header.sender, header.signer),
                         _unbatch_item(i, type_id, body_b)))
         except ProtocolError as e:
-            out.append((_header(header.version, type_id, msg_id, parent, header.sender), e))
+            out.append((_header(header.version, type_id, msg_id, parent, header.sender, header.signer), e))
     return Batched(out)
 
 
@@ -653,7 +664,8 @@ def decode_header(frames: Sequence[Any]) -> Header | None:
     """Best-effort header parse used to address an error reply; never raises."""
     try:
         h = msgpack.unpackb(_bytes(frames[1]), raw=False)
-        return Header(int(h[0]), int(h[1]), int(h[2]), int(h[3]), str(h[4]))
+        return Header(int(h[0]), int(h[1]), int(h[2]), int(h[3]), str(h[4]),
+                      int(h[5]) if len(h) > 5 else CLUSTER)
     except Exception:
         return None
 
@@ -667,11 +679,13 @@ def _nbytes(b: Any) -> int:
 
 
 _unpackb = msgpack.unpackb
-_BAD_HEADER = "header must be [version, type, id, parent, sender]"
+_BAD_HEADER = "header must be [version, type, id, parent, sender, signer]"
 
 
-def decode(key: bytes, frames: Sequence[Any]) -> tuple[Header, Any, list[Any]]:
+def decode(key: bytes | KeyOf, frames: Sequence[Any]) -> tuple[Header, Any, list[Any]]:
     """Check and decode one message. Raises ProtocolError on anything wrong.
+    ``key``: the key every message is signed with, or a function giving the
+    key of the signer a header names (None: a signer this receiver refuses).
     Returned buffers are memoryviews (zero-copy for zmq.Frame input). A Batch
     comes back as a :class:`Batched` holding its messages."""
     if len(frames) < 3:
@@ -682,19 +696,34 @@ def decode(key: bytes, frames: Sequence[Any]) -> tuple[Header, Any, list[Any]]:
         raise ProtocolError(f"too many buffers ({len(parts) - 3} > {MAX_BUFFERS})")
     if _nbytes(body_b) > MAX_BODY_BYTES:
         raise ProtocolError(f"body too large ({_nbytes(body_b)} bytes)")
-    if _nbytes(sig) != SIG_BYTES or not hmac.compare_digest(
-            sig if type(sig) is bytes else bytes(sig), _signer(key).sign(parts[1:])):
-        raise ProtocolError("bad signature (wrong cluster key or corrupted message)")
+    if _nbytes(header_b) > MAX_HEADER_BYTES:
+        raise ProtocolError(f"header too large ({_nbytes(header_b)} bytes)")
+    # the header names the signer, so it is read before the signature is checked
+    # (msgpack of at most MAX_HEADER_BYTES; its problems are reported after the
+    # signature's, as before, when the key does not depend on it)
     try:
         h = _unpackb(header_b, raw=False)
+        header_error = None
     except Exception as e:
-        raise ProtocolError(f"header is not msgpack: {e}") from None
+        h, header_error = None, f"header is not msgpack: {e}"
+    if type(key) is bytes:
+        signer_key: bytes | None = key
+    else:
+        signer = h[5] if type(h) is list and len(h) == 6 else None
+        signer_key = key(signer) if type(signer) is int else None
+        if signer_key is None:
+            raise ProtocolError("bad signature (no key for its signer)")
+    if _nbytes(sig) != SIG_BYTES or not hmac.compare_digest(
+            sig if type(sig) is bytes else bytes(sig), _signer(signer_key).sign(parts[1:])):
+        raise ProtocolError("bad signature (wrong key or corrupted message)")
+    if header_error is not None:
+        raise ProtocolError(header_error)
     # msgpack gives exact types: type(x) is int refuses booleans as isinstance would not
-    if type(h) is not list or len(h) != 5:
+    if type(h) is not list or len(h) != 6:
         raise ProtocolError(_BAD_HEADER)
-    version, type_id, msg_id, parent, sender = h
+    version, type_id, msg_id, parent, sender, signer = h
     if not (type(version) is int and type(type_id) is int and type(msg_id) is int
-            and type(parent) is int and type(sender) is str):
+            and type(parent) is int and type(sender) is str and type(signer) is int):
         raise ProtocolError(_BAD_HEADER)
     if version != PROTOCOL_VERSION:
         raise ProtocolError(f"protocol version {version} not supported "
@@ -711,7 +740,7 @@ def decode(key: bytes, frames: Sequence[Any]) -> tuple[Header, Any, list[Any]]:
     except Exception:
         msg = cls.from_wire(body)         # the precise error (or what it accepts)
     buffers = [memoryview(b) for b in parts[3:]] if len(parts) > 3 else []
-    header = _header(version, type_id, msg_id, parent, sender)
+    header = _header(version, type_id, msg_id, parent, sender, signer)
     if type_id == BATCH_TYPE:
         if buffers:
             raise ProtocolError("a Batch carries no buffers")

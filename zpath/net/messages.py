@@ -111,6 +111,7 @@ class Hello(Record):
     name: str
     protocol: int
     weight: float            # proportional-share weight (> 0)
+    nonce: bytes = b""       # fresh random bytes: the Welcome's session key is sealed with them
 
 
 @message(3)
@@ -118,6 +119,7 @@ class Welcome(Record):
     """Controller -> client, answer to Hello."""
     client_id: int
     hosts: list[HostInfo]
+    session_key: bytes = b""     # the client's session key, sealed (zpath.keys.seal)
 
 
 @message(4)

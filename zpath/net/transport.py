@@ -62,29 +62,49 @@ def raw(buffer: Any) -> Any:
 
 
 class Endpoint:
-    """Signs, numbers and checks the messages of one process."""
+    """Signs, numbers and checks the messages of one process.
 
-    def __init__(self, key: bytes, sender: str) -> None:
+    ``key`` signs what it sends, as ``signer`` (the header's signer: see
+    ``codec.CLUSTER``, ``codec.CLIENTS``). What it receives is checked against
+    ``keys`` (the key of a signer, None for a signer refused) or, without it,
+    against ``key`` whatever the signer."""
+
+    def __init__(self, key: bytes, sender: str, *, signer: int = codec.CLUSTER,
+                 keys: codec.KeyOf | None = None) -> None:
         if len(key) < 16:
             raise ValueError("cluster key must be at least 16 bytes")
         self.key = key
         self.sender = sender
+        self.sign_key = key
+        self.signer = signer
+        self.keys: bytes | codec.KeyOf = key if keys is None else keys
         self._ids = itertools.count(1)
+
+    def sign_as(self, key: bytes, signer: int, keys: codec.KeyOf | None = None) -> None:
+        """Sign from now on with ``key`` as ``signer``, and check what comes
+        with ``keys`` if given (a client once it has its session key; ``key``,
+        the endpoint's own key, stays what it was)."""
+        self.sign_key, self.signer = key, signer
+        if keys is not None:
+            self.keys = keys
 
     def next_id(self) -> int:
         return next(self._ids)
 
     def send(self, sock: zmq.Socket, msg: Record, *, to: bytes | None = None,
              parent: int = 0, buffers: Sequence[Any] = (), msg_id: int = 0,
-             block: bool = True, body: bytes | None = None) -> int:
+             block: bool = True, body: bytes | None = None,
+             sign: tuple[bytes, int] | None = None) -> int:
         """Send one message. With ``block=False`` a full queue raises zmq.Again
         instead of waiting for the peer. ``body``: the message's body, if it was
-        already packed."""
+        already packed. ``sign``: (key, signer) for this message instead of the
+        endpoint's."""
         msg_id = msg_id or self.next_id()
         if buffers:
             buffers = [raw(b) for b in buffers]
-        frames = codec.encode(self.key, msg, msg_id=msg_id, sender=self.sender,
-                              parent=parent, buffers=buffers, body=body)
+        key, signer = sign if sign is not None else (self.sign_key, self.signer)
+        frames = codec.encode(key, msg, msg_id=msg_id, sender=self.sender,
+                              parent=parent, buffers=buffers, body=body, signer=signer)
         flags = 0 if block else _NOBLOCK
         # Frame by frame, as send_multipart does (ZeroMQ queues a multipart
         # message whole or not at all), with plain int flags (pyzmq's enum
@@ -107,30 +127,34 @@ class Endpoint:
         return msg_id
 
     def send_batch(self, sock: zmq.Socket, msgs: Sequence[tuple], *,
-                   to: bytes | None = None, block: bool = True) -> list[tuple[Record, int, Exception]]:
+                   to: bytes | None = None, block: bool = True,
+                   sign: tuple[bytes, int] | None = None) -> list[tuple[Record, int, Exception]]:
         """Send messages without buffers, given as (message, parent, msg_id or
         0[, its body from codec.pack_body]), in order: one as itself, more as
         Batches (one signature, one ZeroMQ message, one wake-up of the receiver
         for all of them). A message that cannot be encoded is left out, the
         others still go; returns those left out as (message, msg_id, error).
-        Errors of the socket itself are raised."""
-        messages, failed = self.batch_frames(msgs)
+        Errors of the socket itself are raised. ``sign``: as for :meth:`send`."""
+        messages, failed = self.batch_frames(msgs, sign=sign)
         for frames in messages:
             self.send_frames(sock, frames, to=to, block=block)
         return failed
 
-    def batch_frames(self, msgs: Sequence[tuple]) -> tuple[list[list[Any]], list[tuple[Record, int, Exception]]]:
+    def batch_frames(self, msgs: Sequence[tuple], sign: tuple[bytes, int] | None = None
+                     ) -> tuple[list[list[Any]], list[tuple[Record, int, Exception]]]:
         """The ZeroMQ messages (each a list of frames) that :meth:`send_batch`
         sends for ``msgs``, and the messages left out: frames made once can go
         to many peers (:meth:`send_frames`)."""
         failed: list[tuple[Record, int, Exception]] = []
         out: list[list[Any]] = []
-        key, sender = self.key, self.sender
+        key, signer = sign if sign is not None else (self.sign_key, self.signer)
+        sender = self.sender
         if len(msgs) == 1:
             msg, parent, msg_id = msgs[0][:3]
             try:
                 out.append(codec.encode(key, msg, msg_id=msg_id or self.next_id(), sender=sender,
-                                        parent=parent, body=msgs[0][3] if len(msgs[0]) > 3 else None))
+                                        parent=parent, body=msgs[0][3] if len(msgs[0]) > 3 else None,
+                                        signer=signer))
             except Exception as e:
                 failed.append((msg, msg_id, e))
             return out, failed
@@ -141,9 +165,10 @@ class Endpoint:
         def flush() -> None:
             if len(items) == 1:        # alone, as itself (a batch would only add bytes)
                 out.append(codec.encode(key, first[0], msg_id=items[0][1], sender=sender,
-                                        parent=first[1], body=items[0][3]))
+                                        parent=first[1], body=items[0][3], signer=signer))
             elif items:
-                out.append(codec.encode(key, Batch(items), msg_id=self.next_id(), sender=sender))
+                out.append(codec.encode(key, Batch(items), msg_id=self.next_id(), sender=sender,
+                                        signer=signer))
 
         for entry in msgs:
             msg, parent, msg_id = entry[:3]
@@ -180,18 +205,24 @@ class Endpoint:
             else:
                 send(sock, frame, more if i < last else flags)
 
-    def recv(self, sock: zmq.Socket, *, router: bool = False, block: bool = True
-             ) -> tuple[bytes | None, Header, Any, list[memoryview]]:
+    def recv(self, sock: zmq.Socket, *, router: bool = False, block: bool = True,
+             keys: bytes | codec.KeyOf | None = None) -> tuple[bytes | None, Header, Any, list[memoryview]]:
         """Receive one message. On a bad message raises :class:`BadMessage`
         carrying what is known about its sender, so the caller can answer. With
         ``block=False`` an empty queue raises zmq.Again instead of waiting. A
-        Batch comes as a ``codec.Batched``: pass the result to :func:`unbatched`."""
+        Batch comes as a ``codec.Batched``: pass the result to :func:`unbatched`.
+        ``keys``: what checks the signature (default: the endpoint's ``keys``)."""
         ident, frames = self.recv_frames(sock, router=router, block=block)
+        return (ident, *self.decode(frames, ident, keys))
+
+    def decode(self, frames: list[Any], ident: bytes | None = None,
+               keys: bytes | codec.KeyOf | None = None) -> tuple[Header, Any, list[memoryview]]:
+        """``codec.decode`` of frames from :meth:`recv_frames` (``keys``: as for
+        :meth:`recv`); BadMessage, naming ``ident``, if they do not decode."""
         try:
-            header, msg, buffers = codec.decode(self.key, frames)
+            return codec.decode(self.keys if keys is None else keys, frames)
         except ProtocolError as e:
             raise BadMessage(str(e), ident, codec.decode_header(frames)) from None
-        return ident, header, msg, buffers
 
     def recv_frames(self, sock: zmq.Socket, *, router: bool = False, block: bool = True
                     ) -> tuple[bytes | None, list[Any]]:
@@ -247,6 +278,40 @@ class BadMessage(ProtocolError):
         super().__init__(text)
         self.ident = ident
         self.header = header
+
+
+class RateLimit:
+    """Token buckets per peer (pure: the time comes in): ``rate`` events per
+    second, up to ``burst`` at once. Error replies and log lines about bad
+    messages go through one, so a flood of garbage costs its receiver neither
+    a reply nor a log line per message. It keeps at most ``peers`` buckets (a
+    flood from ever new identities clears them: they start full again)."""
+
+    def __init__(self, rate: float, burst: float, peers: int = 10_000) -> None:
+        self.rate, self.burst, self.peers = rate, burst, peers
+        self._buckets: dict[Any, list[float]] = {}    # peer -> [tokens, time, refused since last allowed]
+
+    def allow(self, peer: Any, now: float) -> int:
+        """0 if this event must be dropped; else 1 + the events of this peer
+        dropped since the last one allowed (for a line that counts them)."""
+        b = self._buckets.get(peer)
+        if b is None:
+            if len(self._buckets) >= self.peers:
+                self._buckets.clear()
+            b = self._buckets[peer] = [self.burst, now, 0]
+        b[0] = min(self.burst, b[0] + (now - b[1]) * self.rate)
+        b[1] = now
+        if b[0] < 1.0:
+            b[2] += 1
+            return 0
+        b[0] -= 1.0
+        dropped, b[2] = int(b[2]), 0
+        return 1 + dropped
+
+
+# bad messages: replies per peer, and log lines in all, per second (and bursts)
+REPLY_RATE, REPLY_BURST = 10.0, 20.0
+LOG_RATE, LOG_BURST = 5.0, 20.0
 
 
 DUE_SLACK_S = 0.0005
@@ -364,9 +429,15 @@ def backoff(attempt: int, base: float = 0.05, cap: float = 2.0) -> float:
     return random.uniform(0.5, 1.0) * min(cap, base * (2 ** attempt))
 
 
-def make_context() -> zmq.Context:
+def make_context(max_message_bytes: int = 0) -> zmq.Context:
+    """A context whose sockets drop no message on close, queue SEND_HWM
+    messages per peer, and (``max_message_bytes`` > 0) disconnect a peer that
+    sends a frame larger than that (ZeroMQ's MAXMSGSIZE: the frame is refused as
+    it arrives, before it is read into memory whole)."""
     ctx = zmq.Context()
     ctx.setsockopt(zmq.LINGER, 0)
     ctx.setsockopt(zmq.SNDHWM, SEND_HWM)
     ctx.setsockopt(zmq.RCVHWM, SEND_HWM)
+    if max_message_bytes > 0:
+        ctx.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
     return ctx

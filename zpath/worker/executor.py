@@ -723,8 +723,14 @@ class _Prepared:
         return arr
 
     def output_shards(self, k: int, o: m.ExecOutput, out: Any) -> list[tuple[int, tuple, Any]]:
-        """(global device id, region, shard data) of every local shard of output ``k``."""
+        """(global device id, region, shard data) of every local shard of output
+        ``k``. ValueError if the computation made another shape or dtype than the
+        call declared (the declared one is what the controller counts and plans
+        with): the computation fails, alone."""
         shape = tuple(o.aval.shape)
+        if out.shape != shape or out.dtype.name != o.aval.dtype:
+            raise ValueError(f"output {k} is {out.dtype.name}{list(out.shape)}, but the call declared "
+                             f"{o.aval.dtype}{o.aval.shape}")
         fast = self.out_fast[k]
         arrays = getattr(out, "_arrays", None)
         if fast is not None and fast[0] == shape and arrays is not None and len(arrays) == len(fast[1]):

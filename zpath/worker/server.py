@@ -36,14 +36,17 @@ import zmq
 from zpath import logs, sharding
 from zpath.config import HOLD_SHORT_S, CommonConfig, WorkerConfig
 from zpath.errors import ErrorKind, ProtocolError, ZpathError
-from zpath.keys import key_from_config
+from zpath.ids import client_of
+from zpath.keys import Keys, key_from_config, worker_key_from_config
 from zpath.process import die_with_parent
 from zpath.net import channels
 from zpath.net import messages as m
-from zpath.net.codec import PROTOCOL_VERSION, Record
-from zpath.net.transport import BadMessage, Endpoint, Outbox, backoff, make_context, readable, unbatched
+from zpath.net.codec import CLIENTS, CLUSTER, PROTOCOL_VERSION, Record
+from zpath.net.transport import (LOG_BURST, LOG_RATE, REPLY_BURST, REPLY_RATE, BadMessage, Endpoint, Outbox,
+                                 RateLimit, backoff, make_context, readable, unbatched)
 from zpath.worker.executor import Executor
-from zpath.worker.state import Chunks, FusedRun, PendingFetch, ShapedLink, WorkerState, with_local_shards
+from zpath.worker.state import (Chunks, FusedRun, PendingFetch, ShapedLink, WorkerState, refused_on_data,
+                                with_local_shards)
 from zpath.worker.store import Entry, PieceKey, Store, shard_key
 
 try:       # internal APIs of JAX, to bind gloo (see _gloo_listens_on)
@@ -58,6 +61,8 @@ else:
 log = logging.getLogger(__name__)
 
 REGISTER_TIMEOUT_S = 60.0
+# data-port peers whose signer is remembered (to sign the replies to them)
+DATA_PEERS_KEPT = 65_536
 
 
 class Worker:
@@ -65,7 +70,10 @@ class Worker:
                  bind_host: str = "127.0.0.1", name: str | None = None,
                  coordinator: str = "", num_processes: int = 1, process_id: int = 0,
                  dcn_latency_ms: float = 0.0, dcn_gbps: float = 0.0, dcn_encrypt: bool = False,
-                 config: WorkerConfig | None = None, common: CommonConfig | None = None) -> None:
+                 config: WorkerConfig | None = None, common: CommonConfig | None = None,
+                 worker_key: bytes | None = None) -> None:
+        """``key``: the cluster key (clients'); ``worker_key``: the worker key
+        (default: the cluster key, which keeps no client apart)."""
         self.config = config = config if config is not None else WorkerConfig()
         self.common = common = common if common is not None else CommonConfig()
         if dcn_encrypt and not zmq.has("curve"):
@@ -96,8 +104,15 @@ class Worker:
         self.platform = self.local[0].platform
         self.name = name or f"{socket.gethostname()}:{os.getpid()}"
         self.island = island
-        self.ep = Endpoint(key, f"worker:{self.name}")
-        self.ctx = make_context()
+        self.keys = Keys(key, worker_key if worker_key is not None else key)
+        # signs with the worker key; checks the controller's and peers' messages
+        # with it, clients' with their session keys (the cluster key only for
+        # what anyone may ask: ChannelStatsRequest, and the controller's refusal)
+        self.ep = Endpoint(self.keys.workers, f"worker:{self.name}", keys=self.keys.of)
+        self.data_signer: collections.OrderedDict[bytes, int] = collections.OrderedDict()
+        self.reply_limit = RateLimit(REPLY_RATE, REPLY_BURST)
+        self.log_limit = RateLimit(LOG_RATE, LOG_BURST)
+        self.ctx = make_context(common.max_message_bytes)
         self.ctl = self.ctx.socket(zmq.DEALER)
         self.ctl.connect(controller)
         self.data = self.ctx.socket(zmq.ROUTER)
@@ -116,7 +131,7 @@ class Worker:
             self.dcn_address = f"tcp://{bind_host}:{self.dcn.bind_to_random_port(f'tcp://{bind_host}')}"
         self.machine = channels.machine_id(common.machine_id)
         self.use_shm = config.shm and channels.shm_available(common.shm_dir)
-        self.shm_out = channels.ShmSender(channels.shm_prefix(key), common.shm_dir)
+        self.shm_out = channels.ShmSender(channels.shm_prefix(self.keys.workers), common.shm_dir)
         self.shm_in = channels.ShmReceiver(shm_dir=common.shm_dir)
         # (peer identity, segment) of pieces lent in their segment that nothing
         # refers to any more; filled by finalizers, acknowledged by the I/O thread
@@ -273,7 +288,8 @@ class Worker:
                 if kind == "ctl":
                     to_ctl.append((msg, 0, 0))
                 elif kind == "data":
-                    self.ep.send(self.data, msg, to=target, buffers=buffers, parent=parent, block=False)
+                    self.ep.send(self.data, msg, to=target, buffers=buffers, parent=parent, block=False,
+                                 sign=self._reply_sign(target))
                 elif kind == "dcn" and self.shaped.active:
                     self.shaped.send(target, msg, buffers, time.monotonic())
                 else:
@@ -340,6 +356,29 @@ class Worker:
             if not readable(sock):
                 return
 
+    def _reply_sign(self, ident: bytes) -> tuple[bytes, int]:
+        """What a reply on the data port is signed with: the key its peer signed
+        with (a client's session key; the worker key for a peer worker); the
+        cluster key for a peer whose messages did not check."""
+        signer = self.data_signer.get(ident, CLIENTS)
+        return self.keys.of(signer) or self.keys.workers, signer
+
+    def _refuse(self, sock: zmq.Socket, router: bool, ident: bytes | None, parent: int, why: str,
+                code: str = ErrorKind.PROTOCOL) -> None:
+        """A refused message: a log line and (on a data port) an Error reply,
+        each rate-limited."""
+        now = time.monotonic()
+        n = self.log_limit.allow(None, now)
+        if n:
+            log.warning("rejected message on %s socket: %s%s", "data" if router else "control", why,
+                        f" ({n - 1} more rejected messages not logged)" if n > 1 else "")
+        if router and ident is not None and self.reply_limit.allow(ident, now):
+            try:
+                self.ep.send(sock, m.Error(code, why), to=ident, parent=parent, block=False,
+                             sign=self._reply_sign(ident))
+            except zmq.ZMQError:
+                pass
+
     def _drain(self, sock: zmq.Socket, router: bool) -> None:
         budget = 1000                # messages (a batch's count each), then back to the loop
         while budget > 0:
@@ -348,25 +387,34 @@ class Worker:
             except zmq.Again:
                 return
             except BadMessage as e:
-                log.warning("rejected message on %s socket: %s", "data" if router else "control", e)
-                if router and e.ident is not None:
-                    self.ep.send(self.data, m.Error(ErrorKind.PROTOCOL, str(e)), to=e.ident,
-                                 parent=e.header.msg_id if e.header else 0)
+                self._refuse(sock, router, e.ident, e.header.msg_id if e.header else 0, str(e))
                 budget -= 1
                 continue
-            if not router:
+            signer = header.signer
+            if router:
+                if self.data_signer.get(ident) != signer:
+                    self.data_signer[ident] = signer
+                    if len(self.data_signer) > DATA_PEERS_KEPT:
+                        self.data_signer.popitem(last=False)
+            elif signer != CLUSTER and type(msg) is not m.Error:
+                self._refuse(sock, router, ident, header.msg_id, "the controller signs with the worker key")
+                budget -= 1
+                continue
+            else:
                 self.state.heard_from_controller(time.monotonic())
             msgs = unbatched(header, msg, buffers)
             budget -= len(msgs)
             for header, msg, buffers in msgs:
                 if isinstance(msg, ProtocolError):       # one bad item of a batch
-                    log.warning("rejected message on %s socket: %s", "data" if router else "control", msg)
-                    if router:
-                        self.ep.send(self.data, m.Error(ErrorKind.PROTOCOL, str(msg)), to=ident, parent=header.msg_id)
+                    self._refuse(sock, router, ident, header.msg_id, str(msg))
                     continue
                 try:
                     if router:
-                        self._handle_data(ident, header.msg_id, msg, buffers)
+                        why = refused_on_data(signer, msg)
+                        if why:
+                            self._refuse(sock, router, ident, header.msg_id, why, ErrorKind.BAD_REQUEST)
+                        else:
+                            self._handle_data(ident, header.msg_id, msg, buffers)
                     else:
                         self._handle_ctl(msg, buffers)
                 except Exception:
@@ -595,6 +643,11 @@ class Worker:
                 # answered when the shard is done, or with an error at the
                 # deadline; no thread waits meanwhile
                 pending = self.state.fetch(ident, msg, time.monotonic())
+                if pending is None:
+                    self.post_data(ident, m.FetchReply(msg.request, m.Aval([], ""), m.ErrorInfo(
+                        ErrorKind.RESOURCE_ERROR, f"client {client_of(msg.buffer)} has too many fetches "
+                        f"waiting on host {self.rank}", self.rank, "", "")))
+                    return
                 pending.key = shard_key(msg.buffer, msg.device, msg.region)
                 pending.cb = lambda e, p=pending: self.pool.submit(self._reply_fetch, p, e)
                 self.store.when_done(pending.key, pending.cb)
@@ -705,10 +758,12 @@ def main(argv: list[str] | None = None) -> int:
         log.error("--dcn-encrypt needs CURVE, but this libzmq (%s) was built without it",
                   zmq.zmq_version())
         return 2
-    w = Worker(key_from_config(common), args.controller, args.island, bind_host=args.bind_host, name=args.name,
+    key = key_from_config(common)
+    w = Worker(key, args.controller, args.island, bind_host=args.bind_host, name=args.name,
                coordinator=args.coordinator, num_processes=args.num_processes,
                process_id=args.process_id, dcn_latency_ms=args.dcn_latency_ms,
-               dcn_gbps=args.dcn_gbps, dcn_encrypt=args.dcn_encrypt, config=config, common=common)
+               dcn_gbps=args.dcn_gbps, dcn_encrypt=args.dcn_encrypt, config=config, common=common,
+               worker_key=worker_key_from_config(common, key))
     signal.signal(signal.SIGTERM, w.stop)
     signal.signal(signal.SIGINT, w.stop)
     try:

@@ -51,13 +51,13 @@ from zpath.config import (DEEP_QUEUE, HOLD_DEEP_S, HOLD_SHORT_S, SHORT_COMPUTATI
                           WorkerConfig)
 from zpath.errors import ErrorKind, ProtocolError, ZpathError
 from zpath.ids import client_of
-from zpath.keys import key_from_config
+from zpath.keys import Keys, key_from_config, worker_key_from_config
 from zpath.net import codec
 from zpath.net import messages as m
 from zpath.net.codec import PROTOCOL_VERSION, Record
 from zpath.net.transport import BadMessage, Endpoint, make_context, unbatched
 from zpath.process import die_with_parent
-from zpath.worker.state import FreeOrder, IdRanges
+from zpath.worker.state import FreeOrder, IdRanges, refused_on_data
 from zpath.worker.store import Entry, PieceKey, ShardKey, Store, shard_key
 
 log = logging.getLogger(__name__)
@@ -179,7 +179,7 @@ class SimHost:
         self.process_id, self.num_processes, self.runtime = process_id, num_processes, runtime
         self.ctl = proc.ctx.socket(zmq.DEALER)
         self.ctl.connect(proc.controller)
-        self.ep = Endpoint(proc.key, f"worker:{self.name}")
+        self.ep = Endpoint(proc.keys.workers, f"worker:{self.name}", keys=proc.keys.of)
         self.rank: int | None = None
         self.device_ids: list[int] = []
         self.store = Store()
@@ -567,20 +567,22 @@ class SimProcess:
     def __init__(self, key: bytes, controller: str, hosts: int, devices: int, *,
                  islands: int = 1, island: int = 0, cost_ms: float = 1.0, name: str | None = None,
                  bind_host: str = "127.0.0.1", transfer_us: float = 0.0, transfer_gbps: float = 0.0,
-                 move_bytes: bool = False, controller_timeout_s: float = 60.0) -> None:
+                 move_bytes: bool = False, controller_timeout_s: float = 60.0,
+                 worker_key: bytes | None = None) -> None:
         if hosts < 1 or devices < 1 or islands < 1 or hosts % islands:
             raise ZpathError(f"--hosts ({hosts}) must be a positive multiple of --islands ({islands}), "
                              f"--devices ({devices}) positive")
         if transfer_us < 0 or transfer_gbps < 0 or cost_ms < 0:
             raise ZpathError("--cost-ms, --transfer-us and --transfer-gbps must be >= 0")
         self.key, self.controller, self.devices = key, controller, devices
+        self.keys = Keys(key, worker_key if worker_key is not None else key)
         self.name = name or f"sim-{socket.gethostname()}-{os.getpid()}"
         self.machine = f"sim:{socket.gethostname()}:{os.getpid()}"
         self.default_cost_s = cost_ms / 1000
         self.transfer_s, self.transfer_gbps, self.move_bytes = transfer_us / 1e6, transfer_gbps, move_bytes
         self.controller_timeout_s = controller_timeout_s
         self.ctx = make_context()
-        self.ep = Endpoint(key, f"worker:{self.name}")
+        self.ep = Endpoint(self.keys.workers, f"worker:{self.name}", keys=self.keys.of)
         self.data = self.ctx.socket(zmq.ROUTER)
         port = self.data.bind_to_random_port(f"tcp://{bind_host}")
         self.data_address = f"tcp://{bind_host}:{port}"
@@ -803,7 +805,7 @@ class SimProcess:
             hit = self._decoded.get(sig)
             if hit is not None and hit[0] == frames[1] and hit[1] == frames[2]:
                 return hit[2]
-        got = codec.decode(self.key, frames)
+        got = codec.decode(self.keys.of, frames)
         if len(frames) == 3:
             self._decoded[frames[0]] = (frames[1], frames[2], got)
             if len(self._decoded) > DECODE_CACHE:
@@ -844,15 +846,23 @@ class SimProcess:
                     self.ep.send(self.data, m.Error(ErrorKind.PROTOCOL, str(e)), to=e.ident,
                                  parent=e.header.msg_id if e.header else 0, block=False)
                 continue
+            # replies are signed with the key the asker signed with (a client's session key)
+            sign = (self.keys.of(header.signer) or self.keys.workers, header.signer)
             for h_, item, bufs in unbatched(header, msg, buffers):
+                why = refused_on_data(header.signer, item) if not isinstance(item, ProtocolError) else ""
+                if why:
+                    self.ep.send(self.data, m.Error(ErrorKind.BAD_REQUEST, why), to=ident, parent=h_.msg_id,
+                                 block=False, sign=sign)
+                    continue
                 try:
-                    self._handle_data(ident, h_.msg_id, item, bufs)
+                    self._handle_data(ident, h_.msg_id, item, bufs, sign)
                 except zmq.ZMQError as err:
                     log.error("cannot answer %s: %s", type(item).__name__, err)
 
-    def _handle_data(self, ident: bytes, msg_id: int, msg: Any, buffers: list) -> None:
+    def _handle_data(self, ident: bytes, msg_id: int, msg: Any, buffers: list,
+                     sign: tuple[bytes, int] | None = None) -> None:
         def error(kind: str, text: str) -> None:
-            self.ep.send(self.data, m.Error(kind, text), to=ident, parent=msg_id, block=False)
+            self.ep.send(self.data, m.Error(kind, text), to=ident, parent=msg_id, block=False, sign=sign)
 
         match msg:
             case ProtocolError():
@@ -881,23 +891,24 @@ class SimProcess:
                 def reply(e: Entry) -> None:
                     if e.error is not None:
                         self.ep.send(self.data, m.FetchReply(msg.request, m.Aval([], ""), e.error),
-                                     to=ident, block=False)
+                                     to=ident, block=False, sign=sign)
                         return
                     dtype = e.value.dtype
                     self.ep.send(self.data, m.FetchReply(msg.request, m.Aval(list(shape), dtype), None),
-                                 to=ident, buffers=[bytes(math.prod(shape) * _itemsize(dtype))], block=False)
+                                 to=ident, buffers=[bytes(math.prod(shape) * _itemsize(dtype))], block=False,
+                                 sign=sign)
 
                 def expire() -> None:
                     self.ep.send(self.data, m.FetchReply(msg.request, m.Aval([], ""), m.ErrorInfo(
                         ErrorKind.DEADLINE_EXCEEDED, f"buffer {msg.buffer} was not ready within "
-                        f"{msg.timeout_s:.0f}s", h.rank, "", "")), to=ident, block=False)
+                        f"{msg.timeout_s:.0f}s", h.rank, "", "")), to=ident, block=False, sign=sign)
 
                 cancel = h.when_shard(msg.buffer, msg.device, msg.region, reply)
                 if cancel is not None:
                     self.timers.at(deadline, lambda: cancel() and expire())
             case m.ChannelStatsRequest():
                 self.ep.send(self.data, m.ChannelStats(0, 0, 0, 0, 0, 0, 0, 0, 0, [], []), to=ident,
-                             parent=msg_id, block=False)
+                             parent=msg_id, block=False, sign=sign)
             case _:
                 error(ErrorKind.BAD_REQUEST, f"{type(msg).__name__} is not accepted on a simulated "
                       "host's data port")
@@ -941,11 +952,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     logs.setup("sim", common.log_level)
     try:
-        proc = SimProcess(key_from_config(common), args.controller, args.hosts, args.devices,
+        key = key_from_config(common)
+        proc = SimProcess(key, args.controller, args.hosts, args.devices,
                           islands=args.islands, island=args.island, cost_ms=args.cost_ms, name=args.name,
                           bind_host=args.bind_host, transfer_us=args.transfer_us,
                           transfer_gbps=args.transfer_gbps, move_bytes=args.move_bytes,
-                          controller_timeout_s=config.controller_timeout_s)
+                          controller_timeout_s=config.controller_timeout_s,
+                          worker_key=worker_key_from_config(common, key))
     except ZpathError as e:
         p.error(str(e))
     signal.signal(signal.SIGTERM, proc.stop)

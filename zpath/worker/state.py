@@ -35,13 +35,15 @@ from zpath.errors import ErrorKind
 from zpath.ids import client_of
 from zpath.net import channels
 from zpath.net import messages as m
-from zpath.net.codec import Record
+from zpath.net.codec import CLUSTER, Record
 from zpath.net.transport import raw
 
 # a client's fetch waits at most this long for its shard, whatever it asks
 MAX_FETCH_TIMEOUT_S = 3600.0
 # the fetch heap is compacted (answered fetches dropped) beyond this many entries
 FETCH_HEAP_MIN = 1024
+# fetches of one client waiting at once on a host; beyond, a Fetch is refused
+MAX_PENDING_FETCHES = 16_384
 # the I/O thread looks at its deadlines at least this often (seconds)
 IDLE_WAIT_S = 0.5
 
@@ -198,12 +200,14 @@ class PendingFetch:
     """A fetch waiting for its shard; answered once (value, error or
     deadline), by whichever thread claims it first."""
 
-    def __init__(self, ident: bytes, msg: m.Fetch, deadline: float) -> None:
+    def __init__(self, ident: bytes, msg: m.Fetch, deadline: float,
+                 answered: Callable[[int], None] | None = None) -> None:
         self.ident, self.msg, self.deadline = ident, msg, deadline
         self.key: Any = None                       # the store entry it waits for
         self.cb: Any = None                        # and its callback there
         self._lock = threading.Lock()
         self._answered = False
+        self._on_answer = answered                 # told the buffer's client once answered
 
     @property
     def answered(self) -> bool:
@@ -214,7 +218,9 @@ class PendingFetch:
             if self._answered:
                 return False
             self._answered = True
-            return True
+        if self._on_answer is not None:
+            self._on_answer(client_of(self.msg.buffer))
+        return True
 
 
 def fetch_timeout(asked: float) -> float:
@@ -239,6 +245,9 @@ class WorkerState:
         self.fetches: list[tuple[float, int, PendingFetch]] = []
         self.fetch_heap_limit = FETCH_HEAP_MIN
         self._arrivals = itertools.count()
+        # unanswered fetches per client (answered in any thread: under the lock)
+        self.pending_fetches: dict[int, int] = {}
+        self._pending_lock = threading.Lock()
         self.lent_bytes = 0        # of shared-memory pieces lent now (see lend)
 
     # ---- the controller ------------------------------------------------------
@@ -294,9 +303,16 @@ class WorkerState:
         self.lent_bytes -= size
 
     # ---- fetches -------------------------------------------------------------
-    def fetch(self, ident: bytes, msg: m.Fetch, now: float) -> PendingFetch:
+    def fetch(self, ident: bytes, msg: m.Fetch, now: float) -> PendingFetch | None:
         """A fetch came: it waits for its shard until its deadline (see
-        :meth:`expire_fetches`)."""
+        :meth:`expire_fetches`); None if its client has MAX_PENDING_FETCHES
+        waiting already (refused: pending fetches cost memory)."""
+        client = client_of(msg.buffer)
+        with self._pending_lock:
+            n = self.pending_fetches.get(client, 0)
+            if n >= MAX_PENDING_FETCHES:
+                return None
+            self.pending_fetches[client] = n + 1
         if len(self.fetches) > self.fetch_heap_limit:
             # answered fetches stay in the heap until their deadline; drop
             # them now and then (amortised: the limit doubles with what is
@@ -304,9 +320,18 @@ class WorkerState:
             self.fetches = [e for e in self.fetches if not e[2].answered]
             heapq.heapify(self.fetches)
             self.fetch_heap_limit = max(FETCH_HEAP_MIN, 2 * len(self.fetches))
-        pending = PendingFetch(ident, msg, now + fetch_timeout(msg.timeout_s))
+        pending = PendingFetch(ident, msg, now + fetch_timeout(msg.timeout_s), self._fetch_answered)
         heapq.heappush(self.fetches, (pending.deadline, next(self._arrivals), pending))
         return pending
+
+    def _fetch_answered(self, client: int) -> None:
+        """(any thread) One of the client's fetches was answered."""
+        with self._pending_lock:
+            n = self.pending_fetches.get(client, 0) - 1
+            if n > 0:
+                self.pending_fetches[client] = n
+            else:
+                self.pending_fetches.pop(client, None)
 
     def expire_fetches(self, now: float) -> list[PendingFetch]:
         """The fetches whose deadline has passed and that nothing answered
@@ -456,3 +481,22 @@ class Chunks:
                 arr, flat, got = part
                 assert 0 <= got < flat.nbytes, (piece_id, got, flat.nbytes)
                 assert arr.nbytes == flat.nbytes, piece_id
+
+
+# what a data port takes from workers only (signed with the worker key)
+_FROM_WORKERS = (m.Piece, m.PieceChunk, m.ShmPiece)
+
+
+def refused_on_data(signer: int, msg: Record) -> str:
+    """Why a data port refuses a message from ``signer`` ("" if it takes it): a
+    client puts and fetches only its own buffers (ids ``client << 32 | n``,
+    signed with its session key); pieces come only from workers (the worker
+    key)."""
+    if type(msg) in (m.Put, m.Fetch):
+        if signer <= 0 or client_of(msg.buffer) != signer:
+            return (f"{type(msg).__name__} of buffer {msg.buffer}, which is not the signer's "
+                    f"(client {client_of(msg.buffer)}, signed by {signer})")
+        return ""
+    if type(msg) in _FROM_WORKERS and signer != CLUSTER:
+        return f"{type(msg).__name__} is accepted from workers only"
+    return ""
