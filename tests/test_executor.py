@@ -375,6 +375,16 @@ _SCRIPT = textwrap.dedent("""
     executor_module._Prepared.output_shards = output_shards
     res["settle_nothing_more"] = reports.empty()
     ex.stop()
+    # an output other than the call declared (the controller counts the declared
+    # one): that computation fails, alone; the next one runs
+    digest, blob = export(lambda x: jax.lax.psum(x, "i") + 1., (2,), np.float64, two, P("i"), P("i"))
+    h = Host()
+    h.put(0, np.zeros(2), two, P("i"))
+    err = h.run(digest, blob, two, 0, 1, (2,), "float64", P("i"), P("i"), (64,))
+    res["undeclared"] = None if err is None else [err.kind, err.message.splitlines()[0]]
+    assert h.run(digest, blob, two, 0, 2, (2,), "float64", P("i"), P("i"), (2,)) is None
+    res["after_undeclared"] = h.fetch(2, two, (2,), P("i"))
+
     print(json.dumps(res))
 """)
 
@@ -531,3 +541,9 @@ def test_a_failure_of_the_next_one_leaves_the_outputs_it_read_as_they_are(result
     err = "RuntimeError: injected"
     assert results["settle_next_failed"] == [[80, None], [81, err], [82, None], [83, err]]
     assert results["settle_next_failed_stored"] == [[[1.0], [1.0]], [err, err]]
+
+
+def test_an_output_other_than_declared_fails_that_computation_alone(results):
+    kind, message = results["undeclared"]
+    assert kind == "RemoteError" and "but the call declared float64[64]" in message, message
+    assert results["after_undeclared"] == [[1.0], [1.0]]

@@ -8,7 +8,7 @@ import pytest
 import zmq
 
 import zpath as zp
-from zpath.net import codec
+from zpath.net import codec, transport
 from zpath.net import messages as m
 from zpath.net.codec import PROTOCOL_VERSION
 
@@ -75,9 +75,11 @@ def test_controller_keeps_serving_a_client_that_never_reads(cluster, client):
     s.setsockopt(zmq.RCVBUF, 4096)
     s.connect(cluster.address)
     try:
-        s.send_multipart(codec.encode(cluster.key, m.Hello("flood", PROTOCOL_VERSION, 1.0), msg_id=1, sender="x"))
+        s.send_multipart(codec.encode(cluster.key, m.Hello("flood", PROTOCOL_VERSION, 1.0), msg_id=1, sender="x",
+                                      signer=codec.CLIENTS))
         for i in range(5000):
-            s.send_multipart(codec.encode(cluster.key, m.StatusRequest(True), msg_id=i + 2, sender="x"))
+            s.send_multipart(codec.encode(cluster.key, m.StatusRequest(True), msg_id=i + 2, sender="x",
+                                          signer=codec.CLIENTS))
         assert s.poll(30_000), "the controller never answered the flood"    # it is working through it
         inc = zp.pmap(lambda x: x + 1, devices=devices(1))
         t = time.monotonic()
@@ -175,6 +177,186 @@ def test_a_message_of_very_many_frames_is_refused_cheaply(cluster, client, targe
         assert b"too many frames (200000" in frames[-1], frames
         inc = zp.pmap(lambda x: x + 1, devices=devices(1))
         np.testing.assert_array_equal(inc(np.zeros(1)).result(timeout=30), [1.])
+    finally:
+        s.close()
+        ctx.term()
+
+
+# ---- tenant isolation: the attacks of issue #21, each refused ----------------
+# The attacker B is a client like any other: it holds the cluster key and its
+# own session key, and speaks the protocol by hand (docs/protocol.md).
+
+def _attacker(cluster):
+    from zpath.client.connection import Client
+    return Client(cluster.address, cluster.key, name="attacker")
+
+
+def _ask(cluster, b, address: str, msgs, buffers=(), until=None, ep=None, timeout: float = 20.0) -> list:
+    """Send ``msgs`` from a fresh connection to ``address``, signed as client ``b``
+    (or by ``ep``); return the answers (checked under the cluster key or b's
+    session key) until one passes ``until`` (default: the first)."""
+    ep = ep or b.ep
+    keys = {codec.CLIENTS: cluster.key, b.client_id: b.ep.sign_key}
+    ctx = zmq.Context()
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.connect(address)
+    try:
+        for msg in msgs:
+            ep.send(s, msg, buffers=buffers)
+        got: list = []
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and s.poll(int((deadline - time.monotonic()) * 1000)):
+            header, msg, _ = codec.decode(keys.get, s.recv_multipart())
+            got += [x for _, x, _ in transport.unbatched(header, msg, [])]
+            if until is None or any(until(x) for x in got):
+                return got
+        raise AssertionError(f"no answer (got {got})")
+    finally:
+        s.close()
+        ctx.term()
+
+
+def _data_address(client, device: int) -> str:
+    c = client.client
+    return c.hosts[c.devices[device].host].data_address
+
+
+def test_attack_1_a_client_cannot_fetch_another_clients_value(cluster, client):
+    """B fetches A's value from the worker's data port, by its own key, by the
+    cluster key, or claiming to be A: refused each time."""
+    inc = zp.pmap(lambda x: x + 1, devices=devices(1))
+    x = inc(np.full(1, 41.))
+    x.result(timeout=60)
+    dev = inc.mesh.device_ids[0]
+    fetch = m.Fetch(7, x.buffer, dev, [[0, 1]], 5.0)
+    b = _attacker(cluster)
+    try:
+        for ep in (None, transport.Endpoint(cluster.key, "b", signer=codec.CLIENTS)):
+            [reply] = _ask(cluster, b, _data_address(client, dev), [fetch], ep=ep)
+            assert isinstance(reply, m.Error) and "not the signer's" in reply.message, reply
+        as_a = transport.Endpoint(b.ep.sign_key, "b", signer=client.client.client_id)
+        [reply] = _ask(cluster, b, _data_address(client, dev), [fetch], ep=as_a)
+        assert isinstance(reply, m.Error) and "bad signature" in reply.message, reply
+    finally:
+        b.close()
+    np.testing.assert_array_equal(np.asarray(x), [42.])
+
+
+def test_attack_2_puts_under_another_clients_next_ids_are_refused(cluster, client):
+    """B puts values under A's next buffer ids: refused; A's next calls compute
+    with A's own values."""
+    dbl = zp.pmap(lambda x: x * 2 + 1, devices=devices(1))
+    dbl(np.zeros(1)).result(timeout=60)
+    dev = dbl.mesh.device_ids[0]
+    nxt = client.client.new_buffer_id()
+    b = _attacker(cluster)
+    try:
+        puts = [m.Put(nxt + k, dev, [[0, 1]], m.Aval([1], "float64")) for k in range(1, 9)]
+        got = _ask(cluster, b, _data_address(client, dev), puts, buffers=[np.full(1, 999.)])
+        assert isinstance(got[0], m.Error) and "not the signer's" in got[0].message, got
+    finally:
+        b.close()
+    for v in (3., 5., 7.):          # A's next values are its own
+        np.testing.assert_array_equal(dbl(np.full(1, v)).result(timeout=30), [2 * v + 1])
+
+
+def test_attack_3_pieces_from_a_client_are_refused(cluster, client):
+    """B sends 3,000 pieces with guessed ids to a worker: refused (pieces come
+    only from workers); A's cross-island program computes right."""
+    on0 = zp.pmap(lambda x: x * 2, devices=devices(1, island=0))
+    on1 = zp.pmap(lambda x: x + 1, devices=devices(1, island=1))
+    dev = on1.mesh.device_ids[0]
+    b = _attacker(cluster)
+    try:
+        pieces = [m.Piece(k, m.Aval([1], "float64"), None) for k in range(1, 3001)]
+        got = _ask(cluster, b, _data_address(client, dev), pieces, buffers=[np.full(1, 999.)])
+        assert isinstance(got[0], m.Error) and "from workers only" in got[0].message, got
+    finally:
+        b.close()
+    for v in (1., 2., 3.):
+        np.testing.assert_array_equal(on1(on0(np.full(1, v))).result(timeout=30), [2 * v + 1])
+
+
+def test_attack_4_a_rejected_call_naming_another_clients_ids_frees_nothing_of_theirs(cluster, client):
+    """B's call, which the controller rejects, names A's next ids as values put:
+    nothing of A's is freed, and A's next calls (which put those ids) complete."""
+    inc = zp.pmap(lambda x: x + 1, devices=devices(1))
+    inc(np.zeros(1)).result(timeout=60)
+    dev = inc.mesh.device_ids[0]
+    nxt = client.client.new_buffer_id()
+    av, spec = m.Aval([1], "float64"), ["_zp_pmap"]
+    b = _attacker(cluster)
+    try:
+        b.post(m.Call(b.new_call_id(), "0" * 64, [1], spec, [dev],
+                      [m.CallInput(nxt + k, av, spec, True) for k in range(1, 9)], []))
+        b.request(m.StatusRequest(False))      # after its call: the controller has rejected it
+    finally:
+        b.close()
+    t = time.monotonic()
+    for v in (1., 2., 3.):
+        np.testing.assert_array_equal(inc(np.full(1, v)).result(timeout=30), [v + 1])
+    assert time.monotonic() - t < 20
+
+
+def test_attack_5_only_the_worker_key_registers_a_worker(cluster, client):
+    """B registers as a worker, under the cluster key and under its own session
+    key: refused; no host is added."""
+    before = client.client.request(m.StatusRequest(False))
+    reg = m.RegisterWorker("fake", 0, "tcp://127.0.0.1:1", 1, "cpu", 8, PROTOCOL_VERSION, list(range(8)),
+                           "", 0, 1, "fake-machine", "", "")
+    b = _attacker(cluster)
+    try:
+        for ep in (transport.Endpoint(cluster.key, "b", signer=codec.CLIENTS), None):
+            [reply] = _ask(cluster, b, cluster.address, [reg], ep=ep)
+            assert isinstance(reply, m.Error) and "worker key" in reply.message, reply
+    finally:
+        b.close()
+    after = client.client.request(m.StatusRequest(False))
+    assert len(after.hosts) == len(before.hosts) and "fake" not in {h.name for h in after.hosts}
+
+
+def test_attack_7_an_oversized_frame_is_refused_before_it_is_read(cluster, client):
+    """A frame over the controller's maximum (MAXMSGSIZE): its connection is
+    dropped as the frame comes, with no answer (it is never read, so never
+    checked); a request sent after it on the same socket is answered."""
+    from zpath.controller.server import MAX_FRAME_BYTES
+    ctx = zmq.Context()
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.connect(cluster.address)
+    try:
+        s.send(bytes(MAX_FRAME_BYTES + 1), copy=False)
+        s.send_multipart(codec.encode(cluster.key, m.StatusRequest(False), msg_id=5, sender="x",
+                                      signer=codec.CLIENTS))
+        replies = []
+        while not any(isinstance(r, m.Status) for r in replies):
+            assert s.poll(60_000), replies
+            replies.append(codec.decode(cluster.key, s.recv_multipart())[1])
+        assert not any(isinstance(r, m.Error) for r in replies), replies
+    finally:
+        s.close()
+        ctx.term()
+
+
+def test_attack_7_garbage_gets_rate_limited_answers(cluster, client):
+    """2,000 garbage messages at a worker's data port get a few Error answers
+    (rate-limited per peer), not one each; a good request after them is answered."""
+    ctx = zmq.Context()
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.connect(next(iter(client.client.hosts.values())).data_address)
+    try:
+        for k in range(2000):
+            s.send_multipart([b"x" * 32, b"garbage", b"%d" % k])
+        s.send_multipart(codec.encode(cluster.key, m.ChannelStatsRequest(False), msg_id=5, sender="x",
+                                      signer=codec.CLIENTS))
+        replies = []
+        while not any(isinstance(r, m.ChannelStats) for r in replies):
+            assert s.poll(60_000), len(replies)
+            replies.append(codec.decode(cluster.key, s.recv_multipart())[1])
+        errors = [r for r in replies if isinstance(r, m.Error)]
+        assert 1 <= len(errors) <= 200, len(errors)
     finally:
         s.close()
         ctx.term()

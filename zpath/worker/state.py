@@ -368,6 +368,9 @@ class WorkerState:
         assert self.fetch_heap_limit >= FETCH_HEAP_MIN
         assert len(h) <= self.fetch_heap_limit + 1
         assert 0 <= self.lent_bytes <= channels.LEND_MAX_BYTES
+        waiting = collections.Counter(client_of(e[2].msg.buffer) for e in h if not e[2].answered)
+        assert waiting == collections.Counter(self.pending_fetches), "pending fetches per client"
+        assert all(n <= MAX_PENDING_FETCHES for n in self.pending_fetches.values())
 
 
 class ShapedLink:
