@@ -15,12 +15,13 @@ workers must still be running, answer StatusRequest, and serve a new client.
 The run is reproducible: the seed is printed (``-s`` shows it) and can be set
 with ``ZPATH_FUZZ_SEED``; ``ZPATH_FUZZ_SECONDS`` sets the fuzzing time.
 
-Two things are deliberately *not* fuzzed, because the protocol trusts holders
-of the cluster key with them (docs/protocol.md): signed ``Put``/``Piece``/
-``PieceChunk``/``ShmPiece`` messages naming ids another client or the
-controller is using (the data port has no owner check: ids are kept out of
-that range here), and a signed ``RegisterWorker`` that the controller would
-accept (it would join a fake host; every one sent here is refused).
+The fuzz is a client like any other (docs/protocol.md, section 2a): two of
+its controller sockets say Hello and sign with their session keys; the data
+ports get messages signed with one of those, the cluster key, or garbage.
+Its ``Put``s and ``Fetch``es name its own ids, the correct client's, or any
+(a worker refuses those of others), its pieces any id (refused: they come from
+workers only), and its ``RegisterWorker``s are refused (they need the worker
+key, which it does not hold).
 """
 from __future__ import annotations
 
@@ -43,6 +44,7 @@ import zmq
 
 import zpath as zp
 from zpath.client.connection import Client
+from zpath.keys import client_keys
 from zpath.net import codec
 from zpath.net import messages as m
 from zpath.cluster.testing import connected, wait_until
@@ -88,7 +90,8 @@ def aval(shape, dtype="float32"):
 
 def templates(rng: random.Random, devices: list[int], garbage_digest: str) -> dict[str, list]:
     """Plausible messages of every kind, as (Record, buffers), for each target."""
-    ids = [SAFE_ID + rng.randrange(1 << 20) for _ in range(8)]
+    # ids the cluster never uses, and others' (the correct client is 1 or 2)
+    ids = [rng.choice([SAFE_ID, rng.randrange(1, 4) << 32]) + rng.randrange(1 << 20) for _ in range(8)]
     dev = rng.choice(devices)
     f32 = np.arange(4, dtype=np.float32).tobytes()
     call = m.Call(rng.randrange(1 << 30), "0" * 64, [1], ["i"], [dev],
@@ -136,7 +139,7 @@ def semantic(rng: random.Random, target: str, devices: list[int], garbage_digest
     huge = rng.choice([2 ** 40, 2 ** 62, 2 ** 63 - 1, 2 ** 64 - 1])
     neg = rng.choice([-1, -2 ** 31, -2 ** 63])
     dev = rng.choice(devices + [huge, neg, 12345])
-    bid = SAFE_ID + rng.randrange(1 << 30)
+    bid = rng.choice([SAFE_ID, rng.randrange(1, 8) << 32]) + rng.randrange(1 << 30)
     dtype = rng.choice(["float32", "notadtype", "", "object", "V8", "S4", "<U3", "(2,)f4", "O", "float32,int8",
                         "M8[ns]", "m8", "complex256", "bfloat16", "int4", "float8_e4m3fn", "bool"])
     shape = rng.choice([[huge], [neg], [2 ** 40, 2 ** 40], [0], [3, neg], [], [1] * 64, [2 ** 32] * 3])
@@ -247,14 +250,11 @@ def mutate(rng: random.Random, body):
 
 
 def make_safe(rng: random.Random, type_id: int, body):
-    """Keep signed data-port messages away from ids the cluster uses, and make
-    sure a signed RegisterWorker is refused (see the module docstring)."""
+    """Make a RegisterWorker invalid too (it is refused anyway: the fuzz does
+    not hold the worker key)."""
     if not isinstance(body, list):
         return body
     body = list(body)
-    if type_id in (m.Put.TYPE, m.Piece.TYPE, m.ShmPiece.TYPE, m.PieceChunk.TYPE) and body \
-            and isinstance(body[0], int) and not isinstance(body[0], bool) and 0 <= body[0] < SAFE_ID:
-        body[0] = SAFE_ID + rng.randrange(1 << 30)
     if type_id == m.RegisterWorker.TYPE and len(body) >= 7:
         choice = rng.randrange(3)
         if choice == 0:
@@ -271,6 +271,10 @@ class Fuzzer(threading.Thread):
                  seed: int, seconds: float) -> None:
         super().__init__(name="fuzzer", daemon=True)
         self.key, self.seed, self.seconds = key, seed, seconds
+        # what the message being made is signed with: its socket's key and signer
+        self.sign_key, self.signer = key, codec.CLIENTS
+        self.sign_of: dict[zmq.Socket, tuple[bytes, int]] = {}
+        self.sessions: dict[int, bytes] = {}     # the fuzz clients' ids and session keys
         self.rng = random.Random(seed)
         self.garbage_blob = b"not a jax.export serialisation " + bytes(self.rng.randrange(256) for _ in range(64))
         self.garbage_digest = hashlib.sha256(self.garbage_blob).hexdigest()
@@ -303,12 +307,19 @@ class Fuzzer(threading.Thread):
                     s.setsockopt(zmq.SNDHWM, 1000)
                     s.connect(address)
                     socks.append((target, s))
+                    self.sign_of[s] = (self.key, codec.CLIENTS)
                     if target == "controller" and n < 2:
-                        # a registered client: its signed messages reach the handlers
-                        self._send(s, target, "semantic", *self._signed(m.Hello(f"fuzz{n}", 1, 1.0)))
+                        # a registered client: its messages, signed with its session
+                        # key, reach the handlers
+                        self.sign_of[s] = self._hello(s, f"fuzz{n}")
+                        self.sign_key, self.signer = self.sign_of[s]
                         self._send(s, target, "semantic",
                                    *self._signed(m.RegisterProgram(self.garbage_digest, "garbage"),
                                                  [self.garbage_blob]))
+            sessions = [(k, cid) for cid, k in self.sessions.items()]
+            for target, s in socks:        # data ports: as one of the fuzz clients, or the cluster key
+                if target == "data" and sessions and self.rng.random() < 0.7:
+                    self.sign_of[s] = self.rng.choice(sessions)
             tmpl = templates(self.rng, self.devices, self.garbage_digest)
             deadline = time.monotonic() + self.seconds
             count = 0
@@ -317,6 +328,7 @@ class Fuzzer(threading.Thread):
                 kind = self.rng.choice(KINDS)
                 if kind == "big" and self.big_sent >= MAX_BIG:
                     kind = "random"
+                self.sign_key, self.signer = self.sign_of[s]
                 frames = self._make(kind, target, tmpl[target])
                 self._send(s, target, kind, frames)
                 count += 1
@@ -333,6 +345,17 @@ class Fuzzer(threading.Thread):
             for _, s in socks:
                 s.close(0)
             ctx.term()
+
+    def _hello(self, s: zmq.Socket, name: str) -> tuple[bytes, int]:
+        """Connect as a client (signed with the cluster key); its session key and id."""
+        nonce = os.urandom(16)
+        self.sign_key, self.signer = self.key, codec.CLIENTS
+        s.send_multipart(*self._signed(m.Hello(name, codec.PROTOCOL_VERSION, 1.0, nonce)))
+        assert s.poll(30_000), "no Welcome"
+        _, welcome, _ = codec.decode(self.key, s.recv_multipart())
+        session, cid, _ = client_keys(self.key, nonce, welcome.client_id, welcome.session_key)
+        self.sessions[cid] = session
+        return session, cid
 
     def _send(self, s: zmq.Socket, target: str, kind: str, frames: list[bytes]) -> None:
         try:
@@ -352,7 +375,8 @@ class Fuzzer(threading.Thread):
                 except zmq.Again:
                     break
                 try:
-                    _, msg, _ = codec.decode(self.key, frames)
+                    _, msg, _ = codec.decode(
+                        lambda signer: self.key if signer == codec.CLIENTS else self.sessions.get(signer), frames)
                 except Exception as e:
                     self.bad_replies.append(repr(e))
                     continue
@@ -363,7 +387,7 @@ class Fuzzer(threading.Thread):
         tid = msg.TYPE if type_id is None else type_id
         wire = msg.to_wire() if body is None else body
         wire = make_safe(self.rng, tid, wire)
-        return (frames_for(self.key, [version, tid, self.msg_id, 0, "fuzz"], wire, buffers),)
+        return (frames_for(self.sign_key, [version, tid, self.msg_id, 0, "fuzz", self.signer], wire, buffers),)
 
     def _make(self, kind: str, target: str, tmpl: list) -> list[bytes]:
         rng = self.rng
@@ -378,7 +402,7 @@ class Fuzzer(threading.Thread):
             # a correctly signed message with a huge buffer or body
             if rng.random() < 0.5:
                 return self._signed(msg, [big])[0]
-            return frames_for(self.key, [1, msg.TYPE, 1, 0, "fuzz"], big, buffers)
+            return frames_for(self.sign_key, [1, msg.TYPE, 1, 0, "fuzz", self.signer], big, buffers)
         if kind == "mutated":
             frames = [bytearray(f) for f in self._signed(msg, buffers)[0]]
             for _ in range(rng.randrange(1, 4)):
@@ -402,21 +426,21 @@ class Fuzzer(threading.Thread):
         if kind == "badsig":
             frames = self._signed(msg, buffers)[0]
             sig = rng.choice([rng.randbytes(32), b"", rng.randbytes(31), rng.randbytes(33), frames[0][:16],
-                              sign(rng.randbytes(32), frames[1:]), sign(self.key, frames[1:] + [b""]),
-                              sign(self.key, frames[2:])])
+                              sign(rng.randbytes(32), frames[1:]), sign(self.sign_key, frames[1:] + [b""]),
+                              sign(self.sign_key, frames[2:])])
             return [sig, *frames[1:]]
         if kind == "version":
             version = rng.choice([0, 2, -1, 255, 2 ** 32, 2 ** 63 - 1, -2 ** 63])
             return self._signed(msg, buffers, version=version)[0]
         if kind == "header":
             header = rng.choice([
-                [1, msg.TYPE, 1, 0], [1, msg.TYPE, 1, 0, "fuzz", 6], {"version": 1}, "hello", 1, None,
+                [1, msg.TYPE, 1, 0], [1, msg.TYPE, 1, 0, "fuzz", 6, 7], {"version": 1}, "hello", 1, None,
                 [True, msg.TYPE, 1, 0, "x"], [1, msg.TYPE, 1.5, 0, "x"], [1, msg.TYPE, 1, 0, b"x"],
                 [1.0, msg.TYPE, 1, 0, "x"], [1, str(msg.TYPE), 1, 0, "x"], [1, msg.TYPE, -1, -1, "x"],
                 [1, msg.TYPE, 2 ** 64 - 1, 2 ** 64 - 1, "x" * 10000], [[1], msg.TYPE, 1, 0, "x"],
             ])
             hbytes = rng.choice([pack(header), rng.randbytes(rng.randrange(1, 20)), b"", b"\xc1", b"\x95"])
-            return frames_for(self.key, hbytes, msg.to_wire(), buffers)
+            return frames_for(self.sign_key, hbytes, msg.to_wire(), buffers)
         if kind == "typeid":
             tid = rng.choice([0, 10, 19, 24, 45, 49, 59, 99, 255, -1, 2 ** 40, 2 ** 63 - 1,
                               *codec.registry()])
@@ -430,7 +454,7 @@ class Fuzzer(threading.Thread):
                 raw = bytearray(pack(body))
                 if raw:
                     raw[rng.randrange(len(raw))] = rng.randrange(256)
-                return frames_for(self.key, [1, msg.TYPE, 1, 0, "fuzz"], bytes(raw), buffers)
+                return frames_for(self.sign_key, [1, msg.TYPE, 1, 0, "fuzz", self.signer], bytes(raw), buffers)
             bufs = buffers if rng.random() < 0.8 else [rng.randbytes(rng.randrange(64))
                                                        for _ in range(rng.randrange(4))]
             return self._signed(msg, bufs, body=body)[0]
