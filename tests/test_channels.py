@@ -17,6 +17,7 @@ from zpath.client import session as zp_session
 from zpath.cluster.launcher import LocalCluster
 from zpath.net import channels
 from zpath.net import messages as m
+from zpath.net.codec import CLIENTS
 from zpath.net.transport import Endpoint
 from tests.conftest import assert_gone
 
@@ -31,7 +32,7 @@ def channel_stats(cluster: LocalCluster, reset: bool = False) -> dict[int, m.Cha
         hosts = {h.rank: h.data_address for h in st.request(m.StatusRequest(False)).hosts}
     finally:
         st.close()
-    ep = Endpoint(cluster.key, "client:stats")
+    ep = Endpoint(cluster.key, "client:stats", signer=CLIENTS)    # what anyone with the cluster key may ask
     ctx = zmq.Context()
     out = {}
     try:
