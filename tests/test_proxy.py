@@ -3,6 +3,7 @@ a zpath cluster. The server runs in this process on a cluster of the module; the
 JAX clients are subprocesses."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -19,7 +20,7 @@ from google.protobuf import descriptor_pb2
 from zpath.client.connection import Client
 from zpath.cluster.testing import wait_until
 from zpath.net import messages as m
-from zpath.proxy import backend, programs, schema
+from zpath.proxy import backend, launch, programs, schema
 from zpath.proxy.server import PROTOCOL_MAX, ProxyServer
 
 pytestmark = pytest.mark.timeout(120)
@@ -54,32 +55,45 @@ CLIENT = textwrap.dedent('''
 
 @pytest.fixture(scope="module")
 def proxy(cluster):
-    client = Client(cluster.address, cluster.key, name="ifrt-proxy-test")
-    server = ProxyServer(client, "127.0.0.1:0").start()
+    """The IFRT proxy process, started for the module's cluster as `zpath up
+    --ifrt-proxy` and zp.init(ifrt_proxy=) start it, and stopped by pid."""
+    served = launch.start_proxy(cluster, "127.0.0.1:0")
+    (name, p), = [(n, q) for n, q in cluster.procs if n == launch.PROCESS_NAME]
+    status = Client(cluster.address, cluster.key, name="ifrt-proxy-test")
     try:
-        yield server
+        yield Proxy(served, p, status)
     finally:
-        server.stop()
-        client.close()
+        status.close()
+        cluster.procs.remove((name, p))
+        _stop(p)
 
 
-def _env(server: ProxyServer) -> dict[str, str]:
+@dataclasses.dataclass
+class Proxy:
+    address: str
+    process: subprocess.Popen
+    client: Client          # for the controller's status
+
+
+def _env(server: Proxy) -> dict[str, str]:
     return dict(os.environ, JAX_PLATFORMS="proxy", JAX_BACKEND_TARGET=f"grpc://{server.address}",
                 IFRT_PROXY_USE_INSECURE_GRPC_CREDENTIALS="true")
 
 
-def _start_client(server: ProxyServer, *argv: str) -> subprocess.Popen:
+def _start_client(server: Proxy, *argv: str) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-c", CLIENT, *argv], env=_env(server), stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
 
 
-def _stop(p: subprocess.Popen) -> None:
+def _stop(p: subprocess.Popen, group: bool = False) -> None:
+    """SIGTERM (to its process group when ``group``), then SIGKILL."""
+    kill = (lambda sig: os.killpg(p.pid, sig)) if group else p.send_signal
     if p.poll() is None:
-        os.killpg(p.pid, signal.SIGTERM)
+        kill(signal.SIGTERM)
         try:
             p.wait(10)
         except subprocess.TimeoutExpired:
-            os.killpg(p.pid, signal.SIGKILL)
+            kill(signal.SIGKILL)
             p.wait(10)
 
 
@@ -91,7 +105,7 @@ def _line(p: subprocess.Popen, tag: str) -> str:
         if line.startswith(tag + " "):
             return line[len(tag) + 1:]
         seen.append(line)
-    _stop(p)
+    _stop(p, group=True)
     pytest.fail(f"the JAX client ended without {tag}:\n{''.join(seen)}\n{p.stderr.read()[-4000:]}")
 
 
@@ -100,7 +114,7 @@ def _held(client: Client) -> tuple[int, int]:
     return st.buffers, sum(s.shards for s in st.stores)
 
 
-def test_unmodified_jax_runs_on_the_cluster_and_a_dropped_client_is_freed(proxy, cluster):
+def test_unmodified_jax_runs_on_the_cluster_and_a_dropped_client_is_freed(proxy):
     before = _held(proxy.client)
     p = _start_client(proxy, "hold")
     try:
@@ -114,20 +128,18 @@ def test_unmodified_jax_runs_on_the_cluster_and_a_dropped_client_is_freed(proxy,
         # what the server does not do comes back to the user as an error naming it
         assert "UNIMPLEMENTED" in out["unsupported"] and "cost_analysis" in out["unsupported"]
         assert json.loads(_line(p, "HOLDING")) == [0.0, 2.0, 4.0]
-        (session,) = proxy.sessions.values()
-        # the arrays the client dropped are gone: only the three it keeps are on the workers
-        wait_until(lambda: sum(a.future is not None and not a.deleted for a in session.arrays.values()) <= 3,
-                   timeout=30, what="dropped arrays deleted")
-        assert _held(proxy.client)[0] > before[0]
+        # the arrays the client dropped are freed: only the three results it
+        # keeps are on the workers (its three inputs are still in the proxy)
+        wait_until(lambda: _held(proxy.client)[0] == before[0] + 3, timeout=30,
+                   what="only the kept arrays on the cluster")
         os.killpg(p.pid, signal.SIGKILL)          # the client dies without a word
         p.wait(10)
-        wait_until(lambda: not proxy.sessions, timeout=30, what="the session closed")
         wait_until(lambda: _held(proxy.client) == before, timeout=30, what="its buffers freed")
+        assert proxy.process.poll() is None       # the server goes on
     finally:
-        _stop(p)
-        p.stdin.close()
-        p.stdout.close()
-        p.stderr.close()
+        _stop(p, group=True)
+        for f in (p.stdin, p.stdout, p.stderr):
+            f.close()
 
 
 # ---- the pieces, without a cluster -------------------------------------------------
@@ -211,3 +223,4 @@ def test_a_jax_program_becomes_an_export_artifact():
     np.testing.assert_array_equal(got[0], np.full((2, 3), 2, np.float32))
     with pytest.raises(programs.UnsupportedProgram, match="neither"):
         programs.from_hlo_program(b"not a program", "cpu")
+
