@@ -21,7 +21,7 @@ class Peer:
     weight: float = 1.0
     gone: bool = False
     # a client's: what checks its messages (its session key, as its own id only)
-    keys: Any = None
+    keys: Callable[[int], bytes | None] | None = None
 
 
 @dataclasses.dataclass
