@@ -20,6 +20,7 @@ from jax.sharding import AbstractMesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from zpath.client.connection import Client
+from zpath.client.futures import Future
 from zpath.cluster.testing import running_cluster, wait_until
 from zpath.net import messages as m
 from zpath.proxy import backend, launch, programs, schema
@@ -52,6 +53,17 @@ CLIENT = textwrap.dedent('''
     pm = jax.pmap(lambda t: jax.lax.psum(t, "i") * t, axis_name="i", devices=jax.devices())(a[:, :2])
     out["spmd"] = [np.asarray(v).tolist() for v in (sy, ss, psum, pm)] + [str(sy.sharding.spec)]
     del sa, sy, ss, psum, pm
+    # the paper's Figure 2 with plain jax.pmap: values move between the two hosts' devices
+    d = jax.devices()
+    fa = jax.pmap(lambda v: v * 2., devices=d[0:2])
+    fb = jax.pmap(lambda v: v + 1., devices=d[2:4])
+    fc = jax.pmap(lambda v: v / 2., devices=d[2:4])
+    fx = fa(np.array([1., 2.], np.float32))
+    fy, fz = fb(fx), fa(fc(fx))
+    out["figure2"] = [np.asarray(fy).tolist(), np.asarray(fz).tolist(), [v.id for v in fy.devices()]]
+    moved = jax.device_put(fx, jax.sharding.NamedSharding(Mesh(np.array(d[2:4]), ("i",)), P("i")))
+    out["moved"] = [np.asarray(moved).tolist(), sorted(v.id for v in moved.devices())]
+    del fx, fy, fz, moved
     try:
         jax.jit(jnp.sin).lower(x).compile().cost_analysis()
         out["unsupported"] = None
@@ -152,6 +164,8 @@ def test_unmodified_jax_runs_on_the_cluster_and_a_dropped_client_is_freed(proxy)
         sy, ss, psum, pm, spec = out["spmd"]
         assert sy == (a * 2).tolist() and ss == a.sum(0).tolist() and spec == "P('x', 'y')"
         assert psum == (a[:2] + a[2:]).tolist() and pm == (a[:, :2].sum(0) * a[:, :2]).tolist()
+        assert out["figure2"] == [[3.0, 5.0], [2.0, 4.0], devices[2:4]]
+        assert out["moved"] == [[2.0, 4.0], devices[2:4]]
         assert json.loads(_line(p, "HOLDING")) == [0.0, 2.0, 4.0]
         # the arrays the client dropped are freed: only the three results it
         # keeps are on the workers (their inputs, put there, were dropped too)
@@ -212,7 +226,28 @@ def test_version_negotiation():
 
 
 class _FakeClient:
-    devices = {0: m.DeviceInfo(0, 0, 0, 0, 0)}
+    devices = {i: m.DeviceInfo(i, i // 2, 0, i % 2, i) for i in range(4)}
+
+    def __init__(self):
+        self.posted, self.registered = [], []
+        self.ids = iter(range(100, 200))
+
+    def new_buffer_id(self):
+        return next(self.ids)
+
+    new_call_id = new_buffer_id
+
+    def post(self, msg):
+        self.posted.append(msg)
+
+    def register_program(self, digest, name, blob):
+        self.registered.append(name)
+
+    def track(self, fut):
+        pass
+
+    def release(self, buffer):
+        pass
 
 
 def _answer(session, **request):
@@ -283,3 +318,23 @@ def test_an_iota_tile_assignment_is_read():
     got = backend.op_sharding_layout(op, [10, 11, 12, 13], 2).region_of((4, 6))
     # devices 0,2 hold rows 0:2 (iota transposed: tiles [[0, 2]], [[1, 3]])
     assert got == {10: ((0, 2), (0, 6)), 12: ((0, 2), (0, 6)), 11: ((2, 4), (0, 6)), 13: ((2, 4), (0, 6))}
+
+
+def test_a_value_on_the_cluster_moves_worker_to_worker():
+    """CopyArrays of a value on the workers is an identity computation on the
+    new devices reading it where it is: the proxy never fetches it."""
+    s = schema.load()
+    fake = _FakeClient()
+    session = backend.Session(1, s, fake, "cpu", None)
+    src = backend.whole_on([0, 1], 1)
+    fut = Future(fake, 7, (4,), np.dtype(np.float32), [0, 1], [2], ["d"], [None])
+    session.arrays[1] = backend.Array((4,), np.dtype(np.float32), src, future=fut)
+    resp = _answer(session, copy_arrays_request=s.CopyArraysRequest(array_handles=[1], device_ids=[2, 3],
+                                                                     result_handles=[2]))
+    assert resp.response_metadata.status.code == backend.OK, resp
+    (call,) = fake.posted
+    assert call.devices == [2, 3] and fake.registered == ["copy"]
+    assert [(i.buffer, i.put) for i in call.inputs] == [(7, False)]
+    moved = session.arrays[2]
+    assert moved.devices == [2, 3] and moved.future.buffer == call.outputs[0].buffer and moved.host is None
+    session.close()

@@ -171,6 +171,7 @@ class Session:
         self.executables: dict[int, Executable] = {}
         self.futures: dict[int, BaseException | None] = {}    # handle -> its error (None: ok)
         self._handles = itertools.count(SERVER_HANDLES_FROM)
+        self._copies: dict[tuple, programs.Program] = {}      # identity programs, by signature
         self._pool = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix=f"ifrt-session-{session_id}")
         self.closed = False
 
@@ -419,6 +420,72 @@ class Session:
                 value[_slices(r)] = _value(p.host, p.future, p.region)
             self.arrays[handle] = Array(shape, dtype, layout, host=value)
         resp.assemble_array_from_single_device_arrays_response.array_handle = handle
+
+    def _copy_arrays_request(self, req: Any, resp: Any) -> None:
+        """The arrays on other devices (the i-th of the new list for the i-th of
+        each array's sharding): moved worker to worker."""
+        arrays = [self._array(h) for h in req.array_handles]
+        if req.HasField("memory_kind") and req.memory_kind not in ("", MEMORY_KIND):
+            raise Unsupported(f"memory kind {req.memory_kind!r} (only {MEMORY_KIND!r})")
+        handles = list(req.result_handles) or [self._new_handle() for _ in arrays]
+        if len(handles) != len(arrays):
+            raise Failed(INVALID_ARGUMENT, f"{len(handles)} handles for {len(arrays)} arrays")
+        targets = []
+        for a in arrays:
+            if not req.device_ids:
+                targets.append(a.layout)
+                continue
+            new = list(req.device_ids)
+            if len(new) != len(a.layout.ifrt_devices):
+                raise Failed(INVALID_ARGUMENT, f"{len(new)} devices for an array on {len(a.layout.ifrt_devices)}")
+            self._check_devices(new)
+            move = dict(zip(a.layout.ifrt_devices, new, strict=True))
+            targets.append(dataclasses.replace(a.layout, devices=[move[d] for d in a.layout.devices],
+                                               ifrt_devices=new))
+        for h, a, layout in zip(handles, arrays, targets, strict=True):
+            self.arrays[h] = self._moved(a, layout)
+        resp.copy_arrays_response.array_handles.extend(handles)
+
+    def _reshard_arrays_request(self, req: Any, resp: Any) -> None:
+        arrays = [self._array(h) for h in req.array_handles]
+        if len(req.array_specs) != len(arrays):
+            raise Failed(INVALID_ARGUMENT, f"{len(req.array_specs)} specs for {len(arrays)} arrays")
+        handles = list(req.result_handles) or [self._new_handle() for _ in arrays]
+        for h, a, spec in zip(handles, arrays, req.array_specs, strict=True):
+            if tuple(spec.shape.dims) != a.shape or self._dtype(spec.dtype) != a.dtype:
+                raise Unsupported("resharding into another shape or dtype")
+            layout = self._layout(spec.sharding, a.shape)
+            self._check_devices(layout.devices)
+            self.arrays[h] = self._moved(a, layout)
+        resp.reshard_arrays_response.array_handles.extend(handles)
+
+    def _moved(self, a: Array, layout: Layout) -> Array:
+        """``a`` in ``layout``: a value still here just changes its layout; one on
+        the cluster is copied there by an identity computation on the new devices
+        (the controller moves the blocks between workers, ICI or DCN)."""
+        if a.future is None or a.region is not None:
+            return Array(a.shape, a.dtype, layout, host=_value(a.host, a.future, a.region))
+        if layout.devices == a.layout.devices and layout.spec == a.layout.spec and \
+                layout.mesh_shape == a.layout.mesh_shape:
+            return Array(a.shape, a.dtype, layout, future=a.future)
+        islands = sorted({self.client.devices[d].island for d in layout.devices})
+        if len(islands) > 1:
+            raise Unsupported(f"an array over devices of several islands ({islands})")
+        key = (a.shape, a.dtype.str, tuple(layout.mesh_shape), tuple(layout.axis_names), repr(layout.spec))
+        prog = self._copies.get(key)
+        if prog is None:
+            prog = self._copies[key] = programs.identity(a.shape, a.dtype, layout.mesh_shape,
+                                                         layout.axis_names, layout.spec, self.platform)
+            self.client.register_program(prog.digest, prog.name, prog.blob)
+        buf = self.client.new_buffer_id()
+        aval = m.Aval(list(a.shape), a.dtype.name)
+        self.client.post(m.Call(self.client.new_call_id(), prog.digest, layout.mesh_shape, layout.axis_names,
+                                layout.devices, [m.CallInput(a.future.buffer, aval, layout.spec, False)],
+                                [m.CallOutput(buf, aval, layout.spec)]))
+        fut = Future(self.client, buf, a.shape, a.dtype, layout.devices, layout.mesh_shape,
+                     layout.axis_names, layout.spec)
+        self.client.track(fut)
+        return Array(a.shape, a.dtype, layout, future=fut)
 
     def _delete_array_request(self, req: Any, resp: Any) -> None:
         error = None

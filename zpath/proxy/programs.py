@@ -17,6 +17,7 @@ from jax._src.interpreters import mlir
 from jax._src.lib import _jax
 from jax._src.lib.mlir import ir
 from jax._src.lib.mlir.dialects import hlo
+from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec
 
 from zpath.client.avals import Aval
 
@@ -115,6 +116,23 @@ def _module(data: bytes) -> ir.Module:
         except Exception as e:
             raise UnsupportedProgram(f"the program is neither a StableHLO portable artifact nor MLIR: "
                                      f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+
+
+def identity(shape: tuple[int, ...], dtype: np.dtype, mesh_shape: list[int], axis_names: list[str],
+             spec: Spec, platform: str) -> Program:
+    """A program that returns its one input, read and written in ``spec`` over a
+    mesh: running it on other devices moves a value there, worker to worker
+    (the controller plans the transfers, as for any input)."""
+    am = AbstractMesh(tuple(mesh_shape), tuple(axis_names))
+    ps = PartitionSpec(*(tuple(e) if isinstance(e, list) else e for e in spec))
+    arg = jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(am, ps))
+    with jax.enable_x64(True):
+        exported = jax.export.export(jax.jit(lambda x: x, out_shardings=NamedSharding(am, ps)),
+                                     platforms=(platform,))(arg)
+    blob = bytes(exported.serialize())
+    aval = (tuple(shape), np.dtype(dtype))
+    return Program("copy", hashlib.sha256(blob).hexdigest(), blob, [aval], [aval], math.prod(mesh_shape),
+                   list(mesh_shape), list(axis_names), [list(spec)], [list(spec)])
 
 
 def from_hlo_program(data: bytes, platform: str) -> Program:
