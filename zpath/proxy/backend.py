@@ -201,12 +201,14 @@ class Session:
             if later is not None:      # finish off the request thread, then answer
                 self._pool.submit(self._finish, later, resp, reply, which)
                 return
+            _mark(resp, which)
         reply(resp)
 
     def _finish(self, later: Callable[[Any], None], resp: Any, reply: Callable[[Any], None],
                 which: str) -> None:
         try:
             later(resp)
+            _mark(resp, which)
         except Failed as e:
             self._error(resp, e.code, str(e))
         except Exception as e:
@@ -715,6 +717,13 @@ def op_sharding_of(layout: Layout, ndim: int, out: Any) -> None:
     out.tile_assignment_dimensions.extend(dims + ([rest] if rest > 1 else []))
     out.tile_assignment_devices.extend(index[layout.devices[p]] for p in tiles.reshape(-1))
     out.replicate_on_last_tile_dim = rest > 1
+
+
+def _mark(resp: Any, which: str) -> None:
+    """Make sure an answer names its kind (an empty response message is still
+    one: the client tells answers apart by it)."""
+    if resp.WhichOneof("response") is None:
+        getattr(resp, which.removesuffix("_request") + "_response").SetInParent()
 
 
 def _value(host: np.ndarray | None, fut: Future | None, region: sharding.Region | None = None) -> np.ndarray:
