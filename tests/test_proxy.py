@@ -60,7 +60,7 @@ CLIENT = textwrap.dedent('''
     fc = jax.pmap(lambda v: v / 2., devices=d[2:4])
     fx = fa(np.array([1., 2.], np.float32))
     fy, fz = fb(fx), fa(fc(fx))
-    out["figure2"] = [np.asarray(fy).tolist(), np.asarray(fz).tolist(), [v.id for v in fy.devices()]]
+    out["figure2"] = [np.asarray(fy).tolist(), np.asarray(fz).tolist(), sorted(v.id for v in fy.devices())]
     moved = jax.device_put(fx, jax.sharding.NamedSharding(Mesh(np.array(d[2:4]), ("i",)), P("i")))
     out["moved"] = [np.asarray(moved).tolist(), sorted(v.id for v in moved.devices())]
     del fx, fy, fz, moved
