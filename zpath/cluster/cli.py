@@ -19,6 +19,7 @@ from zpath.cluster import state as cluster_state
 from zpath.config import DEFAULT_SHAPE, POLICIES, ClientConfig, ClusterConfig, CommonConfig, SlurmJob
 from zpath.errors import ZpathError
 from zpath.keys import key_from_config, parse_key
+from zpath.proxy.launch import start_proxy
 
 # The launchers and the client connection are imported by the subcommands that
 # use them (`up`, `status`): they bring the wire protocol and numpy, which take
@@ -128,7 +129,6 @@ def _up(args: argparse.Namespace, cfg: Settings) -> int:
         return interrupted()
     try:
         if args.ifrt_proxy:
-            from zpath.proxy.launch import start_proxy                # lazy: see the top
             served = start_proxy(cluster, args.ifrt_proxy, timeout=args.start_timeout)
             print(f"IFRT proxy: JAX_PLATFORMS=proxy JAX_BACKEND_TARGET=grpc://{served} "
                   "(README: Unmodified JAX)", flush=True)
