@@ -1,8 +1,11 @@
 """Integration tests on real local clusters of several worker processes."""
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -12,7 +15,9 @@ import psutil
 import pytest
 
 import zpath as zp
+from zpath.cluster import connfile
 from zpath.cluster.launcher import LocalCluster, free_port
+from zpath.config import ClusterConfig
 from zpath.cluster.testing import wait_until
 from tests.conftest import assert_gone
 
@@ -272,11 +277,56 @@ def test_connect_via_environment_and_two_clients(cluster, monkeypatch):
         zp.shutdown()
 
 
+SECOND_PROCESS = """
+import sys, numpy as np, zpath as zp
+for address in (sys.argv[1], None):    # by address, then the newest local cluster
+    c = zp.connect(address)
+    assert c.address == sys.argv[1], c.address
+    d = zp.make_virtual_device_set().add_slice(devices=2).devices
+    print(np.asarray(zp.pmap(lambda x: x - 1, devices=d)(np.ones(2))).tolist())
+    zp.shutdown()
+"""
+
+
+def test_a_second_process_of_the_user_connects_without_a_key(cluster, tmp_path):
+    """zp.connect(address) and zp.connect() in another process find the key in
+    the cluster's connection file; a stale file of a dead cluster, newer, is
+    ignored."""
+    run = tmp_path / "run"
+    run.mkdir(mode=0o700)
+    shutil.copy(cluster.connection_file, run)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait(20)
+    stale = run / f"cluster-{dead.pid}.json"
+    fd = os.open(stale, os.O_WRONLY | os.O_CREAT, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump({"address": "tcp://127.0.0.1:1", "key": cluster.key.hex(), "pid": dead.pid,
+                   "create_time": time.time(), "started": time.time() + 10}, f)
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("ZPATH_KEY", "ZPATH_KEY_FILE", "ZPATH_CONTROLLER")}
+    env["ZPATH_RUNTIME_DIR"] = str(run)
+    other = subprocess.run([sys.executable, "-c", SECOND_PROCESS, cluster.address], capture_output=True,
+                           text=True, timeout=120, env=env)
+    assert other.returncode == 0, other.stderr
+    assert other.stdout.split("\n")[:2] == ["[0.0, 0.0]", "[0.0, 0.0]"]
+    assert not stale.exists()
+    # `zpath status` with no address and no state file: the newest local cluster
+    status = subprocess.run([sys.executable, "-m", "zpath", "status"], capture_output=True, text=True,
+                            timeout=60, env=dict(env, HOME=str(tmp_path)))
+    assert status.returncode == 0, status.stderr
+    assert status.stdout.startswith(f"controller {cluster.address}: 2 host(s)"), status.stdout
+
+
 def test_init_and_shutdown_leave_no_process():
     conn = zp.init(islands=1, hosts_per_island=2, devices_per_host=1)
     pids = conn.local.pids
+    conn_file = conn.local.connection_file
     try:
         assert len(pids) == 3 and all(psutil.pid_exists(p) for p in pids)
+        # how another process of this user finds it (tests/test_connfile.py)
+        assert os.path.dirname(conn_file) == connfile.runtime_dir(ClusterConfig.from_env().runtime_dir)
+        assert stat.S_IMODE(os.stat(conn_file).st_mode) == 0o600
+        assert connfile.find(os.path.dirname(conn_file), conn.address).key == conn.key.hex()
         d0, d1 = devices(1, host=0), devices(1, host=1)
         x = zp.pmap(lambda v: v + 1, devices=d0)(np.ones(1))
         np.testing.assert_array_equal(np.asarray(zp.pmap(lambda v: v * 2, devices=d1)(x)), [4.])
@@ -284,6 +334,7 @@ def test_init_and_shutdown_leave_no_process():
         zp.shutdown()
     assert_gone(pids)
     assert not os.path.exists(conn.local.dir)
+    assert not os.path.exists(conn_file)
     with pytest.raises(zp.Closed):
         zp.make_virtual_device_set()
 

@@ -20,6 +20,7 @@ from typing import Any
 import zmq
 
 from zpath.client.connection import Client
+from zpath.cluster import connfile
 from zpath.config import DEFAULT_SHAPE, POLICIES, ClusterConfig
 from zpath.errors import DeadlineExceeded, ZpathError
 from zpath.keys import new_key, write_key_file
@@ -106,6 +107,7 @@ class ClusterLauncher:
         os.makedirs(self.dir, exist_ok=True)
         self.key_file = os.path.join(self.dir, "cluster.key")
         write_key_file(self.key_file, self.key)
+        self.connection_file = ""     # written once every worker has registered
         self.procs: list[tuple[str, subprocess.Popen]] = []
         self.expected: dict[str, str] = {}        # process name -> worker (host) name
         self.address = ""
@@ -124,6 +126,9 @@ class ClusterLauncher:
             ctl = self._start_controller(bind_host, controller_port, deadline)
             self._start_workers(deadline)
             self._wait_registered(deadline)
+            # how a process of this user on this machine finds it (zp.connect())
+            self.connection_file = connfile.write(connfile.runtime_dir(self.config.runtime_dir),
+                                                  self.address, self.key, ctl.pid)
             log.info("%s up at %s (pid %d), logs in %s", self.kind, self.address, ctl.pid, self.dir)
         except Exception as e:
             self.stop(keep_logs=True)        # for the user to read: the error says where
@@ -215,7 +220,10 @@ class ClusterLauncher:
     def stop(self, grace: float = GRACE_S, keep_logs: bool = False) -> None:
         """Stop every process this cluster started: SIGTERM, then SIGKILL. The
         log directory goes too if the cluster made it, unless ``keep_logs``
-        or ``config.keep_logs`` (ZPATH_KEEP_LOGS)."""
+        or ``config.keep_logs`` (ZPATH_KEEP_LOGS). Its connection file goes first."""
+        if self.connection_file:
+            connfile.remove(self.connection_file)
+            self.connection_file = ""
         for name, p in reversed(self.procs):
             if p.poll() is None:
                 try:
