@@ -90,7 +90,8 @@ def _up(args: argparse.Namespace, cfg: Settings) -> int:
                   f"{state_path}; stop it with `zpath down` or pass --state", file=sys.stderr)
             return 1
     dcn = dict(dcn_latency_ms=args.dcn_latency_ms, dcn_gbps=args.dcn_gbps, dcn_encrypt=args.dcn_encrypt,
-               policy=args.policy)
+               policy=args.policy,
+               env={"ZPATH_COMPILE_CACHE": args.compile_cache} if args.compile_cache else None)
     if args.slurm:
         from zpath.cluster.slurm import SlurmCluster, allocation  # lazy: see the top
         tasks = allocation(cfg.slurm, args.islands or 1)
@@ -339,6 +340,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="emulated bandwidth cap of each host's link between islands (Gbit/s; 0: none)")
     up.add_argument("--dcn-encrypt", action="store_true",
                     help="encrypt traffic between islands with CURVE")
+    up.add_argument("--compile-cache", metavar="DIR",
+                    help="the workers' JAX compilation cache: a directory (on each host), or off "
+                         "(default $ZPATH_COMPILE_CACHE or ~/.zpath/jax-cache)")
     up.add_argument("--policy", choices=POLICIES, default=None,
                     help="multi-tenant scheduling policy: proportional share by client weight "
                          "(default; $ZPATH_SCHEDULER_POLICY) or fifo")

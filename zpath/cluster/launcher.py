@@ -55,6 +55,19 @@ def free_port(host: str) -> int:
         return s.getsockname()[1]
 
 
+# tries of a launch whose controller port, free when chosen, was taken before the controller listened
+BIND_ATTEMPTS = 3
+
+
+def _free_port_or_zero(host: str) -> int:
+    """A port free now on ``host``, or 0 where none can be found that way (the
+    controller then picks one, and the workers start once it listens)."""
+    try:
+        return free_port(host)
+    except OSError:
+        return 0
+
+
 def default_shape() -> dict[str, int]:
     """A shape that suits a small machine: two single-host islands with two
     devices each (one worker process per core on a 2-core machine)."""
@@ -120,11 +133,35 @@ class ClusterLauncher:
 
     def _launch(self, bind_host: str, timeout: float, controller_port: int = 0) -> None:
         """Start the controller and the workers; wait until all registered.
-        Stops what it started if any of it fails."""
+        Stops what it started if any of it fails.
+
+        The workers start while the controller starts (importing takes each
+        process about half a second or more), at the address the controller
+        will have: ``controller_port``, or a port free now. Should another
+        process take that port first, the controller cannot listen, and the
+        launch starts again on another port (``BIND_ATTEMPTS`` in all)."""
         try:
             deadline = time.monotonic() + timeout
-            ctl = self._start_controller(bind_host, controller_port, deadline)
-            self._start_workers(deadline)
+            for attempt in range(BIND_ATTEMPTS):
+                port = controller_port or _free_port_or_zero(bind_host)
+                self.address = ""
+                ctl = self._spawn_controller(bind_host, port)
+                if port:
+                    self.address = f"tcp://{bind_host}:{port}"   # as the controller will say
+                    self._start_workers(deadline)
+                try:
+                    self._await_controller(ctl, deadline)
+                except ZpathError:
+                    if controller_port or not port or attempt == BIND_ATTEMPTS - 1 \
+                            or ctl.poll() is None or "cannot listen" not in self.log_tail("controller"):
+                        raise
+                    log.info("port %d was taken before the controller could listen; again", port)
+                    self.stop(keep_logs=True)
+                    self.expected.clear()
+                    continue
+                if not port:
+                    self._start_workers(deadline)
+                break
             self._wait_registered(deadline)
             # how a process of this user on this machine finds it (zp.connect())
             self.connection_file = connfile.write(connfile.runtime_dir(self.config.runtime_dir),
@@ -160,19 +197,26 @@ class ClusterLauncher:
             pass           # it already exited: reported by the wait, with its log
         return p
 
-    def _start_controller(self, bind_host: str, port: int, deadline: float) -> subprocess.Popen:
+    def _spawn_controller(self, bind_host: str, port: int) -> subprocess.Popen:
         addr_file = os.path.join(self.dir, "controller.address")
         if os.path.exists(addr_file):      # left by an earlier cluster in this directory
             os.unlink(addr_file)
-        ctl = self._spawn("controller", [sys.executable, "-m", "zpath.controller", "--bind",
-                                         f"tcp://{bind_host}:{port}", "--address-file", addr_file],
-                          self._env)
+        return self._spawn("controller", [sys.executable, "-m", "zpath.controller", "--bind",
+                                          f"tcp://{bind_host}:{port}", "--address-file", addr_file],
+                           self._env)
+
+    def _await_controller(self, ctl: subprocess.Popen, deadline: float) -> None:
+        """Wait until the controller listens (it writes its address file)."""
+        addr_file = os.path.join(self.dir, "controller.address")
         while not os.path.exists(addr_file):
             self._check_alive(deadline)
-            time.sleep(0.02)
+            time.sleep(0.01)
         with open(addr_file) as f:
-            self.address = f.read().strip()
-        return ctl
+            address = f.read().strip()
+        if self.address and address != self.address:
+            raise ZpathError(f"the controller listens on {address}, not on {self.address} "
+                             "where the workers look for it")
+        self.address = address
 
     def _start_workers(self, deadline: float) -> None:
         raise NotImplementedError

@@ -25,6 +25,7 @@ import queue
 import signal
 import sys
 import socket
+import threading
 import time
 from typing import Any
 
@@ -42,6 +43,7 @@ from zpath.net import channels
 from zpath.net import messages as m
 from zpath.net.codec import PROTOCOL_VERSION, Record
 from zpath.net.transport import BadMessage, Endpoint, Outbox, backoff, make_context, readable, unbatched
+from zpath.worker import compile_cache
 from zpath.worker.executor import Executor
 from zpath.worker.state import Chunks, FusedRun, PendingFetch, ShapedLink, WorkerState, with_local_shards
 from zpath.worker.store import Entry, PieceKey, Store, shard_key
@@ -75,6 +77,7 @@ class Worker:
         self.state = WorkerState(config.controller_timeout_s, time.monotonic())
 
         jax.config.update("jax_enable_x64", True)
+        self.compile_cache = compile_cache.use(config.compile_cache)
         self.coordinator = coordinator if num_processes > 1 else ""
         self.num_processes, self.process_id = num_processes, process_id
         if self.coordinator:
@@ -390,6 +393,9 @@ class Worker:
                 self.peer_addrs.setdefault(msg.dst_host, (msg.dst_address, msg.dst_key))
                 key = shard_key(msg.buffer, msg.device, msg.region)
                 self.store.when_done(key, lambda e, msg=msg: self.pool.submit(self._send_piece, msg, e))
+            case m.SendPieces():
+                self.peer_addrs.setdefault(msg.dst_host, (msg.dst_address, msg.dst_key))
+                self._when_all_done(msg)
             case m.RegisterProgram():
                 if len(buffers) == 1:
                     self.executor.add_program(msg.digest, bytes(buffers[0]))
@@ -498,6 +504,47 @@ class Worker:
         self.sent.append(m.SentPiece(msg.piece_id, began, "DCN" if dcn else "ICI-tcp", data.nbytes, msg.dst_host))
         self.post_peer(msg.dst_host, m.Piece(msg.piece_id, aval, None), [data], dcn=dcn)
 
+    def _when_all_done(self, msg: m.SendPieces) -> None:
+        """Send a bucket of pieces once every source shard is done."""
+        entries: list[Entry | None] = [None] * len(msg.pieces)
+        left = [len(msg.pieces)]
+        lock = threading.Lock()
+
+        def done(k: int, e: Entry) -> None:
+            with lock:
+                entries[k] = e
+                left[0] -= 1
+                last = left[0] == 0
+            if last:
+                self.pool.submit(self._send_pieces, msg, entries)
+        for k, p in enumerate(msg.pieces):
+            self.store.when_done(shard_key(p.buffer, p.device, p.region), lambda e, k=k: done(k, e))
+
+    def _send_pieces(self, msg: m.SendPieces, entries: list[Entry]) -> None:
+        """One message (Pieces) for the bucket's pieces; a piece whose shard
+        failed goes alone, as a Piece with the error."""
+        began = time.time()
+        dcn = msg.channel == "DCN"
+        ids, avals, datas = [], [], []
+        for p, e in zip(msg.pieces, entries, strict=True):
+            self.sent_at.append([p.piece_id, began])
+            if e.error is not None:
+                self.post_peer(msg.dst_host, m.Piece(p.piece_id, m.Aval([], ""), e.error), dcn=dcn)
+                continue
+            region = sharding.from_wire(p.region)
+            view = np.asarray(e.value)[sharding.local_slices(sharding.from_wire(p.sub), region) + (Ellipsis,)]
+            data = view if view.flags.c_contiguous else view.copy(order="C")
+            ids.append(p.piece_id)
+            avals.append(m.Aval(list(data.shape), data.dtype.name))
+            datas.append(data)
+        if not ids:
+            return
+        nbytes = sum(d.nbytes for d in datas)
+        self._count("dcn" if dcn else "ici_tcp", nbytes)
+        for pid, d in zip(ids, datas, strict=True):
+            self.sent.append(m.SentPiece(pid, began, "DCN" if dcn else "ICI-tcp", d.nbytes, msg.dst_host))
+        self.post_peer(msg.dst_host, m.Pieces(ids, avals), datas, dcn=dcn)
+
     def _count(self, channel: str, nbytes: int) -> None:
         self.stats[f"sent_{channel}"] += 1      # GIL-atomic enough for counters
         self.stats[f"bytes_{channel}"] += nbytes
@@ -537,6 +584,24 @@ class Worker:
                     log.debug("buffer %d was freed while its Put came in: dropped", msg.buffer)
             case m.Piece():
                 self.store.set(PieceKey(msg.piece_id), error=msg.error)
+            case m.Pieces():
+                if not len(msg.piece_ids) == len(msg.avals) == len(buffers):
+                    self.post_data(ident, m.Error(ErrorKind.BAD_REQUEST, f"Pieces: {len(msg.piece_ids)} ids, "
+                                                  f"{len(msg.avals)} avals, {len(buffers)} buffers"),
+                                   parent=msg_id)
+                    return
+                self.stats["recv_tcp"] += 1
+                now = time.time()
+                for pid, aval, buf in zip(msg.piece_ids, msg.avals, buffers, strict=True):
+                    key = PieceKey(pid)
+                    try:
+                        arr = _array(aval, [buf])
+                    except (ValueError, TypeError) as e:
+                        self.store.set(key, error=m.ErrorInfo(ErrorKind.REMOTE_ERROR, f"bad Pieces: {e}",
+                                                              self.rank, "", ""))
+                        continue
+                    self.received_at.append([pid, now])
+                    self.store.set(key, arr)
             case m.PieceChunk():
                 key = PieceKey(msg.piece_id)
                 try:
