@@ -253,6 +253,7 @@ def test_a_host_killed_mid_collective_is_named_by_hostlost_on_the_running_call(t
             x = np.ones((2, 500, 500), np.float32) * 1e-3
             step(x).result(timeout=60)
             names = {h.rank: h.name for h in conn.client.request(m.StatusRequest(False)).hosts}
+            assert names == {0: "local-i0-h0", 1: "local-i0-h1"}     # ranks as the launcher numbered them
             running = [step(x) for _ in range(100)]     # some 10 ms each
             running[0].result(timeout=60)          # they run
             kill_host(c, 1)

@@ -331,12 +331,13 @@ class LocalCluster(ClusterLauncher):
         self._launch(bind_host, self.config.start_timeout_s if start_timeout is None else start_timeout,
                      controller_port)
 
-    def _spawn_worker(self, island: int, h: int, runtime: list[str]) -> tuple[str, subprocess.Popen]:
+    def _spawn_worker(self, island: int, h: int, runtime: list[str], rank: int = -1
+                      ) -> tuple[str, subprocess.Popen]:
         name, host = f"worker-i{island}-h{h}", f"local-i{island}-h{h}"
         self.expected[name] = host
         p = self._spawn(name, [sys.executable, "-m", "zpath.worker", "--controller", self.address,
                                "--island", str(island), "--bind-host", self.bind_host,
-                               "--name", host, *runtime, *self.dcn_flags],
+                               "--name", host, "--rank", str(rank), *runtime, *self.dcn_flags],
                         self._worker_env)
         return name, p
 
@@ -347,7 +348,9 @@ class LocalCluster(ClusterLauncher):
                 runtime = ["--coordinator", f"{self.bind_host}:{free_port(self.bind_host)}",
                            "--num-processes", str(self.hosts_per_island)]
             for h in range(self.hosts_per_island):
-                self._spawn_worker(island, h, [*runtime, *(["--process-id", str(h)] if runtime else [])])
+                # ranks in island and host order, whatever order they register in
+                self._spawn_worker(island, h, [*runtime, *(["--process-id", str(h)] if runtime else [])],
+                                   rank=island * self.hosts_per_island + h)
 
     def add_worker(self, island: int, timeout: float | None = None) -> str:
         """Start one more worker (a new host) on a single-host island, e.g. to

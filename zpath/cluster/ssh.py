@@ -216,6 +216,7 @@ class SSHCluster(ClusterLauncher):
             name = f"worker-{i}-{re.sub(r'[^A-Za-z0-9_.-]', '_', host_name)}"
             worker = ["--controller", self.address, "--island", str(h.island),
                       "--bind-host", h.bind or _resolve(h.address), "--name", host_name,
+                      "--rank", str(i),          # hostfile order, whatever order they register in
                       *runtime.get(h.island, []),
                       *(["--process-id", str(r)] if h.island in runtime else []), *self.dcn_flags]
             python = h.python or self.remote_python

@@ -137,6 +137,7 @@ class RegisterWorker(Record):
     machine: str             # machine id (host name and boot id): same machine -> shared memory
     public_key: str          # CURVE public key (Z85) for encrypted DCN traffic ("" if off)
     dcn_address: str         # CURVE-encrypted data port for DCN traffic ("" if off)
+    rank: int = -1           # the rank its launcher gave it (-1: any), so host numbers match names
 
 
 @message(5)

@@ -67,7 +67,11 @@ class Worker:
                  bind_host: str = "127.0.0.1", name: str | None = None,
                  coordinator: str = "", num_processes: int = 1, process_id: int = 0,
                  dcn_latency_ms: float = 0.0, dcn_gbps: float = 0.0, dcn_encrypt: bool = False,
-                 config: WorkerConfig | None = None, common: CommonConfig | None = None) -> None:
+                 config: WorkerConfig | None = None, common: CommonConfig | None = None,
+                 rank: int = -1) -> None:
+        """``rank``: the host rank to ask the controller for (its launcher's
+        numbering; -1: any)."""
+        self.wanted_rank = rank
         self.config = config = config if config is not None else WorkerConfig()
         self.common = common = common if common is not None else CommonConfig()
         if dcn_encrypt and not zmq.has("curve"):
@@ -149,7 +153,7 @@ class Worker:
                                self.platform, len(self.local), PROTOCOL_VERSION,
                                [d.id for d in self.local], self.coordinator, self.process_id,
                                self.num_processes, self.machine, self.public_key.decode(),
-                               self.dcn_address)
+                               self.dcn_address, self.wanted_rank)
         deadline = time.monotonic() + REGISTER_TIMEOUT_S
         attempt = 0
         while time.monotonic() < deadline and self.running:
@@ -741,6 +745,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--island", type=int, default=0, help="island this host belongs to")
     p.add_argument("--bind-host", default="127.0.0.1", help="address to listen on for data")
     p.add_argument("--name", help="host name shown in status (default hostname:pid)")
+    p.add_argument("--rank", type=int, default=-1,
+                   help="host rank to ask for (a launcher numbers its hosts so that ranks and names "
+                        "agree; default: the next free one)")
     p.add_argument("--coordinator", default="",
                    help="HOST:PORT of the island's jax.distributed coordinator (islands of several hosts)")
     p.add_argument("--num-processes", type=int, default=1, help="hosts in this island's runtime")
@@ -773,7 +780,8 @@ def main(argv: list[str] | None = None) -> int:
     w = Worker(key_from_config(common), args.controller, args.island, bind_host=args.bind_host, name=args.name,
                coordinator=args.coordinator, num_processes=args.num_processes,
                process_id=args.process_id, dcn_latency_ms=args.dcn_latency_ms,
-               dcn_gbps=args.dcn_gbps, dcn_encrypt=args.dcn_encrypt, config=config, common=common)
+               dcn_gbps=args.dcn_gbps, dcn_encrypt=args.dcn_encrypt, config=config, common=common,
+               rank=args.rank)
     signal.signal(signal.SIGTERM, w.stop)
     signal.signal(signal.SIGINT, w.stop)
     try:
