@@ -3,13 +3,14 @@ second run of a small training loop with the workers' persistent compilation
 cache cold (an empty directory), warm (the directory the first run filled) and
 off, each run a fresh process with a fresh cluster, as a user runs a script twice.
 
-    .venv/bin/python benchmarks/startup.py [--repeats 3] [--steps 20] [--json]
+    .venv/bin/python benchmarks/startup.py [--repeats 3] [--steps 20] [--json] [--baseline DIR]
 
 Each run prints (seconds): ``init`` (zp.init(), from the call to a connected
 client: controller and worker start, JAX import and device start in the
 workers, registration, the client's welcome), its phases measured by the
-launcher (``controller``: until the controller listens; ``workers``: until
-every worker has registered; ``client``: the connection), ``first`` (the first
+launcher (``controller``: until the controller listens; ``workers``: from
+then until every worker has registered, the workers having started beside the
+controller; ``client``: the connection), ``first`` (the first
 training step: the client traces and exports the step, the workers compile it,
 it runs; until its loss is fetched), ``step`` (median of the next steps, for
 scale), ``import`` (of numpy, JAX and zpath in the script) and ``process``
@@ -33,22 +34,26 @@ import numpy as np, jax, jax.numpy as jnp
 import zpath as zp
 from zpath.cluster import launcher
 
-phases = {}
-start_ctl, wait_reg = launcher.ClusterLauncher._start_controller, launcher.ClusterLauncher._wait_registered
+marks = {}
+L = launcher.ClusterLauncher
+# the controller listens once this returns (_start_controller before the launcher
+# started workers beside the controller)
+listen = "_await_controller" if hasattr(L, "_await_controller") else "_start_controller"
 
-def timed_ctl(self, *a):
-    t = time.perf_counter(); r = start_ctl(self, *a); phases["controller"] = time.perf_counter() - t
-    phases["_after_ctl"] = time.perf_counter(); return r
+def marked(fn, key):
+    def wrapper(self, *a):
+        r = fn(self, *a); marks[key] = time.perf_counter(); return r
+    return wrapper
 
-def timed_reg(self, *a):
-    r = wait_reg(self, *a); phases["workers"] = time.perf_counter() - phases.pop("_after_ctl"); return r
-
-launcher.ClusterLauncher._start_controller, launcher.ClusterLauncher._wait_registered = timed_ctl, timed_reg
+setattr(L, listen, marked(getattr(L, listen), "listening"))
+L._wait_registered = marked(L._wait_registered, "registered")
 t_imp = time.perf_counter()
 t = time.perf_counter()
 cluster = zp.init()
-init = time.perf_counter() - t
-phases["client"] = init - phases["controller"] - phases["workers"]
+end = time.perf_counter()
+init = end - t
+phases = {"controller": marks["listening"] - t, "workers": marks["registered"] - marks["listening"],
+          "client": end - marks["registered"]}
 steps = int(sys.argv[1])
 devs = zp.make_virtual_device_set().add_slice(devices=2).devices
 mesh = zp.Mesh(np.array(devs), ("data",))
@@ -84,8 +89,10 @@ print(json.dumps({"import": t_imp - t0, "init": init, **phases, "first": first,
 """
 
 
-def run(kind: str, cache: str, steps: int) -> dict:
-    env = dict(os.environ, ZPATH_COMPILE_CACHE=cache if kind != "off" else "off")
+def run(kind: str, cache: str, steps: int, baseline: str = "") -> dict:
+    env = dict(os.environ, ZPATH_COMPILE_CACHE=cache if kind in ("cold", "warm") else "off")
+    if kind == "base":
+        env["PYTHONPATH"] = baseline
     for name in ("ZPATH_CONTROLLER", "JAX_COMPILATION_CACHE_DIR"):
         env.pop(name, None)
     t = time.perf_counter()
@@ -104,13 +111,18 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--baseline", default="", metavar="CHECKOUT",
+                    help="also run each round with another zpath checkout first on PYTHONPATH "
+                         "(e.g. an older commit's worktree): its figures as 'base'")
     args = ap.parse_args()
     results: dict[str, list[dict]] = {"cold": [], "warm": [], "off": []}
+    if args.baseline:
+        results["base"] = []
     with tempfile.TemporaryDirectory(prefix="zpath-startup-") as root:
         for r in range(args.repeats):
             cache = os.path.join(root, f"cache-{r}")
-            for kind in ("cold", "warm", "off"):
-                results[kind].append(run(kind, cache, args.steps))
+            for kind in results:
+                results[kind].append(run(kind, cache, args.steps, args.baseline))
                 print(f"round {r} {kind}: " + ", ".join(f"{k} {v:.3f}" for k, v in results[kind][-1].items()
                                                          if k != "loss"), file=sys.stderr, flush=True)
     keys = ["import", "init", "controller", "workers", "client", "first", "step", "process"]
@@ -119,7 +131,7 @@ def main() -> None:
         print(json.dumps(table, indent=1))
         return
     print(f"medians of {args.repeats} runs each, seconds (cold: empty compilation cache; warm: the cache "
-          "the cold run filled; off: no cache)")
+          "the cold run filled; off: no cache" + (f"; base: {args.baseline}" if args.baseline else "") + ")")
     print(f"{'':6}" + "".join(f"{k:>11}" for k in keys))
     for kind, row in table.items():
         print(f"{kind:6}" + "".join(f"{row[k]:11.3f}" for k in keys))

@@ -24,6 +24,7 @@ import os
 import queue
 import signal
 import sys
+import threading
 import socket
 import threading
 import time
@@ -146,6 +147,7 @@ class Worker:
         self.executor: Executor | None = None
         self.device_ids: list[int] = []
         self.running = True
+        self.io_thread = 0      # the thread that runs serve_forever (it owns the sockets)
 
     # ---- start-up ------------------------------------------------------------
     def register(self) -> None:
@@ -209,6 +211,7 @@ class Worker:
 
     # ---- I/O loop ------------------------------------------------------------
     def serve_forever(self) -> None:
+        self.io_thread = threading.get_ident()
         poller = self.poller
         poller.register(self.ctl, zmq.POLLIN)
         poller.register(self.data, zmq.POLLIN)
@@ -219,10 +222,12 @@ class Worker:
         while self.running:
             ms = self._poll_ms(min(self._expire_fetches(), self._send_shaped()))
             events = dict(poller.poll(timeout=ms))
-            if self.ctl in events:
-                self._drain(self.ctl, router=False)
+            # data first: a piece or Put that came with the Execute that reads
+            # it is then in the store before the executor looks for it
             if self.data in events:
                 self._drain(self.data, router=True)
+            if self.ctl in events:
+                self._drain(self.ctl, router=False)
             if self.dcn is not None and self.dcn in events:
                 self._drain(self.dcn, router=True)
             if self.outbox.fd in events or self.outbox.held_timeout() == 0.0:
@@ -396,7 +401,7 @@ class Worker:
             case m.SendPiece():
                 self.peer_addrs.setdefault(msg.dst_host, (msg.dst_address, msg.dst_key))
                 key = shard_key(msg.buffer, msg.device, msg.region)
-                self.store.when_done(key, lambda e, msg=msg: self.pool.submit(self._send_piece, msg, e))
+                self.store.when_done(key, lambda e, msg=msg: self._piece_ready(msg, e))
             case m.SendPieces():
                 self.peer_addrs.setdefault(msg.dst_host, (msg.dst_address, msg.dst_key))
                 self._when_all_done(msg)
@@ -478,20 +483,37 @@ class Worker:
             except zmq.ZMQError as e:
                 log.warning("cannot acknowledge %d shared-memory segments: %s", len(segments), e)
 
-    def _send_piece(self, msg: m.SendPiece, e: Entry) -> None:
+    def _piece_ready(self, msg: m.SendPiece, e: Entry) -> None:
+        """The shard a SendPiece reads is done (``e``), in whatever thread made
+        it so. A small piece (or an error) goes at once: from the I/O thread
+        straight to the peer's socket, from another thread through the outbox.
+        A bigger one is copied out by a sender thread, off the I/O thread."""
+        view = None
+        if e.error is None:
+            region = sharding.from_wire(msg.region)
+            local = sharding.local_slices(sharding.from_wire(msg.sub), region)
+            # a view on the shard's buffer (no copy on CPU): shared memory copies
+            # from it straight into the segment; TCP needs it C-contiguous
+            view = np.asarray(e.value)[local + (Ellipsis,)]
+            if view.nbytes > channels.INLINE_PIECE_BYTES:
+                self.pool.submit(self._send_piece, msg, e, view)
+                return
+        self._send_piece(msg, e, view, direct=threading.get_ident() == self.io_thread)
+
+    def _send_piece(self, msg: m.SendPiece, e: Entry, view: np.ndarray | None,
+                    direct: bool = False) -> None:
+        """Send one piece: an error, inline bytes (small, or not on this
+        machine, or DCN), or a shared-memory descriptor. ``direct``: this is
+        the I/O thread, which may write the peer's socket itself."""
         began = time.time()
         self.sent_at.append([msg.piece_id, began])
         dcn = msg.channel == "DCN"
-        if e.error is not None:
-            self.post_peer(msg.dst_host, m.Piece(msg.piece_id, m.Aval([], ""), e.error), dcn=dcn)
+        if e.error is not None or view is None:
+            self._post_piece(msg.dst_host, m.Piece(msg.piece_id, m.Aval([], ""), e.error), (), dcn, direct)
             return
-        region = sharding.from_wire(msg.region)
-        local = sharding.local_slices(sharding.from_wire(msg.sub), region)
-        # a view on the shard's buffer (no copy on CPU): shared memory copies
-        # from it straight into the segment; TCP needs it C-contiguous
-        view = np.asarray(e.value)[local + (Ellipsis,)]
         aval = m.Aval(list(view.shape), view.dtype.name)
-        if not dcn and self.use_shm and msg.dst_machine == self.machine and view.nbytes > 0:
+        if (not dcn and self.use_shm and msg.dst_machine == self.machine
+                and view.nbytes > channels.INLINE_PIECE_BYTES):
             # ICI on one machine: the bytes go through shared memory
             try:
                 name, offset, drop = self.shm_out.write(msg.dst_host, view)
@@ -506,7 +528,20 @@ class Worker:
         data = view if view.flags.c_contiguous else view.copy(order="C")
         self._count("dcn" if dcn else "ici_tcp", data.nbytes)
         self.sent.append(m.SentPiece(msg.piece_id, began, "DCN" if dcn else "ICI-tcp", data.nbytes, msg.dst_host))
-        self.post_peer(msg.dst_host, m.Piece(msg.piece_id, aval, None), [data], dcn=dcn)
+        self._post_piece(msg.dst_host, m.Piece(msg.piece_id, aval, None), [data], dcn, direct)
+
+    def _post_piece(self, rank: int, msg: m.Piece | m.Pieces, buffers: Any, dcn: bool, direct: bool) -> None:
+        """Queue a piece for the I/O thread, or (``direct``, in the I/O thread,
+        unless the DCN link is shaped) write it to the peer's socket now."""
+        if not direct or (dcn and self.shaped.active):
+            self.post_peer(rank, msg, buffers, dcn=dcn)
+            return
+        try:
+            self.ep.send(self._peer(rank), msg, buffers=buffers, block=False)
+        except zmq.Again:
+            log.error("peer %s is not reading (queue full): dropped %s", rank, type(msg).__name__)
+        except Exception as err:   # one bad message must not stop the I/O thread
+            log.error("cannot send %s: %s", type(msg).__name__, err)
 
     def _when_all_done(self, msg: m.SendPieces) -> None:
         """Send a bucket of pieces once every source shard is done."""
@@ -519,12 +554,18 @@ class Worker:
                 entries[k] = e
                 left[0] -= 1
                 last = left[0] == 0
-            if last:
-                self.pool.submit(self._send_pieces, msg, entries)
+            if last:         # as _piece_ready: a small bucket at once, a big one off the I/O thread
+                small = sum(sharding.nbytes(sharding.from_wire(p.sub), np.dtype(e.value.dtype).name)
+                            for p, e in zip(msg.pieces, entries, strict=True)
+                            if e.error is None) <= channels.INLINE_PIECE_BYTES
+                if small:
+                    self._send_pieces(msg, entries, direct=threading.get_ident() == self.io_thread)
+                else:
+                    self.pool.submit(self._send_pieces, msg, entries)
         for k, p in enumerate(msg.pieces):
             self.store.when_done(shard_key(p.buffer, p.device, p.region), lambda e, k=k: done(k, e))
 
-    def _send_pieces(self, msg: m.SendPieces, entries: list[Entry]) -> None:
+    def _send_pieces(self, msg: m.SendPieces, entries: list[Entry], direct: bool = False) -> None:
         """One message (Pieces) for the bucket's pieces; a piece whose shard
         failed goes alone, as a Piece with the error."""
         began = time.time()
@@ -533,7 +574,7 @@ class Worker:
         for p, e in zip(msg.pieces, entries, strict=True):
             self.sent_at.append([p.piece_id, began])
             if e.error is not None:
-                self.post_peer(msg.dst_host, m.Piece(p.piece_id, m.Aval([], ""), e.error), dcn=dcn)
+                self._post_piece(msg.dst_host, m.Piece(p.piece_id, m.Aval([], ""), e.error), (), dcn, direct)
                 continue
             region = sharding.from_wire(p.region)
             view = np.asarray(e.value)[sharding.local_slices(sharding.from_wire(p.sub), region) + (Ellipsis,)]
@@ -547,7 +588,7 @@ class Worker:
         self._count("dcn" if dcn else "ici_tcp", nbytes)
         for pid, d in zip(ids, datas, strict=True):
             self.sent.append(m.SentPiece(pid, began, "DCN" if dcn else "ICI-tcp", d.nbytes, msg.dst_host))
-        self.post_peer(msg.dst_host, m.Pieces(ids, avals), datas, dcn=dcn)
+        self._post_piece(msg.dst_host, m.Pieces(ids, avals), datas, dcn, direct)
 
     def _count(self, channel: str, nbytes: int) -> None:
         self.stats[f"sent_{channel}"] += 1      # GIL-atomic enough for counters
