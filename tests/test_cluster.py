@@ -1,8 +1,12 @@
 """Integration tests on real local clusters of several worker processes."""
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import signal
+import socket
+import stat
 import subprocess
 import sys
 import time
@@ -12,9 +16,13 @@ import psutil
 import pytest
 
 import zpath as zp
-from zpath.cluster.launcher import LocalCluster, free_port
-from zpath.cluster.testing import wait_until
+from zpath.cluster import connfile
+from zpath.cluster import launcher
+from zpath.cluster.launcher import LocalCluster, SimulatedCluster, free_port
+from zpath.config import ClusterConfig
+from zpath.cluster.testing import connected, wait_until
 from tests.conftest import assert_gone
+from tests.test_channels import channel_stats
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -272,18 +280,68 @@ def test_connect_via_environment_and_two_clients(cluster, monkeypatch):
         zp.shutdown()
 
 
-def test_init_and_shutdown_leave_no_process():
-    conn = zp.init(islands=1, hosts_per_island=2, devices_per_host=1)
+SECOND_PROCESS = """
+import sys, numpy as np, zpath as zp
+for address in (sys.argv[1], None):    # by address, then the newest local cluster
+    c = zp.connect(address)
+    assert c.address == sys.argv[1], c.address
+    d = zp.make_virtual_device_set().add_slice(devices=2).devices
+    print(np.asarray(zp.pmap(lambda x: x - 1, devices=d)(np.ones(2))).tolist())
+    zp.shutdown()
+"""
+
+
+def test_a_second_process_of_the_user_connects_without_a_key(cluster, tmp_path):
+    """zp.connect(address) and zp.connect() in another process find the key in
+    the cluster's connection file; a stale file of a dead cluster, newer, is
+    ignored."""
+    run = tmp_path / "run"
+    run.mkdir(mode=0o700)
+    shutil.copy(cluster.connection_file, run)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait(20)
+    stale = run / f"cluster-{dead.pid}.json"
+    fd = os.open(stale, os.O_WRONLY | os.O_CREAT, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump({"address": "tcp://127.0.0.1:1", "key": cluster.key.hex(), "pid": dead.pid,
+                   "create_time": time.time(), "started": time.time() + 10}, f)
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("ZPATH_KEY", "ZPATH_KEY_FILE", "ZPATH_CONTROLLER")}
+    env["ZPATH_RUNTIME_DIR"] = str(run)
+    other = subprocess.run([sys.executable, "-c", SECOND_PROCESS, cluster.address], capture_output=True,
+                           text=True, timeout=120, env=env)
+    assert other.returncode == 0, other.stderr
+    assert other.stdout.split("\n")[:2] == ["[0.0, 0.0]", "[0.0, 0.0]"]
+    assert not stale.exists()
+    # `zpath status` with no address and no state file: the newest local cluster
+    status = subprocess.run([sys.executable, "-m", "zpath", "status"], capture_output=True, text=True,
+                            timeout=60, env=dict(env, HOME=str(tmp_path)))
+    assert status.returncode == 0, status.stderr
+    assert status.stdout.startswith(f"controller {cluster.address}: 2 host(s)"), status.stdout
+
+
+def test_init_and_shutdown_leave_no_process(tmp_path):
+    cache = tmp_path / "compile-cache"
+    conn = zp.init(islands=1, hosts_per_island=2, devices_per_host=1,
+                   env={"ZPATH_COMPILE_CACHE": str(cache)})
     pids = conn.local.pids
+    conn_file = conn.local.connection_file
     try:
         assert len(pids) == 3 and all(psutil.pid_exists(p) for p in pids)
+        # how another process of this user finds it (tests/test_connfile.py)
+        assert os.path.dirname(conn_file) == connfile.runtime_dir(ClusterConfig.from_env().runtime_dir)
+        assert stat.S_IMODE(os.stat(conn_file).st_mode) == 0o600
+        assert connfile.find(os.path.dirname(conn_file), conn.address).key == conn.key.hex()
         d0, d1 = devices(1, host=0), devices(1, host=1)
         x = zp.pmap(lambda v: v + 1, devices=d0)(np.ones(1))
         np.testing.assert_array_equal(np.asarray(zp.pmap(lambda v: v * 2, devices=d1)(x)), [4.])
+        # the workers' compilation cache (JAX process 0 of the island writes it)
+        assert len(os.listdir(cache)) >= 1
     finally:
         zp.shutdown()
     assert_gone(pids)
     assert not os.path.exists(conn.local.dir)
+    assert not os.path.exists(conn_file)
     with pytest.raises(zp.Closed):
         zp.make_virtual_device_set()
 
@@ -546,3 +604,40 @@ def test_a_worker_stopped_while_registering_exits_cleanly():
         p.stderr.close()
         silent.close(0)
         ctx.term()
+
+
+def test_a_controller_port_taken_before_it_listens_is_chosen_again(monkeypatch):
+    """The launcher starts the workers while the controller starts, at a port
+    free when chosen; if another process takes it first, the launch starts
+    again (here on a port the controller picks itself)."""
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    ports = iter([port])
+    monkeypatch.setattr(launcher, "_free_port_or_zero", lambda host: next(ports, 0))
+    try:
+        with SimulatedCluster(1, devices_per_host=1) as c:
+            pids = c.pids
+            assert c.address.startswith("tcp://127.0.0.1:") and not c.address.endswith(f":{port}")
+            assert "cannot listen" in c.log_tail("controller")
+            with connected(c):
+                assert len(zp.make_virtual_device_set().add_slice(devices=1).devices) == 1
+    finally:
+        taken.close()
+    assert_gone(pids)
+
+
+def test_small_leaves_a_computation_reads_from_another_island_cross_as_one_message(client, cluster):
+    """Forty small leaves made on island 0 and read by one computation on
+    island 1 cross the DCN as one message (a bucket), not one per leaf."""
+    d0, d1 = devices(1, island=0), devices(1, island=1)
+    make = zp.pmap(lambda x: [x * k for k in range(40)], devices=d0)
+    total = zp.pmap(lambda leaves: sum(leaves), devices=d1)
+    leaves = make(np.ones((1, 8), np.float32))
+    channel_stats(cluster, reset=True)
+    np.testing.assert_allclose(np.asarray(total(leaves)), np.full((1, 8), float(sum(range(40)))))
+    stats = channel_stats(cluster)
+    sent, got = stats[d0[0].host], stats[d1[0].host]
+    assert (sent.sent_dcn, sent.bytes_dcn, got.recv_tcp) == (1, 40 * 8 * 4, 1)
+    assert sorted(p.nbytes for p in sent.sent) == [32] * 40

@@ -13,8 +13,11 @@ import pytest
 
 from zpath.controller.admission import SEND_BUDGET, SEND_COST
 from zpath.controller.core import ControllerCore, RemoveSegments, Send
+from zpath.controller.dispatch import BUCKET_PIECE_BYTES
+from zpath.controller.failures import PEER_ANSWER_S
 from zpath.controller.records import call_buffers
 from zpath.net import messages as m
+from zpath.net.codec import PROTOCOL_VERSION
 from tests.test_controller_tenancy import _fill_window, make_rig  # noqa: F401  (fixture)
 from tests.test_templates import define, run, sent
 
@@ -348,3 +351,79 @@ def test_a_client_s_program_parts_are_bounded_and_dropped_when_it_leaves(make_ri
     assert (a, 9) in rig.c.program_parts
     rig.handle(a, m.Goodbye("bye"))
     assert not rig.c.program_parts
+
+
+@pytest.mark.parametrize("answers", [False, True], ids=["silent", "answers"])
+def test_a_host_of_a_failed_collective_is_lost_unless_it_answers_at_once(make_rig, answers):
+    """A host reports that a computation's collective with other hosts failed
+    (PEER_FAILED, its outputs there left unsettled): the others are pinged; one
+    silent for PEER_ANSWER_S is lost, and the call fails with HostLost naming
+    it (well before the heartbeat timeout). If all answer, the reporter's
+    outputs fail with its error, as a RemoteError."""
+    rig = make_rig(hosts=(), host_timeout_s=10.0)
+    for n in range(2):                 # one island, one JAX runtime over two hosts
+        rig.handle(f"w{n}".encode(), m.RegisterWorker(
+            f"h{n}", 0, f"tcp://x:{n}", 1, "cpu", 1, PROTOCOL_VERSION, [n], "coord:1", n, 2, "m", "", ""))
+    a, _ = rig.client("a")
+    av = m.Aval([2, 4], "float32")
+    inp, out = rig.new_id(a), rig.new_id(a)
+    rig.handle(a, m.Call(next(rig.ids), rig.programs["f"][0], [2], ["i"], [0, 1],
+                         [m.CallInput(inp, av, ["i", None], True)], [m.CallOutput(out, av, ["i", None])]))
+    (exec_id, info), = rig.c.in_flight.items()
+    assert info.hosts == {0, 1}
+    mark = len(rig.log)
+    gloo = "JaxRuntimeError: UNKNOWN: Gloo all-reduce failed: Connection closed by peer"
+    rig.handle(b"w0", m.ExecDone(exec_id, m.ErrorInfo("PeerFailed", gloo, 0, "f", ""), 1000.0, 1000.0))
+    assert [i for i, _ in sent(rig, mark, m.Ping)] == [b"w1"]
+    assert rig.c.suspects_due() == pytest.approx(rig.now + PEER_ANSWER_S)
+    rig.now += PEER_ANSWER_S / 2
+    rig.record(rig.c.check(rig.now))
+    assert rig.c.rm.hosts[1].alive and out not in rig.failed(a)
+    if answers:
+        rig.handle(b"w1", m.Pong(1, 0, 0, [0]))
+    rig.now += PEER_ANSWER_S / 2
+    rig.record(rig.c.check(rig.now))
+    assert rig.c.suspects_due() is None and not rig.c.suspects
+    fail = sent(rig, mark, m.FailBuffers)
+    if answers:
+        assert rig.c.rm.hosts[1].alive and out not in rig.failed(a)
+        (ident, msg), = fail
+        assert ident == b"w0" and msg.buffers == [out]
+        assert msg.error.kind == "RemoteError" and msg.error.message == gloo
+        rig.handle(b"w1", m.ExecDone(exec_id, None, 1000.0, 1000.0))
+        assert not rig.c.in_flight
+    else:
+        assert not rig.c.rm.hosts[1].alive and out in rig.failed(a)
+        (err,), = {(x.error.kind, x.error.message) for i, x in rig.log[mark:]
+                   if i == a and isinstance(x, m.CallFailed) and out in x.buffers},
+        assert err == ("HostLost", "host 1 (h1, island 0) was lost: a collective with it failed and it did "
+                                   f"not answer for {PEER_ANSWER_S:.1f}s")
+        # host 0 shares the runtime: lost with it (told to stop), nothing left to settle there
+        assert not rig.c.rm.hosts[0].alive and not fail and not rig.c.in_flight
+
+
+def test_small_pieces_one_computation_reads_from_one_host_go_as_a_bucket(make_rig):
+    """A computation on host 1 reads three small values and a large one made on
+    host 0: the small pieces go as one SendPieces order (one message between
+    the two), the large one alone."""
+    rig = make_rig(hosts=((0, 1), (1, 1)))
+    a, _ = rig.client("a")
+    made = []
+    for width in (4, 4, 4, BUCKET_PIECE_BYTES // 4):
+        call, out = rig.call(a, 0, width=width)
+        rig.handle(a, call)
+        made.append((out, width))
+    rig.drain()
+    ins = [m.CallInput(b, m.Aval([1, w], "float32"), [None, None], False) for b, w in made]
+    out = rig.new_id(a)
+    mark = len(rig.log)
+    rig.handle(a, m.Call(next(rig.ids), rig.programs["f"][0], [1], ["i"], [1], ins,
+                         [m.CallOutput(out, m.Aval([1, 4], "float32"), [None, None])]))
+    (ident, bucket), = sent(rig, mark, m.SendPieces)
+    assert ident == b"w0" and bucket.dst_host == 1 and bucket.channel == "DCN"
+    assert [p.buffer for p in bucket.pieces] == [b for b, _ in made[:3]]
+    (ident, alone), = sent(rig, mark, m.SendPiece)
+    assert ident == b"w0" and alone.buffer == made[3][0]
+    (_, ex), = [(i, x) for i, x in rig.log[mark:] if isinstance(x, m.Execute)]
+    wanted = {p.piece_id for inp in ex.inputs for s in inp.shards for p in s.pieces}
+    assert wanted == {p.piece_id for p in bucket.pieces} | {alone.piece_id}

@@ -234,6 +234,42 @@ def test_a_hung_host_loses_its_whole_island(tmp_path):
             zp.shutdown()
 
 
+def test_a_host_killed_mid_collective_is_named_by_hostlost_on_the_running_call(tmp_path):
+    """A host of a 2-host island is killed while collectives run: the other
+    host's collective fails at once (gloo: connection reset), the controller
+    pings the killed one, and the running call fails with HostLost naming it
+    (its rank and its name, as ``zpath status`` shows them), long before the
+    heartbeat timeout (30 s here)."""
+    import jax
+    import jax.numpy as jnp
+    from zpath.cluster.testing import kill_host
+    with running_cluster(islands=1, hosts_per_island=2, devices_per_host=1, log_dir=str(tmp_path),
+                         env={"ZPATH_HOST_TIMEOUT": "30"}) as c:
+        conn = zp.connect(c.address, c.key)
+        try:
+            both = zp.make_virtual_device_set().add_slice(devices=2).devices
+            step = zp.pmap(lambda x: jax.lax.psum(jnp.tanh(x @ x.T), "i")[:1] + x[:1], axis_name="i",
+                           devices=both)
+            x = np.ones((2, 500, 500), np.float32) * 1e-3
+            step(x).result(timeout=60)
+            names = {h.rank: h.name for h in conn.client.request(m.StatusRequest(False)).hosts}
+            assert names == {0: "local-i0-h0", 1: "local-i0-h1"}     # ranks as the launcher numbered them
+            running = [step(x) for _ in range(100)]     # some 10 ms each
+            running[0].result(timeout=60)          # they run
+            kill_host(c, 1)
+            t = time.monotonic()
+            with pytest.raises(zp.HostLost) as lost:
+                for r in running:
+                    r.result(timeout=60)
+            assert str(lost.value).startswith(f"host 1 ({names[1]}, island 0) was lost: a collective "
+                                              "with it failed"), lost.value
+            assert time.monotonic() - t < 20          # not the heartbeat's 30 s
+            st = conn.client.request(m.StatusRequest(False))
+            assert sorted(h.rank for h in st.lost) == [0, 1]
+        finally:
+            zp.shutdown()
+
+
 CLIENT_WITHOUT_ITS_PUT = r'''
 import sys, time
 import numpy as np, zpath as zp

@@ -16,9 +16,12 @@ import jax
 import numpy as np
 import pytest
 from google.protobuf import descriptor_pb2
+from jax.sharding import AbstractMesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from zpath.client.connection import Client
-from zpath.cluster.testing import wait_until
+from zpath.client.futures import Future
+from zpath.cluster.testing import running_cluster, wait_until
 from zpath.net import messages as m
 from zpath.proxy import backend, launch, programs, schema
 from zpath.proxy.server import PROTOCOL_MAX, ProxyServer
@@ -38,6 +41,29 @@ CLIENT = textwrap.dedent('''
     w = jax.jit(lambda t: t * 3)(z)
     out["w"], out["w_devices"] = np.asarray(w).tolist(), [d.id for d in w.devices()]
     out["x_again"] = np.asarray(x).tolist()           # an input stays readable
+    # SPMD over the devices of two hosts of one island: NamedSharding, collectives, pmap
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    mesh = Mesh(np.array(jax.devices()).reshape(2, 2), ("x", "y"))
+    a = np.arange(16.0, dtype=np.float32).reshape(4, 4)
+    sa = jax.device_put(a, NamedSharding(mesh, P("x", "y")))
+    sy, ss = jax.jit(lambda t: (t * 2, jnp.sum(t, axis=0)),
+                     out_shardings=(NamedSharding(mesh, P("x", "y")), NamedSharding(mesh, P("y"))))(sa)
+    psum = jax.jit(jax.shard_map(lambda b: jax.lax.psum(b, "x"), mesh=mesh, in_specs=P("x", "y"),
+                                 out_specs=P(None, "y")))(sa)
+    pm = jax.pmap(lambda t: jax.lax.psum(t, "i") * t, axis_name="i", devices=jax.devices())(a[:, :2])
+    out["spmd"] = [np.asarray(v).tolist() for v in (sy, ss, psum, pm)] + [str(sy.sharding.spec)]
+    del sa, sy, ss, psum, pm
+    # the paper's Figure 2 with plain jax.pmap: values move between the two hosts' devices
+    d = jax.devices()
+    fa = jax.pmap(lambda v: v * 2., devices=d[0:2])
+    fb = jax.pmap(lambda v: v + 1., devices=d[2:4])
+    fc = jax.pmap(lambda v: v / 2., devices=d[2:4])
+    fx = fa(np.array([1., 2.], np.float32))
+    fy, fz = fb(fx), fa(fc(fx))
+    out["figure2"] = [np.asarray(fy).tolist(), np.asarray(fz).tolist(), sorted(v.id for v in fy.devices())]
+    moved = jax.device_put(fx, jax.sharding.NamedSharding(Mesh(np.array(d[2:4]), ("i",)), P("i")))
+    out["moved"] = [np.asarray(moved).tolist(), sorted(v.id for v in moved.devices())]
+    del fx, fy, fz, moved
     try:
         jax.jit(jnp.sin).lower(x).compile().cost_analysis()
         out["unsupported"] = None
@@ -51,6 +77,13 @@ CLIENT = textwrap.dedent('''
         print("HOLDING " + json.dumps([float(k[0]) for k in keep]), flush=True)
         sys.stdin.read()
 ''')
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """One island of two hosts of two devices: SPMD over hosts."""
+    with running_cluster(islands=1, hosts_per_island=2, devices_per_host=2) as c:
+        yield c
 
 
 @pytest.fixture(scope="module")
@@ -127,9 +160,15 @@ def test_unmodified_jax_runs_on_the_cluster_and_a_dropped_client_is_freed(proxy)
         assert out["w"] == [0, 3, 6] and out["w_devices"] == [devices[-1]]
         # what the server does not do comes back to the user as an error naming it
         assert "UNIMPLEMENTED" in out["unsupported"] and "cost_analysis" in out["unsupported"]
+        a = np.arange(16.0, dtype=np.float32).reshape(4, 4)
+        sy, ss, psum, pm, spec = out["spmd"]
+        assert sy == (a * 2).tolist() and ss == a.sum(0).tolist() and spec == "P('x', 'y')"
+        assert psum == (a[:2] + a[2:]).tolist() and pm == (a[:, :2].sum(0) * a[:, :2]).tolist()
+        assert out["figure2"] == [[3.0, 5.0], [2.0, 4.0], devices[2:4]]
+        assert out["moved"] == [[2.0, 4.0], devices[2:4]]
         assert json.loads(_line(p, "HOLDING")) == [0.0, 2.0, 4.0]
         # the arrays the client dropped are freed: only the three results it
-        # keeps are on the workers (its three inputs are still in the proxy)
+        # keeps are on the workers (their inputs, put there, were dropped too)
         wait_until(lambda: _held(proxy.client)[0] == before[0] + 3, timeout=30,
                    what="only the kept arrays on the cluster")
         os.killpg(p.pid, signal.SIGKILL)          # the client dies without a word
@@ -187,7 +226,28 @@ def test_version_negotiation():
 
 
 class _FakeClient:
-    devices = {0: m.DeviceInfo(0, 0, 0, 0, 0)}
+    devices = {i: m.DeviceInfo(i, i // 2, 0, i % 2, i) for i in range(4)}
+
+    def __init__(self):
+        self.posted, self.registered = [], []
+        self.ids = iter(range(100, 200))
+
+    def new_buffer_id(self):
+        return next(self.ids)
+
+    new_call_id = new_buffer_id
+
+    def post(self, msg):
+        self.posted.append(msg)
+
+    def register_program(self, digest, name, blob):
+        self.registered.append(name)
+
+    def track(self, fut):
+        pass
+
+    def release(self, buffer):
+        pass
 
 
 def _answer(session, **request):
@@ -224,3 +284,57 @@ def test_a_jax_program_becomes_an_export_artifact():
     with pytest.raises(programs.UnsupportedProgram, match="neither"):
         programs.from_hlo_program(b"not a program", "cpu")
 
+
+
+def test_an_spmd_program_keeps_its_mesh_and_specs():
+    am = AbstractMesh((2, 2), ("x", "y"))
+    f = jax.jit(lambda t: (t.sum(0), t * 2), out_shardings=(NamedSharding(am, P("y")), NamedSharding(am, P(("x", "y")))))
+    arg = jax.ShapeDtypeStruct((4, 4), np.float32, sharding=NamedSharding(am, P("x", "y")))
+    prog = programs.from_hlo_program(jax.export.export(f)(arg).mlir_module().encode(), "cpu")
+    assert prog.num_partitions == 4 and (prog.mesh_shape, prog.axis_names) == ([2, 2], ["x", "y"])
+    assert prog.in_specs == [["x", "y"]] and prog.out_specs == [["y"], [["x", "y"], None]]
+
+
+@pytest.mark.parametrize("layout", [
+    backend.Layout([2, 2], ["x", "y"], [13, 11, 12, 10], ["y", "x"], [10, 11, 12, 13]),
+    backend.Layout([2, 2], ["x", "y"], [10, 11, 12, 13], [["x", "y"], None], [10, 11, 12, 13]),
+    backend.Layout([4], ["i"], [10, 11, 12, 13], [None, "i"], [10, 11, 12, 13]),
+    backend.Layout([2, 2], ["x", "y"], [10, 11, 12, 13], ["y", None], [10, 11, 12, 13]),     # replicated over x
+    backend.Layout([4], ["d"], [10, 11, 12, 13], [None, None], [10, 11, 12, 13]),
+])
+def test_a_layout_survives_an_op_sharding(layout):
+    """What the server tells the client (an OpSharding) puts every block on the
+    device the zpath layout puts it, and reading it back does too."""
+    op = schema.load().message("xla.OpSharding")()
+    backend.op_sharding_of(layout, 2, op)
+    back = backend.op_sharding_layout(op, layout.ifrt_devices, 2)
+    assert back.region_of((8, 8)) == layout.region_of((8, 8))
+
+
+def test_an_iota_tile_assignment_is_read():
+    op = schema.load().message("xla.OpSharding")(type=3, tile_assignment_dimensions=[2, 1, 2],
+                                                  iota_reshape_dims=[2, 2], iota_transpose_perm=[1, 0],
+                                                  replicate_on_last_tile_dim=True)
+    got = backend.op_sharding_layout(op, [10, 11, 12, 13], 2).region_of((4, 6))
+    # devices 0,2 hold rows 0:2 (iota transposed: tiles [[0, 2]], [[1, 3]])
+    assert got == {10: ((0, 2), (0, 6)), 12: ((0, 2), (0, 6)), 11: ((2, 4), (0, 6)), 13: ((2, 4), (0, 6))}
+
+
+def test_a_value_on_the_cluster_moves_worker_to_worker():
+    """CopyArrays of a value on the workers is an identity computation on the
+    new devices reading it where it is: the proxy never fetches it."""
+    s = schema.load()
+    fake = _FakeClient()
+    session = backend.Session(1, s, fake, "cpu", None)
+    src = backend.whole_on([0, 1], 1)
+    fut = Future(fake, 7, (4,), np.dtype(np.float32), [0, 1], [2], ["d"], [None])
+    session.arrays[1] = backend.Array((4,), np.dtype(np.float32), src, future=fut)
+    resp = _answer(session, copy_arrays_request=s.CopyArraysRequest(array_handles=[1], device_ids=[2, 3],
+                                                                     result_handles=[2]))
+    assert resp.response_metadata.status.code == backend.OK, resp
+    (call,) = fake.posted
+    assert call.devices == [2, 3] and fake.registered == ["copy"]
+    assert [(i.buffer, i.put) for i in call.inputs] == [(7, False)]
+    moved = session.arrays[2]
+    assert moved.devices == [2, 3] and moved.future.buffer == call.outputs[0].buffer and moved.host is None
+    session.close()

@@ -35,6 +35,23 @@ def test_registration_assigns_ranks_and_global_device_ids():
     assert rm.islands() == {0: [0, 2], 1: [1]}
 
 
+def test_a_host_gets_the_rank_it_asks_for_unless_taken():
+    """Launchers number their hosts (local-i0-h1 is rank 1): hosts get those
+    ranks whatever order they register in; one that asks for none, or for a
+    taken one, gets the lowest free rank."""
+    rm = ResourceManager()
+    late = rm.add_host(name="i1-h0", island=1, data_address="tcp://x:1", pid=1, platform="cpu",
+                       num_devices=1, rank=2)
+    first = rm.add_host(name="i0-h0", island=0, data_address="tcp://x:2", pid=2, platform="cpu",
+                        num_devices=1, rank=0)
+    assert (late.rank, first.rank) == (2, 0)
+    assert add(rm, name="any").rank == 1
+    taken = rm.add_host(name="dup", island=0, data_address="tcp://x:3", pid=3, platform="cpu",
+                        num_devices=1, rank=2)
+    assert taken.rank == 3 and add(rm, name="next").rank == 4
+    assert sorted(rm.hosts) == [0, 1, 2, 3, 4]
+
+
 def test_registration_rejects_bad_hosts_without_using_a_rank():
     rm = ResourceManager()
     with pytest.raises(ResourceError, match="island must be >= 0, got -1"):

@@ -48,6 +48,9 @@ HOLD_DEEP_S = 0.05
 SHORT_COMPUTATION_S = 0.001
 DEEP_QUEUE = 4
 
+RUNTIME_DIR_DOC = ("where local clusters write their connection files (address and key, mode "
+                   "0600), by which zp.connect() finds them (default ~/.zpath/run)")
+
 
 def setting(default: Any, env: str, doc: str) -> Any:
     """A config field read from ``env`` by ``from_env``."""
@@ -135,6 +138,10 @@ class WorkerConfig(_FromEnv):
                                           "worker (or a client) gives up on it")
     shm: bool = setting(True, "ZPATH_SHM",
                         "move same-machine transfers through shared memory (0: over ZeroMQ)")
+    compile_cache: str = setting("", "ZPATH_COMPILE_CACHE",
+                                 "directory of JAX's persistent compilation cache the workers "
+                                 "share, so a program compiled once is not compiled again in a "
+                                 "later run (default ~/.zpath/jax-cache; off: none)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,6 +158,7 @@ class ClientConfig(_FromEnv):
     controller_timeout_s: float = setting(15.0, "ZPATH_CONTROLLER_TIMEOUT",
                                           "seconds without a word from the controller before a "
                                           "client gives up on it (what waits fails with Broken)")
+    runtime_dir: str = setting("", "ZPATH_RUNTIME_DIR", RUNTIME_DIR_DOC)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,6 +174,7 @@ class ClusterConfig(_FromEnv):
                               "keep the log folder a cluster made (it holds the key file) after "
                               "it stops, or after `zpath down` stops it")
     ssh_options: str = setting("", "ZPATH_SSH_OPTIONS", "extra options for ssh (`zpath up --hostfile`)")
+    runtime_dir: str = setting("", "ZPATH_RUNTIME_DIR", RUNTIME_DIR_DOC)
 
 
 @dataclasses.dataclass(frozen=True)

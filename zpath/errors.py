@@ -18,6 +18,8 @@ class ErrorKind(StrEnum):
     CALL_FAILED = "CallFailed"             # the controller rejected the call or program run
     ABANDONED = "Abandoned"                # its last copy was planned for an abandoned computation
     FUSED_UNKNOWN = "FusedUnknown"         # a worker did not know the fused program it was told to run
+    PEER_FAILED = "PeerFailed"             # a collective with other hosts failed (reported to the
+    #                                        controller, which finds out whether one of them was lost)
     # Error.code: why a message was refused
     PROTOCOL = "protocol"                  # malformed, unsigned, unknown type or version
     BAD_REQUEST = "bad_request"            # well formed, but not acceptable

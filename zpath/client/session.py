@@ -13,10 +13,11 @@ from typing import Any
 from zpath.client import trace as trace_file
 from zpath.client.api import _current, current_client, whole_number
 from zpath.client.connection import Client
+from zpath.cluster import connfile
 from zpath.cluster.launcher import LocalCluster, default_shape
 from zpath.config import ClientConfig, ClusterConfig, CommonConfig
 from zpath.errors import ZpathError
-from zpath.keys import key_from_config, parse_key
+from zpath.keys import parse_key
 from zpath.proxy.launch import start_proxy
 
 __all__ = ["Cluster", "init", "connect", "shutdown", "trace"]
@@ -109,22 +110,33 @@ def _shutdown_at_exit(pid: int) -> None:
         shutdown()
 
 
-def connect(address: str, key: bytes | str | None = None, *, name: str = "client",
+def connect(address: str | None = None, key: bytes | str | None = None, *, name: str = "client",
             timeout: float | None = None, weight: float = 1.0,
             config: ClientConfig | None = None) -> Cluster:
-    """Connect to a running cluster. The key comes from ``key`` (bytes or hex),
-    ``ZPATH_KEY`` or ``ZPATH_KEY_FILE``. ``weight`` is this client's share of
-    the devices under the proportional-share policy (its device time relative
-    to the other clients' that keep the same devices busy). ``timeout``: seconds
-    to wait for the controller's welcome (default ``config.connect_timeout_s``);
-    ``config``: the client's settings (default: from the environment)."""
+    """Connect to a running cluster: the one at ``address``, or with no address
+    the newest cluster this user runs on this machine (``zp.init()`` or ``zpath
+    up`` in another process). The key comes from ``key`` (bytes or hex), else
+    the connection file of a local cluster at ``address`` (no key needed on
+    the machine that runs the cluster), else ``ZPATH_KEY`` or
+    ``ZPATH_KEY_FILE``. ``weight`` is this client's share of the devices under
+    the proportional-share policy (its device time relative to the other
+    clients' that keep the same devices busy). ``timeout``: seconds to wait for
+    the controller's welcome (default ``config.connect_timeout_s``); ``config``:
+    the client's settings (default: from the environment)."""
     if _cluster["current"] is not None:
         raise ZpathError("already connected: call zp.shutdown() first")
+    config = ClientConfig.from_env() if config is None else config
+    if address is None:
+        newest = connfile.find(connfile.runtime_dir(config.runtime_dir))
+        if newest is None:
+            raise ZpathError("no local cluster is running for this user (none in "
+                             f"{connfile.runtime_dir(config.runtime_dir)}): start one with zp.init() "
+                             "or `zpath up`, or pass the address of a running one")
+        address = newest.address
     if not isinstance(address, str) or not re.match(r"^(tcp|ipc)://\S+$", address):
         raise ZpathError(f"{address!r} is not a cluster address: expected tcp://HOST:PORT "
                          "(as `zpath up` prints it)")
-    key = key_from_config(CommonConfig.from_env()) if key is None else parse_key(key)
-    config = ClientConfig.from_env() if config is None else config
+    key = connfile.client_key(address, config) if key is None else parse_key(key)
     return _attach(address, key, None, name=name, timeout=timeout, weight=weight, config=config)
 
 

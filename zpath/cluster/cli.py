@@ -18,7 +18,9 @@ from zpath import logs
 from zpath.cluster import state as cluster_state
 from zpath.config import DEFAULT_SHAPE, POLICIES, ClientConfig, ClusterConfig, CommonConfig, SlurmJob
 from zpath.errors import ZpathError
-from zpath.keys import key_from_config, parse_key
+from zpath.cluster import connfile
+from zpath.keys import parse_key
+from zpath.proxy.launch import start_proxy
 
 # The launchers and the client connection are imported by the subcommands that
 # use them (`up`, `status`): they bring the wire protocol and numpy, which take
@@ -89,7 +91,8 @@ def _up(args: argparse.Namespace, cfg: Settings) -> int:
                   f"{state_path}; stop it with `zpath down` or pass --state", file=sys.stderr)
             return 1
     dcn = dict(dcn_latency_ms=args.dcn_latency_ms, dcn_gbps=args.dcn_gbps, dcn_encrypt=args.dcn_encrypt,
-               policy=args.policy)
+               policy=args.policy,
+               env={"ZPATH_COMPILE_CACHE": args.compile_cache} if args.compile_cache else None)
     if args.slurm:
         from zpath.cluster.slurm import SlurmCluster, allocation  # lazy: see the top
         tasks = allocation(cfg.slurm, args.islands or 1)
@@ -128,7 +131,6 @@ def _up(args: argparse.Namespace, cfg: Settings) -> int:
         return interrupted()
     try:
         if args.ifrt_proxy:
-            from zpath.proxy.launch import start_proxy                # lazy: see the top
             served = start_proxy(cluster, args.ifrt_proxy, timeout=args.start_timeout)
             print(f"IFRT proxy: JAX_PLATFORMS=proxy JAX_BACKEND_TARGET=grpc://{served} "
                   "(README: Unmodified JAX)", flush=True)
@@ -178,12 +180,20 @@ def _connect(args: argparse.Namespace, cfg: Settings, command: str, name: str) -
     address = args.address or cfg.client.controller
     key = None
     if not address:
-        # the cluster a `zpath up` on this machine runs (its state file has both)
+        # the cluster a `zpath up` on this machine runs (its state file has both),
+        # else the newest this user runs here (its connection file has both)
         path = args.state or cluster_state.default_path(cfg.cluster.state)
-        if not os.path.exists(path):
+        runtime = connfile.runtime_dir(cfg.client.runtime_dir)
+        newest = None if args.state or cfg.cluster.state else connfile.find(runtime)
+        if newest is not None and not os.path.exists(path):
+            # the newest cluster of this user here (zp.init() in another process)
+            address = newest.address
+        elif not os.path.exists(path):
             print(f"zpath {command}: give the controller address, set ZPATH_CONTROLLER, or run it where "
-                  f"`zpath up` runs (no state file {path})", file=sys.stderr)
+                  f"a cluster runs (no state file {path}, no local cluster in "
+                  f"{runtime})", file=sys.stderr)
             return None
+    if not address:
         try:
             st = cluster_state.read_state(path)
             address = st["address"]
@@ -200,8 +210,8 @@ def _connect(args: argparse.Namespace, cfg: Settings, command: str, name: str) -
             except OSError as e:
                 raise ZpathError(f"cannot read the key file {st['key_file']}: {e.strerror}") from None
     _check_address(address)
-    return Client(address, key or key_from_config(cfg.common), name=name, timeout=args.timeout,
-                  config=cfg.client)
+    return Client(address, key or connfile.client_key(address, cfg.client, cfg.common), name=name,
+                  timeout=args.timeout, config=cfg.client)
 
 
 def _status(args: argparse.Namespace, cfg: Settings) -> int:
@@ -336,6 +346,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="emulated bandwidth cap of each host's link between islands (Gbit/s; 0: none)")
     up.add_argument("--dcn-encrypt", action="store_true",
                     help="encrypt traffic between islands with CURVE")
+    up.add_argument("--compile-cache", metavar="DIR",
+                    help="the workers' JAX compilation cache: a directory (on each host), or off "
+                         "(default $ZPATH_COMPILE_CACHE or ~/.zpath/jax-cache)")
     up.add_argument("--ifrt-proxy", metavar="HOST:PORT", default=None,
                     help="also serve the IFRT proxy protocol there, for unmodified JAX clients "
                          "(JAX_PLATFORMS=proxy; needs the 'proxy' extra)")

@@ -20,6 +20,7 @@ from typing import Any
 import zmq
 
 from zpath.client.connection import Client
+from zpath.cluster import connfile
 from zpath.config import DEFAULT_SHAPE, POLICIES, ClusterConfig
 from zpath.errors import DeadlineExceeded, ZpathError
 from zpath.keys import new_key, write_key_file
@@ -52,6 +53,19 @@ def free_port(host: str) -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+# tries of a launch whose controller port, free when chosen, was taken before the controller listened
+BIND_ATTEMPTS = 3
+
+
+def _free_port_or_zero(host: str) -> int:
+    """A port free now on ``host``, or 0 where none can be found that way (the
+    controller then picks one, and the workers start once it listens)."""
+    try:
+        return free_port(host)
+    except OSError:
+        return 0
 
 
 def default_shape() -> dict[str, int]:
@@ -109,6 +123,7 @@ class ClusterLauncher:
         os.makedirs(self.dir, exist_ok=True)
         self.key_file = os.path.join(self.dir, "cluster.key")
         write_key_file(self.key_file, self.key)
+        self.connection_file = ""     # written once every worker has registered
         self.procs: list[tuple[str, subprocess.Popen]] = []
         self.expected: dict[str, str] = {}        # process name -> worker (host) name
         self.address = ""
@@ -123,12 +138,39 @@ class ClusterLauncher:
 
     def _launch(self, bind_host: str, timeout: float, controller_port: int = 0) -> None:
         """Start the controller and the workers; wait until all registered.
-        Stops what it started if any of it fails."""
+        Stops what it started if any of it fails.
+
+        The workers start while the controller starts (importing takes each
+        process about half a second or more), at the address the controller
+        will have: ``controller_port``, or a port free now. Should another
+        process take that port first, the controller cannot listen, and the
+        launch starts again on another port (``BIND_ATTEMPTS`` in all)."""
         try:
             deadline = time.monotonic() + timeout
-            ctl = self._start_controller(bind_host, controller_port, deadline)
-            self._start_workers(deadline)
+            for attempt in range(BIND_ATTEMPTS):
+                port = controller_port or _free_port_or_zero(bind_host)
+                self.address = ""
+                ctl = self._spawn_controller(bind_host, port)
+                if port:
+                    self.address = f"tcp://{bind_host}:{port}"   # as the controller will say
+                    self._start_workers(deadline)
+                try:
+                    self._await_controller(ctl, deadline)
+                except ZpathError:
+                    if controller_port or not port or attempt == BIND_ATTEMPTS - 1 \
+                            or ctl.poll() is None or "cannot listen" not in self.log_tail("controller"):
+                        raise
+                    log.info("port %d was taken before the controller could listen; again", port)
+                    self.stop(keep_logs=True)
+                    self.expected.clear()
+                    continue
+                if not port:
+                    self._start_workers(deadline)
+                break
             self._wait_registered(deadline)
+            # how a process of this user on this machine finds it (zp.connect())
+            self.connection_file = connfile.write(connfile.runtime_dir(self.config.runtime_dir),
+                                                  self.address, self.key, ctl.pid)
             log.info("%s up at %s (pid %d), logs in %s", self.kind, self.address, ctl.pid, self.dir)
         except Exception as e:
             self.stop(keep_logs=True)        # for the user to read: the error says where
@@ -161,19 +203,26 @@ class ClusterLauncher:
             pass           # it already exited: reported by the wait, with its log
         return p
 
-    def _start_controller(self, bind_host: str, port: int, deadline: float) -> subprocess.Popen:
+    def _spawn_controller(self, bind_host: str, port: int) -> subprocess.Popen:
         addr_file = os.path.join(self.dir, "controller.address")
         if os.path.exists(addr_file):      # left by an earlier cluster in this directory
             os.unlink(addr_file)
-        ctl = self._spawn("controller", [sys.executable, "-m", "zpath.controller", "--bind",
-                                         f"tcp://{bind_host}:{port}", "--address-file", addr_file],
-                          self._env)
+        return self._spawn("controller", [sys.executable, "-m", "zpath.controller", "--bind",
+                                          f"tcp://{bind_host}:{port}", "--address-file", addr_file],
+                           self._env)
+
+    def _await_controller(self, ctl: subprocess.Popen, deadline: float) -> None:
+        """Wait until the controller listens (it writes its address file)."""
+        addr_file = os.path.join(self.dir, "controller.address")
         while not os.path.exists(addr_file):
             self._check_alive(deadline)
-            time.sleep(0.02)
+            time.sleep(0.01)
         with open(addr_file) as f:
-            self.address = f.read().strip()
-        return ctl
+            address = f.read().strip()
+        if self.address and address != self.address:
+            raise ZpathError(f"the controller listens on {address}, not on {self.address} "
+                             "where the workers look for it")
+        self.address = address
 
     def _start_workers(self, deadline: float) -> None:
         raise NotImplementedError
@@ -221,7 +270,10 @@ class ClusterLauncher:
     def stop(self, grace: float = GRACE_S, keep_logs: bool = False) -> None:
         """Stop every process this cluster started: SIGTERM, then SIGKILL. The
         log directory goes too if the cluster made it, unless ``keep_logs``
-        or ``config.keep_logs`` (ZPATH_KEEP_LOGS)."""
+        or ``config.keep_logs`` (ZPATH_KEEP_LOGS). Its connection file goes first."""
+        if self.connection_file:
+            connfile.remove(self.connection_file)
+            self.connection_file = ""
         for name, p in reversed(self.procs):
             if p.poll() is None:
                 try:
@@ -285,12 +337,13 @@ class LocalCluster(ClusterLauncher):
         self._launch(bind_host, self.config.start_timeout_s if start_timeout is None else start_timeout,
                      controller_port)
 
-    def _spawn_worker(self, island: int, h: int, runtime: list[str]) -> tuple[str, subprocess.Popen]:
+    def _spawn_worker(self, island: int, h: int, runtime: list[str], rank: int = -1
+                      ) -> tuple[str, subprocess.Popen]:
         name, host = f"worker-i{island}-h{h}", f"local-i{island}-h{h}"
         self.expected[name] = host
         p = self._spawn(name, [sys.executable, "-m", "zpath.worker", "--controller", self.address,
                                "--island", str(island), "--bind-host", self.bind_host,
-                               "--name", host, *runtime, *self.dcn_flags],
+                               "--name", host, "--rank", str(rank), *runtime, *self.dcn_flags],
                         self._worker_env)
         return name, p
 
@@ -301,7 +354,9 @@ class LocalCluster(ClusterLauncher):
                 runtime = ["--coordinator", f"{self.bind_host}:{free_port(self.bind_host)}",
                            "--num-processes", str(self.hosts_per_island)]
             for h in range(self.hosts_per_island):
-                self._spawn_worker(island, h, [*runtime, *(["--process-id", str(h)] if runtime else [])])
+                # ranks in island and host order, whatever order they register in
+                self._spawn_worker(island, h, [*runtime, *(["--process-id", str(h)] if runtime else [])],
+                                   rank=island * self.hosts_per_island + h)
 
     def add_worker(self, island: int, timeout: float | None = None) -> str:
         """Start one more worker (a new host) on a single-host island, e.g. to

@@ -38,7 +38,7 @@ CONNECT_TIMEOUT_S = 10
 # Local ZPATH_* settings passed on to remote workers (never the key or addresses;
 # tests/test_config.py checks that each is a setting of zpath/config.py).
 FORWARDED_ENV = ("ZPATH_LOG_LEVEL", "ZPATH_CONTROLLER_TIMEOUT", "ZPATH_SHM", "ZPATH_FETCH_TIMEOUT",
-                 "ZPATH_DEVICE_MEMORY_LIMIT")
+                 "ZPATH_DEVICE_MEMORY_LIMIT", "ZPATH_COMPILE_CACHE")
 
 
 class HostfileError(ZpathError):
@@ -216,6 +216,7 @@ class SSHCluster(ClusterLauncher):
             name = f"worker-{i}-{re.sub(r'[^A-Za-z0-9_.-]', '_', host_name)}"
             worker = ["--controller", self.address, "--island", str(h.island),
                       "--bind-host", h.bind or _resolve(h.address), "--name", host_name,
+                      "--rank", str(i),          # hostfile order, whatever order they register in
                       *runtime.get(h.island, []),
                       *(["--process-id", str(r)] if h.island in runtime else []), *self.dcn_flags]
             python = h.python or self.remote_python

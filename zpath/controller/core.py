@@ -74,6 +74,7 @@ class ControllerCore(Peers, Admission, Dispatch, Fusion, Failures):
         self._init_admission(config.device_memory_limit)
         self._init_dispatch()
         self._init_fusion()
+        self._init_failures()
 
     # ---- output ----------------------------------------------------------------
     def send(self, ident: bytes, msg: Record, parent: int = 0, buffers: Any = ()) -> None:
@@ -181,6 +182,16 @@ class ControllerCore(Peers, Admission, Dispatch, Fusion, Failures):
             self._check_liveness(now)
         except Exception:  # a bug here must not take the controller down
             log.exception("error while checking hosts and clients")
+        return self._take()
+
+    def check(self, now: float) -> list[Effect]:
+        """The hosts of a failed collective that did not answer in time are
+        lost (``suspects_due`` says when)."""
+        self.now = now
+        try:
+            self._check_suspects(now)
+        except Exception:  # a bug here must not take the controller down
+            log.exception("error while checking suspect hosts")
         return self._take()
 
     def resume(self, now: float) -> list[Effect]:

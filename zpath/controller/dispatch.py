@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import collections
 import copy
+import dataclasses
 import logging
 from typing import Any
 
@@ -22,6 +23,14 @@ from zpath.net import messages as m
 
 
 log = logging.getLogger(__name__)
+
+# Pieces smaller than this that one computation reads from one host over one
+# channel travel together (SendPieces -> Pieces), at most BUCKET_BYTES a message:
+# a data-parallel step's gradient of many small leaves crosses the DCN as a few
+# messages, not one per leaf.
+BUCKET_PIECE_BYTES = 256 << 10
+BUCKET_BYTES = 4 << 20
+BUCKET_PIECES = 1024          # and at most this many pieces (codec.MAX_BUFFERS per message)
 
 
 class Dispatch:
@@ -120,8 +129,7 @@ class Dispatch:
                         self.host_fused[rank].add(define.fused)
                     else:                 # dropped while this run waited: forgotten after it
                         drop_after.append((rank, m.DropFused([define.fused])))
-        for rank, piece in plan.sends:
-            self.to_host(rank, piece)
+        self.to_hosts(self._send_orders(plan.sends))
         island = self.rm.hosts[next(iter(plan.executes))].island
         ordered = self.scheduler.dispatch(island, plan.executes, hold)
         exec_id = next(iter(plan.executes.values())).exec_id
@@ -136,6 +144,39 @@ class Dispatch:
         for rank, drop in drop_after:
             self.to_host(rank, drop)
         return exec_id
+
+    def _send_orders(self, sends: list[tuple[int, m.SendPiece]]) -> list[tuple[int, Any]]:
+        """The orders for one computation's pieces: the small ones (under
+        BUCKET_PIECE_BYTES) from one host to another over one channel go as
+        buckets (``SendPieces``, at most BUCKET_BYTES each), sent as one
+        message once all are ready; the computation needs all of them before
+        it runs, so none waits longer for it. The others go one by one."""
+        out: list[tuple[int, Any]] = []
+        buckets: dict[tuple[int, int, str], list[list[m.SendPiece]]] = {}
+        filled: dict[tuple[int, int, str], int] = {}       # bytes in each key's last bucket
+        for src, piece in sends:
+            buf = self.directory.buffers.get(piece.buffer)
+            size = sharding.nbytes(piece.sub, buf.dtype) if buf is not None else BUCKET_PIECE_BYTES
+            if size >= BUCKET_PIECE_BYTES:
+                out.append((src, piece))
+                continue
+            key = (src, piece.dst_host, piece.channel)
+            groups = buckets.setdefault(key, [[]])
+            if filled.get(key, 0) + size > BUCKET_BYTES or len(groups[-1]) == BUCKET_PIECES:
+                groups.append([])
+                filled[key] = 0
+            groups[-1].append(piece)
+            filled[key] = filled.get(key, 0) + size
+        for (src, _, _), groups in buckets.items():
+            for pieces in groups:
+                if len(pieces) == 1:
+                    out.append((src, pieces[0]))
+                    continue
+                p = pieces[0]
+                out.append((src, m.SendPieces([m.PieceOrder(q.piece_id, q.buffer, q.device, q.region, q.sub)
+                                                for q in pieces], p.dst_host, p.dst_address, p.channel,
+                                               p.dst_machine, p.dst_key)))
+        return out
 
     def _parked_producers(self, call: m.Call) -> set:
         """What a node must wait for before it is sent: the parked nodes whose
@@ -352,10 +393,15 @@ class Dispatch:
             self.directory.poison(mine, info.client, msg.error)
             if mine and info.client_ident in self.peers:
                 self.send(info.client_ident, m.CallFailed(0, mine, msg.error))
+        if msg.error is not None and msg.error.kind == ErrorKind.PEER_FAILED:
+            # its collective failed: a host of it may have died (its outputs
+            # there wait for the verdict)
+            self._peer_failed(host, info, msg.error)
         self.timeline.append((msg, host, info))       # an ExecRecord when asked (see timeline_records)
         self.tenants.host_done(msg.exec_id, msg.end - msg.start, info.host_devices[host])
         info.hosts.discard(host)
-        info.error = info.error or msg.error
+        info.error = info.error or (msg.error if msg.error is None or msg.error.kind != ErrorKind.PEER_FAILED
+                                    else dataclasses.replace(msg.error, kind=ErrorKind.REMOTE_ERROR))
         if not info.hosts:
             if info.error is None:
                 self.directory.confirm(info.copies)

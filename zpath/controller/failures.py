@@ -3,18 +3,81 @@ client that left."""
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 
-from zpath.controller.records import Peer, RemoveSegments, Submission
+from zpath.controller.records import InFlight, Peer, RemoveSegments, Submission
 from zpath.errors import ErrorKind
 from zpath.net import messages as m
 
 
 log = logging.getLogger(__name__)
 
+# How long a host of a computation whose collective failed on another host
+# (ExecDone with ErrorKind.PEER_FAILED) has to answer a ping before it counts as
+# lost: a dead peer breaks the collective at once (gloo: "connection closed by
+# peer"), so the call fails with HostLost naming it within about this long,
+# not after the heartbeat timeout.
+PEER_ANSWER_S = 0.5
+
+
+@dataclasses.dataclass
+class PeerFailure:
+    """A computation's collective failed on ``host``: its outputs there wait,
+    unsettled, for the verdict on the ``suspects`` (the computation's other hosts)."""
+    host: int
+    outputs: list[int]
+    error: m.ErrorInfo
+    suspects: list[int]
+    deadline: float
+
 
 class Failures:
-    """Mixin of ControllerCore: host loss and client departure."""
+    """Mixin of ControllerCore: host loss (heartbeats; peers of a failed
+    collective that do not answer) and client departure."""
+
+    def _init_failures(self) -> None:
+        self.suspects: dict[int, float] = {}         # host rank -> since when it must answer
+        self.peer_failures: list[PeerFailure] = []
+
+    def _peer_failed(self, host: int, info: InFlight, error: m.ErrorInfo) -> None:
+        """Host ``host`` reports that computation ``info`` failed in a collective
+        with its other hosts (and left its outputs unsettled): ping those; the
+        ones that stay silent for PEER_ANSWER_S are lost (``check_suspects``)."""
+        suspects = sorted(r for r in info.host_devices if r != host and r in self.worker_ident)
+        for r in suspects:
+            if r not in self.suspects:
+                self.suspects[r] = self.now
+                self.to_host(r, m.Ping(self._ping_seq))
+        self.peer_failures.append(PeerFailure(host, list(info.outputs), error, suspects,
+                                              self.now + PEER_ANSWER_S))
+
+    def suspects_due(self) -> float | None:
+        """When ``check_suspects`` has a verdict to give (None: nothing pending)."""
+        return min((f.deadline for f in self.peer_failures), default=None)
+
+    def _check_suspects(self, now: float) -> None:
+        for rank, since in list(self.suspects.items()):
+            peer = self.peers.get(self.worker_ident.get(rank, b""))
+            if peer is None or peer.last_seen > since:       # lost already, or it answered
+                del self.suspects[rank]
+            elif now >= since + PEER_ANSWER_S:
+                del self.suspects[rank]
+                self._host_lost(rank, f"a collective with it failed and it did not answer for "
+                                      f"{now - since:.1f}s")
+        for failure in list(self.peer_failures):
+            if now < failure.deadline and any(r in self.suspects for r in failure.suspects):
+                continue
+            self.peer_failures.remove(failure)
+            lost = [self.rm.hosts[r] for r in failure.suspects if not self.rm.hosts[r].alive]
+            if lost:
+                h = lost[0]
+                err = m.ErrorInfo(ErrorKind.HOST_LOST, f"host {h.rank} ({h.name}, island {h.island}) was "
+                                  f"lost: {h.lost_why}", h.rank, failure.error.computation, "")
+            else:       # everyone answered: the collective failed for another reason
+                err = dataclasses.replace(failure.error, kind=ErrorKind.REMOTE_ERROR)
+            if failure.host in self.worker_ident:     # (lost with its island's runtime, often)
+                self.to_host(failure.host, m.FailBuffers(failure.outputs, err))
 
     def late(self, now: float) -> bool:
         """Whether a peer has been silent past its timeout at ``now`` (the loop
@@ -31,6 +94,7 @@ class Failures:
         return self.config.host_timeout_s if peer.role == "worker" else self.config.client_timeout_s
 
     def _check_liveness(self, now: float) -> None:
+        self._check_suspects(now)
         for peer in list(self.peers.values()):
             if peer.ident not in self.peers:       # lost meanwhile (with its island)
                 continue

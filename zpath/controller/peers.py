@@ -144,7 +144,7 @@ class Peers:
                                     jax_ids=msg.jax_ids,
                                     runtime=msg.coordinator if msg.num_processes > 1 else "",
                                     machine=msg.machine, public_key=msg.public_key,
-                                    dcn_address=msg.dcn_address)
+                                    dcn_address=msg.dcn_address, rank=msg.rank)
         except ResourceError as e:
             self.reply_error(ident, parent, ErrorKind.RESOURCE, str(e))
             return

@@ -64,9 +64,12 @@ class ResourceManager:
     def add_host(self, *, name: str, island: int, data_address: str, pid: int,
                  platform: str, num_devices: int, jax_ids: list[int] | None = None,
                  runtime: str = "", machine: str = "", public_key: str = "",
-                 dcn_address: str = "") -> Host:
+                 dcn_address: str = "", rank: int = -1) -> Host:
         """Register a host. Hosts of one island that share a ``runtime`` (a
-        jax.distributed coordinator address) can run one SPMD computation together."""
+        jax.distributed coordinator address) can run one SPMD computation together.
+        ``rank``: the rank it asks for (its launcher's numbering, so that host
+        numbers and names agree whatever order hosts register in); taken, or
+        -1: the lowest rank not yet given."""
         if island < 0:
             raise ResourceError(f"island must be >= 0, got {island}")
         if not 1 <= num_devices <= MAX_DEVICES_PER_HOST:
@@ -77,7 +80,8 @@ class ResourceManager:
             for h in self.hosts.values():
                 if h.runtime == runtime and h.island != island:
                     raise ResourceError(f"runtime {runtime} already belongs to island {h.island}")
-        rank = next(self._ranks)
+        if rank < 0 or rank in self.hosts:
+            rank = next(r for r in self._ranks if r not in self.hosts)
         ids = []
         for i in range(num_devices):
             d = Device(next(self._device_ids), rank, island, i, jax_ids[i] if jax_ids else i)

@@ -218,7 +218,13 @@ class Controller:
                 self._plan_slice()
                 heard_until = time.monotonic()
                 continue
-            events = dict(poller.poll(timeout=max(1, int((next_ping - now) * 1000))))
+            due = self.core.suspects_due()     # hosts of a failed collective must answer by then
+            if due is not None and now >= due:
+                self._run(self.core.check(now))
+                self._flush_out()
+                due = self.core.suspects_due()
+            wake = next_ping if due is None else min(next_ping, due)
+            events = dict(poller.poll(timeout=max(1, int((wake - now) * 1000))))
             heard_until = time.monotonic()
             for _ in events:
                 self._recv_all()

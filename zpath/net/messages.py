@@ -139,6 +139,7 @@ class RegisterWorker(Record):
     machine: str             # machine id (host name and boot id): same machine -> shared memory
     public_key: str          # CURVE public key (Z85) for encrypted DCN traffic ("" if off)
     dcn_address: str         # CURVE-encrypted data port for DCN traffic ("" if off)
+    rank: int = -1           # the rank its launcher gave it (-1: any), so host numbers match names
 
 
 @message(5)
@@ -680,3 +681,37 @@ class Batch(Record):
     each checked as if it came alone); a nested Batch or an unknown type
     refuses the whole batch."""
     items: list[tuple[int, int, int, bytes]]
+
+
+@record
+class PieceOrder(Record):
+    """One piece of a ``SendPieces``: part ``sub`` of shard (buffer, device,
+    region), as piece ``piece_id``."""
+    piece_id: int
+    buffer: int
+    device: int
+    region: Region
+    sub: Region
+
+
+@message(61)
+class SendPieces(Record):
+    """Controller -> worker: small pieces of one computation's inputs, all from
+    this host to host ``dst_host`` over one channel (a bucket): once every
+    source shard is done, send them together as one ``Pieces`` (the fields
+    after ``pieces`` as in ``SendPiece``)."""
+    pieces: list[PieceOrder]
+    dst_host: int
+    dst_address: str
+    channel: str
+    dst_machine: str
+    dst_key: str
+
+
+@message(62)
+class Pieces(Record):
+    """Worker -> worker: several pieces in one message, buffer ``k`` holding
+    piece ``piece_ids[k]`` of ``avals[k]`` (a piece whose shard failed goes as
+    its own ``Piece`` with the error)."""
+    piece_ids: list[int]
+    avals: list[Aval]

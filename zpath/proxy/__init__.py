@@ -10,26 +10,20 @@ is :mod:`zpath.proxy.server`. In the user's process::
     import jax
     jax.devices()            # the cluster's devices
 
-This module imports nothing heavy: ``initialize`` imports JAX when called, and
-the CLI imports :mod:`zpath.proxy.launch` without JAX.
+This module only re-exports ``initialize`` (:mod:`zpath.proxy.client`), loaded
+on first use, so that the CLI imports :mod:`zpath.proxy.launch` without JAX.
 """
 from __future__ import annotations
 
+import importlib
+from typing import Any
 
-def initialize(connection_timeout_s: int | None = None) -> None:
-    """Register the IFRT proxy as JAX's ``proxy`` backend, as pathwaysutils
-    does, and nothing else: ``JAX_PLATFORMS=proxy`` then selects it and
-    ``JAX_BACKEND_TARGET`` (``grpc://HOST:PORT``) says where the server is.
-    ``connection_timeout_s``: how long the client keeps trying to connect
-    (jaxlib's default when None)."""
-    import jax                                       # noqa: PLC0415  (the user's process only)
-    from jax.extend import backend                   # noqa: PLC0415
-    from jax.extend.backend import ifrt_proxy        # noqa: PLC0415
+__all__ = ["initialize"]
 
-    def make_client() -> object:
-        options = ifrt_proxy.ClientConnectionOptions()
-        if connection_timeout_s is not None:
-            options.connection_timeout_in_seconds = int(connection_timeout_s)
-        return ifrt_proxy.get_client(jax.config.read("jax_backend_target"), options)
 
-    backend.register_backend_factory("proxy", make_client, priority=-1)
+def __getattr__(name: str) -> Any:
+    if name != "initialize":
+        raise AttributeError(f"module 'zpath.proxy' has no attribute {name!r}")
+    value = importlib.import_module("zpath.proxy.client").initialize
+    globals()[name] = value            # later lookups skip this function
+    return value

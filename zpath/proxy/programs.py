@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import math
+import re
+from typing import Any
 
 import jax
 import numpy as np
@@ -14,6 +17,7 @@ from jax._src.interpreters import mlir
 from jax._src.lib import _jax
 from jax._src.lib.mlir import ir
 from jax._src.lib.mlir.dialects import hlo
+from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec
 
 from zpath.client.avals import Aval
 
@@ -32,6 +36,9 @@ class UnsupportedProgram(ValueError):
     """A program this server cannot run (what is unsupported is in the message)."""
 
 
+Spec = list      # a zpath spec: per dimension None, an axis name or a list of them
+
+
 @dataclasses.dataclass(frozen=True)
 class Program:
     name: str
@@ -40,6 +47,49 @@ class Program:
     in_avals: list[Aval]
     out_avals: list[Aval]
     num_partitions: int
+    # the mesh its shardings name (its devices are the device assignment, in
+    # order) and every argument's and result's spec over it
+    mesh_shape: list[int]
+    axis_names: list[str]
+    in_specs: list[Spec]
+    out_specs: list[Spec]
+
+
+_MESH = re.compile(r'sdy\.mesh @([\w.$-]+) = <\[(.*?)\]')
+_MESH_AXIS = re.compile(r'"([^"]+)"=(\d+)')
+_SHARDING = re.compile(r'#sdy\.sharding<@([\w.$-]+), \[(.*?)\]')
+_DIM = re.compile(r'\{([^{}]*)\}')
+
+
+def _meshes(text: str) -> dict[str, tuple[list[str], list[int]]]:
+    out = {}
+    for name, axes in _MESH.findall(text):
+        found = _MESH_AXIS.findall(axes)
+        out[name] = ([a for a, _ in found], [int(n) for _, n in found])
+    return out
+
+
+def _spec(attrs: Any, ndim: int, meshes: dict, what: str) -> tuple[str | None, Spec]:
+    """The mesh a function argument's or result's Shardy sharding names, and its
+    spec (all None when it has none: replicated)."""
+    if "sdy.sharding" not in attrs:
+        if "mhlo.sharding" in attrs and str(attrs["mhlo.sharding"]).strip('"') not in ("{replicated}", ""):
+            raise UnsupportedProgram(f"{what} has a GSPMD sharding {attrs['mhlo.sharding']} (only Shardy's)")
+        return None, [None] * ndim
+    text = str(attrs["sdy.sharding"])
+    match = _SHARDING.match(text)
+    if match is None or match.group(1) not in meshes:
+        raise UnsupportedProgram(f"{what} has a sharding zpath cannot read: {text}")
+    dims = _DIM.findall(match.group(2))
+    if len(dims) != ndim:
+        raise UnsupportedProgram(f"{what}: sharding {text} for rank {ndim}")
+    spec: Spec = []
+    for d in dims:
+        if ":" in d:
+            raise UnsupportedProgram(f"{what} is sharded over a sub-axis: {text}")
+        axes = [a.strip().strip('"') for a in d.split(",") if a.strip() and a.strip() != "?"]
+        spec.append(None if not axes else axes[0] if len(axes) == 1 else axes)
+    return match.group(1), spec
 
 
 def _aval(t: ir.Type, what: str) -> Aval:
@@ -68,6 +118,23 @@ def _module(data: bytes) -> ir.Module:
                                      f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
 
 
+def identity(shape: tuple[int, ...], dtype: np.dtype, mesh_shape: list[int], axis_names: list[str],
+             spec: Spec, platform: str) -> Program:
+    """A program that returns its one input, read and written in ``spec`` over a
+    mesh: running it on other devices moves a value there, worker to worker
+    (the controller plans the transfers, as for any input)."""
+    am = AbstractMesh(tuple(mesh_shape), tuple(axis_names))
+    ps = PartitionSpec(*(tuple(e) if isinstance(e, list) else e for e in spec))
+    arg = jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(am, ps))
+    with jax.enable_x64(True):
+        exported = jax.export.export(jax.jit(lambda x: x, out_shardings=NamedSharding(am, ps)),
+                                     platforms=(platform,))(arg)
+    blob = bytes(exported.serialize())
+    aval = (tuple(shape), np.dtype(dtype))
+    return Program("copy", hashlib.sha256(blob).hexdigest(), blob, [aval], [aval], math.prod(mesh_shape),
+                   list(mesh_shape), list(axis_names), [list(spec)], [list(spec)])
+
+
 def from_hlo_program(data: bytes, platform: str) -> Program:
     """The zpath program of a serialized ``xla::ifrt::HloProgram``."""
     with mlir.make_ir_context():
@@ -81,6 +148,17 @@ def from_hlo_program(data: bytes, platform: str) -> Program:
         ftype = ir.FunctionType(ir.TypeAttr(main.attributes["function_type"]).value)
         in_avals = [_aval(t, f"argument {i}") for i, t in enumerate(ftype.inputs)]
         out_avals = [_aval(t, f"result {i}") for i, t in enumerate(ftype.results)]
+        meshes = _meshes(str(module))
+        arg_attrs = list(ir.ArrayAttr(main.attributes["arg_attrs"])) if "arg_attrs" in main.attributes else []
+        res_attrs = list(ir.ArrayAttr(main.attributes["res_attrs"])) if "res_attrs" in main.attributes else []
+        ins = [_spec(ir.DictAttr(arg_attrs[i]) if arg_attrs else {}, len(a[0]), meshes, f"argument {i}")
+               for i, a in enumerate(in_avals)]
+        outs = [_spec(ir.DictAttr(res_attrs[i]) if res_attrs else {}, len(a[0]), meshes, f"result {i}")
+                for i, a in enumerate(out_avals)]
+        named = {n for n, _ in ins + outs if n is not None}
+        if len(named) > 1:
+            raise UnsupportedProgram(f"shardings over several meshes {sorted(named)}")
+        axis_names, mesh_shape = meshes[named.pop()] if named else ([], [])
         attrs = module.operation.attributes
         parts = ir.IntegerAttr(attrs["mhlo.num_partitions"]).value if "mhlo.num_partitions" in attrs else 1
         replicas = ir.IntegerAttr(attrs["mhlo.num_replicas"]).value if "mhlo.num_replicas" in attrs else 1
@@ -103,4 +181,10 @@ def from_hlo_program(data: bytes, platform: str) -> Program:
         calling_convention_version=_export.maximum_supported_calling_convention_version,
         module_kept_var_idx=tuple(range(n_in)), uses_global_constants=False, _get_vjp=None)
     blob = bytes(exported.serialize())
-    return Program(name, hashlib.sha256(blob).hexdigest(), blob, in_avals, out_avals, parts)
+    if not axis_names:               # nothing sharded: one axis over every device
+        axis_names, mesh_shape = ["d"], [parts]
+    if math.prod(mesh_shape) != parts:
+        raise UnsupportedProgram(f"a mesh {dict(zip(axis_names, mesh_shape, strict=True))} of "
+                                 f"{math.prod(mesh_shape)} devices for {parts} partitions")
+    return Program(name, hashlib.sha256(blob).hexdigest(), blob, in_avals, out_avals, parts,
+                   list(mesh_shape), list(axis_names), [s for _, s in ins], [s for _, s in outs])

@@ -12,8 +12,10 @@ failed input poisons the outputs with the same root cause instead of running."""
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import queue
+import re
 import threading
 import time
 import traceback
@@ -50,6 +52,12 @@ SHORT_S = SHORT_COMPUTATION_S
 
 
 _SETTLING = object()     # (_run: the settler thread reports this one)
+
+
+# how a collective's transport reports that the other side went away (gloo on
+# CPU, NCCL on GPUs)
+_PEER_FAILURE = re.compile(r"\bgloo\b.*\bfailed\b|connection (?:closed|reset|refused) by peer|broken pipe"
+                           r"|\bnccl\b.*(?:error|failed)", re.IGNORECASE)
 
 
 def _as_is(buffer: int) -> int:
@@ -433,6 +441,7 @@ class Executor:
                 made: "_Made | None") -> m.ErrorInfo:
         """Settle what computation ``ex`` was to make, or assemble, with the
         error that exception ``e`` stands for, and return that error."""
+        peer_failed = False
         if isinstance(e, InputError):
             error = e.error
         else:
@@ -441,8 +450,24 @@ class Executor:
             error = m.ErrorInfo(ErrorKind.REMOTE_ERROR, _text(f"{type(e).__name__}: {e}"), self.rank, ex.name,
                                 _text(traceback.format_exc()))
             log.warning("computation %d (%s) failed: %s", exec_id, ex.name, error.message)
+            # A collective with another host broke: that host may have died. The
+            # controller finds out (it pings them: HostLost names the one that
+            # does not answer) and settles a plain computation's outputs here
+            # (FailBuffers); a fused run's later computations read its outputs'
+            # error from the store, so those fail now.
+            peer_failed = bool(_PEER_FAILURE.search(error.message)) \
+                and any(d not in self.devices for d in ex.devices)
+        if not peer_failed or made is not None or buffer is not _as_is:
+            self._fail_outputs(ex, buffer, error)
+        self._fail_inputs(ex, buffer, error, made)
+        return dataclasses.replace(error, kind=ErrorKind.PEER_FAILED) if peer_failed else error
+
+    def _fail_outputs(self, ex: m.Execute, buffer: Callable[[int], int], error: m.ErrorInfo) -> None:
         for o in ex.outputs:
             self._poison_output(ex, o, buffer(o.buffer), error)
+
+    def _fail_inputs(self, ex: m.Execute, buffer: Callable[[int], int], error: m.ErrorInfo,
+                     made: "_Made | None") -> None:
         # input shards it was to assemble: later calls and sends may wait on them
         # (not its fused run's intermediates: the run keeps them, and they have
         # no readers outside it)
@@ -458,7 +483,6 @@ class Executor:
                         # error stays), so a late piece is not kept forever
                         self.store.pop(PieceKey(p.piece_id))
                         self.store.set(PieceKey(p.piece_id), error=error)
-        return error
 
     def _poison_output(self, ex: m.Execute, o: m.ExecOutput, buffer: int, error: m.ErrorInfo) -> None:
         regs = sharding.regions(o.aval.shape, ex.mesh_shape, ex.axis_names, o.spec)

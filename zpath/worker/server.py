@@ -26,6 +26,7 @@ import signal
 import sys
 import threading
 import socket
+import threading
 import time
 from typing import Any
 
@@ -45,6 +46,7 @@ from zpath.net import messages as m
 from zpath.net.codec import CLIENTS, CLUSTER, PROTOCOL_VERSION, Record
 from zpath.net.transport import (LOG_BURST, LOG_RATE, REPLY_BURST, REPLY_RATE, BadMessage, Endpoint, Outbox,
                                  RateLimit, backoff, make_context, readable, unbatched)
+from zpath.worker import compile_cache
 from zpath.worker.executor import Executor
 from zpath.worker.state import (Chunks, FusedRun, PendingFetch, ShapedLink, WorkerState, refused_on_data,
                                 with_local_shards)
@@ -72,9 +74,11 @@ class Worker:
                  coordinator: str = "", num_processes: int = 1, process_id: int = 0,
                  dcn_latency_ms: float = 0.0, dcn_gbps: float = 0.0, dcn_encrypt: bool = False,
                  config: WorkerConfig | None = None, common: CommonConfig | None = None,
-                 worker_key: bytes | None = None) -> None:
-        """``key``: the cluster key (clients'); ``worker_key``: the worker key
-        (default: the cluster key, which keeps no client apart)."""
+                 rank: int = -1, worker_key: bytes | None = None) -> None:
+        """``rank``: the host rank to ask the controller for (its launcher's
+        numbering; -1: any). ``key``: the cluster key (clients'); ``worker_key``:
+        the worker key (default: the cluster key, which keeps no client apart)."""
+        self.wanted_rank = rank
         self.config = config = config if config is not None else WorkerConfig()
         self.common = common = common if common is not None else CommonConfig()
         if dcn_encrypt and not zmq.has("curve"):
@@ -84,6 +88,7 @@ class Worker:
         self.state = WorkerState(config.controller_timeout_s, time.monotonic())
 
         jax.config.update("jax_enable_x64", True)
+        self.compile_cache = compile_cache.use(config.compile_cache)
         self.coordinator = coordinator if num_processes > 1 else ""
         self.num_processes, self.process_id = num_processes, process_id
         if self.coordinator:
@@ -163,7 +168,7 @@ class Worker:
                                self.platform, len(self.local), PROTOCOL_VERSION,
                                [d.id for d in self.local], self.coordinator, self.process_id,
                                self.num_processes, self.machine, self.public_key.decode(),
-                               self.dcn_address)
+                               self.dcn_address, self.wanted_rank)
         deadline = time.monotonic() + REGISTER_TIMEOUT_S
         attempt = 0
         while time.monotonic() < deadline and self.running:
@@ -443,6 +448,9 @@ class Worker:
                 self.peer_addrs.setdefault(msg.dst_host, (msg.dst_address, msg.dst_key))
                 key = shard_key(msg.buffer, msg.device, msg.region)
                 self.store.when_done(key, lambda e, msg=msg: self._piece_ready(msg, e))
+            case m.SendPieces():
+                self.peer_addrs.setdefault(msg.dst_host, (msg.dst_address, msg.dst_key))
+                self._when_all_done(msg)
             case m.RegisterProgram():
                 if len(buffers) == 1:
                     self.executor.add_program(msg.digest, bytes(buffers[0]))
@@ -568,7 +576,7 @@ class Worker:
         self.sent.append(m.SentPiece(msg.piece_id, began, "DCN" if dcn else "ICI-tcp", data.nbytes, msg.dst_host))
         self._post_piece(msg.dst_host, m.Piece(msg.piece_id, aval, None), [data], dcn, direct)
 
-    def _post_piece(self, rank: int, msg: m.Piece, buffers: Any, dcn: bool, direct: bool) -> None:
+    def _post_piece(self, rank: int, msg: m.Piece | m.Pieces, buffers: Any, dcn: bool, direct: bool) -> None:
         """Queue a piece for the I/O thread, or (``direct``, in the I/O thread,
         unless the DCN link is shaped) write it to the peer's socket now."""
         if not direct or (dcn and self.shaped.active):
@@ -580,6 +588,53 @@ class Worker:
             log.error("peer %s is not reading (queue full): dropped %s", rank, type(msg).__name__)
         except Exception as err:   # one bad message must not stop the I/O thread
             log.error("cannot send %s: %s", type(msg).__name__, err)
+
+    def _when_all_done(self, msg: m.SendPieces) -> None:
+        """Send a bucket of pieces once every source shard is done."""
+        entries: list[Entry | None] = [None] * len(msg.pieces)
+        left = [len(msg.pieces)]
+        lock = threading.Lock()
+
+        def done(k: int, e: Entry) -> None:
+            with lock:
+                entries[k] = e
+                left[0] -= 1
+                last = left[0] == 0
+            if last:         # as _piece_ready: a small bucket at once, a big one off the I/O thread
+                small = sum(sharding.nbytes(sharding.from_wire(p.sub), np.dtype(e.value.dtype).name)
+                            for p, e in zip(msg.pieces, entries, strict=True)
+                            if e.error is None) <= channels.INLINE_PIECE_BYTES
+                if small:
+                    self._send_pieces(msg, entries, direct=threading.get_ident() == self.io_thread)
+                else:
+                    self.pool.submit(self._send_pieces, msg, entries)
+        for k, p in enumerate(msg.pieces):
+            self.store.when_done(shard_key(p.buffer, p.device, p.region), lambda e, k=k: done(k, e))
+
+    def _send_pieces(self, msg: m.SendPieces, entries: list[Entry], direct: bool = False) -> None:
+        """One message (Pieces) for the bucket's pieces; a piece whose shard
+        failed goes alone, as a Piece with the error."""
+        began = time.time()
+        dcn = msg.channel == "DCN"
+        ids, avals, datas = [], [], []
+        for p, e in zip(msg.pieces, entries, strict=True):
+            self.sent_at.append([p.piece_id, began])
+            if e.error is not None:
+                self._post_piece(msg.dst_host, m.Piece(p.piece_id, m.Aval([], ""), e.error), (), dcn, direct)
+                continue
+            region = sharding.from_wire(p.region)
+            view = np.asarray(e.value)[sharding.local_slices(sharding.from_wire(p.sub), region) + (Ellipsis,)]
+            data = view if view.flags.c_contiguous else view.copy(order="C")
+            ids.append(p.piece_id)
+            avals.append(m.Aval(list(data.shape), data.dtype.name))
+            datas.append(data)
+        if not ids:
+            return
+        nbytes = sum(d.nbytes for d in datas)
+        self._count("dcn" if dcn else "ici_tcp", nbytes)
+        for pid, d in zip(ids, datas, strict=True):
+            self.sent.append(m.SentPiece(pid, began, "DCN" if dcn else "ICI-tcp", d.nbytes, msg.dst_host))
+        self._post_piece(msg.dst_host, m.Pieces(ids, avals), datas, dcn, direct)
 
     def _count(self, channel: str, nbytes: int) -> None:
         self.stats[f"sent_{channel}"] += 1      # GIL-atomic enough for counters
@@ -620,6 +675,24 @@ class Worker:
                     log.debug("buffer %d was freed while its Put came in: dropped", msg.buffer)
             case m.Piece():
                 self.store.set(PieceKey(msg.piece_id), error=msg.error)
+            case m.Pieces():
+                if not len(msg.piece_ids) == len(msg.avals) == len(buffers):
+                    self.post_data(ident, m.Error(ErrorKind.BAD_REQUEST, f"Pieces: {len(msg.piece_ids)} ids, "
+                                                  f"{len(msg.avals)} avals, {len(buffers)} buffers"),
+                                   parent=msg_id)
+                    return
+                self.stats["recv_tcp"] += 1
+                now = time.time()
+                for pid, aval, buf in zip(msg.piece_ids, msg.avals, buffers, strict=True):
+                    key = PieceKey(pid)
+                    try:
+                        arr = _array(aval, [buf])
+                    except (ValueError, TypeError) as e:
+                        self.store.set(key, error=m.ErrorInfo(ErrorKind.REMOTE_ERROR, f"bad Pieces: {e}",
+                                                              self.rank, "", ""))
+                        continue
+                    self.received_at.append([pid, now])
+                    self.store.set(key, arr)
             case m.PieceChunk():
                 key = PieceKey(msg.piece_id)
                 try:
@@ -764,6 +837,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--island", type=int, default=0, help="island this host belongs to")
     p.add_argument("--bind-host", default="127.0.0.1", help="address to listen on for data")
     p.add_argument("--name", help="host name shown in status (default hostname:pid)")
+    p.add_argument("--rank", type=int, default=-1,
+                   help="host rank to ask for (a launcher numbers its hosts so that ranks and names "
+                        "agree; default: the next free one)")
     p.add_argument("--coordinator", default="",
                    help="HOST:PORT of the island's jax.distributed coordinator (islands of several hosts)")
     p.add_argument("--num-processes", type=int, default=1, help="hosts in this island's runtime")
@@ -798,7 +874,7 @@ def main(argv: list[str] | None = None) -> int:
                coordinator=args.coordinator, num_processes=args.num_processes,
                process_id=args.process_id, dcn_latency_ms=args.dcn_latency_ms,
                dcn_gbps=args.dcn_gbps, dcn_encrypt=args.dcn_encrypt, config=config, common=common,
-               worker_key=worker_key_from_config(common, key))
+               rank=args.rank, worker_key=worker_key_from_config(common, key))
     signal.signal(signal.SIGTERM, w.stop)
     signal.signal(signal.SIGINT, w.stop)
     try:

@@ -230,6 +230,11 @@ class SimHost:
                     self.fused.pop(f, None)
             case m.SendPiece():
                 self.proc.send_piece(self, msg)
+            case m.SendPieces():          # a bucket: emulated piece by piece
+                for p in msg.pieces:
+                    self.proc.send_piece(self, m.SendPiece(p.piece_id, p.buffer, p.device, p.region, p.sub,
+                                                           msg.dst_host, msg.dst_address, msg.channel,
+                                                           msg.dst_machine, msg.dst_key))
             case m.RegisterProgram():
                 if len(buffers) == 1:
                     self.costs[msg.digest] = program_cost_s(bytes(buffers[0]), self.proc.default_cost_s)
@@ -880,6 +885,9 @@ class SimProcess:
             case m.Piece():
                 value = None if msg.error is not None else SimValue(tuple(msg.aval.shape), msg.aval.dtype)
                 self.pieces.set(PieceKey(msg.piece_id), value, msg.error)
+            case m.Pieces():
+                for pid, aval in zip(msg.piece_ids, msg.avals, strict=True):
+                    self.pieces.set(PieceKey(pid), SimValue(tuple(aval.shape), aval.dtype), None)
             case m.Fetch():
                 h = self.by_device.get(msg.device)
                 if h is None:
