@@ -184,12 +184,10 @@ class CommonConfig(_FromEnv):
                        "zp.connect() and `zpath status` sign with when given no key")
     key_file: str = setting("", "ZPATH_KEY_FILE", "a file holding the cluster key, hex "
                             "(read when ZPATH_KEY is not set)")
-    worker_key: str = setting("", "ZPATH_WORKER_KEY", "the worker key, hex (or ZPATH_WORKER_KEY_FILE): "
+    worker_key: str = setting("", "ZPATH_WORKER_KEY", "the worker key, hex: "
                               "what the controller and the workers, and no client, hold; the "
                               "launchers make one per cluster (unset: the cluster key, and clients "
                               "are not kept apart)")
-    worker_key_file: str = setting("", "ZPATH_WORKER_KEY_FILE", "a file holding the worker key, hex "
-                                   "(read when ZPATH_WORKER_KEY is not set)")
     max_message_bytes: int = setting(1 << 30, "ZPATH_MAX_MESSAGE_BYTES",
                                      "largest frame a worker or client accepts (ZeroMQ MAXMSGSIZE; "
                                      "a peer that sends a larger one is disconnected); the "

@@ -3,7 +3,7 @@
 * the **cluster key** (``ZPATH_KEY`` / ``ZPATH_KEY_FILE``): what every client
   holds. It signs a client's ``Hello`` (and ``StatusRequest``s before one), and
   the controller's messages to clients.
-* the **worker key** (``ZPATH_WORKER_KEY`` / ``ZPATH_WORKER_KEY_FILE``): what
+* the **worker key** (``ZPATH_WORKER_KEY``): what
   only the controller and the workers hold. It signs what they send each other
   (registration, control, pieces).
 * a **session key** per client: ``HMAC-SHA256(worker key, "zpath session" ‖
@@ -81,18 +81,11 @@ def write_key_file(path: str, key: bytes) -> None:
 
 def worker_key_from_config(common: CommonConfig, cluster_key: bytes) -> bytes:
     """The worker key a configuration names: ``worker_key`` (ZPATH_WORKER_KEY),
-    else the file ``worker_key_file``, else the cluster key itself (a cluster
+    else the cluster key itself (a cluster
     started by hand with one key: clients are then not kept apart, and a warning
     says so)."""
     if common.worker_key:
         return parse_key(common.worker_key, "ZPATH_WORKER_KEY")
-    if common.worker_key_file:
-        try:
-            with open(common.worker_key_file) as f:
-                return parse_key(f.read(), f"the key in {common.worker_key_file}")
-        except OSError as e:
-            raise ZpathError(f"cannot read the worker key file ZPATH_WORKER_KEY_FILE="
-                             f"{common.worker_key_file}: {e.strerror}") from None
     log.warning("no worker key (ZPATH_WORKER_KEY): the cluster key is used instead, so any "
                 "client could act as a worker or as another client")
     return cluster_key

@@ -130,7 +130,6 @@ class ClusterLauncher:
         self._env = dict(os.environ, **(env or {}))
         self._env["ZPATH_KEY"] = self.key.hex()
         self._env["ZPATH_WORKER_KEY"] = self.worker_key.hex()
-        self._env.pop("ZPATH_WORKER_KEY_FILE", None)
         self._env[PARENT_PID_ENV] = str(os.getpid())
         self._env.pop("ZPATH_CONTROLLER", None)
         if policy is not None:

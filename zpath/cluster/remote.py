@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     env["ZPATH_KEY"] = key
     env["ZPATH_WORKER_KEY"] = worker_key
     env[PARENT_PID_ENV] = str(os.getpid())
-    for name in ("ZPATH_KEY_FILE", "ZPATH_WORKER_KEY_FILE", "ZPATH_CONTROLLER"):
+    for name in ("ZPATH_KEY_FILE", "ZPATH_CONTROLLER"):
         env.pop(name, None)
 
     stop = threading.Event()
