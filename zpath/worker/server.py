@@ -421,7 +421,12 @@ class Worker:
                 try:
                     if router:
                         why = refused_on_data(signer, msg)
-                        if why:
+                        if why and type(msg) is m.Fetch:
+                            # that fetch fails (its future, as any failed fetch), not the connection
+                            if self.reply_limit.allow(ident, time.monotonic()):
+                                self.post_data(ident, m.FetchReply(msg.request, m.Aval([], ""), m.ErrorInfo(
+                                    ErrorKind.REMOTE_ERROR, why, self.rank, "", "")))
+                        elif why:
                             self._refuse(sock, router, ident, header.msg_id, why, ErrorKind.BAD_REQUEST)
                         else:
                             self._handle_data(ident, header.msg_id, msg, buffers)

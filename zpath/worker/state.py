@@ -497,8 +497,8 @@ def refused_on_data(signer: int, msg: Record) -> str:
     key)."""
     if type(msg) in (m.Put, m.Fetch):
         if signer <= 0 or client_of(msg.buffer) != signer:
-            return (f"{type(msg).__name__} of buffer {msg.buffer}, which is not the signer's "
-                    f"(client {client_of(msg.buffer)}, signed by {signer})")
+            return (f"{type(msg).__name__} of buffer {msg.buffer}: not this client's (not the signer's: "
+                    f"it is client {client_of(msg.buffer)}'s, signed by {signer})")
         return ""
     if type(msg) in _FROM_WORKERS and signer != CLUSTER:
         return f"{type(msg).__name__} is accepted from workers only"
