@@ -82,19 +82,21 @@ def _client_id(p: subprocess.Popen) -> int:
     return int(line.split()[1])
 
 
-def _shares(cluster, weights: list[float], seconds: float) -> dict[float, float]:
+def _shares(cluster, weights: list[float], seconds: float, warm: bool = True) -> dict[float, float]:
     """Run one client process per weight, all backlogged at once; return each
-    weight's share of the device time measured while all of them were busy."""
-    # a first client compiles the program on the worker, so no measured client
-    # is charged the compilation (the clients share the compiled program)
-    warm = _spawn(cluster, 1.0, 0)
-    try:
-        _client_id(warm)
-        warm.stdin.write("go\n")
-        warm.stdin.flush()
-        assert warm.wait(60) == 0
-    finally:
-        _stop([warm])
+    weight's share of the device time measured while all of them were busy.
+    ``warm``: a first client compiles the program on the worker, so no measured
+    client is charged the compilation (the clients share the compiled program);
+    a policy that keeps no account of device time (fifo) needs none."""
+    if warm:
+        first = _spawn(cluster, 1.0, 0)
+        try:
+            _client_id(first)
+            first.stdin.write("go\n")
+            first.stdin.flush()
+            assert first.wait(60) == 0
+        finally:
+            _stop([first])
     procs = [_spawn(cluster, w, seconds) for w in weights]
     try:
         ids = {_client_id(p): w for p, w in zip(procs, weights)}
@@ -139,7 +141,7 @@ def test_fifo_ignores_weights(zpath_cluster):
     cluster = zpath_cluster(islands=1, hosts_per_island=1, devices_per_host=1, policy="fifo")
     with connected(cluster) as conn:
         assert conn.client.request(m.StatusRequest(False)).policy == "fifo"
-    shares = _shares(cluster, [1.0, 3.0], seconds=6)
+    shares = _shares(cluster, [1.0, 3.0], seconds=6, warm=False)
     # both keep the same number of computations waiting: about equal turns
     assert shares[3.0] == pytest.approx(0.5, abs=0.12), shares
 
@@ -180,12 +182,21 @@ def test_bad_weights_are_refused(one_device):
         Client(one_device.address, one_device.key, weight=-1.0, timeout=10)
 
 
+@pytest.fixture(scope="module")
+def quick_to_drop_clients():
+    """One device; a client silent for 2 s counts as gone."""
+    from zpath.cluster.testing import running_cluster
+    with running_cluster(islands=1, hosts_per_island=1, devices_per_host=1,
+                         env={"ZPATH_CLIENT_TIMEOUT": "2"}) as c:
+        yield c
+
+
 @pytest.mark.parametrize("program", ["", "parallel", "sequential"])
-def test_killed_client_has_its_queued_work_cancelled(zpath_cluster, program):
+def test_killed_client_has_its_queued_work_cancelled(quick_to_drop_clients, program):
     """Calls, or the nodes of one program (held for their turn, or in sequential
-    mode for their predecessors), of a client killed meanwhile never run."""
-    cluster = zpath_cluster(islands=1, hosts_per_island=1, devices_per_host=1,
-                            env={"ZPATH_CLIENT_TIMEOUT": "2"})
+    mode for their predecessors), of a client killed meanwhile never run. (The
+    cases share a cluster: each leaves it with nothing running, queued or stored.)"""
+    cluster = quick_to_drop_clients
     p = _spawn(cluster, 1.0, 0, env={"SUBMIT_ONLY": "2000", "PROGRAM": program})
     try:
         cid = _client_id(p)
