@@ -24,7 +24,7 @@ pytestmark = pytest.mark.timeout(240)
 # A client process: connect with a weight, keep up to DEPTH computations of a
 # few milliseconds outstanding on the cluster's one device for SECONDS, print
 # its client id. With SUBMIT_ONLY it submits N computations, says so and waits
-# (to be killed).
+# (to be killed). With AFTER_WARM it reads a line before its first call.
 CLIENT = r"""
 import os, sys, time
 import jax, jax.numpy as jnp, numpy as np
@@ -38,6 +38,8 @@ def work(x):
 
 f = zp.pmap(work, devices=dev)
 x = np.full((1, 384, 384), 0.01, np.float32)
+if os.environ.get("AFTER_WARM"):            # until told that another client compiled f
+    sys.stdin.readline()
 x = f(x)                                   # compiled and warm; x stays on the devices
 x.result(timeout=60)
 print("id", conn.client.client_id, flush=True)
@@ -88,17 +90,18 @@ def _shares(cluster, weights: list[float], seconds: float, warm: bool = True) ->
     ``warm``: a first client compiles the program on the worker, so no measured
     client is charged the compilation (the clients share the compiled program);
     a policy that keeps no account of device time (fifo) needs none."""
-    if warm:
-        first = _spawn(cluster, 1.0, 0)
-        try:
+    # (the measured clients start meanwhile, and make their first call after it)
+    first = _spawn(cluster, 1.0, 0) if warm else None
+    procs = [_spawn(cluster, w, seconds, env={"AFTER_WARM": "1"} if warm else None) for w in weights]
+    try:
+        if first is not None:
             _client_id(first)
             first.stdin.write("go\n")
             first.stdin.flush()
             assert first.wait(60) == 0
-        finally:
-            _stop([first])
-    procs = [_spawn(cluster, w, seconds) for w in weights]
-    try:
+            for p in procs:
+                p.stdin.write("warm\n")
+                p.stdin.flush()
         ids = {_client_id(p): w for p, w in zip(procs, weights)}
         go = time.time()
         for p in procs:
@@ -108,7 +111,7 @@ def _shares(cluster, weights: list[float], seconds: float, warm: bool = True) ->
             assert p.stdout.readline().strip() == "done"
             assert p.wait(60) == 0
     finally:
-        _stop(procs)
+        _stop(procs + ([first] if first is not None else []))
     with connected(cluster) as conn:
         recs = [r for r in conn.client.request(m.TimelineRequest(100_000)).records if r.client in ids]
     # the interval in which every client had work: from the start signal to
