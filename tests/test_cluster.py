@@ -392,12 +392,17 @@ def test_zpath_up_cli_runs_and_stops_on_a_signal(tmp_path, sig, code):
 
 
 def test_workers_exit_when_the_controller_dies(tmp_path):
-    """No orphans: killing the controller makes the workers exit."""
-    c = LocalCluster(islands=1, hosts_per_island=1, devices_per_host=1, log_dir=str(tmp_path))
+    """No orphans: killing the controller makes the workers exit (once they
+    have heard nothing from it for ZPATH_CONTROLLER_TIMEOUT, here 3 s)."""
+    c = LocalCluster(islands=1, hosts_per_island=1, devices_per_host=1, log_dir=str(tmp_path),
+                     env={"ZPATH_CONTROLLER_TIMEOUT": "3"})
     try:
-        (_, ctl), (_, worker) = c.procs
+        (_, ctl), (name, worker) = c.procs
+        assert worker.poll() is None
         ctl.kill()
         worker.wait(40)
+        with open(tmp_path / f"{name}.log") as f:
+            assert "no word from the controller for 3s: exiting" in f.read()
     finally:
         pids = c.pids
         c.stop()

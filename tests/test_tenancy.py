@@ -24,7 +24,7 @@ pytestmark = pytest.mark.timeout(240)
 # A client process: connect with a weight, keep up to DEPTH computations of a
 # few milliseconds outstanding on the cluster's one device for SECONDS, print
 # its client id. With SUBMIT_ONLY it submits N computations, says so and waits
-# (to be killed).
+# (to be killed). With AFTER_WARM it reads a line before its first call.
 CLIENT = r"""
 import os, sys, time
 import jax, jax.numpy as jnp, numpy as np
@@ -38,6 +38,8 @@ def work(x):
 
 f = zp.pmap(work, devices=dev)
 x = np.full((1, 384, 384), 0.01, np.float32)
+if os.environ.get("AFTER_WARM"):            # until told that another client compiled f
+    sys.stdin.readline()
 x = f(x)                                   # compiled and warm; x stays on the devices
 x.result(timeout=60)
 print("id", conn.client.client_id, flush=True)
@@ -82,21 +84,24 @@ def _client_id(p: subprocess.Popen) -> int:
     return int(line.split()[1])
 
 
-def _shares(cluster, weights: list[float], seconds: float) -> dict[float, float]:
+def _shares(cluster, weights: list[float], seconds: float, warm: bool = True) -> dict[float, float]:
     """Run one client process per weight, all backlogged at once; return each
-    weight's share of the device time measured while all of them were busy."""
-    # a first client compiles the program on the worker, so no measured client
-    # is charged the compilation (the clients share the compiled program)
-    warm = _spawn(cluster, 1.0, 0)
+    weight's share of the device time measured while all of them were busy.
+    ``warm``: a first client compiles the program on the worker, so no measured
+    client is charged the compilation (the clients share the compiled program);
+    a policy that keeps no account of device time (fifo) needs none."""
+    # (the measured clients start meanwhile, and make their first call after it)
+    first = _spawn(cluster, 1.0, 0) if warm else None
+    procs = [_spawn(cluster, w, seconds, env={"AFTER_WARM": "1"} if warm else None) for w in weights]
     try:
-        _client_id(warm)
-        warm.stdin.write("go\n")
-        warm.stdin.flush()
-        assert warm.wait(60) == 0
-    finally:
-        _stop([warm])
-    procs = [_spawn(cluster, w, seconds) for w in weights]
-    try:
+        if first is not None:
+            _client_id(first)
+            first.stdin.write("go\n")
+            first.stdin.flush()
+            assert first.wait(60) == 0
+            for p in procs:
+                p.stdin.write("warm\n")
+                p.stdin.flush()
         ids = {_client_id(p): w for p, w in zip(procs, weights)}
         go = time.time()
         for p in procs:
@@ -106,7 +111,7 @@ def _shares(cluster, weights: list[float], seconds: float) -> dict[float, float]
             assert p.stdout.readline().strip() == "done"
             assert p.wait(60) == 0
     finally:
-        _stop(procs)
+        _stop(procs + ([first] if first is not None else []))
     with connected(cluster) as conn:
         recs = [r for r in conn.client.request(m.TimelineRequest(100_000)).records if r.client in ids]
     # the interval in which every client had work: from the start signal to
@@ -139,7 +144,7 @@ def test_fifo_ignores_weights(zpath_cluster):
     cluster = zpath_cluster(islands=1, hosts_per_island=1, devices_per_host=1, policy="fifo")
     with connected(cluster) as conn:
         assert conn.client.request(m.StatusRequest(False)).policy == "fifo"
-    shares = _shares(cluster, [1.0, 3.0], seconds=6)
+    shares = _shares(cluster, [1.0, 3.0], seconds=6, warm=False)
     # both keep the same number of computations waiting: about equal turns
     assert shares[3.0] == pytest.approx(0.5, abs=0.12), shares
 
@@ -180,12 +185,21 @@ def test_bad_weights_are_refused(one_device):
         Client(one_device.address, one_device.key, weight=-1.0, timeout=10)
 
 
+@pytest.fixture(scope="module")
+def quick_to_drop_clients():
+    """One device; a client silent for 2 s counts as gone."""
+    from zpath.cluster.testing import running_cluster
+    with running_cluster(islands=1, hosts_per_island=1, devices_per_host=1,
+                         env={"ZPATH_CLIENT_TIMEOUT": "2"}) as c:
+        yield c
+
+
 @pytest.mark.parametrize("program", ["", "parallel", "sequential"])
-def test_killed_client_has_its_queued_work_cancelled(zpath_cluster, program):
+def test_killed_client_has_its_queued_work_cancelled(quick_to_drop_clients, program):
     """Calls, or the nodes of one program (held for their turn, or in sequential
-    mode for their predecessors), of a client killed meanwhile never run."""
-    cluster = zpath_cluster(islands=1, hosts_per_island=1, devices_per_host=1,
-                            env={"ZPATH_CLIENT_TIMEOUT": "2"})
+    mode for their predecessors), of a client killed meanwhile never run. (The
+    cases share a cluster: each leaves it with nothing running, queued or stored.)"""
+    cluster = quick_to_drop_clients
     p = _spawn(cluster, 1.0, 0, env={"SUBMIT_ONLY": "2000", "PROGRAM": program})
     try:
         cid = _client_id(p)

@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import re
 import sys
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import jax
 import numpy as np
@@ -33,16 +34,25 @@ def data() -> list[np.ndarray]:
 
 
 @pytest.fixture(scope="module")
-def reference(data: list[np.ndarray]) -> list[float]:
-    losses = M.reference_losses(CFG, data)
+def reference_run(data: list[np.ndarray]) -> Iterator[Future]:
+    """Plain JAX's losses, computed on a thread of this process (its compilation
+    leaves a core free) while the cluster starts."""
+    with ThreadPoolExecutor(1, thread_name_prefix="reference") as pool:
+        yield pool.submit(M.reference_losses, CFG, data)
+
+
+@pytest.fixture(scope="module")
+def reference(reference_run: Future) -> list[float]:
+    losses = reference_run.result(timeout=300)
     assert losses[-1] < losses[0] - 0.05, f"the model does not learn: {losses}"
     return losses
 
 
 @pytest.fixture(scope="module")
-def hosts() -> Any:
+def hosts(reference_run: Future) -> Any:
     """Two islands of two hosts, two devices per host, with an emulated DCN;
-    the devices of each host (hosts of island 0 first)."""
+    the devices of each host (hosts of island 0 first). (The reference is
+    under way meanwhile.)"""
     with running_cluster(islands=2, hosts_per_island=2, devices_per_host=2,
                          dcn_gbps=1.0, dcn_latency_ms=0.5) as cluster:
         with connected(cluster):
