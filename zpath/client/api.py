@@ -137,7 +137,8 @@ class Mesh:
         comp = self._ops.get(key)
         if comp is None:
             out = jax.eval_shape(fn, *[jax.ShapeDtypeStruct(s, d, weak_type=w) for s, d, w in avals])
-            out_spec = specs[operands.index(anchor)] if getattr(out, "shape", None) == anchor.shape else P()
+            at = next(i for i, o in enumerate(operands) if o is anchor)      # (== is elementwise)
+            out_spec = specs[at] if getattr(out, "shape", None) == anchor.shape else P()
 
             def op(*xs: Any) -> Any:
                 return fn(*xs)
@@ -168,7 +169,10 @@ def spec_of(spec: Any) -> P:
     """A PartitionSpec from its wire form (a list of None, axis or axes)."""
     if isinstance(spec, P):
         return spec
-    return P(*[tuple(e) if isinstance(e, list) else e for e in spec])
+    entries = [tuple(e) if isinstance(e, list) else e for e in spec]
+    while entries and entries[-1] is None:       # (as the user writes it: P("i"), not P("i", None))
+        entries.pop()
+    return P(*entries)
 
 
 def _on_mesh(x: Any, mesh: Mesh) -> bool:

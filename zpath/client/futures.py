@@ -146,6 +146,9 @@ class Future(ArrayMethods):
         return value if self._key is None else jax.random.wrap_key_data(value, impl=self._key)
 
     def _array(self, timeout: float | None = None) -> np.ndarray:
+        if self._donated is not None:
+            raise ZpathError(f"this future was donated to {self._donated} (donate_argnums): its value "
+                             "is gone; use what that call returned")
         if timeout is None:
             timeout = self._client.config.fetch_timeout_s
         elif isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) \
@@ -153,9 +156,6 @@ class Future(ArrayMethods):
             raise ValueError(f"timeout must be a number of seconds > 0 and <= {MAX_TIMEOUT_S:g} "
                              f"(or None), not {timeout!r}")
         timeout = float(timeout)
-        if self._donated is not None:
-            raise ZpathError(f"this future was donated to {self._donated} (donate_argnums): its value "
-                             "is gone; use what that call returned")
         with self._lock:
             if self._error is not None:
                 raise _fresh(self._error)
