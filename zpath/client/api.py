@@ -416,14 +416,16 @@ class Computation:
                 return jax.shard_map(per_shard, mesh=am, in_specs=tuple(leaf_specs), out_specs=out_spec)(*flat)
 
             functools.update_wrapper(mapped, self.fn)
-            jitted = jax.jit(mapped)
+            jitted = jax.jit(mapped, donate_argnums=self._donated_leaves(bound))
             make = lambda: jax.export.export(jitted)(*structs)    # noqa: E731
         else:
             out_specs = self.out_specs if self.out_specs is not None else P()
             out_sh = jax.tree_util.tree_map(lambda s: JaxNamedSharding(am, s), out_specs,
                                             is_leaf=lambda x: isinstance(x, P))
+            # (the exported program marks donated inputs, tf.aliasing_output)
             jitted = jax.jit(call, out_shardings=out_sh, static_argnums=tuple(static_pos),
-                             static_argnames=tuple(statics))
+                             static_argnames=tuple(statics),
+                             donate_argnums=tuple(sorted(self._donated_positions(n))))
             d_args, d_kwargs = jax.tree_util.tree_unflatten(bound.in_tree, structs)
             it = iter(d_args)
             full = [static_pos[i] if i in static_pos else next(it) for i in range(n)]
@@ -585,13 +587,27 @@ class Computation:
             client.recorder.add("call", self.name, began, time.time(), call=msg.call_id, outputs=out_buffers)
         return jax.tree_util.tree_unflatten(traced.out_tree, futures)
 
+    def _donated_positions(self, n: int) -> set[int]:
+        return {i % n for i in self.donate_argnums if -n <= i < n}
+
+    def _donated_leaves(self, bound: _Args) -> tuple[int, ...]:
+        """The indices, among the dynamic leaves, of those of donated arguments."""
+        d_args, _ = jax.tree_util.tree_unflatten(bound.in_tree, bound.leaves)
+        donated, out, k = self._donated_positions(bound.n_args), [], 0
+        for i, a in zip(self._dynamic_positions(bound.n_args), d_args, strict=True):
+            count = len(jax.tree_util.tree_leaves(a, is_leaf=_is_arg_leaf))
+            if i in donated:
+                out += range(k, k + count)
+            k += count
+        return tuple(out)
+
     def _donate(self, bound: _Args) -> None:
         """The futures passed in donated arguments are consumed: their buffers
         are released after this call (which reads them) and using them again
         raises."""
         d_args, _ = jax.tree_util.tree_unflatten(bound.in_tree, bound.leaves)
         positions = self._dynamic_positions(bound.n_args)
-        donated = {i % bound.n_args for i in self.donate_argnums if -bound.n_args <= i < bound.n_args}
+        donated = self._donated_positions(bound.n_args)
         for i, a in zip(positions, d_args, strict=True):
             if i in donated:
                 for x in jax.tree_util.tree_leaves(a, is_leaf=_is_arg_leaf):
