@@ -27,6 +27,7 @@ fresh pages where the allocator maps new ones, its free not timed), medians.
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import time
@@ -127,7 +128,21 @@ class Mover:
         return statistics.median(chan), statistics.median(ts)
 
 
+SIZES: list[int] = []     # --sizes: only these
+
+
+def parse_size(text: str) -> int:
+    """'1K', '64K', '1M', '4096' -> bytes."""
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    text = text.strip().upper().removesuffix("IB").removesuffix("B")
+    if text and text[-1] in units:
+        return int(float(text[:-1]) * units[text[-1]])
+    return int(text)
+
+
 def sizes(quick: bool) -> list[int]:
+    if SIZES:
+        return list(SIZES)
     top = 64 << 20 if quick else 256 << 20
     out, n = [], 1 << 10
     while n <= top:
@@ -234,10 +249,23 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="sizes up to 64 MiB, fewer repeats")
     p.add_argument("--only", choices=("ici", "dcn"), help="run only this part")
     p.add_argument("--png", help="also draw the figures here (matplotlib)")
+    p.add_argument("--sizes", help="only these piece sizes, e.g. 1K,64K,64M")
+    p.add_argument("--json", metavar="PATH", help="also write the ICI figures as JSON here "
+                   "({'ici': {bytes: {'shm_us', 'tcp_us', 'memcpy_GBps'}}})")
     args = p.parse_args()
+    if args.sizes:
+        SIZES[:] = [parse_size(t) for t in args.sizes.split(",")]
     print(__doc__.split("Method:", 1)[1].strip().replace("\n", " ").replace("  ", " ")
           .join(["Method: ", "\n"]))
     series = ici(args.quick) if args.only != "dcn" else {}
+    if args.json and series:
+        ns = sizes(args.quick)
+        with open(args.json, "w") as f:
+            json.dump({"ici": {str(n): {"shm_us": n / series["shm (channel)"][i] / 1e3,
+                                        "tcp_us": n / series["tcp (channel)"][i] / 1e3,
+                                        "shm_GBps": series["shm (channel)"][i],
+                                        "memcpy_GBps": series["memcpy warm"][i]}
+                               for i, n in enumerate(ns)}}, f)
     caps = dcn(args.quick) if args.only != "ici" else []
     if args.png:
         plots.throughput(args.png, sizes(args.quick) if series else [], series, caps,

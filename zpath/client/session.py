@@ -17,6 +17,7 @@ from zpath.cluster.launcher import LocalCluster, default_shape
 from zpath.config import ClientConfig, ClusterConfig, CommonConfig
 from zpath.errors import ZpathError
 from zpath.keys import key_from_config, parse_key
+from zpath.proxy.launch import start_proxy
 
 __all__ = ["Cluster", "init", "connect", "shutdown", "trace"]
 
@@ -28,6 +29,7 @@ class Cluster:
     def __init__(self, client: Any, local: Any = None) -> None:
         self.client = client
         self.local = local
+        self.ifrt_proxy: str | None = None     # HOST:PORT of its IFRT proxy (zp.init(ifrt_proxy=))
 
     @property
     def address(self) -> str:
@@ -52,13 +54,16 @@ _cluster: dict[str, Cluster | None] = {"current": None}
 def init(islands: int | None = None, hosts_per_island: int | None = None,
          devices_per_host: int | None = None, *, weight: float = 1.0,
          config: ClientConfig | None = None, cluster_config: ClusterConfig | None = None,
-         **kwargs: Any) -> Cluster:
+         ifrt_proxy: str | None = None, **kwargs: Any) -> Cluster:
     """Start a local cluster (controller + one worker process per host) and
     connect to it with a proportional-share ``weight``. With ``ZPATH_CONTROLLER``
     set, connect to that cluster instead. Other keyword arguments go to
     :class:`zpath.cluster.launcher.LocalCluster` (e.g. ``policy``, ``dcn_gbps``).
     ``config``/``cluster_config``: the client's and the launcher's settings
-    (default: from the environment, see ``python -m zpath.config``)."""
+    (default: from the environment, see ``python -m zpath.config``).
+    ``ifrt_proxy``: HOST:PORT (port 0: a free one) where the local cluster also
+    serves the IFRT proxy protocol to unmodified JAX clients (``JAX_PLATFORMS=proxy``;
+    the served address is ``cluster.ifrt_proxy``)."""
     if _cluster["current"] is not None:
         raise ZpathError("already initialised: call zp.shutdown() first")
     _check_weight(weight)
@@ -66,6 +71,9 @@ def init(islands: int | None = None, hosts_per_island: int | None = None,
     if config.controller:
         given = [k for k, v in (("islands", islands), ("hosts_per_island", hosts_per_island),
                                 ("devices_per_host", devices_per_host)) if v is not None] + list(kwargs)
+        if ifrt_proxy is not None:
+            raise ZpathError("ZPATH_CONTROLLER is set: zp.init() connects to that cluster and cannot "
+                             "start an IFRT proxy for it (start it with `zpath up --ifrt-proxy HOST:PORT`)")
         if given:
             warnings.warn(f"ZPATH_CONTROLLER is set: zp.init() connects to that cluster and "
                           f"ignores {', '.join(given)}", stacklevel=2)
@@ -79,7 +87,9 @@ def init(islands: int | None = None, hosts_per_island: int | None = None,
             shape[k] = v
     local = LocalCluster(**shape, config=cluster_config, **kwargs)
     try:
+        served = start_proxy(local, ifrt_proxy) if ifrt_proxy is not None else None
         cluster = _attach(local.address, local.key, local, weight=weight, config=config)
+        cluster.ifrt_proxy = served
     except BaseException:
         local.stop()
         raise

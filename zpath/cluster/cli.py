@@ -127,6 +127,11 @@ def _up(args: argparse.Namespace, cfg: Settings) -> int:
         print("zpath cluster stopped", file=sys.stderr, flush=True)
         return interrupted()
     try:
+        if args.ifrt_proxy:
+            from zpath.proxy.launch import start_proxy                # lazy: see the top
+            served = start_proxy(cluster, args.ifrt_proxy, timeout=args.start_timeout)
+            print(f"IFRT proxy: JAX_PLATFORMS=proxy JAX_BACKEND_TARGET=grpc://{served} "
+                  "(README: Unmodified JAX)", flush=True)
         cluster_state.write_state(state_path, cluster_state.cluster_state(cluster))
         print(f"zpath cluster up: {cluster.address}", flush=True)
         print(f"  key file: {cluster.key_file}", flush=True)
@@ -147,7 +152,8 @@ def _up(args: argparse.Namespace, cfg: Settings) -> int:
                 if name == "controller":
                     print(f"{what}\nstopping the cluster", file=sys.stderr, flush=True)
                     return 1
-                print(f"{what}\nits host is lost; the rest of the cluster keeps running",
+                print(f"{what}\n" + ("JAX clients of the IFRT proxy lose it; " if name == "ifrt-proxy" else
+                                      "its host is lost; ") + "the rest of the cluster keeps running",
                       file=sys.stderr, flush=True)
     finally:
         cluster.stop()
@@ -330,6 +336,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="emulated bandwidth cap of each host's link between islands (Gbit/s; 0: none)")
     up.add_argument("--dcn-encrypt", action="store_true",
                     help="encrypt traffic between islands with CURVE")
+    up.add_argument("--ifrt-proxy", metavar="HOST:PORT", default=None,
+                    help="also serve the IFRT proxy protocol there, for unmodified JAX clients "
+                         "(JAX_PLATFORMS=proxy; needs the 'proxy' extra)")
     up.add_argument("--policy", choices=POLICIES, default=None,
                     help="multi-tenant scheduling policy: proportional share by client weight "
                          "(default; $ZPATH_SCHEDULER_POLICY) or fifo")

@@ -41,6 +41,10 @@ import numpy as np
 # where segments are made unless a caller names another folder (the worker
 # passes CommonConfig.shm_dir, ZPATH_SHM_DIR)
 SHM_DIR = "/dev/shm"
+# pieces up to this many bytes go inline in their message (one ZeroMQ message:
+# no segment, no acknowledgement, no sender thread); bigger ones on one machine
+# go through shared memory
+INLINE_PIECE_BYTES = 64 << 10
 # pieces at least this big are lent to the receiver in their segment (no copy
 # there); smaller ones are copied out and their segment is free again at once
 ZERO_COPY_RECV = 1 << 20

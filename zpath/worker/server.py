@@ -24,6 +24,7 @@ import os
 import queue
 import signal
 import sys
+import threading
 import socket
 import time
 from typing import Any
@@ -139,6 +140,7 @@ class Worker:
         self.executor: Executor | None = None
         self.device_ids: list[int] = []
         self.running = True
+        self.io_thread = 0      # the thread that runs serve_forever (it owns the sockets)
 
     # ---- start-up ------------------------------------------------------------
     def register(self) -> None:
@@ -202,6 +204,7 @@ class Worker:
 
     # ---- I/O loop ------------------------------------------------------------
     def serve_forever(self) -> None:
+        self.io_thread = threading.get_ident()
         poller = self.poller
         poller.register(self.ctl, zmq.POLLIN)
         poller.register(self.data, zmq.POLLIN)
@@ -212,10 +215,12 @@ class Worker:
         while self.running:
             ms = self._poll_ms(min(self._expire_fetches(), self._send_shaped()))
             events = dict(poller.poll(timeout=ms))
-            if self.ctl in events:
-                self._drain(self.ctl, router=False)
+            # data first: a piece or Put that came with the Execute that reads
+            # it is then in the store before the executor looks for it
             if self.data in events:
                 self._drain(self.data, router=True)
+            if self.ctl in events:
+                self._drain(self.ctl, router=False)
             if self.dcn is not None and self.dcn in events:
                 self._drain(self.dcn, router=True)
             if self.outbox.fd in events or self.outbox.held_timeout() == 0.0:
@@ -389,7 +394,7 @@ class Worker:
             case m.SendPiece():
                 self.peer_addrs.setdefault(msg.dst_host, (msg.dst_address, msg.dst_key))
                 key = shard_key(msg.buffer, msg.device, msg.region)
-                self.store.when_done(key, lambda e, msg=msg: self.pool.submit(self._send_piece, msg, e))
+                self.store.when_done(key, lambda e, msg=msg: self._piece_ready(msg, e))
             case m.RegisterProgram():
                 if len(buffers) == 1:
                     self.executor.add_program(msg.digest, bytes(buffers[0]))
@@ -468,20 +473,37 @@ class Worker:
             except zmq.ZMQError as e:
                 log.warning("cannot acknowledge %d shared-memory segments: %s", len(segments), e)
 
-    def _send_piece(self, msg: m.SendPiece, e: Entry) -> None:
+    def _piece_ready(self, msg: m.SendPiece, e: Entry) -> None:
+        """The shard a SendPiece reads is done (``e``), in whatever thread made
+        it so. A small piece (or an error) goes at once: from the I/O thread
+        straight to the peer's socket, from another thread through the outbox.
+        A bigger one is copied out by a sender thread, off the I/O thread."""
+        view = None
+        if e.error is None:
+            region = sharding.from_wire(msg.region)
+            local = sharding.local_slices(sharding.from_wire(msg.sub), region)
+            # a view on the shard's buffer (no copy on CPU): shared memory copies
+            # from it straight into the segment; TCP needs it C-contiguous
+            view = np.asarray(e.value)[local + (Ellipsis,)]
+            if view.nbytes > channels.INLINE_PIECE_BYTES:
+                self.pool.submit(self._send_piece, msg, e, view)
+                return
+        self._send_piece(msg, e, view, direct=threading.get_ident() == self.io_thread)
+
+    def _send_piece(self, msg: m.SendPiece, e: Entry, view: np.ndarray | None,
+                    direct: bool = False) -> None:
+        """Send one piece: an error, inline bytes (small, or not on this
+        machine, or DCN), or a shared-memory descriptor. ``direct``: this is
+        the I/O thread, which may write the peer's socket itself."""
         began = time.time()
         self.sent_at.append([msg.piece_id, began])
         dcn = msg.channel == "DCN"
-        if e.error is not None:
-            self.post_peer(msg.dst_host, m.Piece(msg.piece_id, m.Aval([], ""), e.error), dcn=dcn)
+        if e.error is not None or view is None:
+            self._post_piece(msg.dst_host, m.Piece(msg.piece_id, m.Aval([], ""), e.error), (), dcn, direct)
             return
-        region = sharding.from_wire(msg.region)
-        local = sharding.local_slices(sharding.from_wire(msg.sub), region)
-        # a view on the shard's buffer (no copy on CPU): shared memory copies
-        # from it straight into the segment; TCP needs it C-contiguous
-        view = np.asarray(e.value)[local + (Ellipsis,)]
         aval = m.Aval(list(view.shape), view.dtype.name)
-        if not dcn and self.use_shm and msg.dst_machine == self.machine and view.nbytes > 0:
+        if (not dcn and self.use_shm and msg.dst_machine == self.machine
+                and view.nbytes > channels.INLINE_PIECE_BYTES):
             # ICI on one machine: the bytes go through shared memory
             try:
                 name, offset, drop = self.shm_out.write(msg.dst_host, view)
@@ -496,7 +518,20 @@ class Worker:
         data = view if view.flags.c_contiguous else view.copy(order="C")
         self._count("dcn" if dcn else "ici_tcp", data.nbytes)
         self.sent.append(m.SentPiece(msg.piece_id, began, "DCN" if dcn else "ICI-tcp", data.nbytes, msg.dst_host))
-        self.post_peer(msg.dst_host, m.Piece(msg.piece_id, aval, None), [data], dcn=dcn)
+        self._post_piece(msg.dst_host, m.Piece(msg.piece_id, aval, None), [data], dcn, direct)
+
+    def _post_piece(self, rank: int, msg: m.Piece, buffers: Any, dcn: bool, direct: bool) -> None:
+        """Queue a piece for the I/O thread, or (``direct``, in the I/O thread,
+        unless the DCN link is shaped) write it to the peer's socket now."""
+        if not direct or (dcn and self.shaped.active):
+            self.post_peer(rank, msg, buffers, dcn=dcn)
+            return
+        try:
+            self.ep.send(self._peer(rank), msg, buffers=buffers, block=False)
+        except zmq.Again:
+            log.error("peer %s is not reading (queue full): dropped %s", rank, type(msg).__name__)
+        except Exception as err:   # one bad message must not stop the I/O thread
+            log.error("cannot send %s: %s", type(msg).__name__, err)
 
     def _count(self, channel: str, nbytes: int) -> None:
         self.stats[f"sent_{channel}"] += 1      # GIL-atomic enough for counters
