@@ -243,12 +243,14 @@ def test_futures_are_arrays(client):
            "pow": (y ** 2, x ** 2), "matmul": (y @ y.T, x @ x.T), "index": (y[1:, 0], x[1:, 0]),
            "index2": (y[np.array([0, 2])], x[[0, 2]]), "cmp": (y >= 3, x >= 3), "eq": (y == 2, x == 2),
            "reshape": (y.reshape(2, 4), x.reshape(2, 4)), "astype": (y.astype(np.int32), x.astype(np.int32)),
-           "sum": (y.sum(0), x.sum(0)), "neg": (-y, -x), "iter": (list(y)[3], x[3])}
+           "sum": (y.sum(0), x.sum(0)), "neg": (-y, -x), "iter": (list(y)[3], x[3]),
+           "numpy-left": (np.ones(2, np.float32) + y, 1 + x)}
     for name, (fut, want) in ops.items():
         assert isinstance(fut, zp.Future) and fut.devices() == set(d0), name
         np.testing.assert_array_equal(fut.result(timeout=60), want, err_msg=name)
         assert fut.dtype == want.dtype, name
     assert (y.shape, y.ndim, y.size, y.dtype) == ((4, 2), 2, 8, np.float32)
+    assert float(y[3, 1]) == 7.0 and int(y[1, 0]) == 2 and [0, 1, 2][y[0, 1].astype(np.int32)] == 1
     assert (y + other).sharding.spec == P("i")
 
 

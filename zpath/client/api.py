@@ -664,19 +664,22 @@ def _devices_list(devices: Any) -> list[VirtualDevice]:
 
 
 def pmap(fn: Callable, devices: Any, axis_name: str | None = None, *, in_axes: Any = 0,
-         out_axes: Any = 0, static_argnums: Any = (), donate_argnums: Any = ()) -> Computation:
+         out_axes: Any = 0, static_argnums: Any = (), static_broadcasted_argnums: Any = (),
+         donate_argnums: Any = ()) -> Computation:
     """Map ``fn`` over an axis of its inputs, one slice per device, like
     ``jax.pmap``. Collectives over ``axis_name`` are allowed. ``in_axes``: the
     mapped axis (None: not mapped, every device sees the whole value) for all
     inputs, or one per positional argument (a pytree prefix of it);
-    ``out_axes`` likewise for the outputs. ``static_argnums`` and
-    ``donate_argnums`` as for :func:`jit`."""
+    ``out_axes`` likewise for the outputs. ``static_argnums`` (or JAX's name,
+    ``static_broadcasted_argnums``) and ``donate_argnums`` as for :func:`jit`."""
     devs = _devices_list(devices)
     if not devs:
         raise ValueError("pmap needs at least one device")
     axis = axis_name or DEFAULT_PMAP_AXIS
+    static = _argnums(getattr(fn, "__name__", "pmap"), "nums", static_argnums) + \
+        _argnums(getattr(fn, "__name__", "pmap"), "nums", static_broadcasted_argnums)
     return Computation(fn, Mesh(devs, (axis,)), None, None, axis, in_axes=in_axes, out_axes=out_axes,
-                       static_argnums=static_argnums, donate_argnums=donate_argnums)
+                       static_argnums=static, donate_argnums=donate_argnums)
 
 
 DEVICES_AXIS = "_zp_devices"       # the mesh axis of a zp.jit given devices= instead of a mesh

@@ -209,6 +209,18 @@ class Future(ArrayMethods):
         """The truth of the value (fetched), as for a numpy array."""
         return bool(self.result())
 
+    def __int__(self) -> int:
+        return int(self._array())
+
+    def __float__(self) -> float:
+        return float(self._array())
+
+    def __complex__(self) -> complex:
+        return complex(self._array())
+
+    def __index__(self) -> int:
+        return self._array().__index__()
+
     def __len__(self) -> int:
         if not self.shape:
             raise TypeError("len() of a 0-d future")
