@@ -21,6 +21,7 @@ import zpath as zp
 from zpath.client import api
 from zpath.client.tracer import TracerBoolConversionError, Value
 from zpath.net import messages as m
+from zpath.worker.executor import donated_inputs
 
 pytestmark = pytest.mark.timeout(180)
 P = zp.P
@@ -214,6 +215,18 @@ def test_a_donated_future_is_consumed(fake):
         with pytest.raises((ValueError, zp.ZpathError), match="donated to <lambda>"):
             use()
     assert w2.shape == (2,)
+    # the workers reuse the buffer only of a value that call alone reads: a
+    # future read before (by a call, a program, a fetch), or passed twice, is
+    # consumed by a program that does not donate
+    read = zp.device_put(np.ones(2), devs)
+    read + 1
+    step(read, np.ones(2))
+    twice = zp.device_put(np.ones(2), devs)
+    step(twice, twice)
+    variants = {donate: traced for (_, donate), traced in step._cache.items()}
+    assert set(variants) == {True, False}
+    assert [donated_inputs(jax.export.deserialize(bytearray(client.programs[variants[d].digest])))
+            for d in (True, False)] == [(0,), ()]
 
 
 # ---- on a cluster -----------------------------------------------------------------

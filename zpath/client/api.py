@@ -383,7 +383,7 @@ class Computation:
                 o if k is None else jax.random.key_data(o) for o, k in zip(out_leaves, out_keys, strict=True)])
         return call
 
-    def _trace(self, bound: _Args) -> _Traced:
+    def _trace(self, bound: _Args, donate: bool) -> _Traced:
         am = AbstractMesh(self.mesh.shape, self.mesh.axis_names)
         leaf_specs = self._leaf_specs(bound)
         structs = [jax.ShapeDtypeStruct(s, d, sharding=JaxNamedSharding(am, spec), weak_type=w)
@@ -416,7 +416,7 @@ class Computation:
                 return jax.shard_map(per_shard, mesh=am, in_specs=tuple(leaf_specs), out_specs=out_spec)(*flat)
 
             functools.update_wrapper(mapped, self.fn)
-            jitted = jax.jit(mapped, donate_argnums=self._donated_leaves(bound))
+            jitted = jax.jit(mapped, donate_argnums=self._donated_leaves(bound) if donate else ())
             make = lambda: jax.export.export(jitted)(*structs)    # noqa: E731
         else:
             out_specs = self.out_specs if self.out_specs is not None else P()
@@ -425,7 +425,7 @@ class Computation:
             # (the exported program marks donated inputs, tf.aliasing_output)
             jitted = jax.jit(call, out_shardings=out_sh, static_argnums=tuple(static_pos),
                              static_argnames=tuple(statics),
-                             donate_argnums=tuple(sorted(self._donated_positions(n))))
+                             donate_argnums=tuple(sorted(self._donated_positions(n))) if donate else ())
             d_args, d_kwargs = jax.tree_util.tree_unflatten(bound.in_tree, structs)
             it = iter(d_args)
             full = [static_pos[i] if i in static_pos else next(it) for i in range(n)]
@@ -491,16 +491,17 @@ class Computation:
             raise ValueError(f"{self.name}: out_specs has {len(out)} specs for {n} outputs")
         return out
 
-    def prepare(self, bound: _Args) -> _Traced:
+    def prepare(self, bound: _Args, donate: bool = False) -> _Traced:
         """Check the inputs against the devices and trace/export the function for
         this input signature (once; cached). Errors are raised here, at the call
-        site, before anything is dispatched."""
-        key = bound.signature()
+        site, before anything is dispatched. ``donate``: the variant whose
+        program donates the donated arguments (see ``_may_donate``)."""
+        key = (bound.signature(), donate)
         traced = self._cache.get(key)
         if traced is None:
             if self.pmap_axis is not None:
                 self._check_mapped(bound)
-            traced = self._cache[key] = self._trace(bound)
+            traced = self._cache[key] = self._trace(bound, donate)
         self.client.register_program(traced.digest, self.name, traced.blob)
         return traced
 
@@ -568,7 +569,7 @@ class Computation:
                     names = names or self._named_leaves(bound)
                     raise ValueError(f"{self.name}: argument {names[k][0]} is a future that was donated to "
                                      f"{x._donated} (donate_argnums): its buffer is gone")
-        traced = self.prepare(bound)
+        traced = self.prepare(bound, self._may_donate(bound))
         inputs = []
         for x, (shape, dtype), spec, k in zip(bound.leaves, bound.avals, traced.in_specs, bound.keys, strict=True):
             aval = m.Aval(list(shape), dtype.name)
@@ -581,11 +582,30 @@ class Computation:
                    zip(out_buffers, traced.out_avals, traced.out_specs, traced.out_keys, strict=True)]
         msg = self.call_message(traced, inputs, out_buffers)
         client.post(msg)
+        for x in bound.leaves:
+            if isinstance(x, Future):
+                x._read = True
         if self.donate_argnums:
             self._donate(bound)
         if client.recorder is not None:
             client.recorder.add("call", self.name, began, time.time(), call=msg.call_id, outputs=out_buffers)
         return jax.tree_util.tree_unflatten(traced.out_tree, futures)
+
+    def _may_donate(self, bound: _Args) -> bool:
+        """Whether the workers may reuse the donated arguments' buffers: each
+        of their futures is read by this call alone (no call, program or fetch
+        read it before, and it is not passed twice), so no transfer or fetch
+        can still be reading it; client values put for this call always are."""
+        donated = self._donated_leaves(bound)
+        if not donated:
+            return False
+        futures = [x for x in bound.leaves if isinstance(x, Future)]
+        for k in donated:
+            x = bound.leaves[k]
+            if isinstance(x, Future) and (x._read or x._value is not None or
+                                          sum(f is x for f in futures) > 1):
+                return False
+        return True
 
     def _donated_positions(self, n: int) -> set[int]:
         return {i % n for i in self.donate_argnums if -n <= i < n}
@@ -694,7 +714,8 @@ def jit(fn: Callable, mesh: Mesh | None = None, in_specs: Any = None, out_specs:
     pytree matching the outputs. ``devices=`` instead of a mesh: replicated over
     those devices (one device: on it). ``static_argnums``/``static_argnames``:
     arguments passed as Python values (hashable; a new trace per value), as in
-    ``jax.jit``. ``donate_argnums``: arguments whose futures the call consumes."""
+    ``jax.jit``. ``donate_argnums``: arguments whose futures the call consumes (the
+    workers reuse their buffers when that call alone reads them: ``_may_donate``)."""
     if devices is not None:
         if mesh is not None:
             raise TypeError(f"{getattr(fn, '__name__', 'zp.jit')}: give mesh= or devices=, not both")

@@ -30,7 +30,7 @@ class Future(ArrayMethods):
 
     __slots__ = ("_client", "buffer", "shape", "dtype", "_devices", "_mesh_shape",
                  "_axis_names", "_spec", "_lock", "_event", "_value", "_error", "_fetch",
-                 "_fetch_error", "_mesh", "_key", "_donated",
+                 "_fetch_error", "_mesh", "_key", "_donated", "_read",
                  "__weakref__")
 
     def __init__(self, client: Any, buffer: int, shape: tuple[int, ...], dtype: np.dtype,
@@ -53,6 +53,7 @@ class Future(ArrayMethods):
         self._mesh = mesh            # the zp.Mesh it lives on (None: made by hand, see tests)
         self._key = key              # a typed PRNG key's implementation: the value is its key data
         self._donated: str | None = None      # the function it was donated to
+        self._read = False           # read by a call, a program or a fetch (see Computation._may_donate)
 
     def __del__(self) -> None:
         if self._donated is not None:
@@ -103,6 +104,7 @@ class Future(ArrayMethods):
             if self._fetch is None and self._donated is None:
                 self._fetch_error = None
                 self._event.clear()
+                self._read = True
                 self._fetch = self._client.start_fetch(self, self._client.config.fetch_timeout_s)
         return self.done()
 
@@ -178,6 +180,7 @@ class Future(ArrayMethods):
             if self._fetch is None:
                 self._fetch_error = None
                 self._event.clear()
+                self._read = True
                 self._fetch = self._client.start_fetch(self, timeout)
             fetch = self._fetch
         arrived = self._event.wait(timeout)

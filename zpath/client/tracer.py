@@ -62,6 +62,17 @@ def _frozen(spec: list) -> tuple:
     return tuple(tuple(e) if isinstance(e, list) else e for e in spec)
 
 
+def _check_future(name: str, fut: Future, client: Any) -> None:
+    """A future a program's run reads: this connection's and not donated; it
+    is read now (see Computation._may_donate)."""
+    if fut._client is not client:
+        raise ValueError(f"{name}: an input future belongs to another connection")
+    if fut._donated is not None:
+        raise ValueError(f"{name}: an input is a future that was donated to {fut._donated} "
+                         "(donate_argnums): its buffer is gone")
+    fut._read = True
+
+
 def tracing() -> bool:
     return getattr(_state, "trace", None) is not None
 
@@ -262,8 +273,7 @@ class ProgramFunction:
                 kind = v.origin[0]
                 source = bound[v.origin[1]] if kind == "input" else v.origin[1] if kind in ("future", "const") else None
                 if isinstance(source, Future):
-                    if source._client is not client:
-                        raise ValueError(f"{self.name}: an input future belongs to another connection")
+                    _check_future(self.name, source, client)
                     inputs.append(m.CallInput(source.buffer, aval, spec, False))
                 elif id(v) in buffers and put_by.get(id(v)) != n:
                     inputs.append(m.CallInput(buffers[id(v)], aval, spec, False))
@@ -376,8 +386,7 @@ class ProgramFunction:
         for key, kind, source, computation, spec, node in slots:
             value = bound[source] if kind == "input" else source
             if isinstance(value, Future):
-                if value._client is not client:
-                    raise ValueError(f"{self.name}: an input future belongs to another connection")
+                _check_future(self.name, value, client)
                 inputs.append(value.buffer)
             elif key in put and put[key][1] != node:
                 inputs.append(put[key][0])
