@@ -77,6 +77,7 @@ class ZpathChained:
 
         import zpath as zp
 
+        jax.config.update("jax_enable_x64", True)     # float64 values, as described (zpath traces with the caller's setting)
         self.zp = zp
         self.programs = programs
         self.cluster = zp.init(islands=1, hosts_per_island=2, devices_per_host=1)

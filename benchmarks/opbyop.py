@@ -55,8 +55,11 @@ def _summary(times: list[float], calls: int) -> dict[str, Any]:
 
 # ---- zpath ------------------------------------------------------------------
 def bench_zpath(calls: int, repeats: int, warmup: int) -> dict[str, dict[str, Any]]:
+    import jax
+
     import zpath as zp
 
+    jax.config.update("jax_enable_x64", True)     # float64, as the baseline (zpath traces with the caller's setting)
     zp.init(islands=1, hosts_per_island=1, devices_per_host=1)
     try:
         devs = zp.make_virtual_device_set().add_slice(devices=1).devices
@@ -89,7 +92,7 @@ def bench_zpath(calls: int, repeats: int, warmup: int) -> dict[str, dict[str, An
 def bench_jax(calls: int, repeats: int, warmup: int) -> dict[str, dict[str, Any]]:
     import jax
 
-    # zpath computes in float64 (workers enable x64), so the baseline does too.
+    # float64, as the zpath side computes it (it enables x64 there).
     with jax.enable_x64(True):
         g = jax.jit(lambda x: x + 1.)
         x0 = np.zeros(1)

@@ -105,10 +105,12 @@ def _summary(times: list[float], programs: int) -> dict[str, Any]:
 
 class PipelineBench:
     def __init__(self, max_stages: int) -> None:
+        import jax
         import psutil
 
         import zpath as zp
 
+        jax.config.update("jax_enable_x64", True)     # float64 values, as described (zpath traces with the caller's setting)
         self.zp = zp
         self.cluster = zp.init(islands=max_stages, hosts_per_island=1, devices_per_host=1)
         try:

@@ -13,6 +13,7 @@ import sys
 # a fetch in a test that goes wrong fails in a minute instead of hanging
 os.environ.setdefault("ZPATH_FETCH_TIMEOUT", "60")
 
+import jax
 import pytest
 
 from zpath.cluster.testing import assert_gone, connected, running_cluster  # noqa: F401  (used by test modules)
@@ -23,6 +24,15 @@ def cluster():
     """Two islands, one host each, two devices per host."""
     with running_cluster(islands=2, hosts_per_island=1, devices_per_host=2) as c:
         yield c
+
+
+@pytest.fixture
+def x64():
+    """Run a test with JAX's 64-bit types on (``jax_enable_x64``), for tests
+    written for float64 values: zpath traces with the caller's setting
+    (float32 by default, as JAX; tests/test_jax_fidelity.py checks that)."""
+    with jax.enable_x64(True):
+        yield
 
 
 @pytest.fixture

@@ -96,7 +96,7 @@ def conn(island):
 @pytest.mark.parametrize("nbytes,dtype", [(1 << 10, "float32"), (64 << 10, "int8"),
                                           (1 << 20, "bfloat16"), (4 << 20, "int64"),
                                           (64 << 20, "float32")])
-def test_ici_shm_transfer(island, conn, nbytes, dtype):
+def test_ici_shm_transfer(island, conn, x64, nbytes, dtype):     # (x64: int64 stays int64)
     import jax.numpy as jnp
     dt = np.dtype(jnp.dtype(dtype))
     n = nbytes // dt.itemsize

@@ -385,6 +385,33 @@ _SCRIPT = textwrap.dedent("""
     assert h.run(digest, blob, two, 0, 2, (2,), "float64", P("i"), P("i"), (2,)) is None
     res["after_undeclared"] = h.fetch(2, two, (2,), P("i"))
 
+    # a program that donates its input (the client exports one only for a value
+    # that call alone reads): XLA takes the input's buffers over (the arrays are
+    # deleted; whether it writes the output into them is XLA's choice), also
+    # when the input is the output of the computation just before (queued back
+    # to back: that one's outputs are stored before they are donated)
+    mesh2 = Mesh(np.array(two), ("i",))
+    f = jax.jit(jax.shard_map(lambda x: x * 2., mesh=mesh2, in_specs=P("i"), out_specs=P("i")), donate_argnums=0)
+    bdon = bytes(jax.export.export(f)(jax.ShapeDtypeStruct((2,), np.float64,
+                                                           sharding=NamedSharding(mesh2, P("i")))).serialize())
+    ddon = hashlib.sha256(bdon).hexdigest()
+    from zpath.worker.executor import donated_inputs
+    res["donated_inputs"] = [list(donated_inputs(jax.export.deserialize(bytearray(b)))) for b in (bdon, blob)]
+    ex = Executor(Store(), {d.id: d for d in devs}, report)
+    ex.add_program(ddon, bdon)
+    halves2 = ([[0, 1]], [[1, 2]])
+    for d, r in zip(two, halves2):
+        ex.store.set(shard_key(8000, d.id, r), jax.device_put(np.ones(1), d))
+    def stored(b):
+        return [ex.store.entry(shard_key(b, d.id, r)).value for d, r in zip(two, halves2)]
+    ex.submit(numbered(90, node(ddon, 8000, 8001)))
+    res["donated_reports"] = [reports.get(timeout=60)[:2]]
+    for k in range(1, 4):
+        ex.submit(numbered(90 + k, node(ddon, 8000 + k, 8001 + k)))
+    res["donated_reports"] += [[i, e] for i, e, _ in (reports.get(timeout=60) for _ in range(3))]
+    res["donated"] = [[a.is_deleted() for b in range(8000, 8004) for a in stored(b)],
+                      [np.asarray(a).tolist() for a in stored(8004)]]
+    ex.stop()
     print(json.dumps(res))
 """)
 
@@ -547,3 +574,10 @@ def test_an_output_other_than_declared_fails_that_computation_alone(results):
     kind, message = results["undeclared"]
     assert kind == "RemoteError" and "but the call declared float64[64]" in message, message
     assert results["after_undeclared"] == [[1.0], [1.0]]
+
+
+def test_a_donating_program_takes_its_inputs_buffers_over(results):
+    assert results["donated_inputs"] == [[0], []]
+    assert results["donated_reports"] == [[90 + k, None] for k in range(4)]
+    deleted, last = results["donated"]
+    assert deleted == [True] * 8 and last == [[16.0], [16.0]]

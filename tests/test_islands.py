@@ -51,7 +51,7 @@ def test_psum_across_hosts(client):
     np.testing.assert_array_equal(np.asarray(y), expect)
 
 
-def test_jit_2x2_mesh_matmul_matches_jax(client):
+def test_jit_2x2_mesh_matmul_matches_jax(client, x64):
     import jax
     import jax.numpy as jnp
     devs = whole_island()

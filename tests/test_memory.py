@@ -49,10 +49,10 @@ def test_dropped_futures_and_intermediates_are_freed(client):
     for _ in range(20):
         x = dbl(inc(x))            # every step crosses hosts
     np.testing.assert_array_equal(np.asarray(x)[:, 0], np.full(2, 2.0 ** 21 - 2))
-    # only the last value is held: its 2 shards on host 1 (8000 bytes each);
+    # only the last value is held: its 2 float32 shards on host 1 (4000 bytes each);
     # intermediates, their copies on the other host and the put input are gone
-    held = wait_for(conn, lambda s: s[1] == (2, 16000) and s[0] == (0, 0))
-    assert held[1] == (2, 16000)
+    held = wait_for(conn, lambda s: s[1] == (2, 8000) and s[0] == (0, 0))
+    assert held[1] == (2, 8000)
     del x
     gc.collect()
     wait_for(conn, empty)
@@ -63,7 +63,7 @@ def test_workers_report_bytes_per_device(client):
     wait_for(conn, empty)
     devs = zp.make_virtual_device_set().add_slice(devices=2, host=1).devices
     f = zp.pmap(lambda x: x * 3., devices=devs)
-    y = f(np.ones((2, 500)))                   # one 4000-byte shard on each device
+    y = f(np.ones((2, 500)))                   # one 2000-byte float32 shard on each device
     np.testing.assert_array_equal(np.asarray(y), np.full((2, 500), 3.))
 
     def held() -> dict[int, tuple[int, int]]:
@@ -72,7 +72,7 @@ def test_workers_report_bytes_per_device(client):
 
     ids = [d.id for d in devs]
     deadline = time.monotonic() + 20
-    while any(held()[d] != (4000, 4000) for d in ids):
+    while any(held()[d] != (2000, 2000) for d in ids):
         assert time.monotonic() < deadline, held()
         time.sleep(0.2)
     assert all(v == (0, 0) for d, v in held().items() if d not in ids), held()
@@ -100,7 +100,7 @@ def test_a_client_that_leaves_has_its_buffers_freed(cluster, client):
     try:
         assert p.stdout.readline().strip() == "held", p.stderr.read()
         held = wait_for(client, lambda s: sum(v[0] for v in s.values()) == 20)
-        assert sum(v[1] for v in held.values()) == 10 * 2 * 500 * 8
+        assert sum(v[1] for v in held.values()) == 10 * 2 * 500 * 4      # float32
         p.stdin.write("\n")
         p.stdin.flush()
         assert p.wait(60) == 0

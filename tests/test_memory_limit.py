@@ -18,7 +18,8 @@ from zpath.cluster.testing import wait_until
 from zpath.net import messages as m
 from tests.conftest import connected, running_cluster
 
-pytestmark = pytest.mark.timeout(180)
+# the sizes below are of float64 values (8 bytes an element): 64-bit types on
+pytestmark = [pytest.mark.timeout(180), pytest.mark.usefixtures("x64")]
 LIMIT = 100_000          # bytes per device
 
 

@@ -63,8 +63,9 @@ def test_intermediates_are_freed_after_the_program(client, figure2):
     wait_for(client, empty)
     y, z = prog(np.arange(2000.).reshape(2, 1000))
     y.result(timeout=60), z.result(timeout=60)
-    # only y (host of island 1) and z (island 0) remain: 2 shards each, 8000 bytes each
-    held = wait_for(client, lambda s: sorted(s.values()) == [(2, 16000), (2, 16000)])
+    # only y (host of island 1) and z (island 0) remain: 2 shards each, 4000 bytes
+    # each (float32, JAX's default)
+    held = wait_for(client, lambda s: sorted(s.values()) == [(2, 8000), (2, 8000)])
     assert len(held) == 2
     del y, z
     gc.collect()
@@ -78,9 +79,9 @@ def test_explain_shows_nodes_and_transfers(client, figure2, capsys):
     lines = text.splitlines()
     assert lines[0] == "program f: 4 node(s), dispatch=parallel"
     assert sum(1 for ln in lines if ln.startswith("  node ")) == 4
-    # x (island 0) is read by b on island 1: two 8-byte shards cross the DCN
+    # x (island 0) is read by b on island 1: two 4-byte (float32) shards cross the DCN
     dcn = [ln for ln in lines if "over DCN" in ln]
-    assert len(dcn) == 2 and all("8 bytes" in ln for ln in dcn)
+    assert len(dcn) == 2 and all("4 bytes" in ln for ln in dcn)
     assert not any("over ICI" in ln for ln in lines)
 
 
@@ -240,9 +241,9 @@ def test_fused_runs_free_their_intermediates_and_inputs(client):
         out = three(np.full((2, 1000), float(k)))
         np.testing.assert_array_equal(out.result(timeout=60), np.full((2, 1000), k + 3.))
     assert _fused_records(client, "three")
-    # only the last result remains: 2 shards of 8000 bytes on host 0
-    held = wait_for(client, lambda s: sorted(s.values()) == [(0, 0), (2, 16000)])
-    assert held[0] == (2, 16000)
+    # only the last result remains: 2 float32 shards of 4000 bytes on host 0
+    held = wait_for(client, lambda s: sorted(s.values()) == [(0, 0), (2, 8000)])
+    assert held[0] == (2, 8000)
     del out
     gc.collect()
     wait_for(client, empty)
@@ -503,7 +504,7 @@ def test_a_program_too_large_for_one_message_fails_where_it_is_called(client, mo
     # failures (reports come every second), they hold exactly its two shards
     marker = inc(np.arange(2.))
     np.testing.assert_array_equal(marker.result(timeout=60), [1., 2.])
-    wait_for(client, lambda s: (sum(n for n, _ in s.values()), sum(b for _, b in s.values())) == (2, 16))
+    wait_for(client, lambda s: (sum(n for n, _ in s.values()), sum(b for _, b in s.values())) == (2, 8))
     del marker
     wait_for(client, empty)
     for p in progs:

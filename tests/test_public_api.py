@@ -9,7 +9,7 @@ import zpath
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 PUBLIC = {"init", "connect", "shutdown", "trace", "Cluster", "pmap", "jit", "program", "ProgramFunction", "Mesh",
-          "P", "make_virtual_device_set", "VirtualDeviceSet", "VirtualDevice", "Slice", "Future",
+          "P", "NamedSharding", "device_put", "make_virtual_device_set", "VirtualDeviceSet", "VirtualDevice", "Slice", "Future",
           "ZpathError", "ProtocolError", "RemoteError", "HostLost", "Closed", "Broken",
           "DeadlineExceeded", "ResourceError"}
 

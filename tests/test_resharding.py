@@ -64,7 +64,7 @@ CASES = [
 
 @pytest.mark.parametrize("where,a_shape,a_names,a_spec,b_shape,b_names,b_spec", CASES,
                          ids=[f"{c[0]}-{c[3]}-to-{c[6]}" for c in CASES])
-def test_reshard(conn, layout, where, a_shape, a_names, a_spec, b_shape, b_names, b_spec):
+def test_reshard(conn, layout, x64, where, a_shape, a_names, a_spec, b_shape, b_names, b_spec):
     by_host, by_island = layout
     na, nb = int(np.prod(a_shape)), int(np.prod(b_shape))
     if where == "same-host":

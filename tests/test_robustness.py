@@ -12,7 +12,8 @@ from zpath.net import codec, transport
 from zpath.net import messages as m
 from zpath.net.codec import PROTOCOL_VERSION
 
-pytestmark = pytest.mark.timeout(180)
+# hand-made messages below name float64 values: 64-bit types on
+pytestmark = [pytest.mark.timeout(180), pytest.mark.usefixtures("x64")]
 
 
 def devices(n, **kw):
@@ -28,7 +29,7 @@ def test_bfloat16_and_other_dtypes_round_trip_across_hosts(client):
     for dtype in (ml_dtypes.bfloat16, np.int8, np.bool_, np.float16, np.uint32):
         x = (np.arange(6).reshape(2, 3) % 2).astype(dtype)
         got = np.asarray(on1(on0(x)))      # put, piece between hosts, fetch
-        with jax.enable_x64(True):           # zpath traces with 64-bit types
+        with jax.enable_x64(True):           # as zpath traced it (this module's x64)
             expect = np.asarray((jnp.asarray(x) * 2) + 1)
         assert got.dtype == expect.dtype, dtype
         np.testing.assert_array_equal(got, expect)

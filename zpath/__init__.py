@@ -31,6 +31,8 @@ _LAZY = {
     "pmap": ("zpath.client.api", "pmap"),
     "jit": ("zpath.client.api", "jit"),
     "Mesh": ("zpath.client.api", "Mesh"),
+    "NamedSharding": ("zpath.client.api", "NamedSharding"),
+    "device_put": ("zpath.client.api", "device_put"),
     "make_virtual_device_set": ("zpath.client.api", "make_virtual_device_set"),
     "VirtualDeviceSet": ("zpath.client.api", "VirtualDeviceSet"),
     "VirtualDevice": ("zpath.client.api", "VirtualDevice"),
@@ -42,6 +44,7 @@ _LAZY = {
 }
 
 __all__ = ["init", "connect", "shutdown", "trace", "Cluster", "pmap", "jit", "program", "ProgramFunction", "Mesh", "P",
+           "NamedSharding", "device_put",
            "make_virtual_device_set", "VirtualDeviceSet", "VirtualDevice", "Slice", "Future",
            "ZpathError", "ProtocolError", "RemoteError", "HostLost", "Closed", "Broken",
            "DeadlineExceeded", "ResourceError"]

@@ -2,7 +2,7 @@
 training data, and its training loop in one process (the reference the zpath
 layouts are checked against).
 
-Everything is float32 whatever ``jax_enable_x64`` says (zpath traces with it on):
+Everything is float32 whatever ``jax_enable_x64`` says (zpath traces with the caller's setting):
 parameters are made in numpy as float32, and no computation here makes a value of
 the default float type.
 

@@ -6,30 +6,36 @@ import threading
 import time
 from typing import Any
 
+import jax
 import numpy as np
 
 from zpath import sharding
+from zpath.client.arrays import ArrayMethods
 from zpath.errors import DeadlineExceeded, RemoteError, ZpathError
 
 
 MAX_TIMEOUT_S = 1e7      # (a wait longer than the platform's limit raises OverflowError)
 
 
-class Future:
-    """A value being computed (or already computed) on the cluster.
+class Future(ArrayMethods):
+    """A value being computed (or already computed) on the cluster, used as a
+    ``jax.Array`` is: operators, indexing and array methods run on its devices
+    and return futures (zpath/client/arrays.py); ``jax.block_until_ready``
+    waits for it.
 
     ``shape`` and ``dtype`` are known at once. ``result()`` or ``np.asarray()``
     fetch the value from the workers; passing the future to another call does not
-    bring it back to this process."""
+    bring it back to this process. A typed PRNG key's future holds its key
+    data (``shape``/``dtype`` are the data's); ``result()`` gives the key."""
 
     __slots__ = ("_client", "buffer", "shape", "dtype", "_devices", "_mesh_shape",
                  "_axis_names", "_spec", "_lock", "_event", "_value", "_error", "_fetch",
-                 "_fetch_error",
+                 "_fetch_error", "_mesh", "_key", "_donated", "_read",
                  "__weakref__")
 
     def __init__(self, client: Any, buffer: int, shape: tuple[int, ...], dtype: np.dtype,
                  devices: list[int], mesh_shape: list[int], axis_names: list[str],
-                 spec: list) -> None:
+                 spec: list, *, mesh: Any = None, key: str | None = None) -> None:
         self._client = client
         self.buffer = buffer
         self.shape = tuple(shape)
@@ -44,20 +50,63 @@ class Future:
         self._error: BaseException | None = None       # the call failed: final
         self._fetch: Any = None                         # the fetch being waited on
         self._fetch_error: BaseException | None = None  # how the last fetch failed
+        self._mesh = mesh            # the zp.Mesh it lives on (None: made by hand, see tests)
+        self._key = key              # a typed PRNG key's implementation: the value is its key data
+        self._donated: str | None = None      # the function it was donated to
+        self._read = False           # read by a call, a program or a fetch (see Computation._may_donate)
 
     def __del__(self) -> None:
+        if self._donated is not None:
+            return          # released when it was donated
         try:
             self._client.release(self.buffer)
         except Exception:   # interpreter shutdown, closed client: nothing to free
             pass
 
-    @property
-    def ndim(self) -> int:
-        return len(self.shape)
+    def _donate(self, to: str) -> None:
+        """Donated to the call of ``to`` just made: its buffer is released
+        after that call, and the future can no longer be used."""
+        with self._lock:
+            if self._donated is not None:
+                return
+            self._donated = to
+        self._client.release(self.buffer)
+
+    def _placement(self, op: str) -> tuple[Any, list]:
+        if self._mesh is None:
+            raise ZpathError(f"{op}: this future has no mesh to run on")
+        if self._donated is not None:
+            raise ZpathError(f"{op}: this future was donated to {self._donated} (donate_argnums)")
+        return self._mesh, self._spec
 
     @property
-    def size(self) -> int:
-        return int(np.prod(self.shape))
+    def sharding(self) -> Any:
+        """Its ``zp.NamedSharding`` (mesh of virtual devices, PartitionSpec)."""
+        return self._mesh.sharding(self._spec)
+
+    def devices(self) -> set[Any]:
+        """The virtual devices that hold it."""
+        return set(self._mesh.devices.flat)
+
+    def block_until_ready(self) -> "Future":
+        """Wait until the value is computed (and fetched: a worker answers a
+        fetch once its shard is done), as ``jax.Array.block_until_ready``;
+        raises the remote error if the computation failed. Returns the future."""
+        self._array()
+        return self
+
+    def is_ready(self) -> bool:
+        """Whether the value is here (or its computation is known to have failed),
+        without waiting; the first call asks the workers for it."""
+        with self._lock:
+            if self._value is not None or self._error is not None:
+                return True
+            if self._fetch is None and self._donated is None:
+                self._fetch_error = None
+                self._event.clear()
+                self._read = True
+                self._fetch = self._client.start_fetch(self, self._client.config.fetch_timeout_s)
+        return self.done()
 
     def _regions(self) -> list[sharding.Region]:
         return sharding.regions(self.shape, self._mesh_shape, self._axis_names, self._spec)
@@ -89,11 +138,19 @@ class Future:
         """True once the value is here or the call is known to have failed."""
         return self._value is not None or self._error is not None
 
-    def result(self, timeout: float | None = None) -> np.ndarray:
-        """Fetch the value. Raises the remote error if the computation failed, and
+    def result(self, timeout: float | None = None) -> Any:
+        """Fetch the value (a read-only numpy array; a typed PRNG key for a
+        key's future). Raises the remote error if the computation failed, and
         :class:`~zpath.DeadlineExceeded` if it is not here within ``timeout``
         seconds (default: the connection's ClientConfig.fetch_timeout_s,
         ``ZPATH_FETCH_TIMEOUT``, 600)."""
+        value = self._array(timeout)
+        return value if self._key is None else jax.random.wrap_key_data(value, impl=self._key)
+
+    def _array(self, timeout: float | None = None) -> np.ndarray:
+        if self._donated is not None:
+            raise ZpathError(f"this future was donated to {self._donated} (donate_argnums): its value "
+                             "is gone; use what that call returned")
         if timeout is None:
             timeout = self._client.config.fetch_timeout_s
         elif isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) \
@@ -123,6 +180,7 @@ class Future:
             if self._fetch is None:
                 self._fetch_error = None
                 self._event.clear()
+                self._read = True
                 self._fetch = self._client.start_fetch(self, timeout)
             fetch = self._fetch
         arrived = self._event.wait(timeout)
@@ -139,7 +197,7 @@ class Future:
                                    f"not fetched within {timeout:.1f}s")
 
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
-        value = self.result()
+        value = self._array()
         if dtype is not None:
             return value.astype(dtype)
         return value.copy() if copy else value
@@ -153,6 +211,18 @@ class Future:
     def __bool__(self) -> bool:
         """The truth of the value (fetched), as for a numpy array."""
         return bool(self.result())
+
+    def __int__(self) -> int:
+        return int(self._array())
+
+    def __float__(self) -> float:
+        return float(self._array())
+
+    def __complex__(self) -> complex:
+        return complex(self._array())
+
+    def __index__(self) -> int:
+        return self._array().__index__()
 
     def __len__(self) -> int:
         if not self.shape:

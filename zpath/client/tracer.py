@@ -18,7 +18,8 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
-from zpath.client.avals import aval_of
+from zpath.client.arrays import ArrayMethods
+from zpath.client.avals import aval_of, host_value
 from zpath.client.futures import Future
 from zpath.errors import ZpathError
 from zpath.net import codec
@@ -40,33 +41,95 @@ def _futures(traced: "Traced", buffer_of: Callable[[Any], int]) -> list[Future]:
         if id(o) not in seen:
             node, i = o.origin[1], o.origin[2]
             seen[id(o)] = node.computation.future(buffer_of(o), node.traced.out_avals[i],
-                                                  node.traced.out_specs[i])
+                                                  node.traced.out_specs[i], node.traced.out_keys[i])
     return [seen[id(o)] for o in traced.outputs]
+
+
+def key_impl(x: Any) -> str | None:
+    """The PRNG implementation of a typed key array (``jax.random.key``), else None."""
+    dtype = getattr(x, "dtype", None)
+    if dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+        return str(jax.random.key_impl(x))
+    return None
+
+
+def key_aval(x: Any) -> tuple[tuple[int, ...], np.dtype]:
+    data = jax.random.key_data(x)
+    return tuple(data.shape), np.dtype(data.dtype)
+
+
+def _frozen(spec: list) -> tuple:
+    return tuple(tuple(e) if isinstance(e, list) else e for e in spec)
+
+
+def _check_future(name: str, fut: Future, client: Any) -> None:
+    """A future a program's run reads: this connection's and not donated; it
+    is read now (see Computation._may_donate)."""
+    if fut._client is not client:
+        raise ValueError(f"{name}: an input future belongs to another connection")
+    if fut._donated is not None:
+        raise ValueError(f"{name}: an input is a future that was donated to {fut._donated} "
+                         "(donate_argnums): its buffer is gone")
+    fut._read = True
 
 
 def tracing() -> bool:
     return getattr(_state, "trace", None) is not None
 
 
-class Value:
+class TracerBoolConversionError(ZpathError, TypeError):
+    """The truth (or int, float) of a value inside ``@zp.program`` was asked
+    for while tracing, as of a JAX tracer (jax.errors.TracerBoolConversionError)."""
+
+
+class Value(ArrayMethods):
     """A value inside a program being traced: its shape and dtype are known,
-    its contents are not."""
+    its contents are not. Operators, indexing and array methods on it record
+    nodes that run on its devices (zpath/client/arrays.py)."""
 
-    __slots__ = ("shape", "dtype", "origin")
+    __slots__ = ("shape", "dtype", "origin", "where", "key")
+    _zp_value = True
 
-    def __init__(self, shape: tuple[int, ...], dtype: np.dtype, origin: tuple) -> None:
+    def __init__(self, shape: tuple[int, ...], dtype: np.dtype, origin: tuple,
+                 where: tuple | None = None, key: str | None = None) -> None:
         self.shape = tuple(shape)
         self.dtype = np.dtype(dtype)
         # ("input", i) | ("node", node, output) | ("future", Future) | ("const", ndarray)
         self.origin = origin
+        self.where = where           # (zp.Mesh, spec) it lives on, when known
+        self.key = key               # a typed PRNG key's implementation (the value is its key data)
 
     @property
-    def ndim(self) -> int:
-        return len(self.shape)
+    def _key(self) -> str | None:
+        return self.key
+
+    def _placement(self, op: str) -> tuple[Any, list]:
+        if self.where is None:
+            raise ZpathError(f"{op} of {self!r}: this value has no devices yet (a client value "
+                             "given to the program): place it with zp.device_put first, or pass a future")
+        return self.where
 
     def __array__(self, *a: Any, **k: Any) -> np.ndarray:
         raise ZpathError("a value inside @zp.program has no contents yet; return it from the "
                          "program and fetch the future instead")
+
+    def _concrete(self, what: str) -> Any:
+        raise TracerBoolConversionError(
+            f"{what} of {self!r}: a value inside @zp.program has no contents while the program is "
+            "traced (as with a JAX tracer, TracerBoolConversionError): choose inside a compiled "
+            "function (jnp.where, jax.lax.cond), or return the value and fetch it")
+
+    def __bool__(self) -> bool:
+        return self._concrete("the truth value")
+
+    def __int__(self) -> int:
+        return self._concrete("int()")
+
+    def __float__(self) -> float:
+        return self._concrete("float()")
+
+    def __index__(self) -> int:
+        return self._concrete("the index value")
 
     def __repr__(self) -> str:
         return f"<traced {self.dtype}{list(self.shape)} from {self.origin[0]}>"
@@ -86,35 +149,38 @@ class _Trace:
         self.client: Any = None
 
 
-def _constant(x: Any) -> np.ndarray:
+def _constant(x: Any, dtype: np.dtype, key: str | None) -> np.ndarray:
     """A value from outside a program, as jax.jit takes it: the value it has
     when traced (a copy, unless a JAX array, which cannot change)."""
-    return np.asarray(x) if isinstance(x, jax.Array) else np.array(x, copy=True)
+    a = host_value(x, dtype, key)
+    return a if isinstance(x, jax.Array) or a is not x else a.copy()
 
 
-def record(computation: Any, args: tuple) -> Any:
+def _future_value(x: Future) -> Value:
+    return Value(x.shape, x.dtype, ("future", x), (x._mesh, x._spec) if x._mesh is not None else None, x._key)
+
+
+def record(computation: Any, args: tuple, kwargs: dict) -> Any:
     """Called by a compiled function while a program is traced."""
     trace: _Trace = _state.trace
     if trace.client is None:
         trace.client = computation.client
     elif computation.client is not trace.client:
         raise ValueError("every computation of a program must use one connection")
-    leaves, in_tree = jax.tree_util.tree_flatten(
-        args, is_leaf=lambda x: isinstance(x, (Future, Value)))
+    bound = computation.bind(args, kwargs)
     values = []
-    for x in leaves:
+    for x, (shape, dtype), key in zip(bound.leaves, bound.avals, bound.keys, strict=True):
         if isinstance(x, Value):
             values.append(x)
         elif isinstance(x, Future):
-            values.append(Value(x.shape, x.dtype, ("future", x)))
+            values.append(_future_value(x))
         else:
-            shape, dtype = aval_of(x)
-            a = _constant(x)
-            values.append(Value(shape, dtype, ("const", a)))
-    avals = [(v.shape, v.dtype) for v in values]
-    traced = computation.prepare(args, leaves, in_tree, avals)
+            values.append(Value(shape, dtype, ("const", _constant(x, dtype, key)), None, key))
+    bound.leaves = values
+    traced = computation.prepare(bound)
     node = Node(computation, traced, values, [])
-    node.outputs = [Value(s, d, ("node", node, i)) for i, (s, d) in enumerate(traced.out_avals)]
+    node.outputs = [Value(s, d, ("node", node, i), (computation.mesh, traced.out_specs[i]), traced.out_keys[i])
+                    for i, (s, d) in enumerate(traced.out_avals)]
     trace.nodes.append(node)
     return jax.tree_util.tree_unflatten(traced.out_tree, node.outputs)
 
@@ -155,12 +221,21 @@ class ProgramFunction:
             raise ZpathError("@zp.program functions cannot be nested: call the inner one's "
                              "compiled functions directly")
         leaves, in_tree = jax.tree_util.tree_flatten(args, is_leaf=lambda x: isinstance(x, Future))
-        avals = [aval_of(x) for x in leaves]
-        bound = [x if isinstance(x, Future) else np.asarray(x) for x in leaves]
-        key = (in_tree, tuple((s, d.str) for s, d in avals))
+        keys = [x._key if isinstance(x, Future) else key_impl(x) for x in leaves]
+        avals = [aval_of(x) if k is None or isinstance(x, Future) else key_aval(x)
+                 for x, k in zip(leaves, keys, strict=True)]
+        bound = [x if isinstance(x, Future) else host_value(x, a[1], k)
+                 for x, a, k in zip(leaves, avals, keys, strict=True)]
+        # (a future input's devices: operations on it inside the program run there)
+        where = tuple((id(x._mesh), _frozen(x._spec)) if isinstance(x, Future) else None for x in leaves)
+        key = (in_tree, tuple((s, d.str) for s, d in avals), tuple(keys), where,
+               bool(jax.config.jax_enable_x64))
         traced = self._cache.get(key)
         if traced is None:
-            inputs = [Value(s, d, ("input", i)) for i, (s, d) in enumerate(avals)]
+            inputs = [_future_value(x) if isinstance(x, Future) else Value(s, d, (), None, k)
+                      for x, (s, d), k in zip(leaves, avals, keys, strict=True)]
+            for i, v in enumerate(inputs):
+                v.origin = ("input", i)
             _state.trace = trace = _Trace()
             try:
                 out = self.fn(*jax.tree_util.tree_unflatten(in_tree, inputs))
@@ -198,8 +273,7 @@ class ProgramFunction:
                 kind = v.origin[0]
                 source = bound[v.origin[1]] if kind == "input" else v.origin[1] if kind in ("future", "const") else None
                 if isinstance(source, Future):
-                    if source._client is not client:
-                        raise ValueError(f"{self.name}: an input future belongs to another connection")
+                    _check_future(self.name, source, client)
                     inputs.append(m.CallInput(source.buffer, aval, spec, False))
                 elif id(v) in buffers and put_by.get(id(v)) != n:
                     inputs.append(m.CallInput(buffers[id(v)], aval, spec, False))
@@ -312,8 +386,7 @@ class ProgramFunction:
         for key, kind, source, computation, spec, node in slots:
             value = bound[source] if kind == "input" else source
             if isinstance(value, Future):
-                if value._client is not client:
-                    raise ValueError(f"{self.name}: an input future belongs to another connection")
+                _check_future(self.name, value, client)
                 inputs.append(value.buffer)
             elif key in put and put[key][1] != node:
                 inputs.append(put[key][0])

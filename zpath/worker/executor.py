@@ -501,6 +501,10 @@ class Executor:
         stored yet). Outside a fused run (no ``made``) the outputs are not
         stored: returns the prepared program and the outputs, for ``_settle``."""
         prepared = self._prepare(ex)
+        if prepared.donates:
+            # what the computation before left to the settler is stored first:
+            # the buffers this one donates may be its outputs
+            self._drain_settles()
         args, first_error = [], None
         for k, inp in enumerate(ex.inputs):
             shards = []
@@ -574,8 +578,13 @@ class Executor:
         outs = tuple(NamedSharding(mesh, PartitionSpec(*spec)) for spec in key[5])
         call = exported.call
         leaves = self.jax.tree_util.tree_leaves
-        fn = self.jax.jit(lambda *a: tuple(leaves(call(*a))), in_shardings=ins, out_shardings=outs)
+        # inputs the program donates (the client exports a donating variant only
+        # when the value is read by that call alone): XLA reuses their buffers
+        donated = donated_inputs(exported)
+        fn = self.jax.jit(lambda *a: tuple(leaves(call(*a))), in_shardings=ins, out_shardings=outs,
+                          donate_argnums=donated)
         prepared = self.compiled[key] = _Prepared(self, fn, ins, outs, ex)
+        prepared.donates = bool(donated)
         self._by_program.setdefault(ex.program, []).append(prepared)
         log.debug("prepared %s for devices %s", ex.name, ex.devices)
         return prepared
@@ -695,7 +704,8 @@ class _Prepared:
     learnt on its first calls to make its input arrays and take its output
     shards apart cheaply (the layouts are the same on every call)."""
 
-    __slots__ = ("executor", "fn", "in_shardings", "out_shardings", "in_fast", "out_fast", "variant", "last_s")
+    __slots__ = ("executor", "fn", "in_shardings", "out_shardings", "in_fast", "out_fast", "variant", "last_s",
+                 "donates")
 
     def __init__(self, executor: Executor, fn: Callable, in_shardings: tuple, out_shardings: tuple,
                  ex: m.Execute) -> None:
@@ -704,6 +714,7 @@ class _Prepared:
         self.in_shardings = in_shardings
         self.out_shardings = out_shardings
         self.last_s = float("inf")     # how long its last run took
+        self.donates = False           # whether it donates inputs (see Executor._prepare)
         # what it was built for, as the Execute messages carry it
         self.variant = (list(ex.jax_ids), list(ex.mesh_shape), list(ex.axis_names),
                         [i.spec for i in ex.inputs], [o.spec for o in ex.outputs])
@@ -789,6 +800,29 @@ def _text(s: str) -> str:
         return s
     except UnicodeEncodeError:
         return s.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def donated_inputs(exported: Any) -> tuple[int, ...]:
+    """The inputs an exported program donates: those its main function marks
+    ``jax.buffer_donor`` or ``tf.aliasing_output`` (arguments the module
+    dropped as unused are not in its signature: module_kept_var_idx maps)."""
+    text = exported.mlir_module()
+    at = text.find("func.func public @main(")
+    if at < 0:
+        return ()
+    header = text[at:text.find("\n", at)]
+    kept = list(exported.module_kept_var_idx)
+    parts = header.split("%arg")[1:]
+    if len(parts) != len(kept):      # other arguments (platform index, tokens): leave it be
+        return ()
+    out = []
+    for part in parts:
+        number, _, rest = part.partition(":")
+        if number.isdigit() and ("jax.buffer_donor" in rest or "tf.aliasing_output" in rest):
+            k = int(number)
+            if k < len(kept):
+                out.append(kept[k])
+    return tuple(out)
 
 
 def _freeze(spec: list) -> tuple:
