@@ -24,7 +24,7 @@ from zpath.client.futures import Future
 from zpath.cluster.testing import running_cluster, wait_until
 from zpath.net import messages as m
 from zpath.proxy import backend, launch, programs, schema
-from zpath.proxy.server import PROTOCOL_MAX, ProxyServer
+from zpath.proxy.server import PROTOCOL_MAX, ProxyServer, is_loopback
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -109,8 +109,10 @@ class Proxy:
 
 
 def _env(server: Proxy) -> dict[str, str]:
-    return dict(os.environ, JAX_PLATFORMS="proxy", JAX_BACKEND_TARGET=f"grpc://{server.address}",
-                IFRT_PROXY_USE_INSECURE_GRPC_CREDENTIALS="true")
+    # no IFRT_PROXY_USE_INSECURE_GRPC_CREDENTIALS: zpath.proxy.initialize() sets it
+    env = dict(os.environ, JAX_PLATFORMS="proxy", JAX_BACKEND_TARGET=f"grpc://{server.address}")
+    env.pop("IFRT_PROXY_USE_INSECURE_GRPC_CREDENTIALS", None)
+    return env
 
 
 def _start_client(server: Proxy, *argv: str) -> subprocess.Popen:
@@ -338,3 +340,52 @@ def test_a_value_on_the_cluster_moves_worker_to_worker():
     moved = session.arrays[2]
     assert moved.devices == [2, 3] and moved.future.buffer == call.outputs[0].buffer and moved.host is None
     session.close()
+
+
+
+# ---- security: loopback by default, sessions private to each other ------------------
+
+def test_the_proxy_serves_loopback_unless_told_insecure():
+    assert is_loopback("127.0.0.1:5000") and is_loopback("localhost:0") and is_loopback("[::1]:7")
+    assert not is_loopback("0.0.0.0:5000") and not is_loopback(":5000") and not is_loopback("10.1.2.3:0")
+    assert launch.listen_address("5000") == launch.listen_address(":5000") == "127.0.0.1:5000"
+    assert launch.listen_address("0.0.0.0:1") == "0.0.0.0:1"
+    with pytest.raises(ValueError, match="HOST:PORT"):
+        launch.listen_address("host:port")
+    for address in ("0.0.0.0:0", "[::]:0"):
+        with pytest.raises(OSError, match="--ifrt-proxy-insecure"):
+            ProxyServer(_FakeClient(), address)
+    server = ProxyServer(_FakeClient(), "0.0.0.0:0", insecure=True)     # said explicitly: it listens
+    assert server.port > 0
+    server.stop(0)
+
+
+def test_one_session_cannot_reach_another_sessions_arrays_or_buffers():
+    """Array handles are per session; host buffers are reached by session id,
+    which is random: guessing handles or ids finds nothing."""
+    server = ProxyServer(_FakeClient(), "127.0.0.1:0")
+    fake = _FakeClient()
+    a, b = (backend.Session(server._new_session_id(), server.s, fake, "cpu", None) for _ in range(2))
+    server.sessions.update({a.id: a, b.id: b})
+    assert a.id != b.id and max(a.id, b.id) > 1 << 32     # not a counter one can walk
+    fut = Future(fake, 7, (4,), np.dtype(np.float32), [0], [1], ["d"], [None])
+    a.arrays[1] = backend.Array((4,), np.dtype(np.float32), backend.whole_on([0], 1), future=fut)
+    a.buffers.store(9, b"secret")
+    s = server.s
+    for request in (dict(copy_to_host_buffer_request=s.CopyToHostBufferRequest(array_handle=1, host_buffer_handle=3)),
+                    dict(copy_arrays_request=s.CopyArraysRequest(array_handles=[1], device_ids=[2], result_handles=[2]))):
+        status = _answer(b, **request).response_metadata.status
+        assert status.code == backend.NOT_FOUND and "unknown array handle 1" in status.message
+    _answer(b, delete_array_request=s.DeleteArrayRequest(array_handle=[1]))   # its future holds the error
+    assert a.arrays[1].future is fut and not a.arrays[1].deleted and 2 not in b.arrays and fake.posted == []
+    b.buffers.timeout_s = 0.05
+    with pytest.raises(backend.Failed):
+        b.buffers.lookup(9)
+    with pytest.raises(backend.Failed):
+        b.buffers.delete(9)
+    for sid in (1, 2, b.id + 1, a.id ^ 1):            # a guessed session id is refused
+        with pytest.raises(_Aborted) as e:
+            server._lookup(s.GrpcHostBufferLookupRequest(session_id=sid, handle=9), _Context()).__next__()
+        assert e.value.args[0] == grpc.StatusCode.NOT_FOUND
+    assert a.buffers.lookup(9) == b"secret"
+    server.stop(0)

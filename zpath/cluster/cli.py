@@ -131,7 +131,8 @@ def _up(args: argparse.Namespace, cfg: Settings) -> int:
         return interrupted()
     try:
         if args.ifrt_proxy:
-            served = start_proxy(cluster, args.ifrt_proxy, timeout=args.start_timeout)
+            served = start_proxy(cluster, args.ifrt_proxy, timeout=args.start_timeout,
+                                 insecure=args.ifrt_proxy_insecure)
             print(f"IFRT proxy: JAX_PLATFORMS=proxy JAX_BACKEND_TARGET=grpc://{served} "
                   "(README: Unmodified JAX)", flush=True)
         cluster_state.write_state(state_path, cluster_state.cluster_state(cluster))
@@ -349,9 +350,13 @@ def main(argv: list[str] | None = None) -> int:
     up.add_argument("--compile-cache", metavar="DIR",
                     help="the workers' JAX compilation cache: a directory (on each host), or off "
                          "(default $ZPATH_COMPILE_CACHE or ~/.zpath/jax-cache)")
-    up.add_argument("--ifrt-proxy", metavar="HOST:PORT", default=None,
+    up.add_argument("--ifrt-proxy", metavar="[HOST:]PORT", default=None,
                     help="also serve the IFRT proxy protocol there, for unmodified JAX clients "
-                         "(JAX_PLATFORMS=proxy; needs the 'proxy' extra)")
+                         "(JAX_PLATFORMS=proxy; needs the 'proxy' extra); loopback only unless "
+                         "--ifrt-proxy-insecure")
+    up.add_argument("--ifrt-proxy-insecure", action="store_true",
+                    help="let --ifrt-proxy serve a non-loopback HOST: its gRPC service has no "
+                         "authentication, so anyone who reaches it uses the cluster")
     up.add_argument("--policy", choices=POLICIES, default=None,
                     help="multi-tenant scheduling policy: proportional share by client weight "
                          "(default; $ZPATH_SCHEDULER_POLICY) or fifo")

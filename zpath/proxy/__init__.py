@@ -4,7 +4,6 @@ The server side (``zpath up --ifrt-proxy HOST:PORT``, ``zp.init(ifrt_proxy=...)`
 is :mod:`zpath.proxy.server`. In the user's process::
 
     # JAX_PLATFORMS=proxy JAX_BACKEND_TARGET=grpc://HOST:PORT
-    # IFRT_PROXY_USE_INSECURE_GRPC_CREDENTIALS=true
     import zpath.proxy
     zpath.proxy.initialize()
     import jax
