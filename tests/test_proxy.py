@@ -24,6 +24,7 @@ from zpath.client.futures import Future
 from zpath.cluster.testing import running_cluster, wait_until
 from zpath.net import messages as m
 from zpath.proxy import backend, launch, programs, schema
+from tests.test_channels import channel_stats
 from zpath.proxy.server import PROTOCOL_MAX, ProxyServer, is_loopback
 
 pytestmark = pytest.mark.timeout(120)
@@ -90,6 +91,10 @@ def cluster():
 def proxy(cluster):
     """The IFRT proxy process, started for the module's cluster as `zpath up
     --ifrt-proxy` and zp.init(ifrt_proxy=) start it, and stopped by pid."""
+    yield from _serve(cluster)
+
+
+def _serve(cluster):
     served = launch.start_proxy(cluster, "127.0.0.1:0")
     (name, p), = [(n, q) for n, q in cluster.procs if n == launch.PROCESS_NAME]
     status = Client(cluster.address, cluster.key, name="ifrt-proxy-test")
@@ -115,8 +120,8 @@ def _env(server: Proxy) -> dict[str, str]:
     return env
 
 
-def _start_client(server: Proxy, *argv: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-c", CLIENT, *argv], env=_env(server), stdin=subprocess.PIPE,
+def _start_client(server: Proxy, *argv: str, script: str = CLIENT) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", script, *argv], env=_env(server), stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
 
 
@@ -181,6 +186,61 @@ def test_unmodified_jax_runs_on_the_cluster_and_a_dropped_client_is_freed(proxy)
         _stop(p, group=True)
         for f in (p.stdin, p.stdout, p.stderr):
             f.close()
+
+
+BETWEEN_ISLANDS = textwrap.dedent('''
+    import json, sys
+    import zpath.proxy
+    zpath.proxy.initialize()
+    import jax, numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    first, second = json.loads(sys.argv[1])
+    by_id = {d.id: d for d in jax.devices()}
+    on = lambda ids: NamedSharding(Mesh(np.array([by_id[i] for i in ids]), ("i",)), P("i"))
+    a = np.arange(1 << 16, dtype=np.float32).reshape(2, -1)
+    # computed on the first island (a value only put there stays in the proxy
+    # until a computation needs it), then put on the second
+    x = jax.jit(lambda t: t * 2, out_shardings=on(first))(jax.device_put(a, on(first)))
+    y = jax.device_put(x, on(second))
+    z = jax.jit(lambda t: t + 1)(y)                    # computed where it landed
+    print("RESULT " + json.dumps([np.asarray(y).sum().item(), np.asarray(z)[:, :3].tolist(),
+                                  sorted(d.id for d in y.devices())]), flush=True)
+''')
+
+
+def test_device_put_between_islands_goes_worker_to_worker_over_dcn():
+    """Milestone 3 between islands: jax.device_put to another island's devices
+    moves the shards from the first island's workers to the second's over DCN
+    (their channel counters show it), not through the proxy."""
+    with running_cluster(islands=2, hosts_per_island=1, devices_per_host=2) as cluster:
+        served = _serve(cluster)
+        server = next(served)
+        try:
+            islands: dict[int, list[int]] = {}
+            for d in sorted(server.client.devices.values(), key=lambda d: d.id):
+                islands.setdefault(d.island, []).append(d.id)
+            first, second = islands.values()
+            host_of = {d.id: d.host for d in server.client.devices.values()}
+            channel_stats(cluster, reset=True)
+            p = _start_client(server, json.dumps([first, second]), script=BETWEEN_ISLANDS)
+            try:
+                total, head, placed = json.loads(_line(p, "RESULT"))
+            finally:
+                _stop(p, group=True)
+                for f in (p.stdin, p.stdout, p.stderr):
+                    f.close()
+            a = np.arange(1 << 16, dtype=np.float32).reshape(2, -1)
+            assert total == float(a.sum() * 2) and head == (a[:, :3] * 2 + 1).tolist() and placed == second
+            stats = channel_stats(cluster)
+            sender, receiver = stats[host_of[first[0]]], stats[host_of[second[0]]]
+            # both halves (128 KiB each) left the first island's worker over DCN,
+            # addressed to the second island's worker
+            dcn = [piece for piece in sender.sent if piece.channel == "DCN"]
+            assert sender.sent_dcn >= 1 and sender.bytes_dcn >= a.nbytes and len(dcn) >= 2
+            assert {piece.dst_host for piece in dcn} == {host_of[second[0]]}
+            assert receiver.sent_dcn == 0 and receiver.recv_tcp >= 1
+        finally:
+            served.close()
 
 
 # ---- the pieces, without a cluster -------------------------------------------------
