@@ -25,7 +25,8 @@ from zpath.cluster.testing import running_cluster, wait_until
 from zpath.net import messages as m
 from zpath.proxy import backend, launch, programs, schema
 from tests.test_channels import channel_stats
-from zpath.proxy.server import PROTOCOL_MAX, ProxyServer, is_loopback
+from zpath.proxy.launch import is_loopback
+from zpath.proxy.server import PROTOCOL_MAX, ProxyServer
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -20,7 +20,7 @@ from zpath.config import DEFAULT_SHAPE, POLICIES, ClientConfig, ClusterConfig, C
 from zpath.errors import ZpathError
 from zpath.cluster import connfile
 from zpath.keys import parse_key
-from zpath.proxy.launch import start_proxy
+from zpath.proxy.launch import is_loopback, listen_address, start_proxy
 
 # The launchers and the client connection are imported by the subcommands that
 # use them (`up`, `status`): they bring the wire protocol and numpy, which take
@@ -64,6 +64,17 @@ _port = _arg(int, lambda v: 0 <= v <= 65535, "a port number 0-65535 (0: a free o
 
 def _up(args: argparse.Namespace, cfg: Settings) -> int:
     logs.setup("launcher", cfg.common.log_level)
+    if args.ifrt_proxy:
+        try:
+            args.ifrt_proxy = listen_address(args.ifrt_proxy)
+        except ValueError as e:
+            print(f"zpath up: --ifrt-proxy: {e}", file=sys.stderr)
+            return 2
+        if not args.ifrt_proxy_insecure and not is_loopback(args.ifrt_proxy):
+            print(f"zpath up: --ifrt-proxy {args.ifrt_proxy} is not a loopback address and the IFRT proxy "
+                  f"has no authentication: anyone who reaches it uses the cluster; pass "
+                  f"--ifrt-proxy-insecure to serve it there anyway", file=sys.stderr)
+            return 2
     stop = threading.Event()
     caught: list[int] = []
 

@@ -4,6 +4,7 @@ cluster's launcher owns, so it stops with the cluster. Imports neither JAX nor
 grpcio (the CLI imports it)."""
 from __future__ import annotations
 
+import ipaddress
 import os
 import sys
 import time
@@ -12,6 +13,17 @@ from typing import Any
 from zpath.errors import ZpathError
 
 PROCESS_NAME = "ifrt-proxy"
+
+
+def is_loopback(address: str) -> bool:
+    """Whether HOST:PORT names this machine's loopback interface only."""
+    host = address.rsplit(":", 1)[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def listen_address(listen: str) -> str:

@@ -8,7 +8,6 @@ One zpath client connection carries every session's work to the cluster; each
 from __future__ import annotations
 
 import concurrent.futures
-import ipaddress
 import logging
 import queue
 import secrets
@@ -18,6 +17,7 @@ from typing import Any, Iterator
 import grpc
 
 from zpath.proxy import backend
+from zpath.proxy.launch import is_loopback
 from zpath.proxy.schema import SERVICE_NAME, Schema, load
 
 log = logging.getLogger(__name__)
@@ -29,17 +29,6 @@ SESSION_METADATA = "ifrt-proxy-grpc-ifrt-session-metadata-bin"
 STORE_METADATA = "ifrt-proxy-grpc-host-buffer-store-metadata-bin"
 LOOKUP_CHUNK = 1 << 20
 _END = object()
-
-
-def is_loopback(address: str) -> bool:
-    """Whether HOST:PORT names this machine's loopback interface only."""
-    host = address.rsplit(":", 1)[0].strip("[]")
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 class ProxyServer:
