@@ -19,12 +19,13 @@ from google.protobuf import descriptor_pb2
 from jax.sharding import AbstractMesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+import zpath as zp
+from tests.test_channels import channel_stats
 from zpath.client.connection import Client
 from zpath.client.futures import Future
-from zpath.cluster.testing import running_cluster, wait_until
+from zpath.cluster.testing import assert_gone, running_cluster, wait_until
 from zpath.net import messages as m
 from zpath.proxy import backend, launch, programs, schema
-from tests.test_channels import channel_stats
 from zpath.proxy.launch import is_loopback
 from zpath.proxy.server import PROTOCOL_MAX, ProxyServer
 
@@ -209,39 +210,46 @@ BETWEEN_ISLANDS = textwrap.dedent('''
 ''')
 
 
-def test_device_put_between_islands_goes_worker_to_worker_over_dcn():
+def test_device_put_between_islands_goes_worker_to_worker_over_dcn(monkeypatch):
     """Milestone 3 between islands: jax.device_put to another island's devices
     moves the shards from the first island's workers to the second's over DCN
-    (their channel counters show it), not through the proxy."""
-    with running_cluster(islands=2, hosts_per_island=1, devices_per_host=2) as cluster:
-        served = _serve(cluster)
-        server = next(served)
+    (their channel counters show it), not through the proxy. The cluster and
+    its proxy come from zp.init(ifrt_proxy=PORT), and zp.shutdown() stops both."""
+    monkeypatch.delenv("ZPATH_CONTROLLER", raising=False)
+    cluster = zp.init(islands=2, hosts_per_island=1, devices_per_host=2, ifrt_proxy="0")
+    local = cluster.local
+    pids = local.pids
+    try:
+        assert cluster.ifrt_proxy.startswith("127.0.0.1:")
+        assert [n for n, _ in local.procs].count(launch.PROCESS_NAME) == 1
+        devices = cluster.client.devices
+        islands: dict[int, list[int]] = {}
+        for d in sorted(devices.values(), key=lambda d: d.id):
+            islands.setdefault(d.island, []).append(d.id)
+        first, second = islands.values()
+        host_of = {d.id: d.host for d in devices.values()}
+        channel_stats(local, reset=True)
+        p = _start_client(Proxy(cluster.ifrt_proxy, None, cluster.client), json.dumps([first, second]),
+                          script=BETWEEN_ISLANDS)
         try:
-            islands: dict[int, list[int]] = {}
-            for d in sorted(server.client.devices.values(), key=lambda d: d.id):
-                islands.setdefault(d.island, []).append(d.id)
-            first, second = islands.values()
-            host_of = {d.id: d.host for d in server.client.devices.values()}
-            channel_stats(cluster, reset=True)
-            p = _start_client(server, json.dumps([first, second]), script=BETWEEN_ISLANDS)
-            try:
-                total, head, placed = json.loads(_line(p, "RESULT"))
-            finally:
-                _stop(p, group=True)
-                for f in (p.stdin, p.stdout, p.stderr):
-                    f.close()
-            a = np.arange(1 << 16, dtype=np.float32).reshape(2, -1)
-            assert total == float(a.sum() * 2) and head == (a[:, :3] * 2 + 1).tolist() and placed == second
-            stats = channel_stats(cluster)
-            sender, receiver = stats[host_of[first[0]]], stats[host_of[second[0]]]
-            # both halves (128 KiB each) left the first island's worker over DCN,
-            # addressed to the second island's worker
-            dcn = [piece for piece in sender.sent if piece.channel == "DCN"]
-            assert sender.sent_dcn >= 1 and sender.bytes_dcn >= a.nbytes and len(dcn) >= 2
-            assert {piece.dst_host for piece in dcn} == {host_of[second[0]]}
-            assert receiver.sent_dcn == 0 and receiver.recv_tcp >= 1
+            total, head, placed = json.loads(_line(p, "RESULT"))
         finally:
-            served.close()
+            _stop(p, group=True)
+            for f in (p.stdin, p.stdout, p.stderr):
+                f.close()
+        a = np.arange(1 << 16, dtype=np.float32).reshape(2, -1)
+        assert total == float(a.sum() * 2) and head == (a[:, :3] * 2 + 1).tolist() and placed == second
+        stats = channel_stats(local)
+        sender, receiver = stats[host_of[first[0]]], stats[host_of[second[0]]]
+        # both halves (128 KiB each) left the first island's worker over DCN,
+        # addressed to the second island's worker
+        dcn = [piece for piece in sender.sent if piece.channel == "DCN"]
+        assert sender.sent_dcn >= 1 and sender.bytes_dcn >= a.nbytes and len(dcn) >= 2
+        assert {piece.dst_host for piece in dcn} == {host_of[second[0]]}
+        assert receiver.sent_dcn == 0 and receiver.recv_tcp >= 1
+    finally:
+        zp.shutdown()
+    assert_gone(pids)                 # the proxy included
 
 
 # ---- the pieces, without a cluster -------------------------------------------------
