@@ -26,6 +26,8 @@ def zpath_cmd(*args: str, **env: str) -> subprocess.CompletedProcess:
     (["up", "--islands", "0"], 2, "--islands: must be a whole number >= 1"),
     (["up", "--dcn-gbps", "-1"], 2, "--dcn-gbps: must be a number >= 0"),
     (["up", "--controller-port", "70000"], 2, "must be a port number"),
+    (["up", "--ifrt-proxy", "0.0.0.0:5000"], 2, "pass --ifrt-proxy-insecure to serve it there anyway"),
+    (["up", "--ifrt-proxy", "host:port"], 2, "--ifrt-proxy: ifrt_proxy must be HOST:PORT or PORT"),
     (["up", "--bogus"], 2, "zpath up: error: unrecognized arguments: --bogus"),
     (["status", "localhost:5555"], 1, "is not a controller address: expected tcp://HOST:PORT"),
     (["controller", "--bind", "foo"], 1, "zpath controller: cannot listen on foo"),

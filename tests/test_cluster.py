@@ -354,22 +354,28 @@ def test_zpath_up_cli_runs_and_stops_on_a_signal(tmp_path, sig, code):
     env.pop("ZPATH_CONTROLLER", None)
     port = free_port("127.0.0.1")
     state = tmp_path / "state.json"
+    proxy = sig == signal.SIGTERM        # once with --ifrt-proxy: it stops with the cluster
     p = subprocess.Popen([sys.executable, "-m", "zpath", "up", "--islands", "1", "--devices-per-host", "1",
-                          "--log-dir", str(tmp_path), "--state", str(state), "--controller-port", str(port)],
+                          "--log-dir", str(tmp_path), "--state", str(state), "--controller-port", str(port)]
+                         + (["--ifrt-proxy", "0"] if proxy else []),
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
-        address = None
+        address = served = None
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline and address is None:
             line = p.stdout.readline()
             if not line:
                 break
+            if line.startswith("IFRT proxy:"):
+                served = line.split("JAX_BACKEND_TARGET=", 1)[1].split()[0]
             if line.startswith("zpath cluster up:"):
                 address = line.split(":", 1)[1].strip()
         assert address, p.stderr.read()
         assert address == f"tcp://127.0.0.1:{port}"          # --controller-port is used
+        # the proxy serves loopback only when given a port alone
+        assert (served is not None and served.startswith("grpc://127.0.0.1:")) == proxy, served
         children = psutil.Process(p.pid).children(recursive=True)
-        assert len(children) == 2
+        assert len(children) == 2 + proxy
         status = subprocess.run([sys.executable, "-m", "zpath", "status", address], capture_output=True,
                                 text=True, timeout=60,
                                 env=dict(env, ZPATH_KEY_FILE=str(tmp_path / "cluster.key")))

@@ -19,11 +19,14 @@ from google.protobuf import descriptor_pb2
 from jax.sharding import AbstractMesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+import zpath as zp
+from tests.test_channels import channel_stats
 from zpath.client.connection import Client
 from zpath.client.futures import Future
-from zpath.cluster.testing import running_cluster, wait_until
+from zpath.cluster.testing import assert_gone, running_cluster, wait_until
 from zpath.net import messages as m
 from zpath.proxy import backend, launch, programs, schema
+from zpath.proxy.launch import is_loopback
 from zpath.proxy.server import PROTOCOL_MAX, ProxyServer
 
 pytestmark = pytest.mark.timeout(120)
@@ -90,6 +93,10 @@ def cluster():
 def proxy(cluster):
     """The IFRT proxy process, started for the module's cluster as `zpath up
     --ifrt-proxy` and zp.init(ifrt_proxy=) start it, and stopped by pid."""
+    yield from _serve(cluster)
+
+
+def _serve(cluster):
     served = launch.start_proxy(cluster, "127.0.0.1:0")
     (name, p), = [(n, q) for n, q in cluster.procs if n == launch.PROCESS_NAME]
     status = Client(cluster.address, cluster.key, name="ifrt-proxy-test")
@@ -109,12 +116,14 @@ class Proxy:
 
 
 def _env(server: Proxy) -> dict[str, str]:
-    return dict(os.environ, JAX_PLATFORMS="proxy", JAX_BACKEND_TARGET=f"grpc://{server.address}",
-                IFRT_PROXY_USE_INSECURE_GRPC_CREDENTIALS="true")
+    # no IFRT_PROXY_USE_INSECURE_GRPC_CREDENTIALS: zpath.proxy.initialize() sets it
+    env = dict(os.environ, JAX_PLATFORMS="proxy", JAX_BACKEND_TARGET=f"grpc://{server.address}")
+    env.pop("IFRT_PROXY_USE_INSECURE_GRPC_CREDENTIALS", None)
+    return env
 
 
-def _start_client(server: Proxy, *argv: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-c", CLIENT, *argv], env=_env(server), stdin=subprocess.PIPE,
+def _start_client(server: Proxy, *argv: str, script: str = CLIENT) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", script, *argv], env=_env(server), stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
 
 
@@ -179,6 +188,68 @@ def test_unmodified_jax_runs_on_the_cluster_and_a_dropped_client_is_freed(proxy)
         _stop(p, group=True)
         for f in (p.stdin, p.stdout, p.stderr):
             f.close()
+
+
+BETWEEN_ISLANDS = textwrap.dedent('''
+    import json, sys
+    import zpath.proxy
+    zpath.proxy.initialize()
+    import jax, numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    first, second = json.loads(sys.argv[1])
+    by_id = {d.id: d for d in jax.devices()}
+    on = lambda ids: NamedSharding(Mesh(np.array([by_id[i] for i in ids]), ("i",)), P("i"))
+    a = np.arange(1 << 16, dtype=np.float32).reshape(2, -1)
+    # computed on the first island (a value only put there stays in the proxy
+    # until a computation needs it), then put on the second
+    x = jax.jit(lambda t: t * 2, out_shardings=on(first))(jax.device_put(a, on(first)))
+    y = jax.device_put(x, on(second))
+    z = jax.jit(lambda t: t + 1)(y)                    # computed where it landed
+    print("RESULT " + json.dumps([np.asarray(y).sum().item(), np.asarray(z)[:, :3].tolist(),
+                                  sorted(d.id for d in y.devices())]), flush=True)
+''')
+
+
+def test_device_put_between_islands_goes_worker_to_worker_over_dcn(monkeypatch):
+    """Milestone 3 between islands: jax.device_put to another island's devices
+    moves the shards from the first island's workers to the second's over DCN
+    (their channel counters show it), not through the proxy. The cluster and
+    its proxy come from zp.init(ifrt_proxy=PORT), and zp.shutdown() stops both."""
+    monkeypatch.delenv("ZPATH_CONTROLLER", raising=False)
+    cluster = zp.init(islands=2, hosts_per_island=1, devices_per_host=2, ifrt_proxy="0")
+    local = cluster.local
+    pids = local.pids
+    try:
+        assert cluster.ifrt_proxy.startswith("127.0.0.1:")
+        assert [n for n, _ in local.procs].count(launch.PROCESS_NAME) == 1
+        devices = cluster.client.devices
+        islands: dict[int, list[int]] = {}
+        for d in sorted(devices.values(), key=lambda d: d.id):
+            islands.setdefault(d.island, []).append(d.id)
+        first, second = islands.values()
+        host_of = {d.id: d.host for d in devices.values()}
+        channel_stats(local, reset=True)
+        p = _start_client(Proxy(cluster.ifrt_proxy, None, cluster.client), json.dumps([first, second]),
+                          script=BETWEEN_ISLANDS)
+        try:
+            total, head, placed = json.loads(_line(p, "RESULT"))
+        finally:
+            _stop(p, group=True)
+            for f in (p.stdin, p.stdout, p.stderr):
+                f.close()
+        a = np.arange(1 << 16, dtype=np.float32).reshape(2, -1)
+        assert total == float(a.sum() * 2) and head == (a[:, :3] * 2 + 1).tolist() and placed == second
+        stats = channel_stats(local)
+        sender, receiver = stats[host_of[first[0]]], stats[host_of[second[0]]]
+        # both halves (128 KiB each) left the first island's worker over DCN,
+        # addressed to the second island's worker
+        dcn = [piece for piece in sender.sent if piece.channel == "DCN"]
+        assert sender.sent_dcn >= 1 and sender.bytes_dcn >= a.nbytes and len(dcn) >= 2
+        assert {piece.dst_host for piece in dcn} == {host_of[second[0]]}
+        assert receiver.sent_dcn == 0 and receiver.recv_tcp >= 1
+    finally:
+        zp.shutdown()
+    assert_gone(pids)                 # the proxy included
 
 
 # ---- the pieces, without a cluster -------------------------------------------------
@@ -338,3 +409,52 @@ def test_a_value_on_the_cluster_moves_worker_to_worker():
     moved = session.arrays[2]
     assert moved.devices == [2, 3] and moved.future.buffer == call.outputs[0].buffer and moved.host is None
     session.close()
+
+
+
+# ---- security: loopback by default, sessions private to each other ------------------
+
+def test_the_proxy_serves_loopback_unless_told_insecure():
+    assert is_loopback("127.0.0.1:5000") and is_loopback("localhost:0") and is_loopback("[::1]:7")
+    assert not is_loopback("0.0.0.0:5000") and not is_loopback(":5000") and not is_loopback("10.1.2.3:0")
+    assert launch.listen_address("5000") == launch.listen_address(":5000") == "127.0.0.1:5000"
+    assert launch.listen_address("0.0.0.0:1") == "0.0.0.0:1"
+    with pytest.raises(ValueError, match="HOST:PORT"):
+        launch.listen_address("host:port")
+    for address in ("0.0.0.0:0", "[::]:0"):
+        with pytest.raises(OSError, match="--ifrt-proxy-insecure"):
+            ProxyServer(_FakeClient(), address)
+    server = ProxyServer(_FakeClient(), "0.0.0.0:0", insecure=True)     # said explicitly: it listens
+    assert server.port > 0
+    server.stop(0)
+
+
+def test_one_session_cannot_reach_another_sessions_arrays_or_buffers():
+    """Array handles are per session; host buffers are reached by session id,
+    which is random: guessing handles or ids finds nothing."""
+    server = ProxyServer(_FakeClient(), "127.0.0.1:0")
+    fake = _FakeClient()
+    a, b = (backend.Session(server._new_session_id(), server.s, fake, "cpu", None) for _ in range(2))
+    server.sessions.update({a.id: a, b.id: b})
+    assert a.id != b.id and max(a.id, b.id) > 1 << 32     # not a counter one can walk
+    fut = Future(fake, 7, (4,), np.dtype(np.float32), [0], [1], ["d"], [None])
+    a.arrays[1] = backend.Array((4,), np.dtype(np.float32), backend.whole_on([0], 1), future=fut)
+    a.buffers.store(9, b"secret")
+    s = server.s
+    for request in (dict(copy_to_host_buffer_request=s.CopyToHostBufferRequest(array_handle=1, host_buffer_handle=3)),
+                    dict(copy_arrays_request=s.CopyArraysRequest(array_handles=[1], device_ids=[2], result_handles=[2]))):
+        status = _answer(b, **request).response_metadata.status
+        assert status.code == backend.NOT_FOUND and "unknown array handle 1" in status.message
+    _answer(b, delete_array_request=s.DeleteArrayRequest(array_handle=[1]))   # its future holds the error
+    assert a.arrays[1].future is fut and not a.arrays[1].deleted and 2 not in b.arrays and fake.posted == []
+    b.buffers.timeout_s = 0.05
+    with pytest.raises(backend.Failed):
+        b.buffers.lookup(9)
+    with pytest.raises(backend.Failed):
+        b.buffers.delete(9)
+    for sid in (1, 2, b.id + 1, a.id ^ 1):            # a guessed session id is refused
+        with pytest.raises(_Aborted) as e:
+            server._lookup(s.GrpcHostBufferLookupRequest(session_id=sid, handle=9), _Context()).__next__()
+        assert e.value.args[0] == grpc.StatusCode.NOT_FOUND
+    assert a.buffers.lookup(9) == b"secret"
+    server.stop(0)

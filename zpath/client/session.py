@@ -62,9 +62,10 @@ def init(islands: int | None = None, hosts_per_island: int | None = None,
     :class:`zpath.cluster.launcher.LocalCluster` (e.g. ``policy``, ``dcn_gbps``).
     ``config``/``cluster_config``: the client's and the launcher's settings
     (default: from the environment, see ``python -m zpath.config``).
-    ``ifrt_proxy``: HOST:PORT (port 0: a free one) where the local cluster also
-    serves the IFRT proxy protocol to unmodified JAX clients (``JAX_PLATFORMS=proxy``;
-    the served address is ``cluster.ifrt_proxy``)."""
+    ``ifrt_proxy``: PORT, or a loopback HOST:PORT (port 0: a free one), where the
+    local cluster also serves the IFRT proxy protocol to unmodified JAX clients
+    (``JAX_PLATFORMS=proxy``; the served address is ``cluster.ifrt_proxy``; another
+    HOST needs ``zpath up --ifrt-proxy-insecure``, docs/design.md: Security model)."""
     if _cluster["current"] is not None:
         raise ZpathError("already initialised: call zp.shutdown() first")
     _check_weight(weight)

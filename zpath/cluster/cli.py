@@ -20,7 +20,7 @@ from zpath.config import DEFAULT_SHAPE, POLICIES, ClientConfig, ClusterConfig, C
 from zpath.errors import ZpathError
 from zpath.cluster import connfile
 from zpath.keys import parse_key
-from zpath.proxy.launch import start_proxy
+from zpath.proxy.launch import is_loopback, listen_address, start_proxy
 
 # The launchers and the client connection are imported by the subcommands that
 # use them (`up`, `status`): they bring the wire protocol and numpy, which take
@@ -64,6 +64,17 @@ _port = _arg(int, lambda v: 0 <= v <= 65535, "a port number 0-65535 (0: a free o
 
 def _up(args: argparse.Namespace, cfg: Settings) -> int:
     logs.setup("launcher", cfg.common.log_level)
+    if args.ifrt_proxy:
+        try:
+            args.ifrt_proxy = listen_address(args.ifrt_proxy)
+        except ValueError as e:
+            print(f"zpath up: --ifrt-proxy: {e}", file=sys.stderr)
+            return 2
+        if not args.ifrt_proxy_insecure and not is_loopback(args.ifrt_proxy):
+            print(f"zpath up: --ifrt-proxy {args.ifrt_proxy} is not a loopback address and the IFRT proxy "
+                  f"has no authentication: anyone who reaches it uses the cluster; pass "
+                  f"--ifrt-proxy-insecure to serve it there anyway", file=sys.stderr)
+            return 2
     stop = threading.Event()
     caught: list[int] = []
 
@@ -131,7 +142,8 @@ def _up(args: argparse.Namespace, cfg: Settings) -> int:
         return interrupted()
     try:
         if args.ifrt_proxy:
-            served = start_proxy(cluster, args.ifrt_proxy, timeout=args.start_timeout)
+            served = start_proxy(cluster, args.ifrt_proxy, timeout=args.start_timeout,
+                                 insecure=args.ifrt_proxy_insecure)
             print(f"IFRT proxy: JAX_PLATFORMS=proxy JAX_BACKEND_TARGET=grpc://{served} "
                   "(README: Unmodified JAX)", flush=True)
         cluster_state.write_state(state_path, cluster_state.cluster_state(cluster))
@@ -349,9 +361,13 @@ def main(argv: list[str] | None = None) -> int:
     up.add_argument("--compile-cache", metavar="DIR",
                     help="the workers' JAX compilation cache: a directory (on each host), or off "
                          "(default $ZPATH_COMPILE_CACHE or ~/.zpath/jax-cache)")
-    up.add_argument("--ifrt-proxy", metavar="HOST:PORT", default=None,
+    up.add_argument("--ifrt-proxy", metavar="[HOST:]PORT", default=None,
                     help="also serve the IFRT proxy protocol there, for unmodified JAX clients "
-                         "(JAX_PLATFORMS=proxy; needs the 'proxy' extra)")
+                         "(JAX_PLATFORMS=proxy; needs the 'proxy' extra); loopback only unless "
+                         "--ifrt-proxy-insecure")
+    up.add_argument("--ifrt-proxy-insecure", action="store_true",
+                    help="let --ifrt-proxy serve a non-loopback HOST: its gRPC service has no "
+                         "authentication, so anyone who reaches it uses the cluster")
     up.add_argument("--policy", choices=POLICIES, default=None,
                     help="multi-tenant scheduling policy: proportional share by client weight "
                          "(default; $ZPATH_SCHEDULER_POLICY) or fifo")

@@ -1,10 +1,9 @@
 """Unmodified JAX on zpath, through the IFRT proxy protocol.
 
-The server side (``zpath up --ifrt-proxy HOST:PORT``, ``zp.init(ifrt_proxy=...)``)
+The server side (``zpath up --ifrt-proxy PORT``, ``zp.init(ifrt_proxy=...)``)
 is :mod:`zpath.proxy.server`. In the user's process::
 
     # JAX_PLATFORMS=proxy JAX_BACKEND_TARGET=grpc://HOST:PORT
-    # IFRT_PROXY_USE_INSECURE_GRPC_CREDENTIALS=true
     import zpath.proxy
     zpath.proxy.initialize()
     import jax

@@ -23,6 +23,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--listen", required=True, help="HOST:PORT to serve on (port 0: a free one)")
     ap.add_argument("--controller", required=True, help="the cluster's address, tcp://HOST:PORT")
     ap.add_argument("--platform", default="cpu", help="the platform of the cluster's devices (default cpu)")
+    ap.add_argument("--insecure", action="store_true",
+                    help="serve on a non-loopback address: anyone who reaches it uses the cluster")
     ap.add_argument("--address-file", help="write HOST:PORT served here once listening")
     args = ap.parse_args(argv)
     common = CommonConfig.from_env()
@@ -33,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(sig, lambda *_: stop.set())
     try:
         client = Client(args.controller, key_from_config(common), name="ifrt-proxy", config=ClientConfig.from_env())
-        server = ProxyServer(client, args.listen, platform=args.platform).start()
+        server = ProxyServer(client, args.listen, platform=args.platform, insecure=args.insecure).start()
     except (SchemaError, OSError) as e:
         print(f"zpath IFRT proxy: {e}", file=sys.stderr)
         return 1

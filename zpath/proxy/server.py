@@ -8,15 +8,16 @@ One zpath client connection carries every session's work to the cluster; each
 from __future__ import annotations
 
 import concurrent.futures
-import itertools
 import logging
 import queue
+import secrets
 import threading
 from typing import Any, Iterator
 
 import grpc
 
 from zpath.proxy import backend
+from zpath.proxy.launch import is_loopback
 from zpath.proxy.schema import SERVICE_NAME, Schema, load
 
 log = logging.getLogger(__name__)
@@ -34,17 +35,24 @@ class ProxyServer:
     """Serve the IFRT proxy protocol at ``address`` (HOST:PORT; port 0: a free
     one, see ``port``) on the cluster that ``client`` (a
     :class:`zpath.client.connection.Client`) is connected to. ``platform``:
-    the platform the cluster's devices are (what JAX lowers programs for)."""
+    the platform the cluster's devices are (what JAX lowers programs for).
+
+    The service has no authentication of its own (docs/design.md: Security
+    model), so it listens on a loopback address only unless ``insecure``: then
+    anyone who reaches the port uses the cluster as the proxy's client."""
 
     def __init__(self, client: Any, address: str, *, platform: str = "cpu",
                  schema: Schema | None = None, threads: int = 32,
-                 host_timeout_s: float = 60.0) -> None:
+                 host_timeout_s: float = 60.0, insecure: bool = False) -> None:
+        if not insecure and not is_loopback(address):
+            raise OSError(f"the IFRT proxy serves on a loopback address only (127.0.0.1:PORT), not {address}: "
+                          f"its gRPC service has no authentication; say --ifrt-proxy-insecure to serve "
+                          f"every network interface anyone reaches")
         self.s = schema or load()
         self.client = client
         self.platform = platform
         self.host_timeout_s = host_timeout_s
         self.sessions: dict[int, backend.Session] = {}
-        self._ids = itertools.count(1)
         self._lock = threading.Lock()
         s = self.s
         handlers = {
@@ -106,7 +114,7 @@ class ProxyServer:
         if not PROTOCOL_MIN <= v <= PROTOCOL_MAX:
             ctx.abort(grpc.StatusCode.FAILED_PRECONDITION,
                       f"protocol version {v} is not one zpath serves ({PROTOCOL_MIN}..{PROTOCOL_MAX})")
-        session = backend.Session(next(self._ids), self.s, self.client, self.platform, meta.version,
+        session = backend.Session(self._new_session_id(), self.s, self.client, self.platform, meta.version,
                                   self.host_timeout_s)
         with self._lock:
             self.sessions[session.id] = session
@@ -135,6 +143,14 @@ class ProxyServer:
                 self.sessions.pop(session.id, None)
             session.close()
             log.info("IFRT session %d closed; its arrays were released", session.id)
+
+    def _new_session_id(self) -> int:
+        # host buffer RPCs name their session by id: an id nobody can guess
+        # keeps one session from storing, reading or deleting another's buffers
+        with self._lock:
+            while (sid := secrets.randbits(62) + 1) in self.sessions:
+                pass
+            return sid
 
     def _session_of(self, session_id: int, ctx: grpc.ServicerContext) -> backend.Session:
         with self._lock:
