@@ -21,14 +21,13 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import random
 import re
 import shlex
 import subprocess
 import sys
 
-from zpath.cluster.launcher import ClusterLauncher, dcn_flags, free_port
-from zpath.cluster.ssh import _is_local, route_address
+from zpath.cluster.launcher import ClusterLauncher, dcn_flags
+from zpath.cluster.ssh import island_coordinators, route_address
 from zpath.config import ClusterConfig, SlurmJob
 from zpath.errors import ZpathError
 from zpath.process import PARENT_PID_ENV
@@ -163,24 +162,8 @@ class SlurmCluster(ClusterLauncher):
                 f"--nodelist={t.node}", "--exact", *cpus, f"--job-name=zpath-{t.name}",
                 "--kill-on-bad-exit=1", *command]
 
-    def _coordinators(self) -> dict[int, list[str]]:
-        runtime: dict[int, list[str]] = {}
-        for island in sorted({t.island for t in self.tasks}):
-            members = [t for t in self.tasks if t.island == island]
-            if len(members) == 1:
-                continue
-            first = members[0]
-            if self.coordinator_port:
-                port = self.coordinator_port + island
-            elif _is_local(first.address):
-                port = free_port(first.address)
-            else:
-                port = random.randint(20000, 29999)
-            runtime[island] = ["--coordinator", f"{first.address}:{port}", "--num-processes", str(len(members))]
-        return runtime
-
     def _start_workers(self, deadline: float) -> None:
-        runtime = self._coordinators()
+        runtime = island_coordinators(self.tasks, self.coordinator_port, lambda t: t.address)
         env = {k: v for k, v in self._env.items() if k not in ("ZPATH_KEY", "ZPATH_WORKER_KEY", PARENT_PID_ENV)}
         for t in self.tasks:
             name = f"worker-{t.index}-{re.sub(r'[^A-Za-z0-9_.-]', '_', t.name)}"

@@ -26,6 +26,7 @@ import re
 import shlex
 import socket
 import subprocess
+from typing import Any, Callable, Sequence
 
 from zpath.cluster.launcher import ClusterLauncher, dcn_flags, free_port
 from zpath.config import ClusterConfig
@@ -124,6 +125,30 @@ def _is_local(address: str) -> bool:
         return False
 
 
+def island_coordinators(hosts: Sequence[Any], base_port: int,
+                         listen: Callable[[Any], str]) -> dict[int, list[str]]:
+    """The ``--coordinator``/``--num-processes`` flags of each island of more
+    than one host (``hosts``: objects with ``.island`` and ``.address``, in
+    rank order): the island's first host runs the JAX coordinator at
+    ``listen(first host)``, on ``base_port + island``, or a free port when the
+    host is this machine, or a random one in 20000-29999."""
+    runtime: dict[int, list[str]] = {}
+    for island in sorted({h.island for h in hosts}):
+        members = [h for h in hosts if h.island == island]
+        if len(members) == 1:
+            continue
+        first = members[0]
+        address = listen(first)
+        if base_port:
+            port = base_port + island
+        elif _is_local(first.address):
+            port = free_port(address)
+        else:
+            port = random.randint(20000, 29999)
+        runtime[island] = ["--coordinator", f"{address}:{port}", "--num-processes", str(len(members))]
+    return runtime
+
+
 def route_address(host: str) -> str:
     """The address of this machine's interface that reaches ``host`` (no packet
     is sent: a UDP socket is only connected)."""
@@ -186,27 +211,11 @@ class SSHCluster(ClusterLauncher):
         dest = f"{h.user}@{h.address}" if h.user else h.address
         return [*self.ssh, "-p", str(h.port), dest, remote_command]
 
-    def _island_runtime(self) -> dict[int, list[str]]:
-        runtime: dict[int, list[str]] = {}
-        for island in sorted({h.island for h in self.hosts}):
-            members = [h for h in self.hosts if h.island == island]
-            if len(members) == 1:
-                continue
-            first = members[0]
-            if self.coordinator_port:
-                port = self.coordinator_port + island
-            elif _is_local(first.address):
-                port = free_port(first.bind or _resolve(first.address))
-            else:
-                port = random.randint(20000, 29999)
-            # where the first host's worker listens (its data port too): the
-            # coordinator binds that address only
-            runtime[island] = ["--coordinator", f"{first.bind or _resolve(first.address)}:{port}",
-                               "--num-processes", str(len(members))]
-        return runtime
-
     def _start_workers(self, deadline: float) -> None:
-        runtime = self._island_runtime()
+        # where each island's first worker listens (its data port too): the
+        # coordinator binds that address only
+        runtime = island_coordinators(self.hosts, self.coordinator_port,
+                                      lambda h: h.bind or _resolve(h.address))
         rank_in_island: dict[int, int] = {}
         setenv = [f"--setenv={k}={self._env[k]}" for k in FORWARDED_ENV if k in self._env]
         for i, h in enumerate(self.hosts):
