@@ -291,6 +291,9 @@ def test_batch_job_runs_a_program_on_a_multi_node_island(slurm, tmp_path):
     # the workers' names: a task on each node
     workers = sorted(f.name for f in logs.glob("worker-*.log"))
     assert workers == ["worker-0-zn1-t0.log", "worker-1-zn2-t1.log"], workers
+    # and their host numbers follow the tasks' order, whichever registered first
+    ctl = (logs / "controller.log").read_text()
+    assert re.search(r"host 0 registered: zn1-t0 ", ctl) and re.search(r"host 1 registered: zn2-t1 ", ctl), ctl
     assert_nothing_left(slurm, job, logs / "cluster.key")
     print(f"batch job {job}: {time.monotonic() - t:.1f} s")
 

@@ -168,7 +168,9 @@ class SlurmCluster(ClusterLauncher):
         for t in self.tasks:
             name = f"worker-{t.index}-{re.sub(r'[^A-Za-z0-9_.-]', '_', t.name)}"
             worker = ["--controller", self.address, "--island", str(t.island), "--bind-host", t.address,
-                      "--name", t.name, *runtime.get(t.island, []),
+                      "--name", t.name,
+                      "--rank", str(t.index),      # node order, whatever order they register in
+                      *runtime.get(t.island, []),
                       *(["--process-id", str(t.rank)] if t.island in runtime else []), *self.dcn_flags]
             command = [self.python, "-m", "zpath.cluster.remote",
                        f"--devices={self.devices_per_task}", "--", *worker]
