@@ -11,6 +11,7 @@ import pytest
 
 from zpath.config import CommonConfig, WorkerConfig
 from zpath.ids import buffer_id
+from zpath.net import channels, codec
 from zpath.net import messages as m
 from zpath.worker.executor import Executor
 from zpath.worker.server import Worker
@@ -104,3 +105,92 @@ def test_a_piece_in_chunks_is_stored_once_whole(worker):
     assert (kind, target) == ("data", b"peer") and reply.code == "bad_request"
     assert worker.store.entry(PieceKey(4)).error.message.startswith("bad PieceChunk")
     worker.chunks.validate_state()
+
+
+@pytest.fixture
+def pair():
+    """Two workers of one machine that may use its shortcuts (shared memory,
+    datagrams), not serving: their handlers are called here."""
+    x64 = jax.config.jax_enable_x64
+    ws = [Worker(b"k" * 32, "tcp://127.0.0.1:9", 0, config=WorkerConfig(shm=True), common=CommonConfig())
+          for _ in range(2)]
+    try:
+        yield ws
+    finally:
+        for w in ws:
+            w.close()
+        jax.config.update("jax_enable_x64", x64)
+
+
+def send_piece(a: Worker, b: Worker, piece_id: int, value: np.ndarray | None,
+               error: m.ErrorInfo | None = None, address: str | None = None) -> None:
+    """Host a sends piece ``piece_id`` of a shard holding ``value`` (or failed
+    with ``error``) to host b (at ``address``, b's data port by default)."""
+    region = [[0, 1], [0, 4]]
+    key = shard_key(buffer_id(1, piece_id), 0, region)
+    a.store.set(key, value, error=error)
+    order = m.SendPiece(piece_id, buffer_id(1, piece_id), 0, region, region, 1,
+                        address or b.data_address, "ICI", b.machine, "")
+    a._piece_ready(order, a.store.entry(key))
+
+
+def test_a_small_piece_to_a_worker_of_this_machine_goes_as_a_datagram(pair):
+    a, b = pair
+    assert a.dgram_in is not None and b.dgram_in is not None
+    value = np.arange(4, dtype=np.float32).reshape(1, 4)
+    send_piece(a, b, 1, value)
+    send_piece(a, b, 2, None, error=m.ErrorInfo("RemoteError", "it failed", 0, "f", ""))
+    # nothing went through a's I/O thread (its outbox) or ZeroMQ: b's socket has both
+    assert select.select([a.outbox.fd], [], [], 0)[0] == []
+    assert select.select([b.dgram_in.fileno()], [], [], 5)[0]
+    b._drain_dgram()
+    e = b.store.entry(PieceKey(1))
+    assert e.done and e.error is None and e.value.tolist() == [[0.0, 1.0, 2.0, 3.0]]
+    assert b.store.entry(PieceKey(2)).error.message == "it failed"
+    assert b.stats["recv_tcp"] == 1 and a.stats["sent_ici_tcp"] == 1
+    # a datagram is checked as any message: another key's, or one that is not
+    # a piece, is dropped (and the loop goes on to the next one)
+    other = Worker(b"o" * 32, "tcp://127.0.0.1:9", 0, config=WorkerConfig(shm=True), common=CommonConfig())
+    try:
+        frames = codec.encode(b"o" * 32, m.Piece(3, m.Aval([1], "float32"), None), msg_id=1, sender="x",
+                              buffers=[np.zeros(1, np.float32)])
+        assert other.dgram_out.send(b.dgram_in.name, frames)
+    finally:
+        other.close()
+    frames = codec.encode(b"k" * 32, m.Put(buffer_id(1, 9), 0, [[0, 1]], m.Aval([1], "float32")), msg_id=2,
+                          sender="x", buffers=[np.zeros(1, np.float32)])
+    assert a.dgram_out.send(b.dgram_in.name, frames)
+    assert a.dgram_out.send(b.dgram_in.name, [b"not", b"a message"])
+    send_piece(a, b, 4, value)
+    b._drain_dgram()
+    assert not b.store.is_done(PieceKey(3)) and not b.store.is_done(shard_key(buffer_id(1, 9), 0, [[0, 1]]))
+    assert b.store.entry(PieceKey(4)).value.tolist() == [[0.0, 1.0, 2.0, 3.0]]
+    assert b.dgram_in.recv() is None
+
+
+def test_a_small_piece_goes_by_zeromq_when_no_datagram_socket_takes_it(pair):
+    a, b = pair
+    a.peer_addrs[1] = ("tcp://127.0.0.1:1", "")
+    send_piece(a, b, 5, np.ones((1, 4), np.float32), address="tcp://127.0.0.1:1")   # nobody's
+    [(kind, target, msg)] = sent(a)
+    assert (kind, target) == ("peer", 1) and msg == m.Piece(5, m.Aval([1, 4], "float32"), None)
+    assert b.dgram_in.recv() is None
+
+
+def test_datagram_frames_are_checked():
+    frames = [b"ab", b"", np.arange(3, dtype=np.float32).view(np.uint8)]
+    r = channels.DgramReceiver(channels.dgram_name("zpath-test", f"frames-{id(frames)}"))
+    s = channels.DgramSender()
+    try:
+        assert s.send(r.name, frames)
+        assert [bytes(f) for f in channels.dgram_frames(r.recv())] == [bytes(f) for f in frames]
+        assert r.recv() is None
+        assert not s.send(r.name, [bytes(channels.DGRAM_MAX_BYTES)])       # too big: the caller uses ZeroMQ
+        assert not s.send(channels.dgram_name("zpath-test", "nobody"), frames)
+        for bad in (b"", b"\x02\x00\x00\x00\x01\x00\x00\x00", b"\x01\x00\x00\x00\x09\x00\x00\x00abc",
+                    b"\x01\x00\x00\x00\x01\x00\x00\x00abc"):
+            with pytest.raises(ValueError):
+                channels.dgram_frames(bad)
+    finally:
+        r.close()
+        s.close()

@@ -42,10 +42,11 @@ from zpath.ids import client_of
 from zpath.keys import Keys, key_from_config, worker_key_from_config
 from zpath.process import die_with_parent
 from zpath.net import channels
+from zpath.net import codec
 from zpath.net import messages as m
 from zpath.net.codec import CLIENTS, CLUSTER, PROTOCOL_VERSION, Record
 from zpath.net.transport import (LOG_BURST, LOG_RATE, REPLY_BURST, REPLY_RATE, BadMessage, Endpoint, Outbox,
-                                 RateLimit, backoff, make_context, readable, unbatched)
+                                 RateLimit, backoff, make_context, raw, readable, unbatched)
 from zpath.worker import compile_cache
 from zpath.worker.executor import Executor
 from zpath.worker.state import (Chunks, FusedRun, PendingFetch, ShapedLink, WorkerState, refused_on_data,
@@ -139,6 +140,20 @@ class Worker:
         self.use_shm = config.shm and channels.shm_available(common.shm_dir)
         self.shm_out = channels.ShmSender(channels.shm_prefix(self.keys.workers), common.shm_dir)
         self.shm_in = channels.ShmReceiver(shm_dir=common.shm_dir)
+        # small pieces between workers of this machine: datagrams (see channels)
+        self.dgram_prefix = channels.shm_prefix(self.keys.workers)
+        self.dgram_in: channels.DgramReceiver | None = None
+        self.dgram_out: channels.DgramSender | None = None
+        self.dgram_names: dict[str, bytes] = {}      # a peer's data address -> its datagram socket
+        if config.shm:
+            try:
+                self.dgram_in = channels.DgramReceiver(channels.dgram_name(self.dgram_prefix, self.data_address))
+                self.dgram_out = channels.DgramSender()
+            except OSError as e:
+                if self.dgram_in is not None:
+                    self.dgram_in.close()
+                    self.dgram_in = None
+                log.info("no datagram socket for small pieces (%s): they go by ZeroMQ", e)
         # (peer identity, segment) of pieces lent in their segment that nothing
         # refers to any more; filled by finalizers, acknowledged by the I/O thread
         self.freed_segments: queue.SimpleQueue[tuple[bytes, str, int]] = queue.SimpleQueue()
@@ -201,7 +216,9 @@ class Worker:
     def post_ctl(self, msg: Record) -> None:
         self.outbox.put("ctl", None, msg, (), 0)
 
-    def post_data(self, ident: bytes, msg: Record, buffers: Any = (), parent: int = 0) -> None:
+    def post_data(self, ident: bytes | None, msg: Record, buffers: Any = (), parent: int = 0) -> None:
+        if ident is None:        # it came as a datagram: no way back
+            return
         self.outbox.put("data", ident, msg, buffers, parent)
 
     def post_peer(self, rank: int, msg: Record, buffers: Any = (), dcn: bool = False) -> None:
@@ -231,12 +248,17 @@ class Worker:
         poller.register(self.outbox.fd, zmq.POLLIN)
         if self.dcn is not None:
             poller.register(self.dcn, zmq.POLLIN)
+        dgram = self.dgram_in.fileno() if self.dgram_in is not None else -1
+        if self.dgram_in is not None:
+            poller.register(dgram, zmq.POLLIN)
         self.state.heard_from_controller(time.monotonic())
         while self.running:
             ms = self._poll_ms(min(self._expire_fetches(), self._send_shaped()))
             events = dict(poller.poll(timeout=ms))
             # data first: a piece or Put that came with the Execute that reads
             # it is then in the store before the executor looks for it
+            if dgram in events:
+                self._drain_dgram()
             if self.data in events:
                 self._drain(self.data, router=True)
             if self.ctl in events:
@@ -280,6 +302,10 @@ class Worker:
         self.pool.shutdown(wait=False, cancel_futures=True)
         self.shm_out.close()      # unlinks segments of ours that no peer took
         self.shm_in.close()
+        if self.dgram_in is not None:
+            self.dgram_in.close()
+        if self.dgram_out is not None:
+            self.dgram_out.close()
         for s in [self.ctl, self.data, *([self.dcn] if self.dcn is not None else []),
                   *self.peer_socks.values()]:
             s.close(0)
@@ -437,6 +463,29 @@ class Worker:
             if not readable(sock):
                 return
 
+    def _drain_dgram(self) -> None:
+        """Datagrams from workers of this machine: pieces only (see channels)."""
+        assert self.dgram_in is not None
+        for _ in range(1000):
+            data = self.dgram_in.recv()
+            if data is None:
+                return
+            try:
+                header, msg, buffers = self.ep.decode(channels.dgram_frames(data))
+                if type(msg) not in (m.Piece, m.Pieces) or header.signer != CLUSTER:
+                    raise ValueError(f"{type(msg).__name__} signed by {header.signer}: a datagram "
+                                     "carries only pieces from workers")
+            except (ValueError, BadMessage) as e:
+                n = self.log_limit.allow(None, time.monotonic())
+                if n:
+                    log.warning("rejected datagram: %s%s", e,
+                                f" ({n - 1} more rejected messages not logged)" if n > 1 else "")
+                continue
+            try:
+                self._handle_data(None, header.msg_id, msg, buffers)
+            except Exception:
+                log.exception("error handling %s", type(msg).__name__)
+
     # ---- control messages ----------------------------------------------------
     def _handle_ctl(self, msg: Record, buffers: list) -> None:
         assert self.executor is not None
@@ -560,7 +609,8 @@ class Worker:
         self.sent_at.append([msg.piece_id, began])
         dcn = msg.channel == "DCN"
         if e.error is not None or view is None:
-            self._post_piece(msg.dst_host, m.Piece(msg.piece_id, m.Aval([], ""), e.error), (), dcn, direct)
+            self._post_piece(msg.dst_host, m.Piece(msg.piece_id, m.Aval([], ""), e.error), (), dcn, direct,
+                             self._dgram(msg))
             return
         aval = m.Aval(list(view.shape), view.dtype.name)
         if (not dcn and self.use_shm and msg.dst_machine == self.machine
@@ -579,11 +629,30 @@ class Worker:
         data = view if view.flags.c_contiguous else view.copy(order="C")
         self._count("dcn" if dcn else "ici_tcp", data.nbytes)
         self.sent.append(m.SentPiece(msg.piece_id, began, "DCN" if dcn else "ICI-tcp", data.nbytes, msg.dst_host))
-        self._post_piece(msg.dst_host, m.Piece(msg.piece_id, aval, None), [data], dcn, direct)
+        self._post_piece(msg.dst_host, m.Piece(msg.piece_id, aval, None), [data], dcn, direct, self._dgram(msg))
 
-    def _post_piece(self, rank: int, msg: m.Piece | m.Pieces, buffers: Any, dcn: bool, direct: bool) -> None:
-        """Queue a piece for the I/O thread, or (``direct``, in the I/O thread,
-        unless the DCN link is shaped) write it to the peer's socket now."""
+    def _dgram(self, msg: "m.SendPiece | m.SendPieces") -> bytes | None:
+        """The datagram socket of the piece's receiver if it is an ICI peer on
+        this machine and datagrams are in use (see channels), else None."""
+        if self.dgram_out is None or msg.channel == "DCN" or msg.dst_machine != self.machine:
+            return None
+        name = self.dgram_names.get(msg.dst_address)
+        if name is None:
+            name = self.dgram_names[msg.dst_address] = channels.dgram_name(self.dgram_prefix, msg.dst_address)
+        return name
+
+    def _post_piece(self, rank: int, msg: m.Piece | m.Pieces, buffers: Any, dcn: bool, direct: bool,
+                    dgram: bytes | None = None) -> None:
+        """Send a piece to the peer's datagram socket ``dgram`` from this
+        thread, if given and it can go; else queue it for the I/O thread, or
+        (``direct``, in the I/O thread, unless the DCN link is shaped) write
+        it to the peer's socket now."""
+        if dgram is not None and self.dgram_out is not None:
+            ep = self.ep
+            frames = codec.encode(ep.sign_key, msg, msg_id=ep.next_id(), sender=ep.sender,
+                                  buffers=[raw(b) for b in buffers], signer=ep.signer)
+            if self.dgram_out.send(dgram, frames):
+                return
         if not direct or (dcn and self.shaped.active):
             self.post_peer(rank, msg, buffers, dcn=dcn)
             return
@@ -625,7 +694,8 @@ class Worker:
         for p, e in zip(msg.pieces, entries, strict=True):
             self.sent_at.append([p.piece_id, began])
             if e.error is not None:
-                self._post_piece(msg.dst_host, m.Piece(p.piece_id, m.Aval([], ""), e.error), (), dcn, direct)
+                self._post_piece(msg.dst_host, m.Piece(p.piece_id, m.Aval([], ""), e.error), (), dcn, direct,
+                                 self._dgram(msg))
                 continue
             region = sharding.from_wire(p.region)
             view = np.asarray(e.value)[sharding.local_slices(sharding.from_wire(p.sub), region) + (Ellipsis,)]
@@ -639,7 +709,7 @@ class Worker:
         self._count("dcn" if dcn else "ici_tcp", nbytes)
         for pid, d in zip(ids, datas, strict=True):
             self.sent.append(m.SentPiece(pid, began, "DCN" if dcn else "ICI-tcp", d.nbytes, msg.dst_host))
-        self._post_piece(msg.dst_host, m.Pieces(ids, avals), datas, dcn, direct)
+        self._post_piece(msg.dst_host, m.Pieces(ids, avals), datas, dcn, direct, self._dgram(msg))
 
     def _count(self, channel: str, nbytes: int) -> None:
         self.stats[f"sent_{channel}"] += 1      # GIL-atomic enough for counters
