@@ -649,9 +649,12 @@ class Worker:
         it to the peer's socket now."""
         if dgram is not None and self.dgram_out is not None:
             ep = self.ep
-            frames = codec.encode(ep.sign_key, msg, msg_id=ep.next_id(), sender=ep.sender,
-                                  buffers=[raw(b) for b in buffers], signer=ep.signer)
-            if self.dgram_out.send(dgram, frames):
+            try:
+                frames = codec.encode(ep.sign_key, msg, msg_id=ep.next_id(), sender=ep.sender,
+                                      buffers=[raw(b) for b in buffers], signer=ep.signer)
+            except Exception:       # the ZeroMQ path below reports it, in the same way as ever
+                frames = None
+            if frames is not None and self.dgram_out.send(dgram, frames):
                 return
         if not direct or (dcn and self.shaped.active):
             self.post_peer(rank, msg, buffers, dcn=dcn)
