@@ -16,6 +16,7 @@ from typing import Any, Callable
 import numpy as np
 
 from zpath.config import POLICIES
+from zpath.net import codec
 from zpath.net import messages as m
 
 class GangScheduler:
@@ -34,7 +35,7 @@ class GangScheduler:
         for host, ex in sorted(executes.items()):
             mine = placed.get(id(ex))
             if mine is None:
-                mine = placed[id(ex)] = dataclasses.replace(ex, seq=seq, hold=hold)
+                mine = placed[id(ex)] = codec.replace(ex, seq=seq, hold=hold)
             out += self._place(host, mine, len(executes))
         return out
 
@@ -248,19 +249,25 @@ class TenantScheduler:
         one client (``client``, when given) uses the island, else ``window_s``."""
         if self.solo_window_s == self.window_s:
             return self.window_s
-        clients = set(self._active.get(island, ()))
-        clients.update(self._queues.get(island, ()))
-        if client is not None:
-            clients.add(client)
+        only = client              # the one client seen to use it so far (None: none)
+        for using in (self._active.get(island), self._queues.get(island)):
+            if using:
+                for c in using:
+                    if only is None:
+                        only = c
+                    elif c != only:
+                        return self.window_s
         seen = self._seen.get(island)
-        if seen and len(clients) <= 1:
+        if seen:
             now = self.clock()
             for c, t in list(seen.items()):
-                if now - t < SOLO_GRACE_S:
-                    clients.add(c)
-                else:
+                if now - t >= SOLO_GRACE_S:
                     del seen[c]
-        return self.solo_window_s if len(clients) <= 1 else self.window_s
+                elif only is None:
+                    only = c
+                elif c != only:
+                    return self.window_s       # (the stale ones left go at a later look)
+        return self.solo_window_s
 
     def _fits(self, ready: Ready) -> bool:
         est = self._cost.get(ready.cost_key)
