@@ -333,7 +333,10 @@ class TenantScheduler:
         self._running[ticket] = _Running(ready.client, ready.island, ready.devices, ready.cost_key,
                                          estimate, wall)
         few = self._few_devices(ready.devices)
-        self._active.setdefault(ready.island, collections.Counter())[ready.client] += 1
+        active = self._active.get(ready.island)
+        if active is None:
+            active = self._active[ready.island] = collections.Counter()
+        active[ready.client] += 1
         self._seen.setdefault(ready.island, {})[ready.client] = self.clock()
         vt = self._vt.get((ready.island, ready.client), 0.0)
         clk = self._island_clock(ready.island)
