@@ -33,3 +33,16 @@ def test_core_scale_benchmark_times_the_core_per_node():
     rows = [json.loads(line) for line in p.stdout.splitlines()]
     assert [r["hosts"] for r in rows] == [2, 8] and [r["devices"] for r in rows] == [8, 32]
     assert all(r["call_us"] > 0 and r["exec_done_us"] > 0 and r["release_us"] > 0 for r in rows)
+
+
+def test_controller_opbyop_benchmark_runs_calls_through_a_real_controller(tmp_path):
+    """Every call of its chains reaches both fake hosts and is reported (the
+    script waits for that), and the controller's CPU per call is measured."""
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "controller_opbyop.py"
+    out_json = tmp_path / "out.json"
+    p = run_script([str(script), "--seconds", "0.2", "--repeats", "1", "--chain", "20", "--exec-us", "100",
+                    "--json", str(out_json)], timeout=120)
+    assert p.returncode == 0, p.stdout + p.stderr[-3000:]
+    res = json.loads(out_json.read_text())
+    assert len(res["runs"]) == 1 and res["calls_per_s"] > 0
+    assert res["controller_cpu_us"] > 0 and res["main_thread_us"] > 0

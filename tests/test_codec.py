@@ -1010,3 +1010,15 @@ def test_a_batch_itself_is_checked_like_any_message():
         codec.decode(KEY, frames)
     # an empty batch is harmless
     assert _batched(codec.decode(KEY, enc(m.Batch([])))[1]) == []
+
+
+def test_replace_makes_the_record_dataclasses_replace_makes():
+    ex = m.Execute(7, 0, "p" * 64, "f", [2], ["i"], [0, 1], [0, 1],
+                   [m.ExecInput(1, m.Aval([2], "float32"), ["i"], [])], [])
+    for changes in ({"seq": 3, "hold": True}, {}, {"inputs": []}):
+        got = codec.replace(ex, **changes)
+        assert got == dataclasses.replace(ex, **changes) and type(got) is m.Execute
+        assert codec.pack_body(got) == codec.pack_body(dataclasses.replace(ex, **changes))
+    assert ex.seq == 0 and not ex.hold                 # the original is left as it was
+    with pytest.raises(TypeError):
+        codec.replace(ex, nonsense=1)

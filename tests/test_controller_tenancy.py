@@ -7,15 +7,19 @@ and the socket loop's batching around it."""
 from __future__ import annotations
 
 import dataclasses
+import gc
 import hashlib
 import itertools
 import logging
+import threading
+import time
 from typing import Any, Callable
 
 import pytest
 
 from zpath.config import ControllerConfig
 from zpath.controller.core import ControllerCore, Effect, Send
+from zpath.controller import server
 from zpath.controller.server import Controller
 from zpath.net import messages as m
 from zpath.net.codec import PROTOCOL_VERSION
@@ -481,3 +485,27 @@ def test_workers_may_hold_reports_only_of_a_client_alone_and_of_nothing_waited_f
     rig.drain()
     assert [e.hold for e in rig.executes(mark)] == [True, False]
     assert not rig.failed(a) and not rig.failed(b) and rig.idle()
+
+
+def test_the_loop_runs_the_collectors_full_pass_it_held_back_when_idle():
+    """The controller's process leaves the collector's full passes to its loop
+    (server.main sets the threshold): the loop runs one once its poll times out
+    with no computation in flight."""
+    ctl = Controller(b"k" * 32, config=ControllerConfig(ping_interval_s=0.02))
+    before = gc.get_threshold()
+    gc.set_threshold(before[0], before[1], server.FULL_GC_FORCED)
+    loop = threading.Thread(target=ctl.serve_forever, daemon=True)
+    try:
+        for _ in range(server.FULL_GC_AFTER):
+            gc.collect(1)                   # young passes: each counts towards a full one
+        assert gc.get_count()[2] >= server.FULL_GC_AFTER
+        loop.start()
+        deadline = time.monotonic() + 20
+        while gc.get_count()[2] >= server.FULL_GC_AFTER and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert gc.get_count()[2] < server.FULL_GC_AFTER
+    finally:
+        ctl.stop()
+        loop.join(10)
+        gc.set_threshold(*before)
+    assert not loop.is_alive()

@@ -827,3 +827,25 @@ def test_plan_cache_is_bounded():
         small.plan(call([0, 1], [inp(10 + k, [8], ["x"], put=True)]), 1, f"f{k}")
         assert 0 < small.cache_info()["weight"] <= 12
     assert small.cache_info()["entries"] == 2
+
+
+def test_device_bytes_add_a_few_devices_one_by_one_and_many_as_arrays(monkeypatch):
+    """A footprint of a few devices is added one element at a time, a larger
+    one (or one past the array's end) with numpy steps: the same footprints
+    give the same counts either way."""
+    from zpath.controller import directory
+
+    def replay(few: int) -> list:
+        monkeypatch.setattr(directory, "FEW_DEVICES", few)
+        rng = random.Random(3)
+        held = directory.DeviceBytes()
+        fps = [{0: 8, 1: 8}, {5: 1 << 40}, {d: d + 1 for d in range(40)}, {90: 3, 2: 7},
+               directory.Footprint({1: 4, 3: 4}), {200: 1}]
+        seen = []
+        for _ in range(300):
+            fp = rng.choice(fps)
+            (held.update if rng.random() < 0.6 else held.subtract)(fp)
+            seen.append((held.items(), held[1], held[200], len(held)))
+        return seen
+
+    assert replay(16) == replay(0)

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import zpath as zp
-from zpath.client import api
+from zpath.client import api, avals
 from zpath.client.tracer import TracerBoolConversionError, Value
 from zpath.net import messages as m
 from zpath.worker.executor import donated_inputs
@@ -321,3 +321,10 @@ def test_pytrees_and_typed_keys_in_and_out(client):
     assert isinstance(s2, State)
     np.testing.assert_array_equal(u.result(timeout=60), jax.random.uniform(expect[0], (2,)))
     np.testing.assert_array_equal(s2.w.result(timeout=60), [4., 4.])
+
+
+def test_dtype_names_the_client_remembers_are_numpys():
+    for dt in ("float32", ">f4", "int64", "bool", ml_dtypes.bfloat16, ml_dtypes.float8_e4m3fn, "complex64"):
+        d = np.dtype(dt)
+        assert avals.dtype_name(d) == d.name and avals.dtype_name(d) == d.name      # (remembered the second time)
+    assert avals.dtype_name(jax.random.key(0).dtype) == jax.random.key(0).dtype.name

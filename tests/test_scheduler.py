@@ -389,3 +389,38 @@ def test_a_client_alone_on_an_island_gets_the_solo_window_until_another_comes():
     assert [x for x in sent if str(x).startswith("n")] == ["n1", "n2"]   # 2 x 1 ms default: min 2
     # a solo window no larger than the short one changes nothing
     assert TenantScheduler(window_s=0.02, solo_window_s=0.001).window(0) == 0.02
+
+
+def test_the_tenant_schedulers_per_device_steps_agree_one_by_one_and_as_arrays(monkeypatch):
+    """A computation on a few devices updates the per-device load one element
+    at a time, a larger one with numpy arrays: the same events give the same
+    decisions and the same state either way (a device named twice counts once)."""
+    from zpath.controller import scheduler
+
+    def replay(small: int) -> list:
+        monkeypatch.setattr(scheduler, "SMALL_DEVICES", small)
+        rng = random.Random(7)
+        now = [0.0]
+        t = scheduler.TenantScheduler("share", window_s=0.004, solo_window_s=0.02, clock=lambda: now[0])
+        for c in (1, 2):
+            t.add_client(c, weight=c)
+        sets = [(0, 1), (1,), (3, 3, 2), tuple(range(40)), (70, 5)]
+        running, seen, tickets = [], [], itertools.count()
+        for step in range(400):
+            now[0] += 0.0005
+            if running and rng.random() < 0.45:
+                ticket, devices = running.pop(rng.randrange(len(running)))
+                t.host_done(ticket, rng.choice([0.0, 0.001, 0.003]), len(devices))
+                seen.append(("done", t.finished(ticket), t.low(devices, 0)))
+                continue
+            devices = rng.choice(sets)
+            ready = scheduler.Ready(rng.choice((1, 2)), 0, devices, (step % 3, devices), step)
+            ok = t.can_send_now(ready)
+            if ok or rng.random() < 0.3:
+                ticket = next(tickets)
+                t.sent(ticket, ready)
+                running.append((ticket, devices))
+            seen.append(("send", ok, t.low(devices, 0), [t.load(d) for d in range(72)]))
+        return seen + [sorted(t._vt.items()), [float(x) for x in t._island_clock(0)[:72]]]
+
+    assert replay(16) == replay(0)

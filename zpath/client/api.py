@@ -18,7 +18,7 @@ from jax.sharding import PartitionSpec as P
 
 from zpath import sharding
 from zpath.client import tracer
-from zpath.client.avals import Aval, aval_of, host_value
+from zpath.client.avals import Aval, aval_of, dtype_name, host_value
 from zpath.client.futures import Future
 from zpath.errors import Closed
 from zpath.net import messages as m
@@ -529,7 +529,7 @@ class Computation:
     def send_put(self, buf: int, x: np.ndarray, spec: list) -> None:
         """Send a client value to the workers as buffer ``buf`` (see ``put``)."""
         client = self.client
-        dtype = x.dtype.name
+        dtype = dtype_name(x.dtype)
         regs = sharding.regions(x.shape, list(self.mesh.shape), list(self.mesh.axis_names), spec)
         for d, r in zip(self.mesh.device_ids, regs, strict=True):
             data = sharding.cut(x, r)
@@ -543,7 +543,7 @@ class Computation:
 
     def call_message(self, traced: _Traced, inputs: list[m.CallInput],
                      out_buffers: list[int]) -> m.Call:
-        outs = [m.CallOutput(b, m.Aval(list(shape), dtype.name), spec)
+        outs = [m.CallOutput(b, m.Aval(list(shape), dtype_name(dtype)), spec)
                 for b, (shape, dtype), spec in zip(out_buffers, traced.out_avals, traced.out_specs, strict=True)]
         return m.Call(self.client.new_call_id(), traced.digest, list(self.mesh.shape),
                       list(self.mesh.axis_names), self.mesh.device_ids, inputs, outs)
@@ -572,7 +572,7 @@ class Computation:
         traced = self.prepare(bound, self._may_donate(bound))
         inputs = []
         for x, (shape, dtype), spec, k in zip(bound.leaves, bound.avals, traced.in_specs, bound.keys, strict=True):
-            aval = m.Aval(list(shape), dtype.name)
+            aval = m.Aval(list(shape), dtype_name(dtype))
             if isinstance(x, Future):
                 inputs.append(m.CallInput(x.buffer, aval, spec, False))
             else:

@@ -30,6 +30,23 @@ def aval_of(x: Any) -> Aval:
     return a.shape, np.dtype(jax.dtypes.canonicalize_dtype(a.dtype))
 
 
+_NAMES: dict[Any, str] = {}
+
+
+def dtype_name(dtype: np.dtype) -> str:
+    """``dtype.name``, remembered: numpy works it out anew each time, at a
+    cost that shows in every call a client makes."""
+    try:
+        return _NAMES[dtype]
+    except KeyError:
+        name = dtype.name
+        if len(_NAMES) < 256:
+            _NAMES[dtype] = name
+        return name
+    except TypeError:           # not hashable: not remembered
+        return dtype.name
+
+
 def host_value(x: Any, dtype: np.dtype, key: str | None = None) -> np.ndarray:
     """The array a client value is sent as: its canonical dtype (``dtype``,
     from aval_of), or a typed key's key data."""

@@ -19,7 +19,7 @@ import jax
 import numpy as np
 
 from zpath.client.arrays import ArrayMethods
-from zpath.client.avals import aval_of, host_value
+from zpath.client.avals import aval_of, dtype_name, host_value
 from zpath.client.futures import Future
 from zpath.errors import ZpathError
 from zpath.net import codec
@@ -269,7 +269,7 @@ class ProgramFunction:
         for n, node in enumerate(traced.nodes):
             inputs = []
             for v, spec in zip(node.inputs, node.traced.in_specs, strict=True):
-                aval = m.Aval(list(v.shape), v.dtype.name)
+                aval = m.Aval(list(v.shape), dtype_name(v.dtype))
                 kind = v.origin[0]
                 source = bound[v.origin[1]] if kind == "input" else v.origin[1] if kind in ("future", "const") else None
                 if isinstance(source, Future):

@@ -89,7 +89,7 @@ class Admission:
     def paused_client(self, peer: Peer) -> bool:
         """Whether a submission of this client is paused at a flush point (its
         later messages wait until it is planned)."""
-        return any(type(s) is Submission and s.peer is peer for s in self._paused)
+        return bool(self._paused) and any(type(s) is Submission and s.peer is peer for s in self._paused)
 
     def _go_on(self) -> None:
         """Plan one more slice of the paused submission whose turn it is."""

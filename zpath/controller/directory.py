@@ -664,6 +664,10 @@ class Footprint(dict):
             return self._hosts
 
 
+# a footprint of at most this many devices is added one element at a time
+FEW_DEVICES = 16
+
+
 class DeviceBytes:
     """Bytes held per device id, as an array: adding or taking a footprint of
     thousands of devices is one step. Reads like a Counter: a device never
@@ -685,6 +689,13 @@ class DeviceBytes:
 
     def _add(self, fp: dict[int, int], sign: int) -> None:
         if not fp:
+            return
+        if len(fp) <= FEW_DEVICES and max(fp) < len(self._bytes):
+            # a few devices: one element at a time (numpy's steps cost more here)
+            held, touched = self._bytes, self._touched
+            for d, n in fp.items():
+                held[d] = held.item(d) + n if sign > 0 else held.item(d) - n
+                touched[d] = True
             return
         if type(fp) is Footprint:
             idx, nbytes = fp.arrays()

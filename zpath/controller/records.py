@@ -3,7 +3,7 @@ a node parked before it is sent, a computation in flight."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 from zpath.controller.directory import Plan
 from zpath.net import messages as m
@@ -106,9 +106,10 @@ def call_buffers(call: m.Call) -> list[int]:
     return [i.buffer for i in call.inputs] + [o.buffer for o in call.outputs]
 
 
-@dataclasses.dataclass(frozen=True)
-class Send:
-    """A message for one peer (``parent``: the message it answers)."""
+class Send(NamedTuple):
+    """A message for one peer (``parent``: the message it answers). A named
+    tuple: the core makes several per computation, and a frozen dataclass's
+    ``__init__`` costs several times a tuple's."""
     ident: bytes
     msg: Record
     parent: int = 0

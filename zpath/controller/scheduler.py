@@ -16,6 +16,7 @@ from typing import Any, Callable
 import numpy as np
 
 from zpath.config import POLICIES
+from zpath.net import codec
 from zpath.net import messages as m
 
 class GangScheduler:
@@ -34,7 +35,7 @@ class GangScheduler:
         for host, ex in sorted(executes.items()):
             mine = placed.get(id(ex))
             if mine is None:
-                mine = placed[id(ex)] = dataclasses.replace(ex, seq=seq, hold=hold)
+                mine = placed[id(ex)] = codec.replace(ex, seq=seq, hold=hold)
             out += self._place(host, mine, len(executes))
         return out
 
@@ -48,6 +49,9 @@ class GangScheduler:
 
 # a client counts as using an island for this long after it last had work there
 SOLO_GRACE_S = 1.0
+# computations on at most this many devices update the per-device arrays one
+# element at a time (numpy's whole-array steps cost more on a few elements)
+SMALL_DEVICES = 16
 
 
 @dataclasses.dataclass
@@ -138,6 +142,8 @@ class TenantScheduler:
         self._load = np.zeros(64)
         self._count = np.zeros(64, dtype=np.int64)
         self._index: dict[tuple[int, ...], np.ndarray] = {}               # device tuple -> its index array
+        # device tuple of at most SMALL_DEVICES -> its distinct devices (indexed one by one)
+        self._few: dict[tuple[int, ...], list[int]] = {}
         self._arrivals = 0
 
     # ---- clients ---------------------------------------------------------------
@@ -231,6 +237,10 @@ class TenantScheduler:
         then, so what waits goes in groups (one message per host) rather than one
         computation per finished one, while devices keep half a window of work."""
         half = (self.window_s if island is None else self.window(island)) / 2
+        few = self._few_devices(devices)
+        if few is not None:
+            count, load, least = self._count, self._load, self.min_window
+            return any(count.item(d) < least or load.item(d) <= half for d in few)
         idx = self._idx(devices)
         return bool(((self._count[idx] < self.min_window) | (self._load[idx] <= half)).any())
 
@@ -239,19 +249,25 @@ class TenantScheduler:
         one client (``client``, when given) uses the island, else ``window_s``."""
         if self.solo_window_s == self.window_s:
             return self.window_s
-        clients = set(self._active.get(island, ()))
-        clients.update(self._queues.get(island, ()))
-        if client is not None:
-            clients.add(client)
+        only = client              # the one client seen to use it so far (None: none)
+        for using in (self._active.get(island), self._queues.get(island)):
+            if using:
+                for c in using:
+                    if only is None:
+                        only = c
+                    elif c != only:
+                        return self.window_s
         seen = self._seen.get(island)
-        if seen and len(clients) <= 1:
+        if seen:
             now = self.clock()
             for c, t in list(seen.items()):
-                if now - t < SOLO_GRACE_S:
-                    clients.add(c)
-                else:
+                if now - t >= SOLO_GRACE_S:
                     del seen[c]
-        return self.solo_window_s if len(clients) <= 1 else self.window_s
+                elif only is None:
+                    only = c
+                elif c != only:
+                    return self.window_s       # (the stale ones left go at a later look)
+        return self.solo_window_s
 
     def _fits(self, ready: Ready) -> bool:
         est = self._cost.get(ready.cost_key)
@@ -259,6 +275,10 @@ class TenantScheduler:
             est, window = self.default_cost_s, self.window_s
         else:
             window = self.window(ready.island, ready.client)
+        few = self._few_devices(ready.devices)
+        if few is not None:
+            count, load, least = self._count, self._load, self.min_window
+            return all(count.item(d) < least or load.item(d) + est <= window for d in few)
         idx = self._idx(ready.devices)
         return bool(((self._count[idx] < self.min_window) | (self._load[idx] + est <= window)).all())
 
@@ -279,6 +299,20 @@ class TenantScheduler:
             self._index[key] = idx
         return idx
 
+    def _few_devices(self, devices: Any) -> list[int] | None:
+        """The distinct devices of a device list of at most SMALL_DEVICES
+        (None for a longer one), the arrays grown to hold them."""
+        key = devices if type(devices) is tuple else tuple(devices)
+        few = self._few.get(key)
+        if few is None:
+            if len(key) > SMALL_DEVICES:
+                return None
+            self._idx(key)
+            if len(self._few) >= 4096:
+                self._few.clear()
+            few = self._few[key] = list(dict.fromkeys(key))
+        return few
+
     def _island_clock(self, island: int) -> np.ndarray:
         clk = self._clock.get(island)
         if clk is None:
@@ -298,14 +332,26 @@ class TenantScheduler:
         estimate = wall * len(ready.devices)
         self._running[ticket] = _Running(ready.client, ready.island, ready.devices, ready.cost_key,
                                          estimate, wall)
-        idx = self._idx(ready.devices)
-        self._load[idx] += wall
-        self._count[idx] += 1
-        self._active.setdefault(ready.island, collections.Counter())[ready.client] += 1
+        few = self._few_devices(ready.devices)
+        active = self._active.get(ready.island)
+        if active is None:
+            active = self._active[ready.island] = collections.Counter()
+        active[ready.client] += 1
         self._seen.setdefault(ready.island, {})[ready.client] = self.clock()
         vt = self._vt.get((ready.island, ready.client), 0.0)
         clk = self._island_clock(ready.island)
-        clk[idx] = np.maximum(clk[idx], vt)
+        if few is not None:
+            load, count = self._load, self._count
+            for d in few:
+                load[d] = load.item(d) + wall
+                count[d] = count.item(d) + 1
+                if clk.item(d) < vt:
+                    clk[d] = vt
+        else:
+            idx = self._idx(ready.devices)
+            self._load[idx] += wall
+            self._count[idx] += 1
+            clk[idx] = np.maximum(clk[idx], vt)
         self._charge(ready.island, ready.client, estimate)
 
     def host_done(self, ticket: int, seconds: float, devices: int) -> None:
@@ -325,13 +371,25 @@ class TenantScheduler:
         run = self._running.pop(ticket, None)
         if run is None:
             return None
-        idx = self._idx(run.devices)
-        self._load[idx] -= run.wall
-        self._count[idx] -= 1
-        idle = idx[self._count[idx] <= 0]
-        if len(idle):           # none in flight: no estimate left behind either
-            self._count[idle] = 0
-            self._load[idle] = 0.0
+        few = self._few_devices(run.devices)
+        if few is not None:
+            load, count = self._load, self._count
+            for d in few:
+                n = count.item(d) - 1
+                if n <= 0:      # none in flight: no estimate left behind either
+                    count[d] = 0
+                    load[d] = 0.0
+                else:
+                    count[d] = n
+                    load[d] = load.item(d) - run.wall
+        else:
+            idx = self._idx(run.devices)
+            self._load[idx] -= run.wall
+            self._count[idx] -= 1
+            idle = idx[self._count[idx] <= 0]
+            if len(idle):           # none in flight: no estimate left behind either
+                self._count[idle] = 0
+                self._load[idle] = 0.0
         if run.client in self.weights:        # (not a client that left)
             self._seen.setdefault(run.island, {})[run.client] = self.clock()
         active = self._active[run.island]

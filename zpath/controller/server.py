@@ -36,6 +36,15 @@ MAX_FRAME_BYTES = 272 << 20
 # after these, what handling them sends goes out before the next item of a batch
 _FLUSH_AFTER = (m.Call, m.Program, m.RunProgram, m.DefineProgram)
 
+# The collector's full passes visit every object the controller keeps: ~50-130
+# ms while a 10,000-node program is planned (what it collects then: nothing).
+# The controller's process (main) leaves them to the loop, which runs one when
+# it is idle (its poll timed out, no computation in flight) after FULL_GC_AFTER
+# young-generation passes; CPython runs one itself only after FULL_GC_FORCED
+# of them (~7M objects made in a loop that is never idle).
+FULL_GC_AFTER = 10            # CPython's own default threshold
+FULL_GC_FORCED = 1000
+
 
 class Controller:
     """The socket loop around a ``ControllerCore``: receive, hand to the core,
@@ -225,6 +234,8 @@ class Controller:
                 due = self.core.suspects_due()
             wake = next_ping if due is None else min(next_ping, due)
             events = dict(poller.poll(timeout=max(1, int((wake - now) * 1000))))
+            if not events and not self.core.in_flight and gc.get_count()[2] >= FULL_GC_AFTER:
+                gc.collect()           # idle: the full pass it held back (see FULL_GC_AFTER)
             heard_until = time.monotonic()
             for _ in events:
                 self._recv_all()
@@ -347,5 +358,7 @@ def main(argv: list[str] | None = None, gang: GangScheduler | None = None) -> in
     # keep it out of the collector's full passes, which otherwise stall every
     # dispatch for ~40 ms every second or two of busy work.
     gc.freeze()
+    # and the full passes over what the controller keeps wait until the loop is idle
+    gc.set_threshold(gc.get_threshold()[0], gc.get_threshold()[1], FULL_GC_FORCED)
     ctl.serve_forever()
     return 0

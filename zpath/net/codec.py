@@ -405,6 +405,30 @@ def _fast_init(cls: type) -> Callable[..., Any]:
     return g.compile("init", f"<zpath constructor of {cls.__qualname__}>")
 
 
+# record class -> its constructor without __init__ and each field's position
+_REPLACERS: dict[type, tuple[Callable[..., Any], dict[str, int]]] = {}
+
+
+def replace(msg: Record, **changes: Any) -> Record:
+    """``dataclasses.replace(msg, **changes)`` for a record (a new record with
+    those fields changed), without the frozen ``__init__``'s cost: what the
+    controller does to every computation's ``Execute``."""
+    cls = type(msg)
+    made = _REPLACERS.get(cls)
+    if made is None:
+        if _slot_setters(cls) is None or cls not in _FIELDS_OF:
+            return dataclasses.replace(msg, **changes)
+        made = _REPLACERS[cls] = (_fast_init(cls), {f.name: k for k, f in enumerate(dataclasses.fields(cls))})
+    init, index = made
+    values = list(_FIELDS_OF[cls](msg))
+    for name, value in changes.items():
+        k = index.get(name)
+        if k is None:
+            raise TypeError(f"{cls.__name__} has no field {name!r}")
+        values[k] = value
+    return init(*values)
+
+
 def _compile(tp: Any) -> _Check:
     """Turn a type annotation into a function that checks (and converts) a
     decoded msgpack value, raising ProtocolError with the field path."""

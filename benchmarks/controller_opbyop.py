@@ -1,0 +1,210 @@
+"""The controller alone on op-by-op calls (-O): its CPU per computation.
+
+A real controller process (``python -m zpath.controller``), a real zpath
+``Client`` in this process, and two fake workers (one thread here, no JAX) that
+register as the two hosts of one island, "run" each ``Execute`` for
+``--exec-us`` of wall time, one after another per host, and report ``ExecDone``.
+The client sends chains of ``--chain`` calls of a 2-device SPMD program
+(``x = f(x)``, each call's input the previous call's output, released as
+``zp`` releases a dropped future), as ``island_dispatch.py`` -O does, and waits
+until both hosts have reported the last one.
+
+Printed per run: calls per second and the controller process's CPU time (user +
+system, all its threads) per call, and of that its main thread's (the loop)
+and its other threads' (ZeroMQ's I/O thread); the table gives the median over
+``--repeats`` runs. The workers' and the client's costs are left out, so this
+measures the controller's share of -O without JAX, tracing or the workers on
+the same cores. A benchmark that prints figures, not a test.
+
+    python benchmarks/controller_opbyop.py [--seconds 4] [--repeats 3] [--exec-us 1200] [--json out.json]
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import heapq
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from typing import Any
+
+import psutil
+import zmq
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from zpath.client.connection import Client  # noqa: E402
+from zpath.net import messages as m  # noqa: E402
+from zpath.net.codec import PROTOCOL_VERSION  # noqa: E402
+from zpath.net.transport import Endpoint, unbatched  # noqa: E402
+from zpath.process import PARENT_PID_ENV  # noqa: E402
+
+
+class FakeWorkers:
+    """Two hosts of one island in a thread: each runs its Executes in order,
+    ``exec_s`` of wall time apiece, and reports each as it ends."""
+
+    def __init__(self, address: str, worker_key: bytes, exec_s: float) -> None:
+        self.address, self.key, self.exec_s = address, worker_key, exec_s
+        self.done = [0, 0]
+        self.cv = threading.Condition()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def wait_for(self, total: int, timeout: float = 60.0) -> None:
+        with self.cv:
+            if not self.cv.wait_for(lambda: min(self.done) >= total, timeout=timeout):
+                raise RuntimeError(f"the hosts reported {self.done} computations, not {total}")
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(10)
+
+    def _run(self) -> None:
+        ctx = zmq.Context()
+        socks, eps = [], []
+        for n in range(2):
+            s = ctx.socket(zmq.DEALER)
+            s.setsockopt(zmq.LINGER, 0)
+            s.connect(self.address)
+            ep = Endpoint(self.key, f"worker:{n}")
+            ep.send(s, m.RegisterWorker(f"h{n}", 0, f"tcp://127.0.0.1:{40000 + n}", os.getpid(), "cpu", 1,
+                                        PROTOCOL_VERSION, [n], "127.0.0.1:1", n, 2, "bench", "", "", n))
+            socks.append(s)
+            eps.append(ep)
+        poller = zmq.Poller()
+        for s in socks:
+            poller.register(s, zmq.POLLIN)
+        free_at = [0.0, 0.0]
+        due: list[tuple[float, int, int]] = []          # (when it ends, host, exec id)
+        while not self._stop.is_set():
+            now = time.monotonic()
+            while due and due[0][0] <= now:
+                _, n, exec_id = heapq.heappop(due)
+                end = time.time()
+                eps[n].send(socks[n], m.ExecDone(exec_id, None, end - self.exec_s, end))
+                with self.cv:
+                    self.done[n] += 1
+                    self.cv.notify_all()
+            wait = max(0, int((due[0][0] - now) * 1000)) if due else 100
+            for s, _ in poller.poll(wait):
+                n = socks.index(s)
+                while s.poll(0):
+                    _, header, msg, buffers = eps[n].recv(s)
+                    for h, x, _ in unbatched(header, msg, buffers):
+                        if type(x) is m.Execute:
+                            free_at[n] = max(time.monotonic(), free_at[n]) + self.exec_s
+                            heapq.heappush(due, (free_at[n], n, x.exec_id))
+                        elif type(x) is m.Ping:
+                            eps[n].send(socks[n], m.Pong(x.seq, 0, 0, [0]), parent=h.msg_id)
+        for s in socks:
+            s.close(0)
+        ctx.term()
+
+
+def _cpu(proc: psutil.Process) -> tuple[float, float]:
+    """(CPU seconds of all the process's threads, of its main thread)."""
+    threads = {t.id: t.user_time + t.system_time for t in proc.threads()}
+    return sum(threads.values()), threads.get(proc.pid, 0.0)
+
+
+def run(args: argparse.Namespace) -> list[dict[str, float]]:
+    key, worker_key = os.urandom(32), os.urandom(32)
+    tmp = tempfile.mkdtemp()
+    # (PARENT_PID_ENV: the controller dies with this process, should it be killed)
+    env = dict(os.environ, ZPATH_KEY=key.hex(), ZPATH_WORKER_KEY=worker_key.hex(), **{PARENT_PID_ENV: str(os.getpid())})
+    ctl = subprocess.Popen([sys.executable, "-m", "zpath.controller", "--address-file", f"{tmp}/address"],
+                           env=env, stdout=subprocess.DEVNULL)
+    workers = client = None
+    try:
+        deadline = time.monotonic() + 60
+        while not os.path.exists(f"{tmp}/address"):
+            if time.monotonic() > deadline or ctl.poll() is not None:
+                raise RuntimeError("the controller did not start")
+            time.sleep(0.05)
+        with open(f"{tmp}/address") as f:
+            address = f.read().strip()
+        workers = FakeWorkers(address, worker_key, args.exec_us / 1e6)
+        client = Client(address, key, name="controller_opbyop")
+        while len(client.request(m.StatusRequest(False)).hosts) < 2:     # both hosts registered
+            if time.monotonic() > deadline:
+                raise RuntimeError("the fake hosts did not register")
+            time.sleep(0.05)
+        blob = b"a program the fake hosts never run" * 4
+        digest = hashlib.sha256(blob).hexdigest()
+        client.register_program(digest, "psum_plus_one", blob)
+        aval = m.Aval([2], "float32")
+        issued = 0
+
+        def chain() -> int:
+            nonlocal issued
+            prev = None
+            for _ in range(args.chain):
+                out = client.new_buffer_id()
+                inp = client.new_buffer_id() if prev is None else prev
+                client.post(m.Call(client.new_call_id(), digest, [2], ["i"], [0, 1],
+                                   [m.CallInput(inp, aval, ["i"], prev is None)], [m.CallOutput(out, aval, ["i"])]))
+                if prev is not None:
+                    client.release(prev)
+                prev = out
+            issued += args.chain
+            workers.wait_for(issued)
+            return prev
+
+        proc = psutil.Process(ctl.pid)
+        client.release(chain())              # warm-up: plans cached, hosts given the program
+        results = []
+        for _ in range(args.repeats):
+            (c0, main0), t0, n = _cpu(proc), time.perf_counter(), 0
+            while time.perf_counter() - t0 < args.seconds:
+                client.release(chain())
+                n += args.chain
+            wall = time.perf_counter() - t0
+            c1, main1 = _cpu(proc)
+            results.append({"calls_per_s": n / wall, "controller_cpu_us": (c1 - c0) / n * 1e6,
+                            "main_thread_us": (main1 - main0) / n * 1e6,
+                            "other_threads_us": ((c1 - c0) - (main1 - main0)) / n * 1e6})
+            print("  run: " + ", ".join(f"{k} {v:,.1f}" for k, v in results[-1].items()), flush=True)
+        return results
+    finally:
+        if client is not None:
+            client.close()
+        if workers is not None:
+            workers.stop()
+        ctl.terminate()
+        try:
+            ctl.wait(10)
+        except subprocess.TimeoutExpired:
+            ctl.kill()
+            ctl.wait()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--seconds", type=float, default=4.0, help="length of each timed run (default 4)")
+    p.add_argument("--repeats", type=int, default=3, help="timed runs (default 3)")
+    p.add_argument("--exec-us", type=float, default=1200.0,
+                   help="wall time a fake host spends on each computation (default 1200, about a "
+                        "real worker's -O computation on this machine)")
+    p.add_argument("--chain", type=int, default=100, help="calls per chain (default 100)")
+    p.add_argument("--json", metavar="PATH", help="also write the results as JSON here")
+    args = p.parse_args(argv)
+    results = run(args)
+    summary: dict[str, Any] = {k: statistics.median(r[k] for r in results) for k in results[0]}
+    print(f"controller per -O call (median of {len(results)}): {summary['controller_cpu_us']:.0f} us CPU "
+          f"(main thread {summary['main_thread_us']:.0f}, other threads {summary['other_threads_us']:.0f}); "
+          f"{summary['calls_per_s']:,.0f} calls/s")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({**summary, "runs": results, "exec_us": args.exec_us, "chain": args.chain}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
