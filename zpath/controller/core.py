@@ -23,6 +23,7 @@ from zpath.controller.failures import Failures
 from zpath.controller.fusion import Fusion
 from zpath.controller.peers import Peers
 from zpath.controller.records import Effect, RemoveSegments, Send
+from zpath.controller.relays import Relays
 from zpath.controller.resources import ResourceManager
 from zpath.controller.scheduler import GangScheduler, TenantScheduler
 from zpath.errors import ErrorKind
@@ -39,7 +40,7 @@ _NOT_DEFERRED = (m.Ping, m.Goodbye, m.StatusRequest, m.TimelineRequest)
 log = logging.getLogger(__name__)
 
 
-class ControllerCore(Peers, Admission, Dispatch, Fusion, Failures):
+class ControllerCore(Peers, Admission, Dispatch, Fusion, Failures, Relays):
     """Every decision of the controller. Events: ``handle`` (a message),
     ``tick`` (pings, liveness), ``resume`` (go on planning while ``busy``),
     ``reject`` (a message that could not be decoded), ``farewell`` (shutdown).
@@ -75,6 +76,7 @@ class ControllerCore(Peers, Admission, Dispatch, Fusion, Failures):
         self._init_dispatch()
         self._init_fusion()
         self._init_failures()
+        self._init_relays()
 
     # ---- output ----------------------------------------------------------------
     def send(self, ident: bytes, msg: Record, parent: int = 0, buffers: Any = ()) -> None:
@@ -103,7 +105,7 @@ class ControllerCore(Peers, Admission, Dispatch, Fusion, Failures):
 
     def _take(self) -> list[Effect]:
         out, self._out = self._out, []
-        return out
+        return self._route(out) if out else out
 
     # ---- events ----------------------------------------------------------------
     def handle(self, now: float, ident: bytes, parent: int, msg: Record, buffers: list) -> list[Effect]:
@@ -121,6 +123,13 @@ class ControllerCore(Peers, Admission, Dispatch, Fusion, Failures):
                 self._exec_done(peer.id, msg)
             except Exception:  # a handler bug must not take the controller down
                 log.exception("error handling ExecDone from host %d", peer.id)
+            return self._take()
+        if type(msg) is m.ExecDoneBatch and peer is not None and peer.role == "worker":
+            peer.last_seen = now
+            try:
+                self._exec_done_batch(peer.id, msg)
+            except Exception:  # a handler bug must not take the controller down
+                log.exception("error handling ExecDoneBatch from host %d", peer.id)
             return self._take()
         if peer is not None and peer.role == "client" and type(msg) not in _NOT_DEFERRED and \
                 (ident in self.deferred_msgs or self.paused_client(peer)):
@@ -275,6 +284,7 @@ class ControllerCore(Peers, Admission, Dispatch, Fusion, Failures):
         self.validate_admission()
         self.validate_dispatch()
         self.validate_fusion()
+        self.validate_relays()
 
     # ---- messages --------------------------------------------------------------
     def _handle(self, ident: bytes, parent: int, msg: Record, buffers: list) -> None:
@@ -317,6 +327,8 @@ class ControllerCore(Peers, Admission, Dispatch, Fusion, Failures):
                 self.send(ident, self._locate(peer.id, msg.buffer), parent)
             case m.ExecDone() if peer.role == "worker":
                 self._exec_done(peer.id, msg)
+            case m.ExecDoneBatch() if peer.role == "worker":
+                self._exec_done_batch(peer.id, msg)
             case m.TimelineRequest():
                 events = list(self.events)[-msg.limit:] if msg.limit > 0 else []
                 self.send(ident, m.Timeline(self.timeline_records(msg.limit), events, self.now + self.wall_offset),

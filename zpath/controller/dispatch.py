@@ -384,6 +384,34 @@ class Dispatch:
             # hosts an execution was sent to finish it
             log.warning("host %d reported computation %d, which it does not run (any more)", host, msg.exec_id)
             return
+        self._host_done(host, msg, info)
+
+    def _exec_done_batch(self, sender: int, msg: m.ExecDoneBatch) -> None:
+        """Reports of several hosts (a relay's group, see relays.py), or a
+        host's own rows resent after its relay was lost. A row of another
+        host is taken only from the relay that execution was sent to that
+        host through; one that is not rejects the whole batch. Rows of
+        computations no longer in flight, or of hosts that no longer run
+        them (reported already, or lost), are dropped."""
+        in_flight = self.in_flight
+        for row in msg.rows:
+            if row.host != sender and (info := in_flight.get(row.exec_id)) is not None and \
+                    (info.relay_of is None or info.relay_of.get(row.host) != sender):
+                n = self.log_limit.allow(None, self.now)
+                if n:
+                    log.warning("host %d reported computation %d for host %d, which it does not relay it to: "
+                                "its %d reports rejected", sender, row.exec_id, row.host, len(msg.rows))
+                return
+        for row in msg.rows:
+            if row.error is not None:
+                log.info("computation %d failed on host %d: %s", row.exec_id, row.host, row.error.message)
+            info = in_flight.get(row.exec_id)
+            if info is not None and row.host in info.hosts:
+                self._host_done(row.host, row, info)
+
+    def _host_done(self, host: int, msg: m.ExecDone | m.ExecRow, info: InFlight) -> None:
+        """Host ``host`` finished its part of computation ``info`` (``msg``:
+        its report)."""
         if info.fused and msg.error is not None and msg.error.kind == ErrorKind.FUSED_UNKNOWN:
             # the host did not run it, so nothing there will ever hold its results
             # (it cannot poison what it does not know): they fail here

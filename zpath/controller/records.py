@@ -87,6 +87,8 @@ class InFlight:
     copies: list[tuple[int, dict]] = dataclasses.field(default_factory=list)   # see Plan.copies
     transient: dict[int, int] | None = None                                     # see Plan.transient
     error: m.ErrorInfo | None = None       # the first error a host reported
+    # sent through relays: host -> its relay, whose report batches may carry its row
+    relay_of: dict[int, int] | None = None
 
 
 @dataclasses.dataclass

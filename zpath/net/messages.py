@@ -235,6 +235,7 @@ class Status(Record):
     queued: int              # computations held back (waiting for other nodes or memory)
     devices: list[DeviceUsage]
     policy: str              # multi-tenant scheduling policy: "fifo" or "share"
+    relayed: int = 0         # messages sent through relays (Relay), in all
 
 
 # ---- programs and calls -----------------------------------------------------
@@ -715,3 +716,66 @@ class Pieces(Record):
     its own ``Piece`` with the error)."""
     piece_ids: list[int]
     avals: list[Aval]
+
+
+# ---- relays (protocol version 4) -------------------------------------------------
+
+@record
+class ExecRow(Record):
+    """One host's report of one computation, as in ``ExecDone``, inside an
+    ``ExecDoneBatch``."""
+    host: int
+    exec_id: int
+    error: ErrorInfo | None
+    start: float
+    end: float
+    waited: float = 0.0
+
+
+@message(63)
+class Relay(Record):
+    """Controller -> worker (a relay): forward the message whose frames (a
+    signed envelope: signature, header, body) are the three buffers to
+    ``hosts``, whose data ports are ``addresses``; each is to handle it once
+    it has handled the first ``after[k]`` messages the controller sent it
+    directly. The reports of the computations in ``collect`` (the
+    forwarded message's exec id) come back through this relay (see
+    ``ExecDoneBatch``). The relay is itself one of ``hosts`` when it runs
+    the message too."""
+    hosts: list[int]
+    addresses: list[str]
+    after: list[int]
+    collect: list[int]
+
+
+@message(64)
+class Forwarded(Record):
+    """Worker (a relay) -> worker: a message of the controller (its frames
+    are the three buffers, checked as if it came on the control socket), for
+    ``hosts`` of the receiving process, each handling it after its first
+    ``after[k]`` direct messages (as ``Relay``). ``relay`` and ``address``:
+    where the reports of ``collect`` go."""
+    relay: int
+    address: str
+    hosts: list[int]
+    after: list[int]
+    collect: list[int]
+
+
+@message(65)
+class ExecDoneBatch(Record):
+    """Worker -> worker (a group host to its relay, ``relay`` its rank) and
+    worker -> controller (a relay, ``relay`` -1; or a host resending its own
+    rows after its relay was lost): reports of computations, one row per
+    host and computation."""
+    rows: list[ExecRow]
+    relay: int = -1
+
+
+@message(66)
+class Await(Record):
+    """Controller -> worker: handle the next messages (but ``Ping``,
+    ``HostDown`` and ``Shutdown``) only after the first ``count`` messages
+    forwarded to this host by host ``relay`` (or once ``relay`` is lost)."""
+    relay: int
+    count: int
