@@ -4,6 +4,8 @@ validated after every event, the Rig of test_controller_tenancy); a worker's
 side (worker/relay.py's RelayState) as pure state."""
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from zpath.config import ControllerConfig
@@ -268,3 +270,50 @@ def test_forwards_one_message_per_data_port():
         ("tcp://a", [3], [1], 4, "tcp://b"), ("tcp://b", [5], [3], 4, "tcp://b"), ("tcp://c", [6], [4], 4, "tcp://b")]
     assert relays.check_relay(relay, [b"", b"", b""]) == ""
     assert "3 frames" in relays.check_relay(relay, [b""])
+
+
+# ---- real workers ------------------------------------------------------------------------
+
+def test_real_workers_relay_and_a_killed_relay_is_named_by_hostlost(tmp_path):
+    """Two hosts of one island runtime, relays forced on (groups of 2: host 0
+    relays host 1): computations over both run through the relay, their results
+    right; a value put and freed, and a one-host call between them (direct
+    messages after relayed ones), keep their order. Killing the relay fails
+    the running calls with HostLost naming it, without a hang."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import zpath as zp
+    from tests.conftest import running_cluster
+    from zpath.cluster.testing import kill_host
+    env = {"ZPATH_HOST_TIMEOUT": "30", "ZPATH_RELAY_MIN_HOSTS": "2", "ZPATH_RELAY_GROUP": "2"}
+    with running_cluster(islands=1, hosts_per_island=2, devices_per_host=1, log_dir=str(tmp_path), env=env) as c:
+        conn = zp.connect(c.address, c.key)
+        try:
+            both = zp.make_virtual_device_set().add_slice(devices=2).devices
+            one = [d for d in both if d.host == 1]
+            step = zp.pmap(lambda x: jax.lax.psum(x, "i") + x, axis_name="i", devices=both)
+            inc = zp.pmap(lambda x: x + 1, devices=one)
+            x = np.arange(2.0, dtype=np.float32).reshape(2, 1)
+            for k in range(5):
+                y = step(x)
+                z = inc(np.full((1, 1), k, np.float32))
+                np.testing.assert_allclose(np.asarray(y), x + x.sum(0))
+                assert float(np.asarray(z)[0, 0]) == k + 1
+                x = np.asarray(y)
+            st = conn.client.request(m.StatusRequest(False))
+            assert st.relayed >= 5 and st.running == 0
+            heavy = zp.pmap(lambda x: jax.lax.psum(jnp.tanh(x @ x.T), "i")[:1] + x[:1], axis_name="i",
+                            devices=both)
+            big = np.ones((2, 400, 400), np.float32) * 1e-3
+            running = [heavy(big) for _ in range(60)]
+            running[0].result(timeout=60)
+            kill_host(c, 0)
+            t = time.monotonic()
+            with pytest.raises(zp.HostLost) as lost:
+                for r in running:
+                    r.result(timeout=60)
+            assert str(lost.value).startswith("host 0 ("), lost.value
+            assert time.monotonic() - t < 20          # not the heartbeat's 30 s
+        finally:
+            zp.shutdown()

@@ -837,16 +837,20 @@ class Worker:
 
     def _to_relays(self, to_ctl: list[tuple[Record, int, int]]) -> list[tuple[Record, int, int]]:
         """Reports of computations that came through a relay go to it (this
-        host's own, as a relay, to the rows it collects); the rest to the controller."""
+        host's own, as a relay, to the rows it collects); the rest, and
+        failures too, to the controller."""
         now = time.monotonic()
         rest: list[tuple[Record, int, int]] = []
         rows: dict[int, list[m.ExecRow]] = {}
         for entry in to_ctl:
             msg = entry[0]
             dest = self.relay.route(msg.exec_id) if type(msg) is m.ExecDone else None
-            if dest is None:
+            if dest is None or msg.error is not None:
+                # (a failure goes straight to the controller as well: it may be
+                # the relay's own death that broke a collective)
                 rest.append(entry)
-                continue
+                if dest is None:
+                    continue
             row = relays.row_of(self.rank, msg)
             if dest[0] == self.rank:
                 self.relay.row_in(row, now)

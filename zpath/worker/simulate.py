@@ -621,9 +621,10 @@ class SimHost:
         sent: dict[int, tuple[str, list[m.ExecRow]]] = {}
         for msg in self.out:
             dest = self.relay.route(msg.exec_id) if type(msg) is m.ExecDone else None
-            if dest is None:
-                rest.append(msg)
-                continue
+            if dest is None or msg.error is not None:
+                rest.append(msg)           # (a failure goes to the controller as well)
+                if dest is None:
+                    continue
             row = relays.row_of(self.rank, msg)
             local = self.proc.by_rank.get(dest[0])
             if local is not None and local.alive:
