@@ -80,6 +80,9 @@ class ControllerCore(Peers, Admission, Dispatch, Fusion, Failures, Relays):
 
     # ---- output ----------------------------------------------------------------
     def send(self, ident: bytes, msg: Record, parent: int = 0, buffers: Any = ()) -> None:
+        peer = self.peers.get(ident)
+        if peer is not None and peer.role == "worker" and type(msg) is not m.Registered:
+            self._direct(peer.id, ident, msg)       # (relays.py: the order counts)
         self._out.append(Send(ident, msg, parent, buffers))
 
     def reply_error(self, ident: bytes, parent: int, code: str, text: str) -> None:
@@ -93,19 +96,24 @@ class ControllerCore(Peers, Admission, Dispatch, Fusion, Failures, Relays):
         self.send(ident, msg, buffers=buffers)
 
     def to_hosts(self, messages: list[tuple[int, Record]]) -> None:
-        """``to_host`` for many (host, message) pairs, in order."""
+        """``to_host`` for many (host, message) pairs, in order (a message
+        many of them get alike through relays: relays.py)."""
+        if self.relay_min and len(messages) >= self.relay_min:
+            messages = self._relay(messages)
         idents = self.worker_ident
         out = self._out
+        direct = self._direct
         for rank, msg in messages:
             ident = idents.get(rank)
             if ident is None:
                 log.warning("host %d is gone: %s not sent", rank, type(msg).__name__)
             else:
+                direct(rank, ident, msg)
                 out.append(Send(ident, msg, 0, ()))
 
     def _take(self) -> list[Effect]:
         out, self._out = self._out, []
-        return self._route(out) if out else out
+        return out
 
     # ---- events ----------------------------------------------------------------
     def handle(self, now: float, ident: bytes, parent: int, msg: Record, buffers: list) -> list[Effect]:

@@ -394,20 +394,33 @@ class Dispatch:
         computations no longer in flight, or of hosts that no longer run
         them (reported already, or lost), are dropped."""
         in_flight = self.in_flight
+        last, info = -1, None
         for row in msg.rows:
-            if row.host != sender and (info := in_flight.get(row.exec_id)) is not None and \
-                    (info.relay_of is None or info.relay_of.get(row.host) != sender):
-                n = self.log_limit.allow(None, self.now)
-                if n:
-                    log.warning("host %d reported computation %d for host %d, which it does not relay it to: "
-                                "its %d reports rejected", sender, row.exec_id, row.host, len(msg.rows))
-                return
+            if row.host != sender:
+                if row.exec_id != last:
+                    last, info = row.exec_id, in_flight.get(row.exec_id)
+                if info is not None and (info.relay_of is None or info.relay_of.get(row.host) != sender):
+                    n = self.log_limit.allow(None, self.now)
+                    if n:
+                        log.warning("host %d reported computation %d for host %d, which it does not relay it "
+                                    "to: its %d reports rejected", sender, row.exec_id, row.host, len(msg.rows))
+                    return
+        timeline, host_done = self.timeline, self.tenants.host_done
+        last, info = -1, None
         for row in msg.rows:
+            if row.exec_id != last:
+                last, info = row.exec_id, in_flight.get(row.exec_id)
+            if info is None or row.host not in info.hosts:
+                continue
+            if row.error is None and len(info.hosts) > 1:       # (_host_done, the usual case)
+                timeline.append((row, row.host, info))
+                host_done(row.exec_id, row.end - row.start, info.host_devices[row.host])
+                info.hosts.discard(row.host)
+                continue
             if row.error is not None:
                 log.info("computation %d failed on host %d: %s", row.exec_id, row.host, row.error.message)
+            self._host_done(row.host, row, info)
             info = in_flight.get(row.exec_id)
-            if info is not None and row.host in info.hosts:
-                self._host_done(row.host, row, info)
 
     def _host_done(self, host: int, msg: m.ExecDone | m.ExecRow, info: InFlight) -> None:
         """Host ``host`` finished its part of computation ``info`` (``msg``:

@@ -4,10 +4,9 @@ through relays"; the worker's side: zpath/worker/relay.py).
 
 Groups are fixed per island: its hosts by rank (lost ones keep their place,
 so a group changes only when a host registers), ``relay_group`` at a time;
-a group's relay is its first live host. ``route`` looks at what one event
-sends: each message of a relayable kind (``RELAYABLE``) that goes to at
-least ``relay_min_hosts`` workers goes instead as one ``Relay`` per group it
-reaches, to the group's relay (the message's own frames are encoded and
+a group's relay is its first live host. Each message of a relayable kind
+(``RELAYABLE``) that ``to_hosts`` sends to at least ``relay_min_hosts``
+workers goes instead as one ``Relay`` per group it reaches, to the group's relay (the message's own frames are encoded and
 signed once by the loop, see ``Inner``). Every other message to a worker
 goes directly, and the worker is told where each stands in the other path:
 a ``Relay`` says, per host, how many direct messages the controller had
@@ -50,7 +49,9 @@ class Relays:
         self.forwarded_via: dict[int, dict[int, int]] = {}    # host -> relay -> messages relayed to it
         self.awaited: dict[int, dict[int, int]] = {}          # host -> relay -> count its last Await named
         self._groups: tuple[int, dict[int, int]] | None = None     # (mapping version, host -> its relay)
+        self._address: dict[int, str] = {}                    # host -> its data port
         self.relayed_messages = 0                             # Relay messages sent (for benchmarks)
+        self.relay_min = self.config.relay_min_hosts
 
     def relay_of_hosts(self) -> dict[int, int]:
         """Host -> the relay of its group, for live hosts (a new dict when
@@ -63,6 +64,7 @@ class Relays:
         for rank in sorted(self.rm.hosts):
             by_island.setdefault(self.rm.hosts[rank].island, []).append(rank)
         relay_of: dict[int, int] = {}
+        self._address = {r: h.data_address for r, h in self.rm.hosts.items()}
         for ranks in by_island.values():
             for i in range(0, len(ranks), k):
                 group = ranks[i:i + k]
@@ -72,91 +74,79 @@ class Relays:
         self._groups = (version, relay_of)
         return relay_of
 
-    def _route(self, out: list) -> list:
-        """What one event sends, with relays (see the module's docstring) and
-        the order counts kept."""
-        peers = self.peers
-        worker_rank: dict[bytes, int] = {}
-        minimum = self.config.relay_min_hosts
-        many: dict[int, int] = {}
-        if minimum > 0 and len(out) >= minimum:
-            for e in out:
-                if type(e) is Send and type(e.msg) in RELAYABLE:
-                    many[id(e.msg)] = many.get(id(e.msg), 0) + 1
-            many = {k: n for k, n in many.items() if n >= minimum}
-        direct_sent = self.direct_sent
-        if not many and not self.forwarded_via:          # nothing relayed, nothing to await
-            for e in out:
-                if type(e) is Send and type(e.msg) is not m.Registered:
-                    peer = peers.get(e.ident)
-                    if peer is not None and peer.role == "worker":
-                        direct_sent[peer.id] = direct_sent.get(peer.id, 0) + 1
-            return out
-        relay_of = self.relay_of_hosts() if many else {}
-        hosts = self.rm.hosts
-        routed: list = []
-        # id(message) -> relay -> (its slot in routed, hosts, addresses, afters)
-        envelopes: dict[int, dict[int, tuple[int, list[int], list[str], list[int]]]] = {}
-        inners: dict[int, tuple[Any, Inner]] = {}
-        for e in out:
-            if type(e) is not Send or type(e.msg) is m.Registered:
-                routed.append(e)
-                continue
-            rank = worker_rank.get(e.ident)
-            if rank is None:
-                peer = peers.get(e.ident)
-                if peer is None or peer.role != "worker":
-                    routed.append(e)
-                    continue
-                rank = worker_rank[e.ident] = peer.id
-            key = id(e.msg)
-            relay = relay_of.get(rank) if key in many else None
-            if relay is not None:
-                groups = envelopes.get(key)
-                if groups is None:
-                    groups = envelopes[key] = {}
-                    inners[key] = (e.msg, Inner(e.msg))
-                env = groups.get(relay)
-                if env is None:        # the Relay goes where the message first goes
-                    env = groups[relay] = (len(routed), [], [], [])
-                    routed.append(None)
-                    direct_sent[relay] = direct_sent.get(relay, 0) + 1
-                env[1].append(rank)
-                env[2].append(hosts[rank].data_address)
-                env[3].append(direct_sent.get(rank, 0))
-                via = self.forwarded_via.setdefault(rank, {})
-                via[relay] = via.get(relay, 0) + 1
-                continue
-            if type(e.msg) not in UNORDERED:
-                via = self.forwarded_via.get(rank)
-                if via:
-                    self._await(rank, via, routed, e.ident)
-            direct_sent[rank] = direct_sent.get(rank, 0) + 1
-            routed.append(e)
-        for key, groups in envelopes.items():
-            msg, inner = inners[key]
-            collect = [msg.exec_id] if type(msg) in (m.Execute, m.RunFused) else []
-            if collect and (info := self.in_flight.get(msg.exec_id)) is not None:
-                info.relay_of = relay_of
-            for relay, (slot, ranks, addresses, after) in groups.items():
-                routed[slot] = Send(self.worker_ident[relay], m.Relay(ranks, addresses, after, collect), 0, inner)
-                self.relayed_messages += 1
-        return routed
+    def _relay(self, messages: list[tuple[int, Any]]) -> list[tuple[int, Any]]:
+        """``to_hosts``'s (host, message) pairs: each message of a relayable
+        kind that at least ``relay_min_hosts`` of them get (each host once)
+        goes as a ``Relay`` per group; returns the pairs left to send directly."""
+        by: dict[int, tuple[Any, list[int]]] = {}
+        for rank, msg in messages:
+            if type(msg) in RELAYABLE:
+                got = by.get(id(msg))
+                if got is None:
+                    by[id(msg)] = (msg, [rank])
+                else:
+                    got[1].append(rank)
+        big = [(msg, ranks) for msg, ranks in by.values() if len(ranks) >= self.relay_min]
+        if not big or len({rank for rank, _ in messages}) != len(messages):
+            return messages          # (a host told two things at once: in order, directly)
+        relay_of = self.relay_of_hosts()
+        relayed: set[int] = set()
+        for msg, ranks in big:
+            if self._relay_one(msg, ranks, relay_of):
+                relayed.add(id(msg))
+        return [(rank, msg) for rank, msg in messages if id(msg) not in relayed]
 
-    def _await(self, rank: int, via: dict[int, int], routed: list, ident: bytes) -> None:
-        """Before a direct message to host ``rank``: an Await for each relay
-        that forwarded it messages since its last Await (a lost relay's are
-        not awaited: the host goes on once it hears of the loss)."""
-        awaited = self.awaited.setdefault(rank, {})
-        for relay, n in list(via.items()):
-            if not self.rm.hosts[relay].alive:
-                del via[relay]
-                awaited.pop(relay, None)
-                continue
-            if awaited.get(relay, 0) < n:
-                routed.append(Send(ident, m.Await(relay, n)))
-                awaited[relay] = n
-                self.direct_sent[rank] = self.direct_sent.get(rank, 0) + 1
+    def _relay_one(self, msg: Any, ranks: list[int], relay_of: dict[int, int]) -> bool:
+        """Send ``msg`` to ``ranks`` through their groups' relays (False: it
+        cannot be, a host has no relay; it goes directly)."""
+        groups: dict[int, tuple[list[int], list[int]]] = {}
+        sent = self.direct_sent
+        for h in ranks:
+            r = relay_of.get(h)
+            if r is None:
+                return False
+            g = groups.get(r)
+            if g is None:
+                g = groups[r] = ([], [])
+            g[0].append(h)
+        via = self.forwarded_via
+        address = self._address
+        inner = Inner(msg)
+        collect = [msg.exec_id] if type(msg) in (m.Execute, m.RunFused) else []
+        for r, (hosts, after) in groups.items():
+            ident = self.worker_ident[r]
+            self._direct(r, ident, msg, relay=True)        # the Relay is a direct message to its relay
+            for h in hosts:
+                after.append(sent.get(h, 0))
+                v = via.get(h)
+                if v is None:
+                    via[h] = {r: 1}
+                else:
+                    v[r] = v.get(r, 0) + 1
+            self._out.append(Send(ident, m.Relay(hosts, [address[h] for h in hosts], after, collect), 0, inner))
+            self.relayed_messages += 1
+        if collect and (info := self.in_flight.get(msg.exec_id)) is not None:
+            info.relay_of = relay_of
+        return True
+
+    def _direct(self, rank: int, ident: bytes, msg: Any, relay: bool = False) -> None:
+        """A message goes to host ``rank`` directly (``relay``: a Relay): it is
+        counted, after an Await for each relay that forwarded the host messages
+        since its last Await (a lost relay's are not awaited: the host goes on
+        once it hears of the loss)."""
+        if not relay and type(msg) not in UNORDERED:
+            via = self.forwarded_via.get(rank)
+            if via:
+                awaited = self.awaited.setdefault(rank, {})
+                for r, n in list(via.items()):
+                    if not self.rm.hosts[r].alive:
+                        del via[r]
+                        awaited.pop(r, None)
+                    elif awaited.get(r, 0) < n:
+                        awaited[r] = n
+                        self.direct_sent[rank] = self.direct_sent.get(rank, 0) + 1
+                        self._out.append(Send(ident, m.Await(r, n)))
+        self.direct_sent[rank] = self.direct_sent.get(rank, 0) + 1
 
     def _forget_relays_of(self, rank: int) -> None:
         """Host ``rank`` was lost: its counts go (a host registers under a new rank)."""
