@@ -23,7 +23,10 @@ the host they are for is known), and a timer heap for emulated computations
 and transfers. Pieces between hosts of one process never touch a socket. A
 message that reaches several hosts of the process with the same bytes (the
 controller sends a computation of many hosts once, see docs/protocol.md) is
-checked and decoded once.
+checked and decoded once. Relays (zpath/worker/relay.py) work as on real
+workers, except that a relay hands what it forwards to hosts of its own process
+without a socket (one ``Forwarded`` per other process), and their reports reach
+it the same way.
 
 Kill the process (SIGKILL) to lose all its hosts at once, as a crashed
 machine; pause it (SIGSTOP) as a hung one; ``SimHost.kill`` loses one host.
