@@ -65,8 +65,9 @@ class Chain:
         relays = [e for e in effects if isinstance(e, Send) and type(e.msg) is RELAY and e.msg.collect]
         if relays:        # through relays: each sends its group's reports as one batch
             for e in relays:
-                rows = [m.ExecRow(h, e.msg.collect[0], None, self.now, self.now + 0.001) for h in e.msg.hosts]
-                self.c.handle(self.now, e.ident, 4, m.ExecDoneBatch(rows), [])
+                k = len(e.msg.hosts)
+                self.c.handle(self.now, e.ident, 4, m.ExecDoneBatch(
+                    e.msg.collect * k, e.msg.hosts, [self.now] * k, [self.now + 0.001] * k, [0.0] * k, []), [])
         else:
             exec_id = next(e.msg.exec_id for e in effects if isinstance(e, Send) and isinstance(e.msg, m.Execute))
             for h in range(self.hosts):

@@ -4,6 +4,7 @@ validated after every event, the Rig of test_controller_tenancy); a worker's
 side (worker/relay.py's RelayState) as pure state."""
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import pytest
@@ -85,10 +86,10 @@ def test_a_relay_s_batch_finishes_its_group_s_hosts_and_the_computation():
     call, out = _spmd(rig, a, 8)
     rig.handle(a, call)
     ex = next(iter(rig.c.in_flight))
-    rig.handle(b"w0", m.ExecDoneBatch(_rows(ex, [1, 0, 3, 2])))
+    rig.handle(b"w0", m.batch_of(_rows(ex, [1, 0, 3, 2])))
     assert rig.c.in_flight[ex].hosts == {4, 5, 6, 7}
-    rig.handle(b"w4", m.ExecDoneBatch(_rows(ex, [4, 5])))
-    rig.handle(b"w4", m.ExecDoneBatch(_rows(ex, [6, 7, 7])))     # a row twice: dropped
+    rig.handle(b"w4", m.batch_of(_rows(ex, [4, 5])))
+    rig.handle(b"w4", m.batch_of(_rows(ex, [6, 7, 7])))     # a row twice: dropped
     assert ex not in rig.c.in_flight and out in rig.c.directory.buffers
     assert len([r for r in rig.c.timeline_records(100) if r.exec_id == ex]) == 8
 
@@ -99,20 +100,36 @@ def test_a_batch_with_a_row_its_sender_does_not_relay_is_rejected_whole(caplog):
     rig.handle(a, _spmd(rig, a, 8)[0])
     ex = next(iter(rig.c.in_flight))
     # host 4 relays 4..7, not 1; host 1 is no relay at all
-    rig.handle(b"w4", m.ExecDoneBatch(_rows(ex, [4, 1])))
-    rig.handle(b"w1", m.ExecDoneBatch(_rows(ex, [1, 2])))
+    rig.handle(b"w4", m.batch_of(_rows(ex, [4, 1])))
+    rig.handle(b"w1", m.batch_of(_rows(ex, [1, 2])))
     assert rig.c.in_flight[ex].hosts == set(range(8))
-    assert "which it does not relay it to" in caplog.text
+    assert "which it does not relay it to: rejected" in caplog.text
     # a host's own rows it takes from the host itself (resent after its relay was lost)
-    rig.handle(b"w5", m.ExecDoneBatch(_rows(ex, [5])))
+    rig.handle(b"w5", m.batch_of(_rows(ex, [5])))
     assert 5 not in rig.c.in_flight[ex].hosts
     # and a computation sent directly takes no row of another host
     rig2 = _rig(minimum=0)
     b, _ = rig2.client("b")
     rig2.handle(b, _spmd(rig2, b, 8)[0])
     ex2 = next(iter(rig2.c.in_flight))
-    rig2.handle(b"w0", m.ExecDoneBatch(_rows(ex2, [0, 1])))
+    rig2.handle(b"w0", m.batch_of(_rows(ex2, [0, 1])))
     assert rig2.c.in_flight[ex2].hosts == set(range(8))
+
+
+def test_a_batch_whose_columns_do_not_agree_is_rejected(caplog):
+    rig = _rig()
+    a, _ = rig.client("a")
+    rig.handle(a, _spmd(rig, a, 8)[0])
+    ex = next(iter(rig.c.in_flight))
+    good = m.batch_of(_rows(ex, range(4)))
+    for bad in (dataclasses.replace(good, starts=good.starts[:3]),
+                dataclasses.replace(good, errors=[m.RowError(4, m.ErrorInfo("RemoteError", "x", 0, "", ""))])):
+        rig.handle(b"w0", bad)
+    assert rig.c.in_flight[ex].hosts == set(range(8)) and "columns do not agree" in caplog.text
+    with pytest.raises(ValueError):
+        m.rows_of(dataclasses.replace(good, hosts=good.hosts[:1]))
+    rows = _rows(ex, [0, 1], m.ErrorInfo("RemoteError", "x", 0, "", ""))
+    assert m.rows_of(m.batch_of(rows, 3)) == rows
 
 
 def test_a_batch_from_a_client_is_refused():
@@ -121,7 +138,7 @@ def test_a_batch_from_a_client_is_refused():
     rig.handle(a, _spmd(rig, a, 8)[0])
     ex = next(iter(rig.c.in_flight))
     mark = len(rig.log)
-    rig.handle(a, m.ExecDoneBatch(_rows(ex, range(8))))
+    rig.handle(a, m.batch_of(_rows(ex, range(8))))
     assert rig.c.in_flight[ex].hosts == set(range(8))
     assert [x.code for i, x in rig.log[mark:] if i == a and type(x) is m.Error] == [ErrorKind.BAD_REQUEST]
 
@@ -132,8 +149,8 @@ def test_a_direct_message_after_relayed_ones_comes_after_an_await():
     call, out = _spmd(rig, a, 8)
     rig.handle(a, call)
     ex = next(iter(rig.c.in_flight))
-    rig.handle(b"w0", m.ExecDoneBatch(_rows(ex, range(4))))
-    rig.handle(b"w4", m.ExecDoneBatch(_rows(ex, range(4, 8))))
+    rig.handle(b"w0", m.batch_of(_rows(ex, range(4))))
+    rig.handle(b"w4", m.batch_of(_rows(ex, range(4, 8))))
     # a one-device call on host 5 goes directly: first an Await for what relay 4 forwarded it
     mark = len(rig.log)
     call, _ = rig.call(a, 5, inp=None)
@@ -152,7 +169,7 @@ def test_a_lost_relay_fails_what_it_ran_naming_it_and_its_group_gets_a_new_relay
     call, out = _spmd(rig, a, 8)
     rig.handle(a, call)
     ex = next(iter(rig.c.in_flight))
-    rig.handle(b"w0", m.ExecDoneBatch(_rows(ex, [1, 2])))       # the relay's own row never comes
+    rig.handle(b"w0", m.batch_of(_rows(ex, [1, 2])))       # the relay's own row never comes
     mark = len(rig.log)
     rig.run(rig.c._host_lost, 0, "killed")
     failed = [x for i, x in rig.log[mark:] if i == a and type(x) is m.CallFailed and out in x.buffers]

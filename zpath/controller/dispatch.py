@@ -13,7 +13,7 @@ from typing import Any
 from zpath import sharding
 from zpath.controller.report_hold import may_hold
 from zpath.controller.admission import SEND_COST
-from zpath.controller.records import ParkedNode, InFlight, Peer, call_buffers
+from zpath.controller.records import ParkedNode, InFlight, Peer, Report, call_buffers
 from zpath.controller.directory import Directory, Plan, PlanError
 from zpath.controller.resources import LostHosts
 from zpath.controller.scheduler import Ready
@@ -394,35 +394,46 @@ class Dispatch:
         computations no longer in flight, or of hosts that no longer run
         them (reported already, or lost), are dropped."""
         in_flight = self.in_flight
-        last, info = -1, None
-        for row in msg.rows:
-            if row.host != sender:
-                if row.exec_id != last:
-                    last, info = row.exec_id, in_flight.get(row.exec_id)
-                if info is not None and (info.relay_of is None or info.relay_of.get(row.host) != sender):
-                    n = self.log_limit.allow(None, self.now)
-                    if n:
-                        log.warning("host %d reported computation %d for host %d, which it does not relay it "
-                                    "to: its %d reports rejected", sender, row.exec_id, row.host, len(msg.rows))
-                    return
+        hosts, exec_ids = msg.hosts, msg.exec_ids
+        n = len(hosts)
+        why = ""
+        if not len(exec_ids) == len(msg.starts) == len(msg.ends) == len(msg.waited) == n or \
+                any(not 0 <= e.row < n for e in msg.errors):
+            why = "its columns do not agree"
+        else:
+            last, info = -1, None
+            for h, x in zip(hosts, exec_ids, strict=True):
+                if h != sender:
+                    if x != last:
+                        last, info = x, in_flight.get(x)
+                    if info is not None and (info.relay_of is None or info.relay_of.get(h) != sender):
+                        why = f"a row of computation {x} for host {h}, which it does not relay it to"
+                        break
+        if why:
+            if self.log_limit.allow(None, self.now):
+                log.warning("host %d sent a batch of %d reports with %s: rejected", sender, n, why)
+            return
+        errors = {e.row: e.error for e in msg.errors}
         timeline, host_done = self.timeline, self.tenants.host_done
         last, info = -1, None
-        for row in msg.rows:
-            if row.exec_id != last:
-                last, info = row.exec_id, in_flight.get(row.exec_id)
-            if info is None or row.host not in info.hosts:
+        for k, (h, x, start, end, waited) in enumerate(zip(hosts, exec_ids, msg.starts, msg.ends, msg.waited,
+                                                          strict=True)):
+            if x != last:
+                last, info = x, in_flight.get(x)
+            if info is None or h not in info.hosts:
                 continue
-            if row.error is None and len(info.hosts) > 1:       # (_host_done, the usual case)
-                timeline.append((row, row.host, info))
-                host_done(row.exec_id, row.end - row.start, info.host_devices[row.host])
-                info.hosts.discard(row.host)
+            if k not in errors and len(info.hosts) > 1:       # (_host_done, the usual case)
+                timeline.append((Report(x, None, start, end, waited), h, info))
+                host_done(x, end - start, info.host_devices[h])
+                info.hosts.discard(h)
                 continue
-            if row.error is not None:
-                log.info("computation %d failed on host %d: %s", row.exec_id, row.host, row.error.message)
-            self._host_done(row.host, row, info)
-            info = in_flight.get(row.exec_id)
+            error = errors.get(k)
+            if error is not None:
+                log.info("computation %d failed on host %d: %s", x, h, error.message)
+            self._host_done(h, Report(x, error, start, end, waited), info)
+            info = in_flight.get(x)
 
-    def _host_done(self, host: int, msg: m.ExecDone | m.ExecRow, info: InFlight) -> None:
+    def _host_done(self, host: int, msg: m.ExecDone | Report, info: InFlight) -> None:
         """Host ``host`` finished its part of computation ``info`` (``msg``:
         its report)."""
         if info.fused and msg.error is not None and msg.error.kind == ErrorKind.FUSED_UNKNOWN:

@@ -3,7 +3,7 @@ a node parked before it is sent, a computation in flight."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 from zpath.controller.directory import Plan
 from zpath.net import messages as m
@@ -89,6 +89,16 @@ class InFlight:
     error: m.ErrorInfo | None = None       # the first error a host reported
     # sent through relays: host -> its relay, whose report batches may carry its row
     relay_of: dict[int, int] | None = None
+
+
+class Report(NamedTuple):
+    """One host's report of a computation, from a row of an ``ExecDoneBatch``
+    (read as an ``ExecDone`` is: the timeline keeps it)."""
+    exec_id: int
+    error: m.ErrorInfo | None
+    start: float
+    end: float
+    waited: float
 
 
 @dataclasses.dataclass

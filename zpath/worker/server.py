@@ -753,7 +753,12 @@ class Worker:
                 self._forwarded(msg, buffers)
             case m.ExecDoneBatch() if msg.relay == self.rank:
                 now = time.monotonic()
-                for row in msg.rows:
+                try:
+                    rows = m.rows_of(msg)
+                except ValueError as e:
+                    self.post_data(ident, m.Error(ErrorKind.BAD_REQUEST, str(e)), parent=msg_id)
+                    return
+                for row in rows:
                     self.relay.row_in(row, now)
             case m.ChannelStatsRequest():
                 self.stats["segments"] = self.shm_out.live()
@@ -832,7 +837,7 @@ class Worker:
             self._handle_ctl(item, bufs)
         rows = self.relay.rows_for_lost(rank, now)
         if rows:
-            self.post_ctl(m.ExecDoneBatch(rows))
+            self.post_ctl(m.batch_of(rows))
         self.relay.forget_host(rank)
 
     def _to_relays(self, to_ctl: list[tuple[Record, int, int]]) -> list[tuple[Record, int, int]]:
@@ -858,7 +863,7 @@ class Worker:
             self.peer_addrs.setdefault(dest[0], (dest[1], ""))
             rows.setdefault(dest[0], []).append(row)
         for relay, mine in rows.items():
-            self._post_piece(relay, m.ExecDoneBatch(mine, relay), (), False, True)
+            self._post_piece(relay, m.batch_of(mine, relay), (), False, True)
             for row in mine:
                 self.relay.sent_row(relay, row, now)
         return rest
@@ -871,7 +876,7 @@ class Worker:
             self._handle_ctl(item, bufs)
         rows = self.relay.take_rows(now)
         if rows:
-            self.post_ctl(m.ExecDoneBatch(rows))
+            self.post_ctl(m.batch_of(rows))
         due = self.relay.next_due_in(now)
         return relays.IDLE if due is None else due
 

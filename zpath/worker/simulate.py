@@ -271,7 +271,7 @@ class SimHost:
             self.handle_ctl(item, bufs, now)
         rows = self.relay.rows_for_lost(rank, now)
         if rows:
-            self.out.append(m.ExecDoneBatch(rows))
+            self.out.append(m.batch_of(rows))
         self.relay.forget_host(rank)
         if self.relay.rows:
             self.proc.relaying.add(self)
@@ -636,7 +636,7 @@ class SimHost:
             else:
                 sent.setdefault(dest[0], (dest[1], []))[1].append(row)
         for relay, (address, rows) in sent.items():
-            self.proc._send_peer(address, m.ExecDoneBatch(rows, relay), [])
+            self.proc._send_peer(address, m.batch_of(rows, relay), [])
             for row in rows:
                 self.relay.sent_row(relay, row, now)
         self.out = rest
@@ -865,7 +865,7 @@ class SimProcess:
                     h.handle_ctl(item, bufs, self.now)
                 rows = h.relay.take_rows(self.now)
                 if rows:
-                    h.out.append(m.ExecDoneBatch(rows))
+                    h.out.append(m.batch_of(rows))
                 d = h.relay.next_due_in(self.now)
             else:
                 d = None
@@ -925,7 +925,7 @@ class SimProcess:
             for h in list(self.relaying):
                 rows = h.relay.take_rows(now)
                 if rows:
-                    h.out.append(m.ExecDoneBatch(rows))
+                    h.out.append(m.batch_of(rows))
         for h in self.hosts:
             if h.out:
                 h.flush()
@@ -1024,7 +1024,12 @@ class SimProcess:
                 if h is None or not h.alive:
                     error(ErrorKind.BAD_REQUEST, f"host {msg.relay} is not a host of this process")
                     return
-                for row in msg.rows:
+                try:
+                    rows = m.rows_of(msg)
+                except ValueError as e:
+                    error(ErrorKind.BAD_REQUEST, str(e))
+                    return
+                for row in rows:
                     h.relay.row_in(row, self.now)
                 self.relaying.add(h)
             case m.Pieces():
