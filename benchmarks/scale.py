@@ -36,6 +36,12 @@ controller's, not a tracing client's) and prints per N:
   from the previous host: runs per second with parallel dispatch over runs per
   second with sequential dispatch (median of ``--repeats`` alternated runs).
 
+``relayed_messages`` counts the ``Relay`` messages the controller sent
+(``Status.relayed``): a message for at least ``--relay-min-hosts`` hosts goes
+once per group of ``--relay-group`` hosts (the controller's
+``ZPATH_RELAY_MIN_HOSTS``, ``ZPATH_RELAY_GROUP``; 0 turns relays off; by
+default the controller's own settings, 32 and 32).
+
 ``--json`` prints one JSON object per N; ``--png PATH`` draws the paper's
 Figures 5-7 shapes (throughput against hosts for -O, -C, -F; the smallest busy
 computation against hosts; parallel against sequential dispatch against
@@ -43,6 +49,7 @@ stages) with matplotlib (benchmarks/plots.py, the ``bench`` extra). This is a be
 that prints figures, not a test.
 
     python benchmarks/scale.py [--hosts 1 8 64 256 512] [--devices 4] [--quick] [--json] [--png docs/scale.png]
+                               [--relay-min-hosts N] [--relay-group K]
 """
 from __future__ import annotations
 

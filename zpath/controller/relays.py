@@ -6,9 +6,9 @@ Groups are fixed per island: its hosts by rank (lost ones keep their place,
 so a group changes only when a host registers), ``relay_group`` at a time;
 a group's relay is its first live host. Each message of a relayable kind
 (``RELAYABLE``) that ``to_hosts`` sends to at least ``relay_min_hosts``
-workers goes instead as one ``Relay`` per group it reaches, to the group's relay (the message's own frames are encoded and
-signed once by the loop, see ``Inner``). Every other message to a worker
-goes directly, and the worker is told where each stands in the other path:
+workers goes instead as one ``Relay`` per group it reaches, to the group's
+relay (the message's own frames are encoded and signed once by the loop, see
+``Inner``). Every other message to a worker goes directly, and the worker is told where each stands in the other path:
 a ``Relay`` says, per host, how many direct messages the controller had
 sent it before (``after``), and a direct message that follows messages a
 relay forwarded to that host goes after an ``Await`` naming how many.
