@@ -17,13 +17,10 @@ a report batch (``ExecDoneBatch``) is taken from a host only for itself and
 for the hosts it relays that execution to, and only for hosts still running it."""
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 from zpath.controller.records import Send
 from zpath.net import messages as m
-
-log = logging.getLogger(__name__)
 
 # what may go through relays: messages many hosts get alike
 RELAYABLE = (m.Execute, m.RunFused, m.Free, m.DropFused)
