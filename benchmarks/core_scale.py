@@ -3,7 +3,7 @@
 A ``ControllerCore`` (zpath/controller/core.py) with N registered hosts of
 ``--devices`` devices (one island, one runtime) plans a chain of SPMD calls
 over every device, one at a time: the client's ``Call``, every host's
-``ExecDone``, and the client's ``Release`` of the value before. It prints, per
+``ExecDone`` (through relays: each relay's ``ExecDoneBatch``), and the client's ``Release`` of the value before. It prints, per
 N, the median time (this process's CPU, single-threaded) of each of the three
 per node, and per host. Sockets, encoding and decoding are left out (see
 benchmarks/scale.py for the whole controller), so this isolates what the
@@ -28,13 +28,16 @@ from zpath.controller.core import ControllerCore, Send
 from zpath.net import messages as m
 from zpath.net.codec import PROTOCOL_VERSION
 
+RELAY = getattr(m, "Relay", None)       # (protocol 4; an older checkout has none)
+
 
 class Chain:
     """A core with ``hosts`` hosts and one client running a chain of SPMD calls."""
 
-    def __init__(self, hosts: int, devices: int) -> None:
+    def __init__(self, hosts: int, devices: int, relay_min_hosts: int | None = None) -> None:
         self.hosts = hosts
-        self.c = ControllerCore(ControllerConfig(policy="share"))
+        extra = {} if relay_min_hosts is None else {"relay_min_hosts": relay_min_hosts}
+        self.c = ControllerCore(ControllerConfig(policy="share", **extra))
         self.now = 1000.0
         for n in range(hosts):
             self.c.handle(self.now, f"w{n}".encode(), 1, m.RegisterWorker(
@@ -59,9 +62,17 @@ class Chain:
         t0 = time.process_time()
         effects = self.c.handle(self.now, b"client", 3, call, [])
         t1 = time.process_time()
-        exec_id = next(e.msg.exec_id for e in effects if isinstance(e, Send) and isinstance(e.msg, m.Execute))
-        for h in range(self.hosts):
-            self.c.handle(self.now, f"w{h}".encode(), 4, m.ExecDone(exec_id, None, self.now, self.now + 0.001), [])
+        relays = [e for e in effects if isinstance(e, Send) and type(e.msg) is RELAY and e.msg.collect]
+        if relays:        # through relays: each sends its group's reports as one batch
+            for e in relays:
+                k = len(e.msg.hosts)
+                self.c.handle(self.now, e.ident, 4, m.ExecDoneBatch(
+                    e.msg.collect * k, e.msg.hosts, [self.now] * k, [self.now + 0.001] * k, [0.0] * k, []), [])
+        else:
+            exec_id = next(e.msg.exec_id for e in effects if isinstance(e, Send) and isinstance(e.msg, m.Execute))
+            for h in range(self.hosts):
+                self.c.handle(self.now, f"w{h}".encode(), 4, m.ExecDone(exec_id, None, self.now, self.now + 0.001),
+                              [])
         t2 = time.process_time()
         if self.x is not None:
             self.c.handle(self.now, b"client", 5, m.Release([self.x]), [])
@@ -71,8 +82,8 @@ class Chain:
         return t1 - t0, t2 - t1, t3 - t2
 
 
-def measure(hosts: int, devices: int, nodes: int, repeats: int) -> dict:
-    chain = Chain(hosts, devices)
+def measure(hosts: int, devices: int, nodes: int, repeats: int, relay_min_hosts: int | None = None) -> dict:
+    chain = Chain(hosts, devices, relay_min_hosts)
     for _ in range(5):                 # warm-up: the plan cache, the arrays
         chain.node()
     runs = []
@@ -93,9 +104,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--nodes", type=int, default=30, help="nodes per run")
     p.add_argument("--repeats", type=int, default=5, help="runs per size (the median is printed)")
     p.add_argument("--json", action="store_true", help="one JSON object per size")
+    p.add_argument("--relay-min-hosts", type=int, help="the controller's relay_min_hosts (0: no relays; "
+                   "default: the controller's; relayed reports come as one batch per relay)")
     args = p.parse_args(argv)
     for n in args.hosts:
-        r = measure(n, args.devices, args.nodes, args.repeats)
+        r = measure(n, args.devices, args.nodes, args.repeats, args.relay_min_hosts)
         if args.json:
             print(json.dumps(r), flush=True)
         else:

@@ -36,6 +36,12 @@ controller's, not a tracing client's) and prints per N:
   from the previous host: runs per second with parallel dispatch over runs per
   second with sequential dispatch (median of ``--repeats`` alternated runs).
 
+``relayed_messages`` counts the ``Relay`` messages the controller sent
+(``Status.relayed``): a message for at least ``--relay-min-hosts`` hosts goes
+once per group of ``--relay-group`` hosts (the controller's
+``ZPATH_RELAY_MIN_HOSTS``, ``ZPATH_RELAY_GROUP``; 0 turns relays off; by
+default the controller's own settings, 32 and 32).
+
 ``--json`` prints one JSON object per N; ``--png PATH`` draws the paper's
 Figures 5-7 shapes (throughput against hosts for -O, -C, -F; the smallest busy
 computation against hosts; parallel against sequential dispatch against
@@ -43,6 +49,7 @@ stages) with matplotlib (benchmarks/plots.py, the ``bench`` extra). This is a be
 that prints figures, not a test.
 
     python benchmarks/scale.py [--hosts 1 8 64 256 512] [--devices 4] [--quick] [--json] [--png docs/scale.png]
+                               [--relay-min-hosts N] [--relay-group K]
 """
 from __future__ import annotations
 
@@ -131,6 +138,11 @@ class Driver:
     def _note(self, item: Any) -> None:
         if isinstance(item, (m.CallFailed, m.Error)):
             self.failed.append(str(item)[:300])
+
+    def relayed(self) -> int:
+        """Messages the controller has sent through relays (``Status.relayed``)."""
+        self.ep.send(self.sock, m.StatusRequest(False))
+        return self._wait(lambda msg: isinstance(msg, m.Status), 30.0).relayed
 
     def drain(self) -> None:
         while self.sock.poll(0):
@@ -270,12 +282,17 @@ def timed(d: Driver, send: Any, last: int, device: int, length: int) -> float:
     return time.perf_counter() - t0
 
 
-def measure(hosts: int, devices: int, quick: bool, big_nodes: int, repeats: int) -> dict:
+def measure(hosts: int, devices: int, quick: bool, big_nodes: int, repeats: int,
+            relay_min_hosts: int | None = None, relay_group: int | None = None) -> dict:
     started = time.perf_counter()
     # (a simulated host's Pong may wait behind thousands of queued messages on
     # this 2-core machine: a longer silence than by default before it counts as lost)
-    with SimulatedCluster(hosts, devices, start_timeout=300,
-                          env={"ZPATH_HOST_TIMEOUT": "120", "ZPATH_CONTROLLER_TIMEOUT": "120"}) as cluster:
+    env = {"ZPATH_HOST_TIMEOUT": "120", "ZPATH_CONTROLLER_TIMEOUT": "120"}
+    if relay_min_hosts is not None:
+        env["ZPATH_RELAY_MIN_HOSTS"] = str(relay_min_hosts)
+    if relay_group is not None:
+        env["ZPATH_RELAY_GROUP"] = str(relay_group)
+    with SimulatedCluster(hosts, devices, start_timeout=300, env=env) as cluster:
         ctl = psutil.Process(cluster.procs[0][1].pid)
         sim = psutil.Process(cluster.procs[1][1].pid)
         d = Driver(cluster.address, cluster.key)
@@ -386,6 +403,7 @@ def _measure(cluster: SimulatedCluster, d: Driver, ctl: psutil.Process, sim: psu
     out["pipeline_ideal_runs_per_s"] = 1 / (stages * 1e-3)
     out["pipeline_parallel_over_sequential"] = par / seq
     d.drain()
+    out["relayed_messages"] = d.relayed()
     out["ctl_rss_mib"] = ctl.memory_info().rss / 2**20
     out["sim_rss_mib"] = sim.memory_info().rss / 2**20
     out["seconds"] = time.perf_counter() - started
@@ -409,6 +427,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="fewer nodes per measurement")
     p.add_argument("--json", action="store_true", help="one JSON object per size")
     p.add_argument("--png", metavar="PATH", help="draw the figures into PATH (needs matplotlib)")
+    p.add_argument("--relay-min-hosts", type=int, help="ZPATH_RELAY_MIN_HOSTS of the controller "
+                   "(messages for this many hosts go through relays; 0: none; default: the controller's)")
+    p.add_argument("--relay-group", type=int, help="ZPATH_RELAY_GROUP: hosts per relay (default: the controller's)")
     p.add_argument("--probe", nargs=2, metavar=("ADDRESS", "PERIOD"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.probe:
@@ -416,7 +437,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     results = []
     for n in args.hosts:
-        r = measure(n, args.devices, args.quick, args.big_nodes, args.repeats)
+        r = measure(n, args.devices, args.quick, args.big_nodes, args.repeats, args.relay_min_hosts,
+                    args.relay_group)
         results.append(r)
         if args.json:
             print(json.dumps(r), flush=True)

@@ -11,7 +11,7 @@ import pytest
 from tests.test_controller_tenancy import Rig, make_rig  # noqa: F401  (the fixture)
 from zpath import keys
 from zpath.ids import buffer_id
-from zpath.errors import ZpathError
+from zpath.errors import ErrorKind, ZpathError
 from zpath.net import codec
 from zpath.net import messages as m
 from zpath.net.codec import CLIENTS, CLUSTER, PROTOCOL_VERSION
@@ -92,6 +92,14 @@ def test_attack_5_worker_messages_need_the_worker_key_and_execdone_its_host(make
     [exec_id] = c.in_flight
     rig.handle(b"w1", m.ExecDone(exec_id, m.ErrorInfo("RemoteError", "forged", 1, "", ""), 1000.0, 1000.1))
     assert exec_id in c.in_flight and c.directory.buffers[out].error is None
+    # nor as a row of a batch (protocol 4, relays): from a host that is not the
+    # relay it was sent through (it went directly: there is none), nor from a client
+    forged = m.ExecRow(0, exec_id, m.ErrorInfo("RemoteError", "forged", 0, "", ""), 1000.0, 1000.1)
+    rig.handle(b"w1", m.batch_of([m.ExecRow(1, exec_id, None, 1000.0, 1000.1), forged]))
+    n = len(rig.log)
+    rig.handle(a, m.batch_of([forged]))
+    assert exec_id in c.in_flight and c.directory.buffers[out].error is None
+    assert [x.code for i, x in rig.log[n:] if i == a and type(x) is m.Error] == [ErrorKind.BAD_REQUEST]
     rig.finish(exec_id)
     assert exec_id not in c.in_flight and c.directory.buffers[out].error is None
 
@@ -148,7 +156,10 @@ def test_attack_1_2_3_a_data_port_takes_a_clients_own_buffers_and_workers_pieces
         assert "not the signer's" in refused_on_data(signer, fetch)
     assert "not the signer's" in refused_on_data(3, m.Fetch(1, theirs, 0, [[0, 1]], 1.0))
     for piece in (m.Piece(1, m.Aval([1], "float32"), None), m.PieceChunk(1, m.Aval([1], "float32"), 0, 1),
-                  m.ShmPiece(1, m.Aval([1], "float32"), "zpath-x", 0, 4, [])):
+                  m.ShmPiece(1, m.Aval([1], "float32"), "zpath-x", 0, 4, []),
+                  # (relays: a forwarded message of the controller, a group host's report to its relay)
+                  m.Forwarded(0, "tcp://x:1", [1], [0], []),
+                  m.batch_of([m.ExecRow(1, 5, None, 1.0, 2.0)], 0)):
         assert refused_on_data(CLUSTER, piece) == ""
         assert "from workers only" in refused_on_data(3, piece)
         assert "from workers only" in refused_on_data(CLIENTS, piece)

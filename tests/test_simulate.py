@@ -261,9 +261,12 @@ def test_the_simulated_worker_imports_no_jax():
     assert subprocess.run([sys.executable, "-c", code], cwd=ROOT).returncode == 0
 
 
-def test_sixteen_simulated_hosts_end_to_end_through_the_scale_benchmark():
+@pytest.mark.parametrize("relays", [False, True], ids=["direct", "relays"])
+def test_sixteen_simulated_hosts_end_to_end_through_the_scale_benchmark(relays):
+    """(With relays: groups of 4, for every message of 4 hosts or more.)"""
+    flags = ["--relay-min-hosts", "4", "--relay-group", "4"] if relays else ["--relay-min-hosts", "0"]
     p = run_script([str(ROOT / "benchmarks" / "scale.py"), "--hosts", "16", "--quick", "--big-nodes", "300",
-                    "--repeats", "1", "--json"], timeout=100)
+                    "--repeats", "1", "--json", *flags], timeout=100)
     out, err = p.stdout, p.stderr
     assert p.returncode == 0, out + err[-3000:]
     r = json.loads(out.strip().splitlines()[-1])
@@ -273,6 +276,7 @@ def test_sixteen_simulated_hosts_end_to_end_through_the_scale_benchmark():
         assert r[k] > 0, (k, r)
     assert r["big_program_nodes"] == 300 and r["pipeline_stages"] == 16
     assert r["busy"] and all(0 < v <= 1.05 for v in r["busy"].values())
+    assert (r["relayed_messages"] > 0) == relays, r["relayed_messages"]
 
 
 def test_a_killed_simulated_process_loses_its_hosts_as_real_ones_are():

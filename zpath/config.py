@@ -118,6 +118,12 @@ class ControllerConfig(_FromEnv):
                                     "time was measured (at least the window)")
     ping_interval_s: float = setting(1.0, "ZPATH_PING_INTERVAL",
                                      "seconds between the controller's pings to its workers")
+    relay_min_hosts: int = setting(32, "ZPATH_RELAY_MIN_HOSTS",
+                                   "a message for at least this many hosts (a computation's "
+                                   "Execute, a Free) goes through relays, one per group of hosts, "
+                                   "which also send back the group's reports together (0: never)")
+    relay_group: int = setting(32, "ZPATH_RELAY_GROUP",
+                               "hosts per relay group (an island's hosts by rank)")
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -126,6 +132,9 @@ class ControllerConfig(_FromEnv):
         for name in ("host_timeout_s", "client_timeout_s", "window_ms", "ping_interval_s"):
             if not getattr(self, name) > 0:
                 raise ZpathError(f"ControllerConfig.{name} must be > 0, not {getattr(self, name)!r}")
+        if self.relay_min_hosts < 0 or self.relay_group < 1:
+            raise ZpathError(f"ZPATH_RELAY_MIN_HOSTS must be >= 0 and ZPATH_RELAY_GROUP >= 1, not "
+                             f"{self.relay_min_hosts} and {self.relay_group}")
         if self.device_memory_limit < 0:
             raise ZpathError(f"ZPATH_DEVICE_MEMORY_LIMIT must be >= 0, not {self.device_memory_limit}")
 

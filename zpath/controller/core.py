@@ -23,6 +23,7 @@ from zpath.controller.failures import Failures
 from zpath.controller.fusion import Fusion
 from zpath.controller.peers import Peers
 from zpath.controller.records import Effect, RemoveSegments, Send
+from zpath.controller.relays import Relays
 from zpath.controller.resources import ResourceManager
 from zpath.controller.scheduler import GangScheduler, TenantScheduler
 from zpath.errors import ErrorKind
@@ -39,7 +40,7 @@ _NOT_DEFERRED = (m.Ping, m.Goodbye, m.StatusRequest, m.TimelineRequest)
 log = logging.getLogger(__name__)
 
 
-class ControllerCore(Peers, Admission, Dispatch, Fusion, Failures):
+class ControllerCore(Peers, Admission, Dispatch, Fusion, Failures, Relays):
     """Every decision of the controller. Events: ``handle`` (a message),
     ``tick`` (pings, liveness), ``resume`` (go on planning while ``busy``),
     ``reject`` (a message that could not be decoded), ``farewell`` (shutdown).
@@ -75,9 +76,13 @@ class ControllerCore(Peers, Admission, Dispatch, Fusion, Failures):
         self._init_dispatch()
         self._init_fusion()
         self._init_failures()
+        self._init_relays()
 
     # ---- output ----------------------------------------------------------------
     def send(self, ident: bytes, msg: Record, parent: int = 0, buffers: Any = ()) -> None:
+        peer = self.peers.get(ident)
+        if peer is not None and peer.role == "worker" and type(msg) is not m.Registered:
+            self._direct(peer.id, ident, msg)       # (relays.py: the order counts)
         self._out.append(Send(ident, msg, parent, buffers))
 
     def reply_error(self, ident: bytes, parent: int, code: str, text: str) -> None:
@@ -91,14 +96,19 @@ class ControllerCore(Peers, Admission, Dispatch, Fusion, Failures):
         self.send(ident, msg, buffers=buffers)
 
     def to_hosts(self, messages: list[tuple[int, Record]]) -> None:
-        """``to_host`` for many (host, message) pairs, in order."""
+        """``to_host`` for many (host, message) pairs, in order (a message
+        many of them get alike through relays: relays.py)."""
+        if self.relay_min and len(messages) >= self.relay_min:
+            messages = self._relay(messages)
         idents = self.worker_ident
         out = self._out
+        direct = self._direct
         for rank, msg in messages:
             ident = idents.get(rank)
             if ident is None:
                 log.warning("host %d is gone: %s not sent", rank, type(msg).__name__)
             else:
+                direct(rank, ident, msg)
                 out.append(Send(ident, msg, 0, ()))
 
     def _take(self) -> list[Effect]:
@@ -121,6 +131,13 @@ class ControllerCore(Peers, Admission, Dispatch, Fusion, Failures):
                 self._exec_done(peer.id, msg)
             except Exception:  # a handler bug must not take the controller down
                 log.exception("error handling ExecDone from host %d", peer.id)
+            return self._take()
+        if type(msg) is m.ExecDoneBatch and peer is not None and peer.role == "worker":
+            peer.last_seen = now
+            try:
+                self._exec_done_batch(peer.id, msg)
+            except Exception:  # a handler bug must not take the controller down
+                log.exception("error handling ExecDoneBatch from host %d", peer.id)
             return self._take()
         if peer is not None and peer.role == "client" and type(msg) not in _NOT_DEFERRED and \
                 (ident in self.deferred_msgs or self.paused_client(peer)):
@@ -275,6 +292,7 @@ class ControllerCore(Peers, Admission, Dispatch, Fusion, Failures):
         self.validate_admission()
         self.validate_dispatch()
         self.validate_fusion()
+        self.validate_relays()
 
     # ---- messages --------------------------------------------------------------
     def _handle(self, ident: bytes, parent: int, msg: Record, buffers: list) -> None:
@@ -317,6 +335,8 @@ class ControllerCore(Peers, Admission, Dispatch, Fusion, Failures):
                 self.send(ident, self._locate(peer.id, msg.buffer), parent)
             case m.ExecDone() if peer.role == "worker":
                 self._exec_done(peer.id, msg)
+            case m.ExecDoneBatch() if peer.role == "worker":
+                self._exec_done_batch(peer.id, msg)
             case m.TimelineRequest():
                 events = list(self.events)[-msg.limit:] if msg.limit > 0 else []
                 self.send(ident, m.Timeline(self.timeline_records(msg.limit), events, self.now + self.wall_offset),

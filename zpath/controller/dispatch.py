@@ -13,7 +13,7 @@ from typing import Any
 from zpath import sharding
 from zpath.controller.report_hold import may_hold
 from zpath.controller.admission import SEND_COST
-from zpath.controller.records import ParkedNode, InFlight, Peer, call_buffers
+from zpath.controller.records import ParkedNode, InFlight, Peer, Report, call_buffers
 from zpath.controller.directory import Directory, Plan, PlanError
 from zpath.controller.resources import LostHosts
 from zpath.controller.scheduler import Ready
@@ -384,6 +384,58 @@ class Dispatch:
             # hosts an execution was sent to finish it
             log.warning("host %d reported computation %d, which it does not run (any more)", host, msg.exec_id)
             return
+        self._host_done(host, msg, info)
+
+    def _exec_done_batch(self, sender: int, msg: m.ExecDoneBatch) -> None:
+        """Reports of several hosts (a relay's group, see relays.py), or a
+        host's own rows resent after its relay was lost. A row of another
+        host is taken only from the relay that execution was sent to that
+        host through; one that is not rejects the whole batch. Rows of
+        computations no longer in flight, or of hosts that no longer run
+        them (reported already, or lost), are dropped."""
+        in_flight = self.in_flight
+        hosts, exec_ids = msg.hosts, msg.exec_ids
+        n = len(hosts)
+        why = ""
+        if not len(exec_ids) == len(msg.starts) == len(msg.ends) == len(msg.waited) == n or \
+                any(not 0 <= e.row < n for e in msg.errors):
+            why = "its columns do not agree"
+        else:
+            last, info = -1, None
+            for h, x in zip(hosts, exec_ids, strict=True):
+                if h != sender:
+                    if x != last:
+                        last, info = x, in_flight.get(x)
+                    if info is not None and (info.relay_of is None or info.relay_of.get(h) != sender):
+                        why = f"a row of computation {x} for host {h}, which it does not relay it to"
+                        break
+        if why:
+            if self.log_limit.allow(None, self.now):
+                log.warning("host %d sent a batch of %d reports with %s: rejected", sender, n, why)
+            return
+        errors = {e.row: e.error for e in msg.errors}
+        timeline, host_done = self.timeline, self.tenants.host_done
+        last, info = -1, None
+        for k, (h, x, start, end, waited) in enumerate(zip(hosts, exec_ids, msg.starts, msg.ends, msg.waited,
+                                                          strict=True)):
+            if x != last:
+                last, info = x, in_flight.get(x)
+            if info is None or h not in info.hosts:
+                continue
+            if k not in errors and len(info.hosts) > 1:       # (_host_done, the usual case)
+                timeline.append((Report(x, None, start, end, waited), h, info))
+                host_done(x, end - start, info.host_devices[h])
+                info.hosts.discard(h)
+                continue
+            error = errors.get(k)
+            if error is not None:
+                log.info("computation %d failed on host %d: %s", x, h, error.message)
+            self._host_done(h, Report(x, error, start, end, waited), info)
+            info = in_flight.get(x)
+
+    def _host_done(self, host: int, msg: m.ExecDone | Report, info: InFlight) -> None:
+        """Host ``host`` finished its part of computation ``info`` (``msg``:
+        its report)."""
         if info.fused and msg.error is not None and msg.error.kind == ErrorKind.FUSED_UNKNOWN:
             # the host did not run it, so nothing there will ever hold its results
             # (it cannot poison what it does not know): they fail here

@@ -172,6 +172,7 @@ class Failures:
         if ident is not None:
             self.peers.pop(ident, None)
         self.host_programs.pop(rank, None)
+        self._forget_relays_of(rank)
         err = m.ErrorInfo(ErrorKind.HOST_LOST, f"host {rank} ({host.name}, island {host.island}) was lost: {why}",
                           rank, "", "")
         log.error("%s", err.message)

@@ -84,7 +84,7 @@ class Peers:
                                   [m.DeviceUsage(d.id, d.host, self.directory.device_bytes[d.id],
                                                  self.device_held.get(d.id, 0))
                                    for d in self.rm.devices.values()],
-                                  self.tenants.policy), parent)
+                                  self.tenants.policy, self.relayed_messages), parent)
 
     def _pong(self, peer: Peer, msg: m.Pong) -> None:
         if peer.role == "worker":

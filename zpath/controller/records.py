@@ -87,6 +87,18 @@ class InFlight:
     copies: list[tuple[int, dict]] = dataclasses.field(default_factory=list)   # see Plan.copies
     transient: dict[int, int] | None = None                                     # see Plan.transient
     error: m.ErrorInfo | None = None       # the first error a host reported
+    # sent through relays: host -> its relay, whose report batches may carry its row
+    relay_of: dict[int, int] | None = None
+
+
+class Report(NamedTuple):
+    """One host's report of a computation, from a row of an ``ExecDoneBatch``
+    (read as an ``ExecDone`` is: the timeline keeps it)."""
+    exec_id: int
+    error: m.ErrorInfo | None
+    start: float
+    end: float
+    waited: float
 
 
 @dataclasses.dataclass

@@ -18,6 +18,7 @@ import zmq
 from zpath import logs
 from zpath.config import POLICIES, CommonConfig, ControllerConfig
 from zpath.controller.core import ControllerCore, Effect, RemoveSegments, Send
+from zpath.controller.relays import Inner
 from zpath.controller.scheduler import GangScheduler
 from zpath.errors import ProtocolError, ZpathError
 from zpath.keys import Keys, key_from_config, worker_key_from_config
@@ -78,6 +79,7 @@ class Controller:
         # several peers is one item (one body, one msg_id) in each of their lists
         self._out: dict[bytes, list[tuple]] = {}
         self._items: dict[int, tuple] = {}      # id(message) -> its item, until the flush
+        self._inner: dict[int, tuple] = {}      # id(message) -> (it, its frames) that Relays carry
 
     # ---- sending -------------------------------------------------------------
     def _emit(self, effects: list[Effect]) -> None:
@@ -108,7 +110,20 @@ class Controller:
             pending = self._out.pop(e.ident, None)      # keep this peer's order
             if pending:
                 self._send_now(e.ident, pending)
+            if type(e.buffers) is Inner:         # a Relay: the message it carries, encoded once
+                e = Send(e.ident, e.msg, e.parent, self._inner_frames(e.buffers.msg))
             self._send_one(e)
+
+    def _inner_frames(self, msg: Any) -> list:
+        """The frames of a message that Relays carry, signed with the worker key
+        once for all of them (relays.py)."""
+        hit = self._inner.get(id(msg))
+        if hit is None or hit[0] is not msg:
+            if len(self._inner) > 64:
+                self._inner.clear()
+            hit = self._inner[id(msg)] = (msg, codec.encode(self.keys.workers, msg, msg_id=self.ep.next_id(),
+                                                            sender=self.ep.sender, signer=codec.CLUSTER))
+        return hit[1]
 
     def _send_one(self, e: Send) -> None:
         try:

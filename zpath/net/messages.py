@@ -235,6 +235,7 @@ class Status(Record):
     queued: int              # computations held back (waiting for other nodes or memory)
     devices: list[DeviceUsage]
     policy: str              # multi-tenant scheduling policy: "fifo" or "share"
+    relayed: int = 0         # messages sent through relays (Relay), in all
 
 
 # ---- programs and calls -----------------------------------------------------
@@ -715,3 +716,101 @@ class Pieces(Record):
     its own ``Piece`` with the error)."""
     piece_ids: list[int]
     avals: list[Aval]
+
+
+# ---- relays (protocol version 4) -------------------------------------------------
+
+@record
+class ExecRow(Record):
+    """One host's report of one computation, as in ``ExecDone``: a row of an
+    ``ExecDoneBatch`` (``batch_of``, ``rows_of``; not itself on the wire)."""
+    host: int
+    exec_id: int
+    error: ErrorInfo | None
+    start: float
+    end: float
+    waited: float = 0.0
+
+
+@message(63)
+class Relay(Record):
+    """Controller -> worker (a relay): forward the message whose frames (a
+    signed envelope: signature, header, body) are the three buffers to
+    ``hosts``, whose data ports are ``addresses``; each is to handle it once
+    it has handled the first ``after[k]`` messages the controller sent it
+    directly. The reports of the computations in ``collect`` (the
+    forwarded message's exec id) come back through this relay (see
+    ``ExecDoneBatch``). The relay is itself one of ``hosts`` when it runs
+    the message too."""
+    hosts: list[int]
+    addresses: list[str]
+    after: list[int]
+    collect: list[int]
+
+
+@message(64)
+class Forwarded(Record):
+    """Worker (a relay) -> worker: a message of the controller (its frames
+    are the three buffers, checked as if it came on the control socket), for
+    ``hosts`` of the receiving process, each handling it after its first
+    ``after[k]`` direct messages (as ``Relay``). ``relay`` and ``address``:
+    where the reports of ``collect`` go."""
+    relay: int
+    address: str
+    hosts: list[int]
+    after: list[int]
+    collect: list[int]
+
+
+@record
+class RowError(Record):
+    """The error of row ``row`` of an ``ExecDoneBatch`` (a failed computation)."""
+    row: int
+    error: ErrorInfo
+
+
+@message(65)
+class ExecDoneBatch(Record):
+    """Worker -> worker (a group host to its relay, ``relay`` its rank) and
+    worker -> controller (a relay, ``relay`` -1; or a host resending its own
+    rows after its relay was lost): reports of computations, one row per host
+    and computation, by column (row ``k``: ``hosts[k]`` finished
+    ``exec_ids[k]`` as ``ExecDone`` would say with ``starts[k]``, ``ends[k]``,
+    ``waited[k]``, and the error ``errors`` gives for ``k``, if any). See
+    ``batch_of`` and ``rows_of``."""
+    exec_ids: list[int]
+    hosts: list[int]
+    starts: list[float]
+    ends: list[float]
+    waited: list[float]
+    errors: list[RowError]
+    relay: int = -1
+
+
+def batch_of(rows: list[ExecRow], relay: int = -1) -> ExecDoneBatch:
+    """The ``ExecDoneBatch`` of these rows."""
+    return ExecDoneBatch([r.exec_id for r in rows], [r.host for r in rows], [r.start for r in rows],
+                         [r.end for r in rows], [r.waited for r in rows],
+                         [RowError(k, r.error) for k, r in enumerate(rows) if r.error is not None], relay)
+
+
+def rows_of(batch: ExecDoneBatch) -> list[ExecRow]:
+    """A batch's rows (ValueError if its columns do not agree)."""
+    n = len(batch.hosts)
+    if not len(batch.exec_ids) == len(batch.starts) == len(batch.ends) == len(batch.waited) == n or \
+            any(not 0 <= e.row < n for e in batch.errors):
+        raise ValueError(f"ExecDoneBatch: columns of {len(batch.exec_ids)}, {n}, {len(batch.starts)}, "
+                         f"{len(batch.ends)} and {len(batch.waited)} rows, errors for rows "
+                         f"{[e.row for e in batch.errors][:4]}")
+    errors = {e.row: e.error for e in batch.errors}
+    return [ExecRow(h, x, errors.get(k), s, e, w) for k, (h, x, s, e, w) in
+            enumerate(zip(batch.hosts, batch.exec_ids, batch.starts, batch.ends, batch.waited, strict=True))]
+
+
+@message(66)
+class Await(Record):
+    """Controller -> worker: handle the next messages (but ``Ping``,
+    ``HostDown`` and ``Shutdown``) only after the first ``count`` messages
+    forwarded to this host by host ``relay`` (or once ``relay`` is lost)."""
+    relay: int
+    count: int

@@ -48,6 +48,7 @@ from zpath.net.codec import CLIENTS, CLUSTER, PROTOCOL_VERSION, Record
 from zpath.net.transport import (LOG_BURST, LOG_RATE, REPLY_BURST, REPLY_RATE, BadMessage, Endpoint, Outbox,
                                  RateLimit, backoff, make_context, raw, readable, unbatched)
 from zpath.worker import compile_cache
+from zpath.worker import relay as relays
 from zpath.worker.executor import Executor
 from zpath.worker.state import (Chunks, FusedRun, PendingFetch, ShapedLink, WorkerState, refused_on_data,
                                 with_local_shards)
@@ -176,6 +177,7 @@ class Worker:
         self.device_ids: list[int] = []
         self.running = True
         self.io_thread = 0      # the thread that runs serve_forever (it owns the sockets)
+        self.relay = relays.RelayState()     # relays (I/O thread only): see relay.py
 
     # ---- start-up ------------------------------------------------------------
     def register(self) -> None:
@@ -253,7 +255,7 @@ class Worker:
             poller.register(dgram, zmq.POLLIN)
         self.state.heard_from_controller(time.monotonic())
         while self.running:
-            ms = self._poll_ms(min(self._expire_fetches(), self._send_shaped()))
+            ms = self._poll_ms(min(self._expire_fetches(), self._send_shaped(), self._relay_due()))
             events = dict(poller.poll(timeout=ms))
             # data first: a piece or Put that came with the Execute that reads
             # it is then in the store before the executor looks for it
@@ -334,6 +336,8 @@ class Worker:
                 log.error("%s %s is not reading (queue full): dropped %s", kind, target, type(msg).__name__)
             except Exception as e:   # one bad message must not stop the I/O thread
                 log.error("cannot send %s: %s", type(msg).__name__, e)
+        if to_ctl and self.relay.report_to:
+            to_ctl = self._to_relays(to_ctl)
         if to_ctl:
             try:
                 for msg, _, e in self.ep.send_batch(self.ctl, to_ctl, block=False):
@@ -457,7 +461,8 @@ class Worker:
                         else:
                             self._handle_data(ident, header.msg_id, msg, buffers)
                     else:
-                        self._handle_ctl(msg, buffers)
+                        for msg, buffers in self.relay.direct(msg, buffers, time.monotonic()):
+                            self._handle_ctl(msg, buffers)
                 except Exception:
                     log.exception("error handling %s", type(msg).__name__)
             if not readable(sock):
@@ -519,7 +524,10 @@ class Worker:
                 if mine:        # (not remembered as freed: its Puts are dropped anyway)
                     self.executor.free_after_earlier(mine, remember=False)
                 log.debug("client %d is gone: %d of its buffers freed", msg.client, len(mine))
+            case m.Relay():
+                self._relay(msg, buffers)
             case m.HostDown():
+                self._relay_lost(msg.rank)
                 self.shaped.drop_peer(msg.rank, time.monotonic())
                 n = self.shm_out.forget(msg.rank)
                 self.peer_addrs.pop(msg.rank, None)
@@ -814,6 +822,17 @@ class Worker:
                 self.stats["recv_shm"] += 1
                 self.received_at.append([msg.piece_id, time.time()])
                 self.store.set(key, arr)
+            case m.Forwarded():
+                self._forwarded(msg, buffers)
+            case m.ExecDoneBatch() if msg.relay == self.rank:
+                now = time.monotonic()
+                try:
+                    rows = m.rows_of(msg)
+                except ValueError as e:
+                    self.post_data(ident, m.Error(ErrorKind.BAD_REQUEST, str(e)), parent=msg_id)
+                    return
+                for row in rows:
+                    self.relay.row_in(row, now)
             case m.ChannelStatsRequest():
                 self.stats["segments"] = self.shm_out.live()
                 self.post_data(ident, m.ChannelStats(**{**self.stats, "sent_at": list(self.sent_at),
@@ -840,6 +859,99 @@ class Worker:
             case _:
                 self.post_data(ident, m.Error(ErrorKind.BAD_REQUEST, f"{type(msg).__name__} is not "
                                               "accepted on the data port"), parent=msg_id)
+
+    # ---- relays (relay.py) ------------------------------------------------------
+    def _relay(self, msg: m.Relay, buffers: list) -> None:
+        """As a relay: forward the message to the group's other hosts, from
+        this (the I/O) thread, before running it here if it is ours too."""
+        why = relays.check_relay(msg, buffers)
+        if why:
+            log.warning("%s", why)
+            return
+        frames = [bytes(b) for b in buffers]
+        mine, after, forwards = relays.forwards(msg, self.rank, self.data_address)
+        for address, fwd in forwards:
+            self.peer_addrs.setdefault(fwd.hosts[0], (address, ""))
+            self._post_piece(fwd.hosts[0], fwd, frames, False, True)      # straight to its socket
+        if msg.collect:
+            self.relay.collect(msg.collect, msg.hosts)
+        if mine:
+            self._run_forwarded(self.rank, self.data_address, after, msg.collect, frames)
+
+    def _forwarded(self, msg: m.Forwarded, buffers: list) -> None:
+        why = relays.check_relay(msg, buffers)
+        if why:
+            log.warning("%s", why)
+            return
+        for host, after in zip(msg.hosts, msg.after, strict=True):
+            if host == self.rank:
+                self._run_forwarded(msg.relay, msg.address, after, msg.collect, buffers)
+
+    def _run_forwarded(self, relay: int, address: str, after: int, collect: list[int], frames: list) -> None:
+        """A message of the controller that relay ``relay`` forwarded: checked
+        as if it came on the control socket, handled in its turn."""
+        try:
+            header, msg, buffers = self.ep.decode(frames, None, self.keys.of)
+        except BadMessage as e:
+            log.warning("rejected a message relay %d forwarded: %s", relay, e)
+            return
+        if header.signer != CLUSTER or type(msg) is m.Batch:
+            log.warning("rejected a %s relay %d forwarded: not one message of the controller",
+                        type(msg).__name__, relay)
+            return
+        for item, bufs in self.relay.forwarded(relay, address, after, collect, msg, buffers, time.monotonic()):
+            self._handle_ctl(item, bufs)
+
+    def _relay_lost(self, rank: int) -> None:
+        """Host ``rank`` was lost: what waited for it as a relay goes on, and
+        the rows this host sent it go to the controller."""
+        now = time.monotonic()
+        for item, bufs in self.relay.relay_lost(rank, now):
+            self._handle_ctl(item, bufs)
+        rows = self.relay.rows_for_lost(rank, now)
+        if rows:
+            self.post_ctl(m.batch_of(rows))
+        self.relay.forget_host(rank)
+
+    def _to_relays(self, to_ctl: list[tuple[Record, int, int]]) -> list[tuple[Record, int, int]]:
+        """Reports of computations that came through a relay go to it (this
+        host's own, as a relay, to the rows it collects); the rest, and
+        failures too, to the controller."""
+        now = time.monotonic()
+        rest: list[tuple[Record, int, int]] = []
+        rows: dict[int, list[m.ExecRow]] = {}
+        for entry in to_ctl:
+            msg = entry[0]
+            dest = self.relay.route(msg.exec_id) if type(msg) is m.ExecDone else None
+            if dest is None or msg.error is not None:
+                # (a failure goes straight to the controller as well: it may be
+                # the relay's own death that broke a collective)
+                rest.append(entry)
+                if dest is None:
+                    continue
+            row = relays.row_of(self.rank, msg)
+            if dest[0] == self.rank:
+                self.relay.row_in(row, now)
+                continue
+            self.peer_addrs.setdefault(dest[0], (dest[1], ""))
+            rows.setdefault(dest[0], []).append(row)
+        for relay, mine in rows.items():
+            self._post_piece(relay, m.batch_of(mine, relay), (), False, True)
+            for row in mine:
+                self.relay.sent_row(relay, row, now)
+        return rest
+
+    def _relay_due(self) -> float:
+        """Pass on the rows a relay collected once due, and what waited past
+        its time; returns seconds until the next is due."""
+        now = time.monotonic()
+        for item, bufs in self.relay.expire(now):
+            self._handle_ctl(item, bufs)
+        rows = self.relay.take_rows(now)
+        if rows:
+            self.post_ctl(m.batch_of(rows))
+        due = self.relay.next_due_in(now)
+        return relays.IDLE if due is None else due
 
     def _reply_fetch(self, p: PendingFetch, e: Entry) -> None:
         if not p.claim():

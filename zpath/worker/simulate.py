@@ -23,7 +23,10 @@ the host they are for is known), and a timer heap for emulated computations
 and transfers. Pieces between hosts of one process never touch a socket. A
 message that reaches several hosts of the process with the same bytes (the
 controller sends a computation of many hosts once, see docs/protocol.md) is
-checked and decoded once.
+checked and decoded once. Relays (zpath/worker/relay.py) work as on real
+workers, except that a relay hands what it forwards to hosts of its own process
+without a socket (one ``Forwarded`` per other process), and their reports reach
+it the same way.
 
 Kill the process (SIGKILL) to lose all its hosts at once, as a crashed
 machine; pause it (SIGSTOP) as a hung one; ``SimHost.kill`` loses one host.
@@ -57,6 +60,7 @@ from zpath.net import messages as m
 from zpath.net.codec import PROTOCOL_VERSION, Record
 from zpath.net.transport import BadMessage, Endpoint, make_context, unbatched
 from zpath.process import die_with_parent
+from zpath.worker import relay as relays
 from zpath.worker.state import FreeOrder, IdRanges, refused_on_data
 from zpath.worker.store import Entry, PieceKey, ShardKey, Store, shard_key
 
@@ -194,6 +198,7 @@ class SimHost:
         self.held_due = 0.0                        # when they go at the latest
         self.out: list[Record] = []                # control messages to send at the next flush
         self.alive = True
+        self.relay = relays.RelayState()
         # messages that came after its Registered while other hosts registered
         self.early: list[tuple[Record, list]] = []                          # device-seconds of emulated computation run
 
@@ -217,6 +222,60 @@ class SimHost:
         self.ctl.close(0)
 
     # ---- control messages ----------------------------------------------------
+    def from_controller(self, msg: Record, buffers: list, now: float) -> None:
+        """A message on the control socket, handled in its turn (relay.py)."""
+        for item, bufs in self.relay.direct(msg, buffers, now):
+            self.handle_ctl(item, bufs, now)
+        if self.relay.blocked is not None:      # (held: expires in _relay_due)
+            self.proc.relaying.add(self)
+
+    def forwarded(self, relay: int, address: str, after: int, collect: list[int], frames: list,
+                  now: float) -> None:
+        """A message of the controller that relay ``relay`` forwarded (decoded
+        once for the process's hosts), handled in its turn."""
+        try:
+            header, msg, buffers = self.proc._decode(frames)
+        except ProtocolError as e:
+            log.warning("host %s: rejected a message relay %d forwarded: %s", self.rank, relay, e)
+            return
+        if header.signer != codec.CLUSTER or type(msg) is m.Batch:
+            log.warning("host %s: rejected a %s relay %d forwarded", self.rank, type(msg).__name__, relay)
+            return
+        for item, bufs in self.relay.forwarded(relay, address, after, collect, msg, buffers, now):
+            self.handle_ctl(item, bufs, now)
+        if self.relay.waiting:
+            self.proc.relaying.add(self)
+
+    def _relay(self, msg: m.Relay, buffers: list, now: float) -> None:
+        """As a relay: forward to the group's other hosts (those of this
+        process without a socket), then run it here if it is ours too."""
+        why = relays.check_relay(msg, buffers)
+        if why:
+            log.warning("host %s: %s", self.rank, why)
+            return
+        frames = [bytes(b) for b in buffers]
+        proc = self.proc
+        mine, after, forwards = relays.forwards(msg, self.rank, proc.data_address)
+        if msg.collect:
+            self.relay.collect(msg.collect, msg.hosts)
+        for address, fwd in forwards:
+            if address == proc.data_address:
+                proc.forwarded(fwd, frames)
+            else:
+                proc._send_peer(address, fwd, frames)
+        if mine:
+            self.forwarded(self.rank, proc.data_address, after, msg.collect, frames, now)
+
+    def _relay_lost(self, rank: int, now: float) -> None:
+        for item, bufs in self.relay.relay_lost(rank, now):
+            self.handle_ctl(item, bufs, now)
+        rows = self.relay.rows_for_lost(rank, now)
+        if rows:
+            self.out.append(m.batch_of(rows))
+        self.relay.forget_host(rank)
+        if self.relay.rows:
+            self.proc.relaying.add(self)
+
     def handle_ctl(self, msg: Record, buffers: list, now: float) -> None:
         match msg:
             case m.Execute():
@@ -252,8 +311,10 @@ class SimHost:
             case m.FailPieces():
                 for p in msg.piece_ids:
                     self.proc.piece_failed(p, msg.error)
+            case m.Relay():
+                self._relay(msg, buffers, now)
             case m.HostDown():
-                pass                   # nothing is kept per peer host
+                self._relay_lost(msg.rank, now)     # (nothing else is kept per peer host)
             case m.Shutdown():
                 log.info("host %s: controller asked us to exit: %s", self.rank, msg.reason)
                 self.alive = False
@@ -556,6 +617,30 @@ class SimHost:
         self.store.set(shard_key(msg.buffer, msg.device, msg.region), value, unless_freed=msg.buffer)
         return None
 
+    def to_relays(self, now: float) -> None:
+        """Reports of computations that came through a relay go to it (the
+        relay's rows, if it is a host of this process)."""
+        rest: list[Record] = []
+        sent: dict[int, tuple[str, list[m.ExecRow]]] = {}
+        for msg in self.out:
+            dest = self.relay.route(msg.exec_id) if type(msg) is m.ExecDone else None
+            if dest is None or msg.error is not None:
+                rest.append(msg)           # (a failure goes to the controller as well)
+                if dest is None:
+                    continue
+            row = relays.row_of(self.rank, msg)
+            local = self.proc.by_rank.get(dest[0])
+            if local is not None and local.alive:
+                local.relay.row_in(row, now)
+                self.proc.relaying.add(local)
+            else:
+                sent.setdefault(dest[0], (dest[1], []))[1].append(row)
+        for relay, (address, rows) in sent.items():
+            self.proc._send_peer(address, m.batch_of(rows, relay), [])
+            for row in rows:
+                self.relay.sent_row(relay, row, now)
+        self.out = rest
+
     def flush(self) -> None:
         if not self.out or not self.alive:
             return
@@ -611,6 +696,8 @@ class SimProcess:
         # controller's, unique in the cluster), until the computation that reads
         # them has run
         self.pieces = Store()
+        # hosts with something due in their RelayState (rows to pass on, messages held)
+        self.relaying: set[SimHost] = set()
         self.peer_socks: dict[str, zmq.Socket] = {}
         self.poller = zmq.Poller()
         self._decoded: collections.OrderedDict[bytes, tuple] = collections.OrderedDict()
@@ -761,6 +848,33 @@ class SimProcess:
         except zmq.ZMQError as err:
             log.error("cannot send %s to %s: %s", type(msg).__name__, address, err)
 
+    def forwarded(self, fwd: m.Forwarded, frames: list) -> None:
+        """A relay forwarded a message to hosts of this process."""
+        for host, after in zip(fwd.hosts, fwd.after, strict=True):
+            h = self.by_rank.get(host)
+            if h is not None and h.alive:
+                h.forwarded(fwd.relay, fwd.address, after, fwd.collect, frames, self.now)
+
+    def _relay_due(self) -> float | None:
+        """Relays pass on the rows due; what waited past its time goes on.
+        Returns seconds until the next is due."""
+        due = None
+        for h in list(self.relaying):
+            if h.alive:
+                for item, bufs in h.relay.expire(self.now):
+                    h.handle_ctl(item, bufs, self.now)
+                rows = h.relay.take_rows(self.now)
+                if rows:
+                    h.out.append(m.batch_of(rows))
+                d = h.relay.next_due_in(self.now)
+            else:
+                d = None
+            if d is None:
+                self.relaying.discard(h)
+            else:
+                due = d if due is None else min(due, d)
+        return due
+
     def piece_failed(self, piece_id: int, error: m.ErrorInfo) -> None:
         self.pieces.set(PieceKey(piece_id), error=error)
 
@@ -773,13 +887,18 @@ class SimProcess:
         self.heard = time.monotonic()
         for h in self.hosts:
             for msg, bufs in h.early:
-                h.handle_ctl(msg, bufs, time.monotonic())
+                h.from_controller(msg, bufs, time.monotonic())
             h.early.clear()
         while self.running:
             self.now = time.monotonic()
             self.timers.run_due(self.now)
             self._flush()
             wait = self.timers.next_in(time.monotonic())
+            if self.relaying:
+                due = self._relay_due()
+                self._flush()
+                if due is not None:
+                    wait = due if wait is None else min(wait, due)
             ms = 500 if wait is None else min(500, math.ceil(wait * 1000))
             events = poller.poll(ms)
             self.now = time.monotonic()
@@ -798,6 +917,15 @@ class SimProcess:
         self.close()
 
     def _flush(self) -> None:
+        now = self.now
+        for h in self.hosts:
+            if h.out and h.relay.report_to:
+                h.to_relays(now)
+        if self.relaying:
+            for h in list(self.relaying):
+                rows = h.relay.take_rows(now)
+                if rows:
+                    h.out.append(m.batch_of(rows))
         for h in self.hosts:
             if h.out:
                 h.flush()
@@ -835,7 +963,7 @@ class SimProcess:
                     log.warning("host %s: rejected message on the control socket: %s", h.rank, item)
                     continue
                 try:
-                    h.handle_ctl(item, bufs, self.now)
+                    h.from_controller(item, bufs, self.now)
                 except Exception:
                     log.exception("host %s: error handling %s", h.rank, type(item).__name__)
 
@@ -885,6 +1013,25 @@ class SimProcess:
             case m.Piece():
                 value = None if msg.error is not None else SimValue(tuple(msg.aval.shape), msg.aval.dtype)
                 self.pieces.set(PieceKey(msg.piece_id), value, msg.error)
+            case m.Forwarded():
+                why = relays.check_relay(msg, buffers)
+                if why:
+                    error(ErrorKind.BAD_REQUEST, why)
+                    return
+                self.forwarded(msg, [bytes(b) for b in buffers])
+            case m.ExecDoneBatch():
+                h = self.by_rank.get(msg.relay)
+                if h is None or not h.alive:
+                    error(ErrorKind.BAD_REQUEST, f"host {msg.relay} is not a host of this process")
+                    return
+                try:
+                    rows = m.rows_of(msg)
+                except ValueError as e:
+                    error(ErrorKind.BAD_REQUEST, str(e))
+                    return
+                for row in rows:
+                    h.relay.row_in(row, self.now)
+                self.relaying.add(h)
             case m.Pieces():
                 for pid, aval in zip(msg.piece_ids, msg.avals, strict=True):
                     self.pieces.set(PieceKey(pid), SimValue(tuple(aval.shape), aval.dtype), None)

@@ -487,7 +487,7 @@ class Chunks:
 
 
 # what a data port takes from workers only (signed with the worker key)
-_FROM_WORKERS = (m.Piece, m.Pieces, m.PieceChunk, m.ShmPiece)
+_FROM_WORKERS = (m.Piece, m.Pieces, m.PieceChunk, m.ShmPiece, m.Forwarded, m.ExecDoneBatch)
 
 
 def refused_on_data(signer: int, msg: Record) -> str:

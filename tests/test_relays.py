@@ -1,0 +1,336 @@
+"""Relays (issue #20): the controller's groups, relayed sends, order counts
+and report batches as a pure ControllerCore (fake workers and clock, state
+validated after every event, the Rig of test_controller_tenancy); a worker's
+side (worker/relay.py's RelayState) as pure state."""
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import pytest
+
+from zpath.config import ControllerConfig
+from zpath.controller.relays import Inner
+from zpath.errors import ErrorKind, ZpathError
+from zpath.net import messages as m
+from zpath.net.codec import PROTOCOL_VERSION
+from zpath.worker import relay as relays
+from zpath.worker.relay import RelayState
+from tests.test_controller_tenancy import Rig
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _rig(n: int = 8, group: int = 4, minimum: int = 4, **config) -> Rig:
+    """``n`` one-device hosts of one island runtime (SPMD over all of them)."""
+    rig = Rig(hosts=(), relay_min_hosts=minimum, relay_group=group, **config)
+    for h in range(n):
+        rig.handle(f"w{h}".encode(), m.RegisterWorker(f"h{h}", 0, f"tcp://x:{h}", 1, "cpu", 1, PROTOCOL_VERSION,
+                                                      [h], "rt", h, n, f"machine{h}", "", ""))
+    return rig
+
+
+def _spmd(rig: Rig, ident: bytes, n: int, inp: int | None = None) -> tuple[m.Call, int]:
+    av = m.Aval([n, 4], "float32")
+    put = inp is None
+    inp = rig.new_id(ident) if put else inp
+    out = rig.new_id(ident)
+    return m.Call(next(rig.ids), rig.programs["f"][0], [n], ["i"], list(range(n)),
+                  [m.CallInput(inp, av, ["i", None], put)], [m.CallOutput(out, av, ["i", None])]), out
+
+
+def _relays(rig: Rig, since: int = 0) -> list:
+    return [e for e in rig.effects[since:] if type(e.msg) is m.Relay]
+
+
+def _rows(exec_id: int, hosts, error: m.ErrorInfo | None = None) -> list[m.ExecRow]:
+    return [m.ExecRow(h, exec_id, error, 1000.0, 1000.001) for h in hosts]
+
+
+def test_an_spmd_computation_goes_once_per_group_to_its_relay_with_the_order_counts():
+    rig = _rig()
+    a, _ = rig.client("a")
+    mark = len(rig.effects)
+    call, out = _spmd(rig, a, 8)
+    rig.handle(a, call)
+    ex = next(iter(rig.c.in_flight))
+    sent = _relays(rig, mark)
+    executes = [e for e in sent if type(e.buffers.msg) is m.Execute]
+    assert [(e.ident, e.msg.hosts) for e in executes] == [(b"w0", [0, 1, 2, 3]), (b"w4", [4, 5, 6, 7])]
+    assert all(isinstance(e.buffers, Inner) and e.msg.collect == [ex] for e in executes)
+    assert executes[0].buffers is executes[1].buffers            # one message, encoded once by the loop
+    assert executes[0].msg.addresses == [f"tcp://x:{h}" for h in range(4)]
+    # each host is told how many direct messages came before (its RegisterProgram; the relay's
+    # own Relay too)
+    assert executes[0].msg.after == [2, 1, 1, 1]
+    assert not [x for i, x in rig.log[mark:] if type(x) is m.Execute]       # none went directly
+    assert rig.c.in_flight[ex].relay_of == {h: 0 if h < 4 else 4 for h in range(8)}
+    assert rig.c.relayed_messages == len(sent)
+
+
+def test_few_hosts_and_the_pings_go_directly():
+    rig = _rig(minimum=9)
+    a, _ = rig.client("a")
+    mark = len(rig.effects)
+    rig.handle(a, _spmd(rig, a, 8)[0])
+    assert not _relays(rig, mark) and len(rig.executes(0)) == 8
+    rig = _rig()
+    mark = len(rig.effects)
+    rig.tick(1.0)
+    assert not _relays(rig, mark) and sum(type(x) is m.Ping for _, x in rig.log[mark:]) == 8
+
+
+def test_a_relay_s_batch_finishes_its_group_s_hosts_and_the_computation():
+    rig = _rig()
+    a, _ = rig.client("a")
+    call, out = _spmd(rig, a, 8)
+    rig.handle(a, call)
+    ex = next(iter(rig.c.in_flight))
+    rig.handle(b"w0", m.batch_of(_rows(ex, [1, 0, 3, 2])))
+    assert rig.c.in_flight[ex].hosts == {4, 5, 6, 7}
+    rig.handle(b"w4", m.batch_of(_rows(ex, [4, 5])))
+    rig.handle(b"w4", m.batch_of(_rows(ex, [6, 7, 7])))     # a row twice: dropped
+    assert ex not in rig.c.in_flight and out in rig.c.directory.buffers
+    assert len([r for r in rig.c.timeline_records(100) if r.exec_id == ex]) == 8
+
+
+def test_a_batch_with_a_row_its_sender_does_not_relay_is_rejected_whole(caplog):
+    rig = _rig()
+    a, _ = rig.client("a")
+    rig.handle(a, _spmd(rig, a, 8)[0])
+    ex = next(iter(rig.c.in_flight))
+    # host 4 relays 4..7, not 1; host 1 is no relay at all
+    rig.handle(b"w4", m.batch_of(_rows(ex, [4, 1])))
+    rig.handle(b"w1", m.batch_of(_rows(ex, [1, 2])))
+    assert rig.c.in_flight[ex].hosts == set(range(8))
+    assert "which it does not relay it to: rejected" in caplog.text
+    # a host's own rows it takes from the host itself (resent after its relay was lost)
+    rig.handle(b"w5", m.batch_of(_rows(ex, [5])))
+    assert 5 not in rig.c.in_flight[ex].hosts
+    # and a computation sent directly takes no row of another host
+    rig2 = _rig(minimum=0)
+    b, _ = rig2.client("b")
+    rig2.handle(b, _spmd(rig2, b, 8)[0])
+    ex2 = next(iter(rig2.c.in_flight))
+    rig2.handle(b"w0", m.batch_of(_rows(ex2, [0, 1])))
+    assert rig2.c.in_flight[ex2].hosts == set(range(8))
+
+
+def test_a_batch_whose_columns_do_not_agree_is_rejected(caplog):
+    rig = _rig()
+    a, _ = rig.client("a")
+    rig.handle(a, _spmd(rig, a, 8)[0])
+    ex = next(iter(rig.c.in_flight))
+    good = m.batch_of(_rows(ex, range(4)))
+    for bad in (dataclasses.replace(good, starts=good.starts[:3]),
+                dataclasses.replace(good, errors=[m.RowError(4, m.ErrorInfo("RemoteError", "x", 0, "", ""))])):
+        rig.handle(b"w0", bad)
+    assert rig.c.in_flight[ex].hosts == set(range(8)) and "columns do not agree" in caplog.text
+    with pytest.raises(ValueError):
+        m.rows_of(dataclasses.replace(good, hosts=good.hosts[:1]))
+    rows = _rows(ex, [0, 1], m.ErrorInfo("RemoteError", "x", 0, "", ""))
+    assert m.rows_of(m.batch_of(rows, 3)) == rows
+
+
+def test_a_batch_from_a_client_is_refused():
+    rig = _rig()
+    a, _ = rig.client("a")
+    rig.handle(a, _spmd(rig, a, 8)[0])
+    ex = next(iter(rig.c.in_flight))
+    mark = len(rig.log)
+    rig.handle(a, m.batch_of(_rows(ex, range(8))))
+    assert rig.c.in_flight[ex].hosts == set(range(8))
+    assert [x.code for i, x in rig.log[mark:] if i == a and type(x) is m.Error] == [ErrorKind.BAD_REQUEST]
+
+
+def test_a_direct_message_after_relayed_ones_comes_after_an_await():
+    rig = _rig()
+    a, _ = rig.client("a")
+    call, out = _spmd(rig, a, 8)
+    rig.handle(a, call)
+    ex = next(iter(rig.c.in_flight))
+    rig.handle(b"w0", m.batch_of(_rows(ex, range(4))))
+    rig.handle(b"w4", m.batch_of(_rows(ex, range(4, 8))))
+    # a one-device call on host 5 goes directly: first an Await for what relay 4 forwarded it
+    mark = len(rig.log)
+    call, _ = rig.call(a, 5, inp=None)
+    rig.handle(a, call)
+    to5 = [x for i, x in rig.log[mark:] if i == b"w5"]
+    assert type(to5[0]) is m.Await and to5[0].relay == 4 and to5[0].count == rig.c.forwarded_via[5][4]
+    assert m.Execute in [type(x) for x in to5[1:]]
+    mark = len(rig.log)
+    rig.handle(a, rig.call(a, 5, inp=None)[0])          # nothing relayed since: no second Await
+    assert not [x for i, x in rig.log[mark:] if type(x) is m.Await]
+
+
+def test_a_lost_relay_fails_what_it_ran_naming_it_and_its_group_gets_a_new_relay():
+    rig = _rig(host_timeout_s=5.0)
+    a, _ = rig.client("a")
+    call, out = _spmd(rig, a, 8)
+    rig.handle(a, call)
+    ex = next(iter(rig.c.in_flight))
+    rig.handle(b"w0", m.batch_of(_rows(ex, [1, 2])))       # the relay's own row never comes
+    mark = len(rig.log)
+    rig.run(rig.c._host_lost, 0, "killed")
+    failed = [x for i, x in rig.log[mark:] if i == a and type(x) is m.CallFailed and out in x.buffers]
+    assert failed and failed[0].error.kind == ErrorKind.HOST_LOST and failed[0].error.host == 0
+    assert ex not in rig.c.in_flight
+    # (one JAX runtime: its island goes with it.) Hosts of no shared runtime keep
+    # theirs, and a group's next live host relays it
+    rig = _rig()
+    for h in range(8, 12):
+        rig.handle(f"w{h}".encode(), m.RegisterWorker(f"h{h}", 1, f"tcp://x:{h}", 1, "cpu", 1, PROTOCOL_VERSION,
+                                                      [h], "", 0, 1, f"machine{h}", "", ""))
+    assert rig.c.relay_of_hosts()[9] == 8
+    rig.run(rig.c._host_lost, 8, "killed")
+    assert rig.c.relay_of_hosts()[9] == 9 and 8 not in rig.c.relay_of_hosts()
+    assert all(rig.c.relay_of_hosts()[h] == 0 for h in range(4))
+
+
+def test_relay_config_is_checked():
+    with pytest.raises(ZpathError):
+        ControllerConfig(relay_group=0)
+    with pytest.raises(ZpathError):
+        ControllerConfig(relay_min_hosts=-1)
+
+
+# ---- a worker's side: RelayState -------------------------------------------------------
+
+def _st() -> RelayState:
+    return RelayState()
+
+
+def _names(items) -> list[str]:
+    return [type(x).__name__ + (f"{x.buffers}" if type(x) is m.Free else "") for x, _ in items]
+
+
+def test_a_forwarded_message_waits_for_the_direct_ones_sent_before_it():
+    s = _st()
+    # the relay forwards a message sent after two direct ones, which come later
+    assert s.forwarded(7, "tcp://r", 2, [5], m.Free([9]), [], 0.0) == []
+    s.validate_state()
+    assert _names(s.direct(m.Free([1]), [], 0.0)) == ["Free[1]"]
+    assert _names(s.direct(m.Free([2]), [], 0.0)) == ["Free[2]", "Free[9]"]
+    s.validate_state()
+    assert s.route(5) == (7, "tcp://r") and s.route(5) is None
+
+
+def test_a_direct_message_after_an_await_waits_for_the_forwarded_ones_but_pings_do_not():
+    s = _st()
+    assert s.direct(m.Await(7, 1), [], 0.0) == []
+    assert s.direct(m.Free([1]), [], 0.0) == []
+    assert _names(s.direct(m.Ping(1), [], 0.0)) == ["Ping"]
+    s.validate_state()
+    # the forwarded one was sent before the Await (after 0): it goes, then what waited
+    assert _names(s.forwarded(7, "tcp://r", 0, [], m.Free([9]), [], 0.0)) == ["Free[9]", "Free[1]"]
+    s.validate_state()
+    # (direct: 1 Await, 2 Free[1], 3 Ping, 4 Await, 5 Free[2] held)
+    s.direct(m.Await(7, 2), [], 0.0)
+    s.direct(m.Free([2]), [], 0.0)
+    assert _names(s.forwarded(7, "tcp://r", 3, [], m.Free([4]), [], 0.0)) == ["Free[4]", "Free[2]"]
+    # a forwarded message sent after a direct one not here yet waits for it
+    assert s.forwarded(7, "tcp://r", 6, [], m.Free([3]), [], 0.0) == []
+    s.validate_state()
+    assert _names(s.direct(m.Free([5]), [], 0.0)) == ["Free[5]", "Free[3]"]
+    s.validate_state()
+
+
+def test_a_lost_relay_releases_what_waits_for_it_and_its_rows_are_resent():
+    s = _st()
+    s.forwarded(7, "tcp://r", 0, [5, 6], m.Free([9]), [], 0.0)
+    row = relays.row_of(3, m.ExecDone(5, None, 1.0, 2.0))
+    s.route(5)
+    s.sent_row(7, row, 0.0)
+    s.direct(m.Await(7, 5), [], 0.0)
+    s.direct(m.Free([1]), [], 0.0)
+    assert _names(s.relay_lost(7, 1.0)) == ["Free[1]"]
+    assert s.route(6) is None                          # later reports go to the controller
+    assert s.rows_for_lost(7, 1.0) == [row] and s.rows_for_lost(7, 1.0) == []
+    s.validate_state()
+    assert s.direct(m.Await(7, 9), [], 1.0) == []      # a lost relay is not awaited
+    assert _names(s.direct(m.Free([2]), [], 1.0)) == ["Free[2]"]
+
+
+def test_what_waits_too_long_goes_anyway():
+    s = _st()
+    s.direct(m.Await(7, 1), [], 0.0)
+    s.direct(m.Free([1]), [], 0.0)
+    assert s.next_due_in(0.0) == relays.ORDER_WAIT_S
+    assert s.expire(relays.ORDER_WAIT_S / 2) == []
+    assert _names(s.expire(relays.ORDER_WAIT_S + 1)) == ["Free[1]"]
+    s.validate_state()
+
+
+def test_a_relay_passes_its_group_s_rows_on_once_all_came_or_after_its_hold():
+    s = _st()
+    s.collect([5], [0, 1, 2])
+    s.row_in(m.ExecRow(1, 5, None, 1.0, 2.0), 0.0)
+    s.row_in(m.ExecRow(0, 5, None, 1.0, 2.0), 0.0)
+    assert s.take_rows(0.0) == []
+    assert s.next_due_in(0.0) == pytest.approx(relays.RELAY_HOLD_S)
+    s.row_in(m.ExecRow(2, 5, None, 1.0, 2.0), 0.0)
+    assert [r.host for r in s.take_rows(0.0)] == [1, 0, 2] and s.next_due_in(0.0) is None
+    s.collect([6], [0, 1])
+    s.row_in(m.ExecRow(0, 6, None, 1.0, 2.0), 0.0)
+    assert s.take_rows(relays.RELAY_HOLD_S / 2) == []
+    assert [r.host for r in s.take_rows(relays.RELAY_HOLD_S)] == [0]
+    s.forget_host(1)                                   # lost: its row will not come
+    assert not s.collecting
+    s.validate_state()
+
+
+def test_forwards_one_message_per_data_port():
+    relay = m.Relay([3, 4, 5, 6], ["tcp://a", "tcp://b", "tcp://b", "tcp://c"], [1, 2, 3, 4], [9])
+    mine, after, out = relays.forwards(relay, 4, "tcp://b")
+    assert mine and after == 2
+    assert [(a, f.hosts, f.after, f.relay, f.address) for a, f in out] == [
+        ("tcp://a", [3], [1], 4, "tcp://b"), ("tcp://b", [5], [3], 4, "tcp://b"), ("tcp://c", [6], [4], 4, "tcp://b")]
+    assert relays.check_relay(relay, [b"", b"", b""]) == ""
+    assert "3 frames" in relays.check_relay(relay, [b""])
+
+
+# ---- real workers ------------------------------------------------------------------------
+
+def test_real_workers_relay_and_a_killed_relay_is_named_by_hostlost(tmp_path):
+    """Two hosts of one island runtime, relays forced on (groups of 2: host 0
+    relays host 1): computations over both run through the relay, their results
+    right; a value put and freed, and a one-host call between them (direct
+    messages after relayed ones), keep their order. Killing the relay fails
+    the running calls with HostLost naming it, without a hang."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import zpath as zp
+    from tests.conftest import running_cluster
+    from zpath.cluster.testing import kill_host
+    env = {"ZPATH_HOST_TIMEOUT": "30", "ZPATH_RELAY_MIN_HOSTS": "2", "ZPATH_RELAY_GROUP": "2"}
+    with running_cluster(islands=1, hosts_per_island=2, devices_per_host=1, log_dir=str(tmp_path), env=env) as c:
+        conn = zp.connect(c.address, c.key)
+        try:
+            both = zp.make_virtual_device_set().add_slice(devices=2).devices
+            one = [d for d in both if d.host == 1]
+            step = zp.pmap(lambda x: jax.lax.psum(x, "i") + x, axis_name="i", devices=both)
+            inc = zp.pmap(lambda x: x + 1, devices=one)
+            x = np.arange(2.0, dtype=np.float32).reshape(2, 1)
+            for k in range(5):
+                y = step(x)
+                z = inc(np.full((1, 1), k, np.float32))
+                np.testing.assert_allclose(np.asarray(y), x + x.sum(0))
+                assert float(np.asarray(z)[0, 0]) == k + 1
+                x = np.asarray(y)
+            st = conn.client.request(m.StatusRequest(False))
+            assert st.relayed >= 5 and st.running == 0
+            heavy = zp.pmap(lambda x: jax.lax.psum(jnp.tanh(x @ x.T), "i")[:1] + x[:1], axis_name="i",
+                            devices=both)
+            big = np.ones((2, 400, 400), np.float32) * 1e-3
+            running = [heavy(big) for _ in range(60)]
+            running[0].result(timeout=60)
+            kill_host(c, 0)
+            t = time.monotonic()
+            with pytest.raises(zp.HostLost) as lost:
+                for r in running:
+                    r.result(timeout=60)
+            assert str(lost.value).startswith("host 0 ("), lost.value
+            assert time.monotonic() - t < 20          # not the heartbeat's 30 s
+        finally:
+            zp.shutdown()
