@@ -94,6 +94,24 @@ def test_a_relay_s_batch_finishes_its_group_s_hosts_and_the_computation():
     assert len([r for r in rig.c.timeline_records(100) if r.exec_id == ex]) == 8
 
 
+def test_a_batch_charges_its_tenant_what_each_host_ran():
+    rig = _rig()
+    a, _ = rig.client("a")
+    call, out = _spmd(rig, a, 8)
+    rig.handle(a, call)
+    ex = next(iter(rig.c.in_flight))
+    secs = {h: 0.001 * (h + 1) for h in range(8)}
+    rows = lambda hosts: [m.ExecRow(h, ex, None, 1000.0, 1000.0 + secs[h]) for h in hosts]   # noqa: E731
+    rig.handle(b"w0", m.batch_of(rows([1, 0, 3, 2])))
+    run = rig.c.tenants._running[ex]
+    assert run.charged == pytest.approx(sum(secs[h] for h in range(4)))      # one device each
+    assert run.longest == pytest.approx(secs[3])
+    used = sum(rig.c.tenants.used.values())
+    rig.handle(b"w4", m.batch_of(rows([7, 4, 6, 5])))      # the last row finishes it
+    assert ex not in rig.c.in_flight
+    assert sum(rig.c.tenants.used.values()) - used == pytest.approx(sum(secs.values()))
+
+
 def test_a_batch_with_a_row_its_sender_does_not_relay_is_rejected_whole(caplog):
     rig = _rig()
     a, _ = rig.client("a")

@@ -414,24 +414,37 @@ class Dispatch:
                 log.warning("host %d sent a batch of %d reports with %s: rejected", sender, n, why)
             return
         errors = {e.row: e.error for e in msg.errors}
-        timeline, host_done = self.timeline, self.tenants.host_done
-        last, info = -1, None
+        timeline, hosts_done = self.timeline, self.tenants.hosts_done
+        # the usual rows (no error, not a computation's last host) are charged
+        # to the tenant scheduler once per run of rows of one computation
+        last, info, charged, longest = -1, None, 0.0, 0.0
         for k, (h, x, start, end, waited) in enumerate(zip(hosts, exec_ids, msg.starts, msg.ends, msg.waited,
                                                           strict=True)):
             if x != last:
+                if charged or longest:
+                    hosts_done(last, charged, longest)
+                    charged = longest = 0.0
                 last, info = x, in_flight.get(x)
             if info is None or h not in info.hosts:
                 continue
             if k not in errors and len(info.hosts) > 1:       # (_host_done, the usual case)
                 timeline.append((Report(x, None, start, end, waited), h, info))
-                host_done(x, end - start, info.host_devices[h])
+                seconds = end - start if end > start else 0.0
+                charged += seconds * info.host_devices[h]
+                if seconds > longest:
+                    longest = seconds
                 info.hosts.discard(h)
                 continue
+            if charged or longest:         # before its last host may finish it
+                hosts_done(x, charged, longest)
+                charged = longest = 0.0
             error = errors.get(k)
             if error is not None:
                 log.info("computation %d failed on host %d: %s", x, h, error.message)
             self._host_done(h, Report(x, error, start, end, waited), info)
             info = in_flight.get(x)
+        if charged or longest:
+            hosts_done(last, charged, longest)
 
     def _host_done(self, host: int, msg: m.ExecDone | Report, info: InFlight) -> None:
         """Host ``host`` finished its part of computation ``info`` (``msg``:

@@ -364,6 +364,16 @@ class TenantScheduler:
         run.charged += seconds * devices
         run.longest = max(run.longest, seconds)
 
+    def hosts_done(self, ticket: int, device_seconds: float, longest: float) -> None:
+        """Several hosts finished their parts (a relay's batch): what
+        ``host_done`` adds up for each, summed by the caller (``device_seconds``:
+        each one's run time times its devices; ``longest``: the longest run)."""
+        run = self._running.get(ticket)
+        if run is None:
+            return
+        run.charged += device_seconds
+        run.longest = max(run.longest, longest)
+
     def finished(self, ticket: int) -> tuple[int, int] | None:
         """Every host finished (or the computation was abandoned): replace the
         estimate by what was measured and free its room. Returns its (island,
