@@ -69,6 +69,10 @@ class LocalShards:
         self.max_entries = max_entries
         self._shards: dict[tuple, list[m.ShardInput]] = {}
 
+    def __len__(self) -> int:
+        """How many shard lists it keeps."""
+        return len(self._shards)
+
     def __call__(self, ex: m.Execute) -> m.Execute:
         inputs = ex.inputs
         for inp in inputs:
