@@ -300,7 +300,8 @@ def test_local_shards_remembered_never_stale():
 def test_local_shards_keeps_named_shards_and_starts_over_when_full():
     local = {0: object()}
     ls = LocalShards(local, max_entries=2)
-    named = m.ExecInput(5, m.Aval([4], "float32"), ["i"], [m.ShardInput(0, [[0, 2]], [m.PieceSource(1, 1, [[0, 2]], [[0, 2]])])])
+    named = m.ExecInput(5, m.Aval([4], "float32"), ["i"],
+                        [m.ShardInput(0, [[0, 2]], [m.PieceSource(1, 1, [[0, 2]], [[0, 2]])])])
     ex = _execute([0, 1], [2], ["i"], [])
     ex = m.Execute(ex.exec_id, ex.seq, ex.program, ex.name, ex.mesh_shape, ex.axis_names, ex.devices, ex.jax_ids,
                    [named], ex.outputs)

@@ -25,6 +25,7 @@ import dataclasses
 import heapq
 import itertools
 import math
+import operator
 import threading
 from typing import Any, Callable
 
@@ -46,6 +47,10 @@ FETCH_HEAP_MIN = 1024
 MAX_PENDING_FETCHES = 16_384
 # the I/O thread looks at its deadlines at least this often (seconds)
 IDLE_WAIT_S = 0.5
+
+# an Execute's fields in order, and where its inputs are among them (LocalShards)
+_EXECUTE_FIELDS = operator.attrgetter(*(f.name for f in dataclasses.fields(m.Execute)))
+_EXECUTE_INPUTS = [f.name for f in dataclasses.fields(m.Execute)].index("inputs")
 
 
 def with_local_shards(ex: m.Execute, local: Any) -> m.Execute:
@@ -98,7 +103,9 @@ class LocalShards:
                 shards = cache[key] = [m.ShardInput(d, sharding.to_wire(regs[p]), [])
                                        for p, d in enumerate(ex.devices) if d in self.local]
             new.append(m.ExecInput(inp.buffer, inp.aval, inp.spec, shards))
-        return dataclasses.replace(ex, inputs=new)
+        fields = list(_EXECUTE_FIELDS(ex))      # (dataclasses.replace costs twice this)
+        fields[_EXECUTE_INPUTS] = new
+        return m.Execute(*fields)
 
 
 class FreeOrder:
