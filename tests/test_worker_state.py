@@ -7,11 +7,12 @@ import math
 import numpy as np
 import pytest
 
+from zpath import sharding
 from zpath.ids import buffer_id, client_of, serial_of
 from zpath.net import channels
 from zpath.net import messages as m
 from zpath.worker.state import (FETCH_HEAP_MIN, FreeOrder, IDLE_WAIT_S, MAX_FETCH_TIMEOUT_S, Chunks, FusedRun,
-                                ShapedLink, WorkerState, fetch_timeout)
+                                LocalShards, ShapedLink, WorkerState, fetch_timeout)
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -243,3 +244,74 @@ def test_a_free_waits_for_every_computation_that_arrived_before_it():
     assert order.finish(c) == [([2], False)]
     assert order.free_after_earlier([3], True) == [([3], True)]   # nothing before it: at once
     order.validate_state()
+
+
+def _execute(devices: list[int], mesh_shape: list[int], axis_names: list[str],
+             inputs: list[tuple[list[int], list]], exec_id: int = 7) -> m.Execute:
+    return m.Execute(exec_id, exec_id, "p" * 64, "f", mesh_shape, axis_names, devices, devices,
+                     [m.ExecInput(100 + k, m.Aval(shape, "float32"), spec, [])
+                      for k, (shape, spec) in enumerate(inputs)],
+                     [m.ExecOutput(200, m.Aval([8], "float32"), [None])], hold=True)
+
+
+def _expected(ex: m.Execute, local: set[int]) -> list[list[tuple[int, list[list[int]]]]]:
+    """Each input's (device, region) of the local devices, worked out afresh."""
+    out = []
+    for inp in ex.inputs:
+        regs = sharding.regions(inp.aval.shape, ex.mesh_shape, ex.axis_names, inp.spec)
+        out.append([(d, [list(r) for r in regs[p]]) for p, d in enumerate(ex.devices) if d in local])
+    return out
+
+
+def _named(ex: m.Execute) -> list[list[tuple[int, list[list[int]]]]]:
+    for inp in ex.inputs:
+        assert all(not s.pieces for s in inp.shards)
+    return [[(s.device, s.region) for s in inp.shards] for inp in ex.inputs]
+
+
+def test_local_shards_remembered_never_stale():
+    """LocalShards names each empty input's local shards; what it remembers is
+    never served for another placement, mesh, shape or spec."""
+    local = {1: object(), 2: object()}
+    ls = LocalShards(local)
+    cases = [
+        _execute([0, 1, 2, 3], [4], ["i"], [([8], ["i"]), ([8, 4], [None, "i"])]),
+        _execute([0, 1, 2, 3], [4], ["i"], [([16], ["i"]), ([8, 4], [None, None])]),     # shape, spec
+        _execute([3, 2, 1, 0], [4], ["i"], [([8], ["i"]), ([8, 4], [None, "i"])]),       # devices' order
+        _execute([0, 1, 2, 3], [2, 2], ["a", "b"], [([8], ["a"]), ([8], ["b"])]),         # mesh, axes
+        _execute([0, 1, 2, 3], [2, 2], ["b", "a"], [([8], ["a"]), ([8], [["a", "b"]])]),
+        _execute([0, 1, 4, 5], [4], ["i"], [([8], ["i"])]),                              # other devices
+    ]
+    first = [_named(ls(ex)) for ex in cases]
+    for ex, got in zip(cases, first, strict=True):
+        assert got == _expected(ex, set(local))
+        assert _named(ls(ex)) == got           # asked again: the same
+    assert first[0] == [[(1, [[2, 4]]), (2, [[4, 6]])], [(1, [[0, 8], [1, 2]]), (2, [[0, 8], [2, 3]])]]
+    assert first[1] == [[(1, [[4, 8]]), (2, [[8, 12]])], [(1, [[0, 8], [0, 4]]), (2, [[0, 8], [0, 4]])]]
+    assert first[2][0] == [(2, [[2, 4]]), (1, [[4, 6]])]
+    assert first[3] == [[(1, [[0, 4]]), (2, [[4, 8]])], [(1, [[4, 8]]), (2, [[0, 4]])]]
+    assert first[5] == [[(1, [[2, 4]])]]
+    # the rest of the message is as it came
+    got = ls(cases[0])
+    assert (got.exec_id, got.seq, got.devices, got.hold, got.outputs) == (7, 7, [0, 1, 2, 3], True, cases[0].outputs)
+    assert [i.buffer for i in got.inputs] == [100, 101] and got.inputs[1].spec == [None, "i"]
+
+
+def test_local_shards_keeps_named_shards_and_starts_over_when_full():
+    local = {0: object()}
+    ls = LocalShards(local, max_entries=2)
+    named = m.ExecInput(5, m.Aval([4], "float32"), ["i"],
+                        [m.ShardInput(0, [[0, 2]], [m.PieceSource(1, 1, [[0, 2]], [[0, 2]])])])
+    ex = _execute([0, 1], [2], ["i"], [])
+    ex = m.Execute(ex.exec_id, ex.seq, ex.program, ex.name, ex.mesh_shape, ex.axis_names, ex.devices, ex.jax_ids,
+                   [named], ex.outputs)
+    assert ls(ex) is ex                         # every input named: the message itself
+    for n in range(2, 12, 2):                   # more shapes than it keeps
+        for _ in range(2):
+            got = ls(_execute([0, 1], [2], ["i"], [([n], ["i"]), ([2 * n], ["i"])]))
+            assert _named(got) == [[(0, [[0, n // 2]])], [(0, [[0, n]])]]
+            assert 0 < len(ls) <= 2
+    mixed = m.Execute(ex.exec_id, ex.seq, ex.program, ex.name, ex.mesh_shape, ex.axis_names, ex.devices,
+                      ex.jax_ids, [named, m.ExecInput(6, m.Aval([4], "float32"), ["i"], [])], ex.outputs)
+    got = ls(mixed)
+    assert got.inputs[0] is named and [(s.device, s.region) for s in got.inputs[1].shards] == [(0, [[0, 2]])]

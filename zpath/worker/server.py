@@ -50,8 +50,8 @@ from zpath.net.transport import (LOG_BURST, LOG_RATE, REPLY_BURST, REPLY_RATE, B
 from zpath.worker import compile_cache
 from zpath.worker import relay as relays
 from zpath.worker.executor import Executor
-from zpath.worker.state import (Chunks, FusedRun, PendingFetch, ShapedLink, WorkerState, refused_on_data,
-                                with_local_shards)
+from zpath.worker.state import (Chunks, FusedRun, LocalShards, PendingFetch, ShapedLink, WorkerState,
+                                refused_on_data)
 from zpath.worker.store import Entry, PieceKey, Store, shard_key
 
 try:       # internal APIs of JAX, to bind gloo (see _gloo_listens_on)
@@ -174,6 +174,7 @@ class Worker:
         self.pool = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="send")
         self.rank: int | None = None
         self.executor: Executor | None = None
+        self.local_shards: LocalShards | None = None     # with the executor's devices, once registered
         self.device_ids: list[int] = []
         self.running = True
         self.io_thread = 0      # the thread that runs serve_forever (it owns the sockets)
@@ -204,6 +205,7 @@ class Worker:
                                                  jax_devices={d.id: d for d in self.jax.devices()},
                                                  release_held=self._release_held)
                         self.executor.rank = reply.rank
+                        self.local_shards = LocalShards(devices)
                         log.info("registered as host %d with devices %s", reply.rank,
                                  sorted(devices))
                         return
@@ -496,7 +498,8 @@ class Worker:
         assert self.executor is not None
         match msg:
             case m.Execute():
-                self.executor.submit(with_local_shards(msg, self.executor.devices))
+                assert self.local_shards is not None
+                self.executor.submit(self.local_shards(msg))
             case m.RunFused():
                 self._run_fused(msg)
             case m.DefineFused():

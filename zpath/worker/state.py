@@ -25,6 +25,7 @@ import dataclasses
 import heapq
 import itertools
 import math
+import operator
 import threading
 from typing import Any, Callable
 
@@ -47,23 +48,64 @@ MAX_PENDING_FETCHES = 16_384
 # the I/O thread looks at its deadlines at least this often (seconds)
 IDLE_WAIT_S = 0.5
 
+# an Execute's fields in order, and where its inputs are among them (LocalShards)
+_EXECUTE_FIELDS = operator.attrgetter(*(f.name for f in dataclasses.fields(m.Execute)))
+_EXECUTE_INPUTS = [f.name for f in dataclasses.fields(m.Execute)].index("inputs")
+
 
 def with_local_shards(ex: m.Execute, local: Any) -> m.Execute:
     """``ex`` with the shards of this host's devices (those in ``local``) named
     for every input whose ``shards`` the controller left empty: the one
     Execute it sends every host when each shard is in place at the region the
     input's spec gives its device (docs/protocol.md, Execute)."""
-    if all(inp.shards for inp in ex.inputs):
-        return ex
-    inputs = []
-    for inp in ex.inputs:
-        if inp.shards:
-            inputs.append(inp)
-            continue
-        regs = sharding.regions_of(inp.aval.shape, ex.mesh_shape, ex.axis_names, inp.spec)
-        inputs.append(m.ExecInput(inp.buffer, inp.aval, inp.spec, [
-            m.ShardInput(d, sharding.to_wire(regs[p]), []) for p, d in enumerate(ex.devices) if d in local]))
-    return dataclasses.replace(ex, inputs=inputs)
+    return LocalShards(local)(ex)
+
+
+class LocalShards:
+    """:func:`with_local_shards` for one host's devices (``local``), with the
+    shard list it names for an input remembered by what it depends on (the
+    computation's devices, mesh and axes, the input's shape and spec): op-by-op
+    calls ask the same on every call. The lists and their ShardInputs are
+    shared by the Executes that get them: read only. At most ``max_entries``
+    are kept (then it starts over)."""
+
+    def __init__(self, local: Any, max_entries: int = 4096) -> None:
+        self.local = local
+        self.max_entries = max_entries
+        self._shards: dict[tuple, list[m.ShardInput]] = {}
+
+    def __len__(self) -> int:
+        """How many shard lists it keeps."""
+        return len(self._shards)
+
+    def __call__(self, ex: m.Execute) -> m.Execute:
+        inputs = ex.inputs
+        for inp in inputs:
+            if not inp.shards:
+                break
+        else:
+            return ex
+        placement = (tuple(ex.devices), tuple(ex.mesh_shape), tuple(ex.axis_names))
+        cache = self._shards
+        new = []
+        for inp in inputs:
+            if inp.shards:
+                new.append(inp)
+                continue
+            shape = inp.aval.shape
+            key = (placement, tuple(shape), tuple(a if a is None or type(a) is str else tuple(a)
+                                                  for a in inp.spec))
+            shards = cache.get(key)
+            if shards is None:
+                if len(cache) >= self.max_entries:
+                    cache.clear()
+                regs = sharding.regions_of(shape, ex.mesh_shape, ex.axis_names, inp.spec)
+                shards = cache[key] = [m.ShardInput(d, sharding.to_wire(regs[p]), [])
+                                       for p, d in enumerate(ex.devices) if d in self.local]
+            new.append(m.ExecInput(inp.buffer, inp.aval, inp.spec, shards))
+        fields = list(_EXECUTE_FIELDS(ex))      # (dataclasses.replace costs twice this)
+        fields[_EXECUTE_INPUTS] = new
+        return m.Execute(*fields)
 
 
 class FreeOrder:
