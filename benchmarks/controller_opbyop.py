@@ -12,7 +12,10 @@ until both hosts have reported the last one.
 Printed per run: calls per second and the controller process's CPU time (user +
 system, all its threads) per call, and of that its main thread's (the loop)
 and its other threads' (ZeroMQ's I/O thread); the table gives the median over
-``--repeats`` runs. The workers' and the client's costs are left out, so this
+``--repeats`` runs. Then the same sequence of events handed to a
+``ControllerCore`` in this process (no sockets, no encoding): its CPU per call
+back to back, and with the thread asleep for ``--exec-us`` before each call as
+the controller is while the hosts run (the same work, run with cold caches). The workers' and the client's costs are left out, so this
 measures the controller's share of -O without JAX, tracing or the workers on
 the same cores. A benchmark that prints figures, not a test.
 
@@ -23,6 +26,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import heapq
+import itertools
 import json
 import os
 import statistics
@@ -39,6 +43,8 @@ import zmq
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from zpath.client.connection import Client  # noqa: E402
+from zpath.config import ControllerConfig  # noqa: E402
+from zpath.controller.core import ControllerCore  # noqa: E402
 from zpath.net import messages as m  # noqa: E402
 from zpath.net.codec import PROTOCOL_VERSION  # noqa: E402
 from zpath.net.transport import Endpoint, unbatched  # noqa: E402
@@ -185,6 +191,66 @@ def run(args: argparse.Namespace) -> list[dict[str, float]]:
             ctl.wait()
 
 
+class _Blob(bytes):
+    """A program's bytes as the core sees a received buffer (it reads nbytes)."""
+
+    @property
+    def nbytes(self) -> int:
+        return len(self)
+
+
+def core_alone(calls: int, pause_s: float) -> float:
+    """CPU (this thread's) per call of a ``ControllerCore`` handling what the
+    controller handles per -O call here (the client's Call and Release, both
+    hosts' ExecDone, one computation in flight), ``pause_s`` asleep before
+    each call (0: back to back)."""
+    core = ControllerCore(ControllerConfig())
+    ids = itertools.count(1)
+    now = 1000.0
+    for n in range(2):
+        core.handle(now, b"w%d" % n, next(ids), m.RegisterWorker(
+            f"h{n}", 0, f"tcp://127.0.0.1:{40000 + n}", 1, "cpu", 1, PROTOCOL_VERSION, [n], "127.0.0.1:1",
+            n, 2, "bench", "", "", n), [])
+    core.handle(now, b"client", next(ids), m.Hello("bench", PROTOCOL_VERSION, 1.0, b"n" * 16), [])
+    client = core.peers[b"client"].id
+    blob = _Blob(b"a program the core never runs" * 4)
+    digest = hashlib.sha256(blob).hexdigest()
+    core.handle(now, b"client", next(ids), m.RegisterProgram(digest, "psum_plus_one"), [blob])
+    aval = m.Aval([2], "float32")
+    buffer_ids = itertools.count(1)
+    prev: int | None = None
+    running: list[tuple[bytes, int]] = []         # (host, exec id) sent, not reported yet
+    sent = 0
+    cpu = 0.0
+    for k in range(2 * calls):                     # the first half warms up
+        if pause_s:
+            time.sleep(pause_s)
+        t0 = time.thread_time()
+        now += 0.0012
+        out = client << 32 | next(buffer_ids)
+        inp = client << 32 | next(buffer_ids) if prev is None else prev
+        effects = core.handle(now, b"client", next(ids), m.Call(
+            next(ids), digest, [2], ["i"], [0, 1], [m.CallInput(inp, aval, ["i"], prev is None)],
+            [m.CallOutput(out, aval, ["i"])]), [])
+        while core.busy:
+            effects += core.resume(now)
+        if prev is not None:
+            effects += core.handle(now, b"client", next(ids), m.Release([prev]), [])
+        prev = out
+        executes = [(e.ident, e.msg.exec_id) for e in effects if type(e.msg) is m.Execute]
+        sent += len(executes)
+        running += executes
+        while len(running) > 2:                    # the hosts finish the one before
+            for host, exec_id in running[:2]:
+                core.handle(now, host, next(ids), m.ExecDone(exec_id, None, now - 0.0012, now), [])
+            del running[:2]
+        if k >= calls:
+            cpu += time.thread_time() - t0
+    if sent != 2 * 2 * calls:
+        raise RuntimeError(f"the core sent {sent} Executes for {2 * calls} calls on 2 hosts")
+    return cpu / calls * 1e6
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seconds", type=float, default=4.0, help="length of each timed run (default 4)")
@@ -193,6 +259,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="wall time a fake host spends on each computation (default 1200, about a "
                         "real worker's -O computation on this machine)")
     p.add_argument("--chain", type=int, default=100, help="calls per chain (default 100)")
+    p.add_argument("--core-calls", type=int, default=2000,
+                   help="calls of the in-process core run, each way (default 2000; 0: none)")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON here")
     args = p.parse_args(argv)
     results = run(args)
@@ -200,6 +268,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"controller per -O call (median of {len(results)}): {summary['controller_cpu_us']:.0f} us CPU "
           f"(main thread {summary['main_thread_us']:.0f}, other threads {summary['other_threads_us']:.0f}); "
           f"{summary['calls_per_s']:,.0f} calls/s")
+    if args.core_calls:
+        summary["core_us"] = core_alone(args.core_calls, 0.0)
+        summary["core_after_sleep_us"] = core_alone(args.core_calls, args.exec_us / 1e6)
+        print(f"the core alone per call: {summary['core_us']:.0f} us CPU back to back, "
+              f"{summary['core_after_sleep_us']:.0f} us asleep {args.exec_us:.0f} us before each")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({**summary, "runs": results, "exec_us": args.exec_us, "chain": args.chain}, f, indent=1)

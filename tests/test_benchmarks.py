@@ -41,8 +41,9 @@ def test_controller_opbyop_benchmark_runs_calls_through_a_real_controller(tmp_pa
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "controller_opbyop.py"
     out_json = tmp_path / "out.json"
     p = run_script([str(script), "--seconds", "0.2", "--repeats", "1", "--chain", "20", "--exec-us", "100",
-                    "--json", str(out_json)], timeout=120)
+                    "--core-calls", "50", "--json", str(out_json)], timeout=120)
     assert p.returncode == 0, p.stdout + p.stderr[-3000:]
     res = json.loads(out_json.read_text())
     assert len(res["runs"]) == 1 and res["calls_per_s"] > 0
     assert res["controller_cpu_us"] > 0 and res["main_thread_us"] > 0
+    assert res["core_us"] > 0 and res["core_after_sleep_us"] > 0       # the in-process core ran its calls
