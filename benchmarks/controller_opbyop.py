@@ -19,7 +19,7 @@ the controller is while the hosts run (the same work, run with cold caches). The
 measures the controller's share of -O without JAX, tracing or the workers on
 the same cores. A benchmark that prints figures, not a test.
 
-    python benchmarks/controller_opbyop.py [--seconds 4] [--repeats 3] [--exec-us 1200] [--json out.json]
+    python benchmarks/controller_opbyop.py [--seconds 4] [--repeats 3] [--exec-us 1200] [--core-calls 2000] [--json out.json]
 """
 from __future__ import annotations
 
