@@ -12,14 +12,16 @@ until both hosts have reported the last one.
 Printed per run: calls per second and the controller process's CPU time (user +
 system, all its threads) per call, and of that its main thread's (the loop)
 and its other threads' (ZeroMQ's I/O thread); the table gives the median over
-``--repeats`` runs. Then the same sequence of events handed to a
-``ControllerCore`` in this process (no sockets, no encoding): its CPU per call
-back to back, and with the thread asleep for ``--exec-us`` before each call as
-the controller is while the hosts run (the same work, run with cold caches). The workers' and the client's costs are left out, so this
+``--repeats`` runs. The workers' and the client's costs are left out, so this
 measures the controller's share of -O without JAX, tracing or the workers on
-the same cores. A benchmark that prints figures, not a test.
+the same cores. Then the same sequence of events goes to a ``ControllerCore``
+in this process (no sockets, no encoding): its CPU per call back to back, and
+with the thread asleep for ``--exec-us`` before each call, as the controller's
+loop is while the hosts run (the same work, run cold). A benchmark that prints
+figures, not a test.
 
-    python benchmarks/controller_opbyop.py [--seconds 4] [--repeats 3] [--exec-us 1200] [--core-calls 2000] [--json out.json]
+    python benchmarks/controller_opbyop.py [--seconds 4] [--repeats 3] [--exec-us 1200]
+                                           [--core-calls 2000] [--json out.json]
 """
 from __future__ import annotations
 
