@@ -14,15 +14,21 @@ system, all its threads) per call, and of that its main thread's (the loop)
 and its other threads' (ZeroMQ's I/O thread); the table gives the median over
 ``--repeats`` runs. The workers' and the client's costs are left out, so this
 measures the controller's share of -O without JAX, tracing or the workers on
-the same cores. A benchmark that prints figures, not a test.
+the same cores. Then the same sequence of events goes to a ``ControllerCore``
+in this process (no sockets, no encoding): its CPU per call back to back, and
+with the thread asleep for ``--exec-us`` before each call, as the controller's
+loop is while the hosts run (the same work, run cold). A benchmark that prints
+figures, not a test.
 
-    python benchmarks/controller_opbyop.py [--seconds 4] [--repeats 3] [--exec-us 1200] [--json out.json]
+    python benchmarks/controller_opbyop.py [--seconds 4] [--repeats 3] [--exec-us 1200] [--hold]
+                                           [--core-calls 2000] [--json out.json]
 """
 from __future__ import annotations
 
 import argparse
 import hashlib
 import heapq
+import itertools
 import json
 import os
 import statistics
@@ -39,6 +45,8 @@ import zmq
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from zpath.client.connection import Client  # noqa: E402
+from zpath.config import DEEP_QUEUE, HOLD_DEEP_S, HOLD_SHORT_S, ControllerConfig  # noqa: E402
+from zpath.controller.core import ControllerCore  # noqa: E402
 from zpath.net import messages as m  # noqa: E402
 from zpath.net.codec import PROTOCOL_VERSION  # noqa: E402
 from zpath.net.transport import Endpoint, unbatched  # noqa: E402
@@ -47,11 +55,18 @@ from zpath.process import PARENT_PID_ENV  # noqa: E402
 
 class FakeWorkers:
     """Two hosts of one island in a thread: each runs its Executes in order,
-    ``exec_s`` of wall time apiece, and reports each as it ends."""
+    ``exec_s`` of wall time apiece, and reports each as it ends. With ``hold``
+    they hold reports back as a worker does (zpath/worker/executor.py): an
+    Execute that allows it (``hold``) with at least DEEP_QUEUE queued behind it
+    on its host is reported with a hold of half the time those take, at most
+    HOLD_DEEP_S, if that is at least twice HOLD_SHORT_S; held reports go out
+    as one message with the next one not held, or at the deadline. (A worker's
+    short-computation hold does not apply: ``--exec-us`` is above SHORT_S.)"""
 
-    def __init__(self, address: str, worker_key: bytes, exec_s: float) -> None:
-        self.address, self.key, self.exec_s = address, worker_key, exec_s
+    def __init__(self, address: str, worker_key: bytes, exec_s: float, hold: bool = False) -> None:
+        self.address, self.key, self.exec_s, self.hold = address, worker_key, exec_s, hold
         self.done = [0, 0]
+        self.held = 0                # reports that went out after being held
         self.cv = threading.Condition()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -82,17 +97,36 @@ class FakeWorkers:
         for s in socks:
             poller.register(s, zmq.POLLIN)
         free_at = [0.0, 0.0]
-        due: list[tuple[float, int, int]] = []          # (when it ends, host, exec id)
+        due: list[tuple[float, int, int, bool]] = []    # (when it ends, host, exec id, may hold)
+        held: list[list[m.ExecDone]] = [[], []]          # per host: reports held back
+        held_due = [float("inf")] * 2                    # when they go at the latest
+
+        def report(n: int) -> None:
+            eps[n].send_batch(socks[n], [(x, 0, 0) for x in held[n]])
+            with self.cv:
+                self.done[n] += len(held[n])
+                self.cv.notify_all()
+            held[n], held_due[n] = [], float("inf")
+
         while not self._stop.is_set():
             now = time.monotonic()
             while due and due[0][0] <= now:
-                _, n, exec_id = heapq.heappop(due)
+                _, n, exec_id, may_hold = heapq.heappop(due)
                 end = time.time()
-                eps[n].send(socks[n], m.ExecDone(exec_id, None, end - self.exec_s, end))
-                with self.cv:
-                    self.done[n] += 1
-                    self.cv.notify_all()
-            wait = max(0, int((due[0][0] - now) * 1000)) if due else 100
+                held[n].append(m.ExecDone(exec_id, None, end - self.exec_s, end))
+                behind = sum(1 for d in due if d[1] == n)
+                hold_s = min(HOLD_DEEP_S, behind * self.exec_s / 2) \
+                    if self.hold and may_hold and behind >= DEEP_QUEUE else 0.0
+                if hold_s >= 2 * HOLD_SHORT_S:
+                    held_due[n] = min(held_due[n], now + hold_s)
+                    self.held += 1
+                else:
+                    report(n)
+            for n in range(2):
+                if held[n] and held_due[n] <= now:
+                    report(n)
+            wake = min(due[0][0] if due else now + 0.1, *held_due)
+            wait = max(0, int((wake - now) * 1000))
             for s, _ in poller.poll(wait):
                 n = socks.index(s)
                 while s.poll(0):
@@ -100,7 +134,7 @@ class FakeWorkers:
                     for h, x, _ in unbatched(header, msg, buffers):
                         if type(x) is m.Execute:
                             free_at[n] = max(time.monotonic(), free_at[n]) + self.exec_s
-                            heapq.heappush(due, (free_at[n], n, x.exec_id))
+                            heapq.heappush(due, (free_at[n], n, x.exec_id, x.hold))
                         elif type(x) is m.Ping:
                             eps[n].send(socks[n], m.Pong(x.seq, 0, 0, [0]), parent=h.msg_id)
         for s in socks:
@@ -114,7 +148,8 @@ def _cpu(proc: psutil.Process) -> tuple[float, float]:
     return sum(threads.values()), threads.get(proc.pid, 0.0)
 
 
-def run(args: argparse.Namespace) -> list[dict[str, float]]:
+def run(args: argparse.Namespace) -> tuple[list[dict[str, float]], int]:
+    """The timed runs' figures, and how many reports the fake hosts held back."""
     key, worker_key = os.urandom(32), os.urandom(32)
     tmp = tempfile.mkdtemp()
     # (PARENT_PID_ENV: the controller dies with this process, should it be killed)
@@ -130,7 +165,7 @@ def run(args: argparse.Namespace) -> list[dict[str, float]]:
             time.sleep(0.05)
         with open(f"{tmp}/address") as f:
             address = f.read().strip()
-        workers = FakeWorkers(address, worker_key, args.exec_us / 1e6)
+        workers = FakeWorkers(address, worker_key, args.exec_us / 1e6, hold=args.hold)
         client = Client(address, key, name="controller_opbyop")
         while len(client.request(m.StatusRequest(False)).hosts) < 2:     # both hosts registered
             if time.monotonic() > deadline:
@@ -171,7 +206,7 @@ def run(args: argparse.Namespace) -> list[dict[str, float]]:
                             "main_thread_us": (main1 - main0) / n * 1e6,
                             "other_threads_us": ((c1 - c0) - (main1 - main0)) / n * 1e6})
             print("  run: " + ", ".join(f"{k} {v:,.1f}" for k, v in results[-1].items()), flush=True)
-        return results
+        return results, workers.held
     finally:
         if client is not None:
             client.close()
@@ -185,6 +220,66 @@ def run(args: argparse.Namespace) -> list[dict[str, float]]:
             ctl.wait()
 
 
+class _Blob(bytes):
+    """A program's bytes as the core sees a received buffer (it reads nbytes)."""
+
+    @property
+    def nbytes(self) -> int:
+        return len(self)
+
+
+def core_alone(calls: int, pause_s: float) -> float:
+    """CPU (this thread's) per call of a ``ControllerCore`` handling what the
+    controller handles per -O call here (the client's Call and Release, both
+    hosts' ExecDone, one computation in flight), ``pause_s`` asleep before
+    each call (0: back to back)."""
+    core = ControllerCore(ControllerConfig())
+    ids = itertools.count(1)
+    now = 1000.0
+    for n in range(2):
+        core.handle(now, b"w%d" % n, next(ids), m.RegisterWorker(
+            f"h{n}", 0, f"tcp://127.0.0.1:{40000 + n}", 1, "cpu", 1, PROTOCOL_VERSION, [n], "127.0.0.1:1",
+            n, 2, "bench", "", "", n), [])
+    core.handle(now, b"client", next(ids), m.Hello("bench", PROTOCOL_VERSION, 1.0, b"n" * 16), [])
+    client = core.peers[b"client"].id
+    blob = _Blob(b"a program the core never runs" * 4)
+    digest = hashlib.sha256(blob).hexdigest()
+    core.handle(now, b"client", next(ids), m.RegisterProgram(digest, "psum_plus_one"), [blob])
+    aval = m.Aval([2], "float32")
+    buffer_ids = itertools.count(1)
+    prev: int | None = None
+    running: list[tuple[bytes, int]] = []         # (host, exec id) sent, not reported yet
+    sent = 0
+    cpu = 0.0
+    for k in range(2 * calls):                     # the first half warms up
+        if pause_s:
+            time.sleep(pause_s)
+        t0 = time.thread_time()
+        now += 0.0012
+        out = client << 32 | next(buffer_ids)
+        inp = client << 32 | next(buffer_ids) if prev is None else prev
+        effects = core.handle(now, b"client", next(ids), m.Call(
+            next(ids), digest, [2], ["i"], [0, 1], [m.CallInput(inp, aval, ["i"], prev is None)],
+            [m.CallOutput(out, aval, ["i"])]), [])
+        while core.busy:
+            effects += core.resume(now)
+        if prev is not None:
+            effects += core.handle(now, b"client", next(ids), m.Release([prev]), [])
+        prev = out
+        executes = [(e.ident, e.msg.exec_id) for e in effects if type(e.msg) is m.Execute]
+        sent += len(executes)
+        running += executes
+        while len(running) > 2:                    # the hosts finish the one before
+            for host, exec_id in running[:2]:
+                core.handle(now, host, next(ids), m.ExecDone(exec_id, None, now - 0.0012, now), [])
+            del running[:2]
+        if k >= calls:
+            cpu += time.thread_time() - t0
+    if sent != 2 * 2 * calls:
+        raise RuntimeError(f"the core sent {sent} Executes for {2 * calls} calls on 2 hosts")
+    return cpu / calls * 1e6
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seconds", type=float, default=4.0, help="length of each timed run (default 4)")
@@ -193,16 +288,27 @@ def main(argv: list[str] | None = None) -> int:
                    help="wall time a fake host spends on each computation (default 1200, about a "
                         "real worker's -O computation on this machine)")
     p.add_argument("--chain", type=int, default=100, help="calls per chain (default 100)")
+    p.add_argument("--hold", action="store_true",
+                   help="the fake hosts hold reports back as workers do (Execute.hold; default: each "
+                        "report goes as its computation ends)")
+    p.add_argument("--core-calls", type=int, default=2000,
+                   help="calls of the in-process core run, each way (default 2000; 0: none)")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON here")
     args = p.parse_args(argv)
-    results = run(args)
+    results, held_reports = run(args)
     summary: dict[str, Any] = {k: statistics.median(r[k] for r in results) for k in results[0]}
     print(f"controller per -O call (median of {len(results)}): {summary['controller_cpu_us']:.0f} us CPU "
           f"(main thread {summary['main_thread_us']:.0f}, other threads {summary['other_threads_us']:.0f}); "
-          f"{summary['calls_per_s']:,.0f} calls/s")
+          f"{summary['calls_per_s']:,.0f} calls/s" + (f"; {held_reports} reports held back" if args.hold else ""))
+    if args.core_calls:
+        summary["core_us"] = core_alone(args.core_calls, 0.0)
+        summary["core_after_sleep_us"] = core_alone(args.core_calls, args.exec_us / 1e6)
+        print(f"the core alone per call: {summary['core_us']:.0f} us CPU back to back, "
+              f"{summary['core_after_sleep_us']:.0f} us asleep {args.exec_us:.0f} us before each")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({**summary, "runs": results, "exec_us": args.exec_us, "chain": args.chain}, f, indent=1)
+            json.dump({**summary, "runs": results, "exec_us": args.exec_us, "chain": args.chain,
+                       "hold": args.hold, "held_reports": held_reports}, f, indent=1)
     return 0
 
 

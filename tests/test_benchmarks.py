@@ -35,14 +35,23 @@ def test_core_scale_benchmark_times_the_core_per_node():
     assert all(r["call_us"] > 0 and r["exec_done_us"] > 0 and r["release_us"] > 0 for r in rows)
 
 
-def test_controller_opbyop_benchmark_runs_calls_through_a_real_controller(tmp_path):
+@pytest.mark.parametrize("hold", [False, True])
+def test_controller_opbyop_benchmark_runs_calls_through_a_real_controller(tmp_path, hold):
     """Every call of its chains reaches both fake hosts and is reported (the
-    script waits for that), and the controller's CPU per call is measured."""
+    script waits for that; with ``--hold`` the held reports too), and the
+    controller's CPU per call is measured."""
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "controller_opbyop.py"
     out_json = tmp_path / "out.json"
-    p = run_script([str(script), "--seconds", "0.2", "--repeats", "1", "--chain", "20", "--exec-us", "100",
+    # (a hold takes a queue of computations long enough to be worth holding for)
+    p = run_script([str(script), "--seconds", "0.2", "--repeats", "1", "--chain", "20",
+                    *(["--exec-us", "2000", "--core-calls", "0", "--hold"] if hold else
+                      ["--exec-us", "100", "--core-calls", "50"]),
                     "--json", str(out_json)], timeout=120)
     assert p.returncode == 0, p.stdout + p.stderr[-3000:]
     res = json.loads(out_json.read_text())
-    assert len(res["runs"]) == 1 and res["calls_per_s"] > 0
+    assert len(res["runs"]) == 1 and res["calls_per_s"] > 0 and res["hold"] is hold
     assert res["controller_cpu_us"] > 0 and res["main_thread_us"] > 0
+    if hold:              # reports were held, and went out (or the script would have waited in vain)
+        assert res["held_reports"] > 0
+    else:                 # the in-process core ran its calls
+        assert res["core_us"] > 0 and res["core_after_sleep_us"] > 0
