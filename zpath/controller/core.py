@@ -124,20 +124,18 @@ class ControllerCore(Peers, Admission, Dispatch, Fusion, Failures, Relays):
         nodes make. Everyone else's are handled at once."""
         self.now = now
         peer = self.peers.get(ident)
-        if type(msg) is m.ExecDone and peer is not None and peer.role == "worker":
-            # the most frequent message of all (one per host per computation): straight to it
+        kind = type(msg)
+        if (kind is m.ExecDone or kind is m.ExecDoneBatch) and peer is not None and peer.role == "worker":
+            # reports, the most frequent messages of all (one per host, or per
+            # relay's group, per computation): straight to them
             peer.last_seen = now
             try:
-                self._exec_done(peer.id, msg)
+                if kind is m.ExecDone:
+                    self._exec_done(peer.id, msg)
+                else:
+                    self._exec_done_batch(peer.id, msg)
             except Exception:  # a handler bug must not take the controller down
-                log.exception("error handling ExecDone from host %d", peer.id)
-            return self._take()
-        if type(msg) is m.ExecDoneBatch and peer is not None and peer.role == "worker":
-            peer.last_seen = now
-            try:
-                self._exec_done_batch(peer.id, msg)
-            except Exception:  # a handler bug must not take the controller down
-                log.exception("error handling ExecDoneBatch from host %d", peer.id)
+                log.exception("error handling %s from host %d", kind.__name__, peer.id)
             return self._take()
         if peer is not None and peer.role == "client" and type(msg) not in _NOT_DEFERRED and \
                 (ident in self.deferred_msgs or self.paused_client(peer)):
