@@ -12,7 +12,6 @@ import hashlib
 import itertools
 import logging
 import threading
-import time
 from typing import Any, Callable
 
 import pytest
@@ -495,16 +494,22 @@ def test_the_loop_runs_the_collectors_full_pass_it_held_back_when_idle():
     before = gc.get_threshold()
     gc.set_threshold(before[0], before[1], server.FULL_GC_FORCED)
     loop = threading.Thread(target=ctl.serve_forever, daemon=True)
+    full_pass = threading.Event()
+
+    def on_collect(phase: str, info: dict) -> None:
+        if phase == "stop" and info["generation"] == 2 and threading.current_thread() is loop:
+            full_pass.set()
+
+    gc.callbacks.append(on_collect)
     try:
         for _ in range(server.FULL_GC_AFTER):
             gc.collect(1)                   # young passes: each counts towards a full one
         assert gc.get_count()[2] >= server.FULL_GC_AFTER
         loop.start()
-        deadline = time.monotonic() + 20
-        while gc.get_count()[2] >= server.FULL_GC_AFTER and time.monotonic() < deadline:
-            time.sleep(0.01)
+        assert full_pass.wait(20), "the idle loop ran no full pass"
         assert gc.get_count()[2] < server.FULL_GC_AFTER
     finally:
+        gc.callbacks.remove(on_collect)
         ctl.stop()
         loop.join(10)
         gc.set_threshold(*before)
