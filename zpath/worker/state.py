@@ -25,7 +25,6 @@ import dataclasses
 import heapq
 import itertools
 import math
-import operator
 import threading
 from typing import Any, Callable
 
@@ -36,6 +35,7 @@ from zpath.errors import ErrorKind
 from zpath.ids import client_of
 from zpath.net import channels
 from zpath.net import messages as m
+from zpath.net import codec
 from zpath.net.codec import CLUSTER, Record
 from zpath.net.transport import raw
 
@@ -47,11 +47,6 @@ FETCH_HEAP_MIN = 1024
 MAX_PENDING_FETCHES = 16_384
 # the I/O thread looks at its deadlines at least this often (seconds)
 IDLE_WAIT_S = 0.5
-
-# an Execute's fields in order, and where its inputs are among them (LocalShards)
-_EXECUTE_FIELDS = operator.attrgetter(*(f.name for f in dataclasses.fields(m.Execute)))
-_EXECUTE_INPUTS = [f.name for f in dataclasses.fields(m.Execute)].index("inputs")
-
 
 def with_local_shards(ex: m.Execute, local: Any) -> m.Execute:
     """``ex`` with the shards of this host's devices (those in ``local``) named
@@ -103,9 +98,7 @@ class LocalShards:
                 shards = cache[key] = [m.ShardInput(d, sharding.to_wire(regs[p]), [])
                                        for p, d in enumerate(ex.devices) if d in self.local]
             new.append(m.ExecInput(inp.buffer, inp.aval, inp.spec, shards))
-        fields = list(_EXECUTE_FIELDS(ex))      # (dataclasses.replace costs twice this)
-        fields[_EXECUTE_INPUTS] = new
-        return m.Execute(*fields)
+        return codec.replace(ex, inputs=new)      # (dataclasses.replace costs more)
 
 
 class FreeOrder:
