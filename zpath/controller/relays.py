@@ -24,8 +24,6 @@ from zpath.net import messages as m
 
 # what may go through relays: messages many hosts get alike
 RELAYABLE = (m.Execute, m.RunFused, m.Free, m.DropFused)
-# what a worker handles whenever it comes (never held for order: see worker/relay.py)
-UNORDERED = (m.Ping, m.HostDown, m.Shutdown, m.Relay)
 
 
 class Inner:
@@ -131,7 +129,7 @@ class Relays:
         counted, after an Await for each relay that forwarded the host messages
         since its last Await (a lost relay's are not awaited: the host goes on
         once it hears of the loss)."""
-        if not relay and type(msg) not in UNORDERED:
+        if not relay and type(msg) not in m.UNORDERED:
             via = self.forwarded_via.get(rank)
             if via:
                 awaited = self.awaited.setdefault(rank, {})

@@ -814,3 +814,9 @@ class Await(Record):
     forwarded to this host by host ``relay`` (or once ``relay`` is lost)."""
     relay: int
     count: int
+
+
+# what a worker handles whenever it comes: never held back for the order of
+# its two paths from the controller (the controller does not count them in
+# Relay.after or Await; see controller/relays.py and worker/relay.py)
+UNORDERED = (Ping, HostDown, Shutdown, Relay)

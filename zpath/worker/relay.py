@@ -51,8 +51,6 @@ ROWS_KEPT = 65_536
 ORDER_WAIT_S = 30.0
 # the I/O thread's wait when no relay deadline is near (seconds)
 IDLE = 0.5
-# never held back (they do not depend on the order of the others)
-UNORDERED = (m.Ping, m.HostDown, m.Shutdown, m.Relay)
 
 Item = tuple[Record, list]
 
@@ -86,7 +84,7 @@ class RelayState:
         if type(msg) is m.Registered:        # (the controller does not count it)
             return [(msg, buffers)]
         self.received += 1
-        if type(msg) is not m.Await and (type(msg) in UNORDERED or not (self.held or self.blocked)):
+        if type(msg) is not m.Await and (type(msg) in m.UNORDERED or not (self.held or self.blocked)):
             # (forwarded messages that waited for this one go next)
             return [(msg, buffers), *self._pump(now)] if self.waiting else [(msg, buffers)]
         if self.held or self.blocked is not None:
