@@ -312,7 +312,7 @@ def test_wrong_field_count(value: Any, pattern: str) -> None:
 
 
 def _good_welcome() -> list:
-    return [3, [[0, 0, "h", "tcp://a:1", [[0, 0, 0, 0, 0], [1, 0, 0, 1, 1]]]], b"s" * 32]
+    return [3, [[0, 0, "h", "tcp://a:1", [[0, 0, 0, 0, 0, "cpu"], [1, 0, 0, 1, 1, "cpu"]]]], b"s" * 32]
 
 
 def _good_call() -> list:
@@ -352,8 +352,8 @@ def _set(value: list, path: tuple, new: Any) -> list:
     (m.ExecDone, [1, None], "ExecDone: expected 5 fields, got 2"),
     (m.Welcome, _set(_good_welcome(), (1, 0, 4, 1, 3), "0"),
      "Welcome.hosts[0].devices[1].local_index: expected int, got str"),
-    (m.Welcome, _set(_good_welcome(), (1, 0, 4, 0), [0, 0, 0, 0]),
-     "Welcome.hosts[0].devices[0]: expected 5 fields, got 4"),
+    (m.Welcome, _set(_good_welcome(), (1, 0, 4, 0), [0, 0, 0, 0, 0]),
+     "Welcome.hosts[0].devices[0]: expected 6 fields, got 5"),
     (m.Welcome, _set(_good_welcome(), (1, 0), "host"),
      "Welcome.hosts[0]: expected 5 fields, got str"),
     (m.Call, _set(_good_call(), (5, 0, 1, 0), [4.0]),
@@ -375,7 +375,7 @@ def test_wrong_field_types(cls: type, value: list, pattern: str) -> None:
 def test_good_samples_of_the_field_type_tests_decode():
     """The malformed values above differ from these in one place only."""
     _, w, _ = codec.decode(KEY, signed(hdr(PROTOCOL_VERSION, m.Welcome.TYPE, 1, 0, "s", 0), body(_good_welcome())))
-    assert w.hosts[0].devices[1] == m.DeviceInfo(1, 0, 0, 1, 1)
+    assert w.hosts[0].devices[1] == m.DeviceInfo(1, 0, 0, 1, 1, "cpu")
     _, c, _ = codec.decode(KEY, signed(hdr(PROTOCOL_VERSION, m.Call.TYPE, 1, 0, "s", 0), body(_good_call())))
     assert c.inputs[0].put is True and c.outputs[0].spec == [None]
 
@@ -711,13 +711,13 @@ def _golden_messages() -> dict[str, tuple[codec.Record, tuple]]:
 # frames of codec.encode(b"k" * 32, msg, msg_id=..., sender="worker:golden", parent=7,
 # buffers=...) for the messages above, recorded (hex) from the codec before its
 # fast paths (commit a5173e3); signatures and headers re-recorded for protocol 3
-# (the header's signer) and for protocol 4 (relays: the version byte), bodies
-# unchanged
+# (the header's signer) and for protocols 4 (relays) and 5 (DeviceInfo.platform): the
+# version byte; bodies unchanged
 GOLDEN = [
     ("Execute", 1000, [      # (re-recorded when Execute.hold was appended: the same
         # body with 11 fields instead of 10 and a trailing false)
-        "11e74717e34e2439bd823457890c70dca1b5cb716e46f8b13f3f44304ae1b4ef",
-        "960421cd03e807ad776f726b65723a676f6c64656e00",
+        "8cb2f9df22d1c71574ce0f08e4c1554cec384f24fd0bc9c9d407c6f6a48ebf87",
+        "960521cd03e807ad776f726b65723a676f6c64656e00",
         "9bce0001e240cd2694d94061626162616261626162616261626162616261626162616261626162616261626162616261"
         "626162616261626162616261626162616261626162616261626162ac6a69745f5f6c616d6264615f910291a169920001"
         "9200019294cf000000010000001192920804a7666c6f6174333292a169c0919300929200049200049094cf0000000100"
@@ -725,35 +725,35 @@ GOLDEN = [
         "cf000000010000001392920804a7666c6f6174333292a169c0c2",
     ]),
     ("ExecDone", 1001, [
-        "427d7da185283610875afd18658369e6ec2e5aaa66432d20daa5c3cc6bc7ed69",
-        "960422cd03e907ad776f726b65723a676f6c64656e00",
+        "b657f9a48830729be9f0f8948e00bf3e69452d219eb390493fb008a2ac97e4b7",
+        "960522cd03e907ad776f726b65723a676f6c64656e00",
         "95ce0001e240c0cb41d999a660080000cb41d999a660100000cb0000000000000000",
     ]),
     ("Call", 1002, [
-        "9671f1375e7fce54aa1661908cd52c16fdaacc5b679fcad1701a896af0a36b1b",
-        "96041fcd03ea07ad776f726b65723a676f6c64656e00",
+        "aeff46fa012ab7b533a8eb2be92cd7423bc53d7acd284149a574528b7443cb02",
+        "96051fcd03ea07ad776f726b65723a676f6c64656e00",
         "97cd1092d94063646364636463646364636463646364636463646364636463646364636463646364636463646364636463"
         "646364636463646364636463646364636463646364910291a1699200019194cf000000010000001192920804a7666c6f"
         "6174333292a169c0c39193cf000000010000001392920804a7666c6f6174333292a169c0",
     ]),
     ("Ping", 1003, [
-        "4ad358697541d9207bdd3f7614d439f848f56c2dcd468aa82c70cb61001e95d5",
-        "960407cd03eb07ad776f726b65723a676f6c64656e00",
+        "777a5e9fe7b92a985055145823dccd665ac271550c65b5c9d96cd12a21402c28",
+        "960507cd03eb07ad776f726b65723a676f6c64656e00",
         "911f",
     ]),
     ("Pong", 1004, [
-        "ed98e3db174489fa0825a464592ccee60ff4822109afbe25188b36b82ca8be47",
-        "960408cd03ec07ad776f726b65723a676f6c64656e00",
+        "b69557696d79fd33fcce443e13fb2caf32eea954f69ee4b4a903a35edc25bba5",
+        "960508cd03ec07ad776f726b65723a676f6c64656e00",
         "941f0ccd100092cd0800cd0800",
     ]),
     ("ExecDoneErr", 1005, [
-        "51dc2e09c5ab559e45e60ff42a7c4eae7300ec9f4f70fb91659ad6f5d1418da2",
-        "960422cd03ed07ad776f726b65723a676f6c64656e00",
+        "63fe83a9533bd3039c9805c02a0e95ece9fe1692154da04c0a0dc0c2669e3295",
+        "960522cd03ed07ad776f726b65723a676f6c64656e00",
         "950595ab52656d6f74654572726f72a8626f6f6d20e29c93c0a166a27462cb3ff0000000000000cb4004000000000000cb0000000000000000",
     ]),
     ("Put", 1006, [
-        "9c09ea7483b95b9e0bcc5947e611219e34708a975c7a1ec4363db045b468f03b",
-        "960432cd03ee07ad776f726b65723a676f6c64656e00",
+        "7a931ba7cb13ee119e31274209968665a38ab6713610a0362caae939dc9a31cf",
+        "960532cd03ee07ad776f726b65723a676f6c64656e00",
         "94cf0000000100000003029292000492000692920406a7666c6f61743332",
         "010203",
         "",

@@ -43,7 +43,7 @@ class RecordingClient:
     """What a Computation needs of a connection; it records what it is sent."""
 
     def __init__(self, devices: int = 2) -> None:
-        self.devices = {d: m.DeviceInfo(d, 0, 0, d, d) for d in range(devices)}
+        self.devices = {d: m.DeviceInfo(d, 0, 0, d, d, "cpu") for d in range(devices)}
         self.sent: list = []
         self.programs: dict[str, bytes] = {}
         self.recorder = None
@@ -97,6 +97,25 @@ def test_traces_with_the_callers_x64_setting(fake):
         out64 = f(jax.random.PRNGKey(0), np.ones(2), 2.0)
     assert [o.dtype for o in out64] == [np.float64] * 4
     assert len(f._cache) == 2
+
+
+def test_exports_for_the_platform_of_its_devices():
+    """A client with no accelerator drives workers that have one: it lowers
+    each computation for its devices' platform, as their hosts registered it."""
+    client = RecordingClient()
+    cuda = [api.VirtualDevice(1, i, i, 0, 0, client, "cuda") for i in range(2)]
+    zp.jit(lambda x: jnp.tanh(x) * 2, devices=cuda)(np.ones(4, np.float32))
+    (blob,) = client.programs.values()
+    assert jax.export.deserialize(bytearray(blob)).platforms == ("cuda",)
+    # hosts that run no JAX (simulated ones): this process's own platform
+    client = RecordingClient()
+    sim = [api.VirtualDevice(1, i, i, 0, 0, client, "sim") for i in range(2)]
+    zp.jit(lambda x: x + 1, devices=sim)(np.ones(4, np.float32))
+    (blob,) = client.programs.values()
+    assert jax.export.deserialize(bytearray(blob)).platforms == (jax.export.default_export_platform(),)
+    mixed = [api.VirtualDevice(1, 0, 0, 0, 0, client, "cuda"), api.VirtualDevice(1, 1, 1, 1, 0, client, "cpu")]
+    with pytest.raises(ValueError, match=r"mixes devices of platforms \['cpu', 'cuda'\]"):
+        zp.jit(lambda x: x + 1, devices=mixed)(np.ones(4, np.float32))
 
 
 def test_static_and_keyword_arguments(fake):

@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import types
 
 import grpc
 import jax
@@ -27,7 +28,7 @@ from zpath.cluster.testing import assert_gone, running_cluster, wait_until
 from zpath.net import messages as m
 from zpath.proxy import backend, launch, programs, schema
 from zpath.proxy.launch import is_loopback
-from zpath.proxy.server import PROTOCOL_MAX, ProxyServer
+from zpath.proxy.server import PROTOCOL_MAX, ProxyServer, cluster_platform
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -296,8 +297,17 @@ def test_version_negotiation():
     assert e.value.args[0] == grpc.StatusCode.FAILED_PRECONDITION and "zpath serves" in e.value.args[1]
 
 
+def test_serves_the_platform_the_workers_registered():
+    def client(*platforms):
+        return types.SimpleNamespace(devices={i: m.DeviceInfo(i, i, 0, 0, i, p) for i, p in enumerate(platforms)})
+    assert cluster_platform(client("cuda", "cuda")) == "cuda"
+    assert cluster_platform(client("sim", "sim")) == "cpu" and cluster_platform(client()) == "cpu"
+    with pytest.raises(OSError, match=r"platforms \['cpu', 'cuda'\]: say which one"):
+        cluster_platform(client("cpu", "cuda"))
+
+
 class _FakeClient:
-    devices = {i: m.DeviceInfo(i, i // 2, 0, i % 2, i) for i in range(4)}
+    devices = {i: m.DeviceInfo(i, i // 2, 0, i % 2, i, "cpu") for i in range(4)}
 
     def __init__(self):
         self.posted, self.registered = [], []

@@ -90,7 +90,7 @@ def sim():
     for rank in range(2):
         ident, reg = ctl.expect(m.RegisterWorker)
         assert reg.platform == "sim" and reg.num_devices == 2 and reg.protocol == PROTOCOL_VERSION
-        devices = [m.DeviceInfo(rank * 2 + i, rank, 0, i, reg.jax_ids[i]) for i in range(2)]
+        devices = [m.DeviceInfo(rank * 2 + i, rank, 0, i, reg.jax_ids[i], "sim") for i in range(2)]
         ctl.send(ident, m.Registered(rank, devices))
         idents[rank] = ident
     data = ctl.ctx.socket(zmq.DEALER)

@@ -26,7 +26,7 @@ pytestmark = pytest.mark.timeout(120)
 
 def host(rank: int, island: int, devices: list[int], name: str = "") -> m.HostInfo:
     return m.HostInfo(rank, island, name or f"h{rank}", "tcp://127.0.0.1:1",
-                      [m.DeviceInfo(d, rank, island, i, d) for i, d in enumerate(devices)])
+                      [m.DeviceInfo(d, rank, island, i, d, "cpu") for i, d in enumerate(devices)])
 
 
 def stats(sent: list[m.SentPiece], received: list[list[float]], now: float = 0.0) -> m.ChannelStats:

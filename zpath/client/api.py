@@ -34,15 +34,20 @@ def current_client() -> Any:
     return c
 
 
+LOWERING_PLATFORMS = frozenset({"cpu", "cuda", "rocm", "tpu"})    # what jax.export lowers for
+
+
 @dataclasses.dataclass(frozen=True)
 class VirtualDevice:
-    """One device of a slice; ``id`` is the physical device it maps to."""
+    """One device of a slice; ``id`` is the physical device it maps to;
+    ``platform`` is what its host's JAX lowers programs for."""
     slice_id: int
     index: int
     id: int
     host: int
     island: int
     client: Any = dataclasses.field(compare=False, repr=False)
+    platform: str = dataclasses.field(default="cpu", compare=False)
 
 
 class Slice:
@@ -72,7 +77,8 @@ class VirtualDeviceSet:
         reply = self.client.request(m.AllocSlice(int(devices), None if island is None else int(island),
                                                  None if host is None else int(host)))
         self.client.learn(reply.devices)
-        s = Slice(reply.slice_id, [VirtualDevice(reply.slice_id, i, d.id, d.host, d.island, self.client)
+        s = Slice(reply.slice_id, [VirtualDevice(reply.slice_id, i, d.id, d.host, d.island, self.client,
+                                                 d.platform)
                                    for i, d in enumerate(reply.devices)])
         self.slices.append(s)
         return s
@@ -117,6 +123,17 @@ class Mesh:
     @property
     def device_ids(self) -> list[int]:
         return [d.id for d in self.devices.flat]
+
+    @property
+    def platform(self) -> str:
+        """What its computations are lowered for: its devices' platform (this
+        process's own, for hosts that run no JAX, such as simulated ones)."""
+        found = {d.platform for d in self.devices.flat}
+        if len(found) > 1:
+            raise ValueError(f"{self!r} mixes devices of platforms {sorted(found)}: one computation "
+                             "runs on devices of one platform")
+        platform = found.pop()
+        return platform if platform in LOWERING_PLATFORMS else jax.export.default_export_platform()
 
     def __repr__(self) -> str:
         return f"Mesh({dict(zip(self.axis_names, self.shape))}, devices={self.device_ids})"
@@ -393,6 +410,7 @@ class Computation:
         static_pos = dict(bound.static[0])
         statics = dict(bound.static[1])
         n = bound.n_args
+        platforms = (self.mesh.platform,)
 
         if self.pmap_axis is not None:
             axis = self.pmap_axis
@@ -417,7 +435,7 @@ class Computation:
 
             functools.update_wrapper(mapped, self.fn)
             jitted = jax.jit(mapped, donate_argnums=self._donated_leaves(bound) if donate else ())
-            make = lambda: jax.export.export(jitted)(*structs)    # noqa: E731
+            make = lambda: jax.export.export(jitted, platforms=platforms)(*structs)    # noqa: E731
         else:
             out_specs = self.out_specs if self.out_specs is not None else P()
             out_sh = jax.tree_util.tree_map(lambda s: JaxNamedSharding(am, s), out_specs,
@@ -429,7 +447,7 @@ class Computation:
             d_args, d_kwargs = jax.tree_util.tree_unflatten(bound.in_tree, structs)
             it = iter(d_args)
             full = [static_pos[i] if i in static_pos else next(it) for i in range(n)]
-            make = lambda: jax.export.export(jitted)(*full, **d_kwargs, **statics)    # noqa: E731
+            make = lambda: jax.export.export(jitted, platforms=platforms)(*full, **d_kwargs, **statics)  # noqa: E731
         try:
             with jax.sharding.use_abstract_mesh(am):     # for with_sharding_constraint(x, P(...))
                 exported = make()

@@ -170,7 +170,8 @@ class Peers:
 
     def _device_info(self, d: int) -> m.DeviceInfo:
         dev = self.rm.devices[d]
-        return m.DeviceInfo(dev.id, dev.host, dev.island, dev.local_index, dev.jax_id)
+        return m.DeviceInfo(dev.id, dev.host, dev.island, dev.local_index, dev.jax_id,
+                            self.rm.hosts[dev.host].platform)
 
     def _host_infos(self) -> list[m.HostInfo]:
         return [m.HostInfo(h.rank, h.island, h.name, h.data_address,

@@ -33,6 +33,7 @@ class DeviceInfo(Record):
     island: int
     local_index: int         # index into the worker's jax.local_devices()
     jax_id: int              # the device's id in JAX (global within an island's runtime)
+    platform: str            # what its host's JAX lowers programs for ("cpu", "cuda", "rocm", "tpu"; "sim")
 
 
 @record

@@ -15,14 +15,16 @@ from zpath.config import ClientConfig, CommonConfig
 from zpath.keys import key_from_config
 from zpath.process import die_with_parent
 from zpath.proxy.schema import SchemaError
-from zpath.proxy.server import ProxyServer
+from zpath.proxy.server import ProxyServer, cluster_platform
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m zpath.proxy", description=__doc__)
     ap.add_argument("--listen", required=True, help="HOST:PORT to serve on (port 0: a free one)")
     ap.add_argument("--controller", required=True, help="the cluster's address, tcp://HOST:PORT")
-    ap.add_argument("--platform", default="cpu", help="the platform of the cluster's devices (default cpu)")
+    ap.add_argument("--platform", default=None,
+                    help="the platform JAX clients lower programs for (default: what the cluster's "
+                         "workers registered, e.g. cpu or cuda)")
     ap.add_argument("--insecure", action="store_true",
                     help="serve on a non-loopback address: anyone who reaches it uses the cluster")
     ap.add_argument("--address-file", help="write HOST:PORT served here once listening")
@@ -35,7 +37,8 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(sig, lambda *_: stop.set())
     try:
         client = Client(args.controller, key_from_config(common), name="ifrt-proxy", config=ClientConfig.from_env())
-        server = ProxyServer(client, args.listen, platform=args.platform, insecure=args.insecure).start()
+        platform = args.platform or cluster_platform(client)
+        server = ProxyServer(client, args.listen, platform=platform, insecure=args.insecure).start()
     except (SchemaError, OSError) as e:
         print(f"zpath IFRT proxy: {e}", file=sys.stderr)
         return 1

@@ -36,7 +36,7 @@ def listen_address(listen: str) -> str:
     return f"{host or '127.0.0.1'}:{port}"
 
 
-def start_proxy(cluster: Any, listen: str, timeout: float = 60.0, platform: str = "cpu",
+def start_proxy(cluster: Any, listen: str, timeout: float = 60.0, platform: str | None = None,
                 insecure: bool = False) -> str:
     """Start the IFRT proxy for ``cluster`` (a ClusterLauncher that is up),
     serving at ``listen`` (HOST:PORT, or PORT for 127.0.0.1:PORT; port 0: a
@@ -47,8 +47,8 @@ def start_proxy(cluster: Any, listen: str, timeout: float = 60.0, platform: str 
     if os.path.exists(addr_file):
         os.unlink(addr_file)
     p = cluster._spawn(PROCESS_NAME, [sys.executable, "-m", "zpath.proxy", "--listen", listen,
-                                      "--controller", cluster.address, "--platform", platform,
-                                      "--address-file", addr_file] + (["--insecure"] if insecure else []),
+                                      "--controller", cluster.address, "--address-file", addr_file]
+                     + (["--platform", platform] if platform else []) + (["--insecure"] if insecure else []),
                      cluster._env)
     deadline = time.monotonic() + timeout
     while not os.path.exists(addr_file):

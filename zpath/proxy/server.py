@@ -16,6 +16,7 @@ from typing import Any, Iterator
 
 import grpc
 
+from zpath.client.api import LOWERING_PLATFORMS
 from zpath.proxy import backend
 from zpath.proxy.launch import is_loopback
 from zpath.proxy.schema import SERVICE_NAME, Schema, load
@@ -29,6 +30,16 @@ SESSION_METADATA = "ifrt-proxy-grpc-ifrt-session-metadata-bin"
 STORE_METADATA = "ifrt-proxy-grpc-host-buffer-store-metadata-bin"
 LOOKUP_CHUNK = 1 << 20
 _END = object()
+
+
+def cluster_platform(client: Any) -> str:
+    """What the cluster's workers lower programs for (their registered
+    platform; "cpu" for a cluster of simulated hosts or with none yet)."""
+    found = {d.platform for d in client.devices.values()} & LOWERING_PLATFORMS
+    if len(found) > 1:
+        raise OSError(f"the cluster's hosts are of platforms {sorted(found)}: say which one JAX "
+                      "clients lower for (--platform)")
+    return found.pop() if found else "cpu"
 
 
 class ProxyServer:
