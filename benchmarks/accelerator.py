@@ -47,6 +47,17 @@ def _times(run: Callable[[], None], repeats: int) -> list[float]:
     return out
 
 
+def _device_times(path: str) -> dict[str, Any]:
+    """The matmuls' spans on their device in a zp.trace timeline: how many, the
+    median time each ran, and the median time from one's start to the next's."""
+    with open(path) as f:
+        events = json.load(f)["traceEvents"]
+    spans = sorted((e["ts"], e["dur"]) for e in events if e.get("ph") == "X" and e.get("name") == "layer")
+    gaps = [b[0] - a[0] for a, b in zip(spans, spans[1:])]
+    return {"computations": len(spans), "median_run_us": statistics.median(d for _, d in spans) if spans else None,
+            "median_start_to_start_us": statistics.median(gaps) if gaps else None}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--size", type=int, default=2048, help="matmul size (default 2048)")
@@ -56,6 +67,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--client-platform", default=None,
                    help="JAX platform of this process (e.g. cpu); default: JAX's choice")
     p.add_argument("--json", action="store_true", help="print one JSON object at the end")
+    p.add_argument("--trace", metavar="PATH", help="also record one run of the chained matmuls as a "
+                   "timeline (zp.trace) and print how long each ran on its device")
     args = p.parse_args(argv)
 
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")   # two workers on one GPU
@@ -145,6 +158,11 @@ def main(argv: list[str] | None = None) -> int:
             label = f"{name} ({n}x{n})" if name == "big" else f"{name} (x + 1)"
             print(f"{label:<16} {mz / calls * 1e6:>14,.1f} {mj / calls * 1e6:>12,.1f} {mj / mz:>10.3f}  "
                   + " ".join(f"{t:.3f}" for t in tz) + " / " + " ".join(f"{t:.3f}" for t in tj), flush=True)
+        if args.trace:
+            with zp.trace(args.trace):
+                chain(f0, xz, wz, args.calls)()
+            out["trace"] = _device_times(args.trace)
+            print(f"timeline ({args.trace}): {out['trace']}", flush=True)
     finally:
         zp.shutdown()
     if args.json:

@@ -224,6 +224,32 @@ def test_signature_is_hmac_sha256_over_length_prefixed_parts():
     rejects(moved, "bad signature")
 
 
+def test_large_frames_are_signed_as_their_blake3_digest():
+    import hashlib
+    import hmac
+    import struct
+
+    import blake3
+
+    small, big, huge = b"s" * (codec.BULK_BYTES - 1), np.arange(codec.BULK_BYTES, dtype=np.uint8), \
+        bytearray(codec.THREADED_BYTES)
+    frames = enc(m.Ping(1), buffers=[small, big, huge])
+    mac = hmac.new(KEY, digestmod=hashlib.sha256)
+    for p, whole in zip(frames[1:], (True, True, True, False, False), strict=True):
+        n = memoryview(p).nbytes
+        mac.update(struct.pack("<Q", n) + (bytes(p) if whole else blake3.blake3(bytes(p)).digest()))
+    assert frames[0] == mac.digest()
+    _, msg, bufs = codec.decode(KEY, frames)
+    assert msg == m.Ping(1) and bytes(bufs[1]) == big.tobytes()
+    # every byte still counts: a changed byte anywhere in a large frame, or a
+    # byte moved from one frame to the next, breaks the signature
+    for at in (0, len(huge) // 2, len(huge) - 1):
+        bad = bytearray(huge)
+        bad[at] ^= 1
+        rejects([*frames[:4], bad], "bad signature")
+    rejects([*frames[:3], big.tobytes()[:-1], b"\0" + bytes(huge)], "bad signature")
+
+
 def test_wrong_key_is_rejected():
     frames = enc(m.Hello("c", 1, 1.0), key=OTHER_KEY)
     err = rejects(frames, "bad signature")

@@ -41,6 +41,7 @@ import types
 import typing
 from typing import Any, Callable, ClassVar, Sequence
 
+import blake3
 import msgpack
 
 from zpath.errors import ProtocolError
@@ -562,6 +563,11 @@ _header = _fast_init(Header)
 
 _U64 = struct.Struct("<Q").pack
 _BLOCK = 64                                   # SHA-256 block size
+# A frame of at least BULK_BYTES enters the HMAC as its BLAKE3 digest (32 bytes)
+# rather than its bytes: BLAKE3 hashes ~2x faster than SHA-256 on one core and
+# uses more cores from THREADED_BYTES, and the HMAC stays a MAC of the whole message.
+BULK_BYTES = 1 << 20
+THREADED_BYTES = 16 << 20
 _IPAD = bytes(x ^ 0x36 for x in range(256))
 _OPAD = bytes(x ^ 0x5C for x in range(256))
 
@@ -569,7 +575,8 @@ _OPAD = bytes(x ^ 0x5C for x in range(256))
 class _Signer:
     """HMAC-SHA256 under one key (RFC 2104, as :func:`hmac.new`), with the key
     schedule done once: the inner and outer SHA-256 states after the padded key
-    are copied for each message."""
+    are copied for each message. Each frame enters as its length and its bytes,
+    or its BLAKE3 digest from BULK_BYTES on."""
 
     __slots__ = ("_inner", "_outer")
 
@@ -585,11 +592,17 @@ class _Signer:
         inner = self._inner.copy()
         update = inner.update
         for p in parts:
-            update(_U64(len(p) if type(p) is bytes else memoryview(p).nbytes))
-            update(p)
+            n = len(p) if type(p) is bytes else memoryview(p).nbytes
+            update(_U64(n))
+            update(p if n < BULK_BYTES else bulk_digest(p, n))
         outer = self._outer.copy()
         outer.update(inner.digest())
         return outer.digest()
+
+
+def bulk_digest(data: Any, n: int) -> bytes:
+    """The BLAKE3 digest a frame of ``n`` >= BULK_BYTES bytes is signed as."""
+    return blake3.blake3(data, max_threads=blake3.blake3.AUTO if n >= THREADED_BYTES else 1).digest()
 
 
 _SIGNERS: dict[bytes, _Signer] = {}
