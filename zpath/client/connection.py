@@ -546,7 +546,8 @@ class Client:
     def _assemble(self, fetch: _Fetch) -> None:
         fut = fetch.future
         if len(fetch.parts) == 1 and next(iter(fetch.regions.values())) == tuple((0, s) for s in fut.shape):
-            value = next(iter(fetch.parts.values())).copy()
+            # the received frame itself (the array keeps it alive), not a copy
+            value = next(iter(fetch.parts.values()))
         else:
             value = np.empty(fut.shape, dtype=np.dtype(fut.dtype))
             for req, r in fetch.regions.items():
