@@ -13,7 +13,9 @@ set for every process unless given). Then:
 * ``big``      -- ``--calls`` chained calls of the matmul, zpath against JAX:
                   time per call (the runtime's cost hides behind the device's);
 * ``small``    -- ``--small-calls`` chained calls of ``x + 1`` on a float32[1]:
-                  time per call (the runtime's cost in the open).
+                  time per call (the runtime's cost in the open);
+* ``roundtrip`` -- ``x * 2`` of the ``--size`` square float32 from this process and
+                  its result fetched, one call a run (a put and a fetch of the value).
 
 The workers' platform is what they registered with (``Cluster.hosts``); with
 ``--client-platform cpu`` this process exports for the workers' platform
@@ -92,6 +94,9 @@ def main(argv: list[str] | None = None) -> int:
     def plus(x: Any) -> Any:
         return x + jnp.float32(1)
 
+    def twice(x: Any) -> Any:
+        return x * jnp.float32(2)
+
     out: dict[str, Any] = {"client_platform": here.platform, "jax": jax.__version__, "size": n}
     cluster = zp.init(islands=2, hosts_per_island=1, devices_per_host=1)
     try:
@@ -143,19 +148,25 @@ def main(argv: list[str] | None = None) -> int:
         wz, wj = zp.device_put(w[None], d0), jax.device_put(w)
         xz = zp.device_put(x0[None], d0)
         gi = jax.jit(plus)
+        dbl = zp.pmap(twice, devices=d0, axis_name="i")
+        gd = jax.jit(twice)
         rows = {
             "big": (_times(chain(f0, xz, wz, args.calls), args.repeats),
                     _times(chain(g, jax.device_put(x0), wj, args.calls), args.repeats), args.calls),
             "small": (_times(chain1(inc, np.zeros((1, 1), np.float32), args.small_calls), args.repeats),
                       _times(chain1(gi, jax.device_put(np.zeros(1, np.float32)), args.small_calls),
                              args.repeats), args.small_calls),
+            # a value through the device and back: put x, x * 2, fetch (one call a run)
+            "roundtrip": (_times(lambda: np.asarray(dbl(x0[None])), args.repeats),
+                          _times(lambda: np.asarray(gd(x0)), args.repeats), 1),
         }
         print(f"{'chained calls':<16} {'zpath us/call':>14} {'JAX us/call':>12} {'JAX/zpath':>10}  runs zpath / JAX (s)")
         for name, (tz, tj, calls) in rows.items():
             mz, mj = statistics.median(tz), statistics.median(tj)
             out[name] = {"calls": calls, "zpath_us_per_call": mz / calls * 1e6, "jax_us_per_call": mj / calls * 1e6,
                          "jax_over_zpath": mj / mz, "zpath_runs_s": tz, "jax_runs_s": tj}
-            label = f"{name} ({n}x{n})" if name == "big" else f"{name} (x + 1)"
+            label = {"big": f"big ({n}x{n})", "small": "small (x + 1)",
+                     "roundtrip": f"put+fetch {n * n * 4 >> 20} MiB"}[name]
             print(f"{label:<16} {mz / calls * 1e6:>14,.1f} {mj / calls * 1e6:>12,.1f} {mj / mz:>10.3f}  "
                   + " ".join(f"{t:.3f}" for t in tz) + " / " + " ".join(f"{t:.3f}" for t in tj), flush=True)
         if args.trace:
