@@ -21,7 +21,7 @@ The workers' platform is what they registered with (``Cluster.hosts``); with
 ``--client-platform cpu`` this process exports for the workers' platform
 without an accelerator of its own. A benchmark that prints figures, not a test.
 
-    python benchmarks/accelerator.py [--size 2048] [--calls 50] [--json]
+    python benchmarks/accelerator.py [--size 2048] [--calls 50] [--json PATH]
 """
 from __future__ import annotations
 
@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=5, help="timed runs of each (default 5)")
     p.add_argument("--client-platform", default=None,
                    help="JAX platform of this process (e.g. cpu); default: JAX's choice")
-    p.add_argument("--json", action="store_true", help="print one JSON object at the end")
+    p.add_argument("--json", metavar="PATH", help="also write the results as JSON here")
     p.add_argument("--trace", metavar="PATH", help="also record one run of the chained matmuls as a "
                    "timeline (zp.trace) and print how long each ran on its device")
     args = p.parse_args(argv)
@@ -177,7 +177,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         zp.shutdown()
     if args.json:
-        print(json.dumps(out))
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
     return 0
 
 
