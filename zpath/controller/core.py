@@ -7,9 +7,9 @@ returns (and carries out the other effects, ``RemoveSegments``). Its concerns
 live in one module each, mixed into the core: peers.py (registration, status,
 timeline), admission.py (memory waiting, pins, deferred releases),
 dispatch.py (the parked-node graph, copy repair, the tenant scheduler, what is
-in flight), fusion.py (templates and fused runs), fastcall.py (a repeated op-by-op
-call), failures.py (host loss,
-client departure). ``validate_state`` checks the invariants of each."""
+in flight), fusion.py (templates and fused runs), fastcall.py (a repeated
+op-by-op call), failures.py (host loss, client departure).
+``validate_state`` checks the invariants of each."""
 from __future__ import annotations
 
 import collections
