@@ -95,6 +95,33 @@ def test_repeated_calls_take_the_fast_path_with_the_general_paths_effects(make_r
     assert fast.c.fast_sent == 38 + 5
 
 
+def test_a_chain_sent_ahead_of_its_hosts_is_planned_fast_and_waits_as_before(make_rig):
+    """The client posts a whole chain at once (as island_dispatch.py -O
+    does): beyond the tenant scheduler's window each call waits for the one
+    it reads to be sent; the fast path plans those and parks them as the
+    general path does, and sends the others at once."""
+    fast, slow = _rigs(make_rig)
+    for rig in (fast, slow):
+        a, _ = rig.client("a")
+        rig.handle(a, m.Release([_chain(rig, a, 2)]))     # learnt (and the cost measured)
+        rig.drain()
+        for _ in range(2):
+            prev = None
+            for _ in range(150):
+                call, out = _spmd(rig, a, prev)
+                rig.handle(a, call)
+                if prev is not None:
+                    rig.handle(a, m.Release([prev]))
+                prev = out
+            assert rig.c.waiters and rig.c.pinned and rig.c.deferred      # parked, releases deferred
+            rig.handle(a, m.Release([prev]))
+            rig.drain()
+        assert rig.idle() and not rig.c.directory.buffers
+    _same(fast, slow)
+    assert fast.c.fast_planned >= 100 and fast.c.fast_sent >= 100
+    assert fast.c.fast_planned + fast.c.fast_sent == 300 and slow.c.fast_planned == 0
+
+
 def test_what_changed_since_goes_the_general_path_with_its_effects(make_rig):
     """Each step changes one thing the plan or its checks depend on: the fast
     path is left (its count does not move) and the general path decides."""

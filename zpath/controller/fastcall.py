@@ -13,18 +13,22 @@ same devices, mesh, avals, specs, which inputs are put, and each input
 buffer's layouts, at the same mapping version) is planned from it: only its
 ids are filled in.
 
-What it still checks on every call, as the general path does: each input
-buffer exists, is the caller's, has not failed and has that shape and dtype;
-new ids are the caller's, distinct and not in use; the program is registered
-(and known to every host); no input is the output of a node not sent yet, nor
-has copies dropped or not made yet; the tenant scheduler has room for it now
-(``can_send_now``: nothing queued on the island, the window). It charges the
-tenant scheduler, takes its place in the island's gang order, records it in
-flight and frees the values put for it, as the general path does, in the same
-order, with the same messages. Anything else goes the general path: a device
-memory limit or calls waiting for memory, a mapping change (a host lost or
-registered), a call that does not match, or any check that fails (the general
-path then fails the call with its usual error). Pure state: no sockets."""
+What it still checks on every call, as planning does: each input buffer
+exists, is the caller's, has not failed and has that shape and dtype; new ids
+are the caller's, distinct and not in use; the program is registered. Then,
+if no input is the output of a node not sent yet nor has copies dropped or
+not made yet, every host knows the program and the tenant scheduler has room
+for it now (``can_send_now``: nothing queued on the island, the window), it
+goes at once: it charges the tenant scheduler, takes its place in the
+island's gang order, is recorded in flight and the values put for it are
+freed, in the same order and with the same messages as the general path.
+Otherwise the planned call is parked as the general path parks it
+(``Dispatch._start``: it waits for what it reads to be sent, and for its
+turn), and goes out through the general machinery. Anything else takes the
+general path: a device memory limit or calls waiting for memory, a mapping
+change (a host lost or registered), a call that does not match, or any check
+that fails (the general path then fails the call with its usual error).
+Pure state: no sockets."""
 from __future__ import annotations
 
 import dataclasses
@@ -32,8 +36,8 @@ from typing import Any
 
 from zpath import sharding
 from zpath.controller.admission import SEND_COST
-from zpath.controller.directory import Buffer, footprint_of, layouts_key
-from zpath.controller.records import InFlight, Peer, Submission
+from zpath.controller.directory import Buffer, Plan, footprint_of, layouts_key
+from zpath.controller.records import InFlight, ParkedNode, Peer, ProgramRun, Submission
 from zpath.controller.report_hold import may_hold
 from zpath.controller.scheduler import Ready
 from zpath.ids import CLIENT_SHIFT
@@ -81,11 +85,15 @@ class FastCalls:
 
     def _init_fastcalls(self) -> None:
         self.fast_calls: dict[tuple[int, str], list[FastCall]] = {}
-        self.fast_sent = 0                 # calls the fast path sent (tests, benchmarks)
+        # calls the fast path sent at once, and those it planned and parked (tests, benchmarks)
+        self.fast_sent = 0
+        self.fast_planned = 0
 
     def _fast_call(self, peer: Peer, call: m.Call) -> bool:
-        """Send a call that repeats one remembered (see the module doc);
-        False (nothing done) if it does not, or may not go this way."""
+        """Plan a call that repeats one remembered (see the module doc) and
+        send it at once, or, when it may not go yet, park it as the general
+        path does; False (nothing done) if it does not repeat one, or may
+        not go this way."""
         entries = self.fast_calls.get((peer.id, call.program))
         if entries is None or self.memory_limit or self.memory_waiting or peer.gone:
             return False
@@ -100,26 +108,33 @@ class FastCalls:
         prog = self.programs.get(call.program)
         if prog is None or prog[0] != e.name:
             return False
-        host_programs = self.host_programs
-        for h in e.hosts:
-            known = host_programs.get(h)
-            if known is None or call.program not in known:
-                return False
-        if not self.tenants.can_send_now(e.ready):
-            return False
-        self._fast_send(e, peer, call)
+        if self._fast_may_go(e, call):
+            self._fast_send(e, peer, call)
+            return True
+        # it waits (for a node it reads to be sent, or for its turn), or its
+        # sending needs a repair or the program registered: planned here,
+        # the rest as the general path does (Admission._advance for one call)
+        puts = [i.buffer for i in call.inputs if i.put]
+        exec_id = self._fast_plan(e, peer, call)
+        plan = Plan(dict.fromkeys(e.hosts, _execute(
+            exec_id, 0, call.program, e.name, call.mesh_shape, call.axis_names, call.devices, e.jax_ids,
+            [_exec_input(i.buffer, i.aval, i.spec, []) for i in call.inputs],
+            [_exec_output(o.buffer, o.aval, o.spec) for o in call.outputs], False)), [], copies=[])
+        run = ProgramRun(peer, puts, 1)
+        self._start(ParkedNode(run, call, (plan, e.name), self._parked_producers(call), exec_id, e.island))
+        self._maybe_release(run)
+        self.fast_planned += 1
         return True
 
     def _fast_fits(self, e: FastCall, call: m.Call) -> bool:
         """The call's inputs and outputs are those of ``e``, and the buffers
         pass the checks planning makes (Directory._check_state, the ids'
-        owner) and need no repair or wait."""
+        owner)."""
         ins, outs = call.inputs, call.outputs
         if len(ins) != len(e.inputs) or len(outs) != len(e.outputs):
             return False
         owner = e.peer.id
         buffers = self.directory.buffers
-        parked, dropped, unsent = self.parked_outputs, self.copies_dropped, self.unsent_copies
         for i, (shape, dtype, spec, put, tshape, lkey) in zip(ins, e.inputs, strict=True):
             aval = i.aval
             if i.put != put or aval.shape != shape or aval.dtype != dtype or i.spec != spec:
@@ -131,7 +146,7 @@ class FastCalls:
                 continue
             buf = buffers.get(b)
             if buf is None or buf.owner != owner or buf.error is not None or buf.dtype != dtype \
-                    or buf.shape != tshape or b in parked or b in dropped or b in unsent:
+                    or buf.shape != tshape:
                 return False
             key = buf.lkey if buf.lkey is not None else layouts_key(buf)
             if key is not lkey and key != lkey:
@@ -146,10 +161,26 @@ class FastCalls:
         n = len(ins) + len(outs)
         return n < 2 or len({*(i.buffer for i in ins), *(o.buffer for o in outs)}) == n
 
-    def _fast_send(self, e: FastCall, peer: Peer, call: m.Call) -> None:
-        """What the general path does for this call, from ``e``: the new
-        buffers in the directory, one Execute for all its hosts in gang order,
-        the computation in flight and charged, the values put freed."""
+    def _fast_may_go(self, e: FastCall, call: m.Call) -> bool:
+        """A call planned from ``e`` may be sent at once: no input is made by
+        a node not sent yet, nor needs a repair (copies dropped or not made
+        yet), every host knows the program, and the tenant scheduler has room."""
+        parked, dropped, unsent = self.parked_outputs, self.copies_dropped, self.unsent_copies
+        if parked or dropped or unsent:
+            for i in call.inputs:
+                b = i.buffer
+                if b in parked or b in dropped or b in unsent:
+                    return False
+        host_programs = self.host_programs
+        for h in e.hosts:
+            known = host_programs.get(h)
+            if known is None or call.program not in known:
+                return False
+        return self.tenants.can_send_now(e.ready)
+
+    def _fast_plan(self, e: FastCall, peer: Peer, call: m.Call) -> int:
+        """What planning the call changes (Directory._apply): its new buffers
+        in the directory with their bytes per device. Returns its exec id."""
         owner = peer.id
         self._arrivals += 1                # (as a submission counts)
         self.calls += 1
@@ -160,7 +191,15 @@ class FastCalls:
             b = outs[k].buffer if is_out else ins[k].buffer
             buffers[b] = Buffer(b, shape, dtype, owner, [dict(layout)], fp=fp, lkey=lkey)
             held.update(fp)
-        exec_id = directory.new_exec_id()
+        return directory.new_exec_id()
+
+    def _fast_send(self, e: FastCall, peer: Peer, call: m.Call) -> None:
+        """What the general path does for this call, from ``e``: the new
+        buffers in the directory, one Execute for all its hosts in gang order,
+        the computation in flight and charged, the values put freed."""
+        owner = peer.id
+        exec_id = self._fast_plan(e, peer, call)
+        ins, outs = call.inputs, call.outputs
         island = e.island
         hold = may_hold(self.tenants, island, owner, False, self.memory_limit)
         seq = self.scheduler.take_seq(island)
