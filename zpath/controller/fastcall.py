@@ -98,7 +98,7 @@ class FastCalls:
         if entries is None or self.memory_limit or self.memory_waiting or peer.gone:
             return False
         rm_version = self.rm.version
-        for e in entries:
+        for e in reversed(entries):        # (the newest first)
             if e.version == rm_version and e.peer is peer and call.devices == e.devices \
                     and call.mesh_shape == e.mesh_shape and call.axis_names == e.axis_names \
                     and self._fast_fits(e, call):
