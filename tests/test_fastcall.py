@@ -34,12 +34,12 @@ def _rigs(make_rig):
 
 
 def _spmd(rig, ident: bytes, inp: int | None = None, aval: m.Aval = AVAL, spec=("i",), program: str = "f",
-          out: int | None = None) -> tuple[m.Call, int]:
+          out: int | None = None, devices=(0, 1)) -> tuple[m.Call, int]:
     """A 2-device SPMD call of ``aval`` reading ``inp`` (None: a new value put)."""
     put = inp is None
     inp = rig.new_id(ident) if put else inp
     out = rig.new_id(ident) if out is None else out
-    return m.Call(next(rig.ids), rig.programs[program][0], [2], ["i"], [0, 1],
+    return m.Call(next(rig.ids), rig.programs[program][0], [2], ["i"], list(devices),
                   [m.CallInput(inp, aval, list(spec), put)], [m.CallOutput(out, aval, list(spec))]), out
 
 
@@ -225,3 +225,19 @@ def test_a_client_that_leaves_is_forgotten_by_the_fast_path(make_rig):
         rig.drain()
     _same(fast, slow)
     assert fast.c.fast_sent == 2
+
+
+def test_parked_repeats_on_devices_in_another_order_fail_as_before_when_a_host_is_lost(make_rig):
+    fast, slow = _rigs(make_rig)
+    for rig in (fast, slow):
+        a, _ = rig.client("a")
+        prev = None
+        for _ in range(150):                 # (the first two learnt, the window's worth sent)
+            call, prev = _spmd(rig, a, prev, devices=(1, 0))
+            rig.handle(a, call)
+        assert rig.c.waiters
+        rig.run(rig.c._host_lost, 1, "test")
+        rig.drain()
+        assert prev in rig.failed(a) and rig.idle()
+    _same(fast, slow)
+    assert fast.c.fast_planned > 0

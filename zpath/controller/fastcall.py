@@ -65,6 +65,7 @@ class FastCall:
     axis_names: list[str]
     jax_ids: list[int]
     hosts: list[int]             # sorted: the gang order's
+    plan_hosts: list[int]        # in the order of the devices (a plan's executes)
     island: int
     host_devices: Any            # host -> its devices in the call (ResourceManager.host_counts)
     ready: Ready                 # what the tenant scheduler is told (never queued)
@@ -116,7 +117,7 @@ class FastCalls:
         # the rest as the general path does (Admission._advance for one call)
         puts = [i.buffer for i in call.inputs if i.put]
         exec_id = self._fast_plan(e, peer, call)
-        plan = Plan(dict.fromkeys(e.hosts, _execute(
+        plan = Plan(dict.fromkeys(e.plan_hosts, _execute(
             exec_id, 0, call.program, e.name, call.mesh_shape, call.axis_names, call.devices, e.jax_ids,
             [_exec_input(i.buffer, i.aval, i.spec, []) for i in call.inputs],
             [_exec_output(o.buffer, o.aval, o.spec) for o in call.outputs], False)), [], copies=[])
@@ -255,7 +256,8 @@ class FastCalls:
         rm = self.rm
         devices = tuple(call.devices)
         e = FastCall(peer, rm.version, call.program, prog[0], call.devices, call.mesh_shape, call.axis_names,
-                     [rm.devices[d].jax_id for d in call.devices], sorted(info.hosts), info.island,
+                     [rm.devices[d].jax_id for d in call.devices], sorted(info.hosts),
+                     list(dict.fromkeys(rm.devices[d].host for d in call.devices)), info.island,
                      info.host_devices, Ready(peer.id, info.island, devices, (call.program, devices), None),
                      inputs, [(o.aval.shape, o.aval.dtype, o.spec) for o in outs], new)
         key = (peer.id, call.program)
