@@ -118,14 +118,25 @@ class Admission:
             sub.then(sub)
         self._replay(sub.ident)
 
+    def _fast_call(self, peer: Peer, call: m.Call) -> bool:
+        """Overridden by the core (fastcall.py): send a repeated call."""
+        return False
+
+    def _learn_call(self, peer: Peer, call: m.Call, sub: Submission) -> None:
+        """Overridden by the core (fastcall.py): remember a call for its repeats."""
+
     def _replay(self, ident: bytes) -> None:
         """Overridden by the core: handle what this client sent while its
         submission was paused."""
 
     def _call(self, ident: bytes, peer: Peer, call: m.Call) -> None:
         # a one-node program; the values the client put for it have no future and
-        # are freed once it was sent (workers free after it ran)
-        self._submit(ident, peer, [call], "parallel", [i.buffer for i in call.inputs if i.put])
+        # are freed once it was sent (workers free after it ran). A repeat of
+        # one sent before goes the fast path (fastcall.py).
+        if self._fast_call(peer, call):
+            return
+        sub = self._submit(ident, peer, [call], "parallel", [i.buffer for i in call.inputs if i.put])
+        self._learn_call(peer, call, sub)
 
     def _program(self, ident: bytes, peer: Peer, prog: m.Program) -> None:
         """A traced program: plan every node now; send them all at once

@@ -7,8 +7,9 @@ returns (and carries out the other effects, ``RemoveSegments``). Its concerns
 live in one module each, mixed into the core: peers.py (registration, status,
 timeline), admission.py (memory waiting, pins, deferred releases),
 dispatch.py (the parked-node graph, copy repair, the tenant scheduler, what is
-in flight), fusion.py (templates and fused runs), failures.py (host loss,
-client departure). ``validate_state`` checks the invariants of each."""
+in flight), fusion.py (templates and fused runs), fastcall.py (a repeated
+op-by-op call), failures.py (host loss, client departure).
+``validate_state`` checks the invariants of each."""
 from __future__ import annotations
 
 import collections
@@ -20,6 +21,7 @@ from zpath.controller.admission import SEND_BUDGET, Admission
 from zpath.controller.directory import Directory
 from zpath.controller.dispatch import Dispatch
 from zpath.controller.failures import Failures
+from zpath.controller.fastcall import FastCalls
 from zpath.controller.fusion import Fusion
 from zpath.controller.peers import Peers
 from zpath.controller.records import Effect, RemoveSegments, Send
@@ -40,7 +42,7 @@ _NOT_DEFERRED = (m.Ping, m.Goodbye, m.StatusRequest, m.TimelineRequest)
 log = logging.getLogger(__name__)
 
 
-class ControllerCore(Peers, Admission, Dispatch, Fusion, Failures, Relays):
+class ControllerCore(Peers, FastCalls, Admission, Dispatch, Fusion, Failures, Relays):
     """Every decision of the controller. Events: ``handle`` (a message),
     ``tick`` (pings, liveness), ``resume`` (go on planning while ``busy``),
     ``reject`` (a message that could not be decoded), ``farewell`` (shutdown).
@@ -77,6 +79,7 @@ class ControllerCore(Peers, Admission, Dispatch, Fusion, Failures, Relays):
         self._init_fusion()
         self._init_failures()
         self._init_relays()
+        self._init_fastcalls()
 
     # ---- output ----------------------------------------------------------------
     def send(self, ident: bytes, msg: Record, parent: int = 0, buffers: Any = ()) -> None:
@@ -291,6 +294,7 @@ class ControllerCore(Peers, Admission, Dispatch, Fusion, Failures, Relays):
         self.validate_dispatch()
         self.validate_fusion()
         self.validate_relays()
+        self.validate_fastcalls()
 
     # ---- messages --------------------------------------------------------------
     def _handle(self, ident: bytes, parent: int, msg: Record, buffers: list) -> None:

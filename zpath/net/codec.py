@@ -406,6 +406,19 @@ def _fast_init(cls: type) -> Callable[..., Any]:
     return g.compile("init", f"<zpath constructor of {cls.__qualname__}>")
 
 
+_CONSTRUCTORS: dict[type, Callable[..., Any]] = {}
+
+
+def constructor(cls: type) -> Callable[..., Any]:
+    """``cls(*fields)`` for a record, all fields given in order, without the
+    frozen ``__init__``'s cost (made once per class): for the controller's
+    per-computation messages."""
+    init = _CONSTRUCTORS.get(cls)
+    if init is None:
+        init = _CONSTRUCTORS[cls] = _fast_init(cls) if _slot_setters(cls) is not None else cls
+    return init
+
+
 # record class -> its constructor without __init__ and each field's position
 _REPLACERS: dict[type, tuple[Callable[..., Any], dict[str, int]]] = {}
 
