@@ -763,7 +763,7 @@ class _Prepared:
         call declared (the declared one is what the controller counts and plans
         with): the computation fails, alone."""
         shape = tuple(o.aval.shape)
-        if out.shape != shape or out.dtype.name != o.aval.dtype:
+        if out.shape != shape or channels.dtype_name(out.dtype) != o.aval.dtype:
             raise ValueError(f"output {k} is {out.dtype.name}{list(out.shape)}, but the call declared "
                              f"{o.aval.dtype}{o.aval.shape}")
         fast = self.out_fast[k]
