@@ -405,6 +405,13 @@ def _fast_init(cls: type) -> Callable[..., Any]:
     return g.compile("init", f"<zpath constructor of {cls.__qualname__}>")
 
 
+def constructor(cls: type) -> Callable[..., Any]:
+    """``cls(*fields)`` (every field, in order) for a record class, without
+    the frozen ``__init__``'s cost where the class allows it (see
+    :func:`_slot_setters`)."""
+    return _fast_init(cls) if _slot_setters(cls) is not None else cls
+
+
 # record class -> its constructor without __init__ and each field's position
 _REPLACERS: dict[type, tuple[Callable[..., Any], dict[str, int]]] = {}
 
