@@ -81,7 +81,9 @@ def dtype_name(dtype: np.dtype) -> str:
     """``dtype.name``, remembered."""
     name = _NAMES.get(dtype)
     if name is None:
-        name = _NAMES[dtype] = dtype.name
+        name = dtype.name
+        if len(_NAMES) < 256:
+            _NAMES[dtype] = name
     return name
 
 
