@@ -963,8 +963,8 @@ class Worker:
             self.post_data(p.ident, m.FetchReply(p.msg.request, m.Aval([], ""), e.error))
             return
         data = sharding.cut(e.value, ())
-        self.post_data(p.ident, m.FetchReply(p.msg.request, m.Aval(list(data.shape), channels.dtype_name(data.dtype)),
-                                             None), [data])
+        aval = m.Aval(list(data.shape), channels.dtype_name(data.dtype))
+        self.post_data(p.ident, m.FetchReply(p.msg.request, aval, None), [data])
 
     def _expire_fetches(self) -> float:
         """Answer fetches whose deadline passed; returns seconds to look again."""
