@@ -8,6 +8,7 @@ import os
 import signal
 import time
 
+import ml_dtypes
 import numpy as np
 import pytest
 import zmq
@@ -459,3 +460,10 @@ def test_a_sender_lets_go_of_a_lost_peers_segments_lent_ones_included():
     finally:
         snd.close()
     assert channels.segments(prefix) == []
+
+
+def test_dtype_name_is_numpys_name():
+    for dt in (np.float32, np.float64, np.int8, np.bool_, ">f4", "U5", ml_dtypes.bfloat16):
+        d = np.dtype(dt)
+        assert channels.dtype_name(d) == d.name
+        assert channels.dtype_name(d) == d.name          # asked again: remembered, the same

@@ -1049,3 +1049,15 @@ def test_replace_makes_the_record_dataclasses_replace_makes():
     assert ex.seq == 0 and not ex.hold                 # the original is left as it was
     with pytest.raises(TypeError):
         codec.replace(ex, nonsense=1)
+
+
+def test_constructor_makes_the_record_its_class_makes():
+    make = codec.constructor(m.ExecInput)
+    assert make is not m.ExecInput                     # frozen slots, no __init__ of its own
+    args = (5, m.Aval([4], "float32"), ["i"], [m.ShardInput(0, [[0, 2]], [])])
+    got = make(*args)
+    assert type(got) is m.ExecInput and got == m.ExecInput(*args)
+    assert codec.pack_body(m.Execute(1, 1, "p" * 64, "f", [1], ["i"], [0], [0], [got], [])) == \
+        codec.pack_body(m.Execute(1, 1, "p" * 64, "f", [1], ["i"], [0], [0], [m.ExecInput(*args)], []))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        got.buffer = 6                                  # still frozen

@@ -39,6 +39,7 @@ import glob
 import hashlib
 import heapq
 import itertools
+import math
 import mmap
 import os
 import queue
@@ -71,12 +72,27 @@ MIN_SEGMENT = 64 << 10
 XLA_ALIGN = 64
 
 
+# numpy works a dtype's name out anew on every ``dtype.name`` (~3 us): remembered
+# here (there are few dtypes)
+_NAMES: dict[np.dtype, str] = {}
+
+
+def dtype_name(dtype: np.dtype) -> str:
+    """``dtype.name``, remembered."""
+    name = _NAMES.get(dtype)
+    if name is None:
+        name = dtype.name
+        if len(_NAMES) < 256:
+            _NAMES[dtype] = name
+    return name
+
+
 def aligned_empty(shape: Any, dtype: Any = np.uint8) -> np.ndarray:
     """An uninitialised C-contiguous array whose data is :data:`XLA_ALIGN`-byte
     aligned, so that ``jax.device_put`` on CPU takes it over instead of copying."""
     dtype = np.dtype(dtype)
     shape = tuple(shape) if isinstance(shape, (tuple, list)) else (int(shape),)
-    nbytes = dtype.itemsize * int(np.prod(shape, dtype=np.int64))
+    nbytes = dtype.itemsize * int(math.prod(shape))
     raw = np.empty(nbytes + XLA_ALIGN, np.uint8)
     start = -raw.ctypes.data % XLA_ALIGN
     return raw[start:start + nbytes].view(dtype).reshape(shape)
@@ -120,7 +136,7 @@ class RecvBuffers:
         has at least :attr:`min_bytes`."""
         dtype = np.dtype(dtype)
         shape = tuple(shape) if isinstance(shape, (tuple, list)) else (int(shape),)
-        n = dtype.itemsize * int(np.prod(shape, dtype=np.int64))
+        n = dtype.itemsize * int(math.prod(shape))
         if n < self.min_bytes:
             return aligned_empty(shape, dtype)
         with self._lock:

@@ -411,8 +411,8 @@ _CONSTRUCTORS: dict[type, Callable[..., Any]] = {}
 
 def constructor(cls: type) -> Callable[..., Any]:
     """``cls(*fields)`` for a record, all fields given in order, without the
-    frozen ``__init__``'s cost (made once per class): for the controller's
-    per-computation messages."""
+    frozen ``__init__``'s cost where the class allows it (see
+    :func:`_slot_setters`; made once per class): for per-computation messages."""
     init = _CONSTRUCTORS.get(cls)
     if init is None:
         init = _CONSTRUCTORS[cls] = _fast_init(cls) if _slot_setters(cls) is not None else cls

@@ -108,6 +108,7 @@ class Executor:
         self.programs: dict[str, Any] = {}          # digest -> jax.export.Exported
         self.compiled: dict[tuple, _Prepared] = {}  # (digest, devices, specs) -> prepared
         self._by_program: dict[str, list[_Prepared]] = {}   # digest -> its prepared variants
+        self._last_prepared: tuple[Any, _Prepared | None] = (None, None)    # see _prepared
         self._lock = threading.Lock()
         # per local device, the computations dispatched to it and not yet started,
         # in dispatch order; an entry is (Execute, its local devices)
@@ -305,9 +306,15 @@ class Executor:
     def _prepared(self, ex: m.Execute) -> "_Prepared | None":
         """The variant already prepared for ``ex``, if any: found by comparing
         the message's lists as they are (building the hashable key costs more
-        than the few comparisons of a program's variants)."""
+        than the few comparisons of a program's variants). The last one found
+        is remembered with its message: ``_report`` asks for the next
+        computation's, which ``_run`` then asks for again."""
+        last = self._last_prepared
+        if last[0] is ex:
+            return last[1]
         for prepared in self._by_program.get(ex.program, ()):
             if prepared.matches(ex):
+                self._last_prepared = (ex, prepared)
                 return prepared
         return None
 
@@ -763,7 +770,7 @@ class _Prepared:
         call declared (the declared one is what the controller counts and plans
         with): the computation fails, alone."""
         shape = tuple(o.aval.shape)
-        if out.shape != shape or out.dtype.name != o.aval.dtype:
+        if out.shape != shape or channels.dtype_name(out.dtype) != o.aval.dtype:
             raise ValueError(f"output {k} is {out.dtype.name}{list(out.shape)}, but the call declared "
                              f"{o.aval.dtype}{o.aval.shape}")
         fast = self.out_fast[k]

@@ -625,7 +625,7 @@ class Worker:
             self._post_piece(msg.dst_host, m.Piece(msg.piece_id, m.Aval([], ""), e.error), (), dcn, direct,
                              self._dgram(msg))
             return
-        aval = m.Aval(list(view.shape), view.dtype.name)
+        aval = m.Aval(list(view.shape), channels.dtype_name(view.dtype))
         if (not dcn and self.use_shm and msg.dst_machine == self.machine
                 and view.nbytes > channels.INLINE_PIECE_BYTES):
             # ICI on one machine: the bytes go through shared memory
@@ -717,7 +717,7 @@ class Worker:
             view = np.asarray(e.value)[sharding.local_slices(sharding.from_wire(p.sub), region) + (Ellipsis,)]
             data = view if view.flags.c_contiguous else view.copy(order="C")
             ids.append(p.piece_id)
-            avals.append(m.Aval(list(data.shape), data.dtype.name))
+            avals.append(m.Aval(list(data.shape), channels.dtype_name(data.dtype)))
             datas.append(data)
         if not ids:
             return
@@ -965,8 +965,8 @@ class Worker:
             self.post_data(p.ident, m.FetchReply(p.msg.request, m.Aval([], ""), e.error))
             return
         data = sharding.cut(e.value, ())
-        self.post_data(p.ident, m.FetchReply(p.msg.request, m.Aval(list(data.shape), data.dtype.name),
-                                             None), [data])
+        aval = m.Aval(list(data.shape), channels.dtype_name(data.dtype))
+        self.post_data(p.ident, m.FetchReply(p.msg.request, aval, None), [data])
 
     def _expire_fetches(self) -> float:
         """Answer fetches whose deadline passed; returns seconds to look again."""
@@ -977,17 +977,26 @@ class Worker:
         return self.state.next_deadline_in(now)
 
 
+# dtypes by name as JAX knows them (bfloat16 too), remembered: only names that
+# were found, and few of them
+_DTYPES: dict[str, np.dtype] = {}
+
+
 def _array(aval: m.Aval, buffers: list) -> np.ndarray:
     if len(buffers) != 1:
         raise ValueError(f"expected one data buffer, got {len(buffers)}")
-    try:
-        dtype = np.dtype(jnp.dtype(aval.dtype))
-    except TypeError:
-        raise ValueError(f"unknown dtype {aval.dtype!r}") from None
-    if dtype.kind == "O":
-        raise ValueError(f"dtype {aval.dtype!r} cannot be sent")
+    dtype = _DTYPES.get(aval.dtype)
+    if dtype is None:
+        try:
+            dtype = np.dtype(jnp.dtype(aval.dtype))
+        except TypeError:
+            raise ValueError(f"unknown dtype {aval.dtype!r}") from None
+        if dtype.kind == "O":
+            raise ValueError(f"dtype {aval.dtype!r} cannot be sent")
+        if len(_DTYPES) < 64:
+            _DTYPES[aval.dtype] = dtype
     shape = tuple(aval.shape)
-    if any(s < 0 for s in shape) or buffers[0].nbytes != dtype.itemsize * int(np.prod(shape)):
+    if any(s < 0 for s in shape) or buffers[0].nbytes != dtype.itemsize * math.prod(shape):
         raise ValueError(f"{buffers[0].nbytes} bytes do not make a {aval.dtype}{list(shape)}")
     return np.frombuffer(buffers[0], dtype=dtype).reshape(shape)
 

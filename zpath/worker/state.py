@@ -56,6 +56,9 @@ def with_local_shards(ex: m.Execute, local: Any) -> m.Execute:
     return LocalShards(local)(ex)
 
 
+_exec_input = codec.constructor(m.ExecInput)
+
+
 class LocalShards:
     """:func:`with_local_shards` for one host's devices (``local``), with the
     shard list it names for an input remembered by what it depends on (the
@@ -68,6 +71,9 @@ class LocalShards:
         self.local = local
         self.max_entries = max_entries
         self._shards: dict[tuple, list[m.ShardInput]] = {}
+        # the last list named, with what it depends on as the message had it:
+        # found again by comparing the lists as they are, without a key
+        self._last: tuple | None = None
 
     def __len__(self) -> int:
         """How many shard lists it keeps."""
@@ -80,7 +86,6 @@ class LocalShards:
                 break
         else:
             return ex
-        placement = (tuple(ex.devices), tuple(ex.mesh_shape), tuple(ex.axis_names))
         cache = self._shards
         new = []
         for inp in inputs:
@@ -88,16 +93,23 @@ class LocalShards:
                 new.append(inp)
                 continue
             shape = inp.aval.shape
-            key = (placement, tuple(shape), tuple(a if a is None or type(a) is str else tuple(a)
-                                                  for a in inp.spec))
-            shards = cache.get(key)
-            if shards is None:
-                if len(cache) >= self.max_entries:
-                    cache.clear()
-                regs = sharding.regions_of(shape, ex.mesh_shape, ex.axis_names, inp.spec)
-                shards = cache[key] = [m.ShardInput(d, sharding.to_wire(regs[p]), [])
-                                       for p, d in enumerate(ex.devices) if d in self.local]
-            new.append(m.ExecInput(inp.buffer, inp.aval, inp.spec, shards))
+            last = self._last
+            if last is not None and shape == last[3] and inp.spec == last[4] and ex.devices == last[0] \
+                    and ex.mesh_shape == last[1] and ex.axis_names == last[2]:
+                shards = last[5]
+            else:
+                key = ((tuple(ex.devices), tuple(ex.mesh_shape), tuple(ex.axis_names)), tuple(shape),
+                       tuple(a if a is None or type(a) is str else tuple(a) for a in inp.spec))
+                shards = cache.get(key)
+                if shards is None:
+                    if len(cache) >= self.max_entries:
+                        cache.clear()
+                    regs = sharding.regions_of(shape, ex.mesh_shape, ex.axis_names, inp.spec)
+                    shards = cache[key] = [m.ShardInput(d, sharding.to_wire(regs[p]), [])
+                                           for p, d in enumerate(ex.devices) if d in self.local]
+                self._last = (list(ex.devices), list(ex.mesh_shape), list(ex.axis_names), list(shape),
+                              [a if a is None or type(a) is str else list(a) for a in inp.spec], shards)
+            new.append(_exec_input(inp.buffer, inp.aval, inp.spec, shards))
         return codec.replace(ex, inputs=new)      # (dataclasses.replace costs more)
 
 
