@@ -49,7 +49,7 @@ from zpath.net.codec import CLIENTS
 from zpath.net.transport import Endpoint
 
 ASK_TIMEOUT_S = 2.0           # per worker and ask
-CLOCK_SAMPLES = 3             # asks per worker when measuring its clock offset
+CLOCK_SAMPLES = 3             # asks per worker (and of the controller) when measuring a clock offset
 TIMELINE_LIMIT = 1_000_000    # records asked from the controller (it keeps the last 100,000)
 
 CONTROLLER_PID = 1
@@ -282,12 +282,9 @@ def collect(client: Any, begin: float, end: float, at_start: tuple[dict[int, Hos
     now = {c.id for c in status.clients}
     status = dataclasses.replace(status, clients=[*status.clients,
                                                   *(c for c in clients_at_start if c.id not in now)])
-    asked = time.time()
     timeline = client.request(m.TimelineRequest(TIMELINE_LIMIT))
-    answered = time.time()
     records = timeline.records
-    # the controller's clock against this one's (its answer's time, mid-way)
-    controller_offset = timeline.now - (asked + answered) / 2 if timeline.now else 0.0
+    controller_offset = _controller_offset(client)
     views = ask_workers(client.ep.key, list(status.hosts), samples=1)
     for rank, v in views.items():             # keep the better clock measurement
         first = views_at_start.get(rank)
@@ -296,6 +293,21 @@ def collect(client: Any, begin: float, end: float, at_start: tuple[dict[int, Hos
     return build(begin=begin, end=end, status=status, records=records, views=views,
                  client_id=client_id, slices=slices, address=client.address,
                  controller_events=timeline.events, controller_offset=controller_offset)
+
+
+def _controller_offset(client: Any, samples: int = CLOCK_SAMPLES) -> float:
+    """The controller's clock against this one's: the time in its answer to an
+    empty TimelineRequest against the middle of the round trip, from the
+    quickest of ``samples`` round trips (a slow one, the controller busy or
+    this process waiting for a core, can be off by half of it)."""
+    best: tuple[float, float] | None = None
+    for _ in range(samples):
+        asked = time.time()
+        answer = client.request(m.TimelineRequest(0))
+        answered = time.time()
+        if answer.now and (best is None or answered - asked < best[0]):
+            best = (answered - asked, answer.now - (asked + answered) / 2)
+    return best[1] if best is not None else 0.0
 
 
 def write(path: str, doc: dict[str, Any]) -> None:
