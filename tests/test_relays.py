@@ -174,7 +174,7 @@ def test_a_direct_message_after_relayed_ones_comes_after_an_await():
     call, _ = rig.call(a, 5, inp=None)
     rig.handle(a, call)
     to5 = [x for i, x in rig.log[mark:] if i == b"w5"]
-    assert type(to5[0]) is m.Await and to5[0].relay == 4 and to5[0].count == rig.c.forwarded_via[5][4]
+    assert type(to5[0]) is m.Await and to5[0].relay == 4 and to5[0].count == rig.c.forwarded(5, 4)
     assert m.Execute in [type(x) for x in to5[1:]]
     mark = len(rig.log)
     rig.handle(a, rig.call(a, 5, inp=None)[0])          # nothing relayed since: no second Await

@@ -8,6 +8,8 @@ import collections
 import copy
 import dataclasses
 import logging
+import operator
+from itertools import repeat
 from typing import Any
 
 from zpath import sharding
@@ -413,8 +415,29 @@ class Dispatch:
             if self.log_limit.allow(None, self.now):
                 log.warning("host %d sent a batch of %d reports with %s: rejected", sender, n, why)
             return
-        errors = {e.row: e.error for e in msg.errors}
         timeline, hosts_done = self.timeline, self.tenants.hosts_done
+        info = in_flight.get(exec_ids[0]) if n else None
+        if info is not None and not msg.errors and len(info.hosts) >= n and exec_ids.count(exec_ids[0]) == n:
+            rows = set(hosts)
+            if len(rows) == n and rows <= info.hosts:
+                # the usual batch: a group's rows of one computation, all fine,
+                # taken as a whole (as row by row below); if they are its last
+                # hosts, the last row finishes it
+                x = exec_ids[0]
+                usual = n - 1 if len(info.hosts) == n else n
+                starts, ends, waited = msg.starts, msg.ends, msg.waited
+                timeline.extend(zip(map(Report, repeat(x, usual), repeat(None, usual), starts[:usual], ends[:usual],
+                                        waited[:usual]), hosts[:usual], repeat(info, usual), strict=True))
+                seconds = [end - start if end > start else 0.0
+                           for start, end in zip(starts[:usual], ends[:usual], strict=True)]
+                info.hosts.difference_update(hosts[:usual])
+                if seconds:
+                    hosts_done(x, sum(map(operator.mul, seconds, map(info.host_devices.__getitem__, hosts))),
+                               max(seconds))
+                if usual < n:
+                    self._host_done(hosts[-1], Report(x, None, starts[-1], ends[-1], waited[-1]), info)
+                return
+        errors = {e.row: e.error for e in msg.errors}
         # the usual rows (no error, not a computation's last host) are charged
         # to the tenant scheduler once per run of rows of one computation
         last, info, charged, longest = -1, None, 0.0, 0.0

@@ -30,6 +30,11 @@ class GangScheduler:
         their ``hold`` set to ``hold``."""
         seq = self.next_seq.get(island, 0)
         self.next_seq[island] = seq + 1
+        hosts = sorted(executes)
+        first = executes[hosts[0]]
+        if type(self)._place is GangScheduler._place and all(ex is first for ex in executes.values()):
+            mine = codec.replace(first, seq=seq, hold=hold)      # one message for all (the usual SPMD case)
+            return [(host, mine) for host in hosts]
         out = []
         placed: dict[int, m.Execute] = {}     # one message per distinct part (a shared one goes once)
         for host, ex in sorted(executes.items()):
