@@ -127,7 +127,7 @@ class Directory:
     def release(self, buffer_ids: list[int], owner: int) -> dict[int, list[int]]:
         """Forget buffers the owner no longer references. Returns, per host, the
         buffers whose shards it must free. Buffers of other owners are ignored."""
-        frees: dict[int, list[int]] = {}
+        gone: list[tuple[int, tuple[int, ...]]] = []          # (buffer, its hosts in order)
         for b in buffer_ids:
             buf = self.buffers.get(b)
             if buf is None or buf.owner != owner:
@@ -135,8 +135,15 @@ class Directory:
             del self.buffers[b]
             fp = footprint(buf)
             self.device_bytes.subtract(fp)
-            hosts = fp.hosts(self.host_of)
-            for h in sorted(hosts | buf.stray if buf.stray else hosts):
+            hosts = fp.sorted_hosts(self.host_of)
+            gone.append((b, tuple(sorted(set(hosts) | buf.stray)) if buf.stray else hosts))
+        if gone and all(hosts is gone[0][1] or hosts == gone[0][1] for _, hosts in gone):
+            # (the usual case: every host frees the same, one list for all)
+            freed = [b for b, _ in gone]
+            return {h: freed for h in gone[0][1]}
+        frees: dict[int, list[int]] = {}
+        for b, hosts in gone:
+            for h in hosts:
                 frees.setdefault(h, []).append(b)
         return frees
 
@@ -451,8 +458,10 @@ class Directory:
             ops.append((_NEW, k, tuple(o.aval.shape), o.aval.dtype, layout,
                         footprint_of([layout], o.aval.dtype)))
         # layouts as region -> tuple of devices: a buffer's copy of one is a
-        # plain dict copy (its values are never changed in place, only replaced)
-        ops = [(op[0], op[1], *op[2:4], {r: tuple(d) for r, d in op[4].items()}, op[5]) if op[0] == _NEW
+        # plain dict copy (its values are never changed in place, only replaced);
+        # a new buffer's layouts key (see layouts_key) is made once, here
+        ops = [(op[0], op[1], *op[2:4], (lay := {r: tuple(d) for r, d in op[4].items()}), op[5],
+                (tuple(lay.items()),)) if op[0] == _NEW
                else (op[0], op[1], {r: tuple(d) for r, d in op[2].items()}, op[3]) for op in ops]
         jax_ids = [self.jax_id_of(d) for d in call.devices]
         weight = 1 + len(call.devices) * (len(call.inputs) + len(call.outputs) + 1) + pieces_n + len(sends)
@@ -471,9 +480,9 @@ class Directory:
         copies: list[tuple[int, dict]] = []
         for op in t.ops:
             if op[0] == _NEW:
-                _, k, shape, dtype, layout, fp = op
+                _, k, shape, dtype, layout, fp, lkey = op
                 self.buffers[ids[k]] = Buffer(ids[k], shape, dtype, owner,
-                                              [dict(layout)], fp=fp)
+                                              [dict(layout)], fp=fp, lkey=lkey)
                 self.device_bytes.update(fp)
             else:
                 _, k, layout, delta = op
@@ -553,8 +562,8 @@ class _Template:
     (index into ``sends``, or -1 for a copy on the host, device, region, sub).
     ``sends``: (source host, slot, device, region, sub, destination host,
     address, channel, machine, key). ``ops``: the state changes in order,
-    (_NEW, slot, shape, dtype, layout, bytes per device) or (_ADD, slot,
-    layout, change of bytes per device)."""
+    (_NEW, slot, shape, dtype, layout, bytes per device, layouts key) or
+    (_ADD, slot, layout, change of bytes per device)."""
     hosts: list[int]
     shards: list[list[list]]
     sends: list[tuple]
@@ -644,7 +653,7 @@ class Footprint(dict):
     and bytes as arrays, and its hosts. A footprint is kept per buffer and per
     plan template, so a computation over thousands of devices pays for these
     once, not per call."""
-    __slots__ = ("_arrays", "_hosts")
+    __slots__ = ("_arrays", "_hosts", "_sorted_hosts")
 
     def arrays(self) -> tuple[np.ndarray, np.ndarray]:
         try:
@@ -662,6 +671,14 @@ class Footprint(dict):
         except AttributeError:
             self._hosts = frozenset(host_of(d) for d in self)
             return self._hosts
+
+    def sorted_hosts(self, host_of: Callable[[int], int]) -> tuple[int, ...]:
+        """``hosts`` in order (kept likewise)."""
+        try:
+            return self._sorted_hosts
+        except AttributeError:
+            self._sorted_hosts = tuple(sorted(self.hosts(host_of)))
+            return self._sorted_hosts
 
 
 # a footprint of at most this many devices is added one element at a time
