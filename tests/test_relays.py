@@ -10,6 +10,7 @@ import time
 import pytest
 
 from zpath.config import ControllerConfig
+from zpath.controller import dispatch
 from zpath.controller.relays import Inner
 from zpath.errors import ErrorKind, ZpathError
 from zpath.net import messages as m
@@ -161,24 +162,26 @@ def test_order_counts_kept_per_group_match_every_relay_sent_through_a_regrouping
 
 
 def test_a_batch_of_several_computations_is_taken_run_by_run_as_row_by_row():
-    rig = _rig()
+    assert dispatch.RUN_ROWS <= 8          # (the long runs below are taken as a whole)
+    rig = _rig(n=24, group=24)
     a, _ = rig.client("a")
-    call1, out1 = _spmd(rig, a, 8)
+    call1, out1 = _spmd(rig, a, 24)
     rig.handle(a, call1)
-    call2, out2 = _spmd(rig, a, 8)
+    call2, out2 = _spmd(rig, a, 24)
     rig.handle(a, call2)
     ex1, ex2 = sorted(rig.c.in_flight)
     err = m.ErrorInfo(ErrorKind.REMOTE_ERROR, "boom", None, "", "")
-    rows = _rows(ex1, [0, 1]) + _rows(ex2, [0, 1, 2, 3]) + _rows(ex1, [2, 3, 3])
-    rows[3] = dataclasses.replace(rows[3], error=err)            # host 1 of ex2 failed
+    rows = _rows(ex1, range(8)) + _rows(ex2, range(10)) + _rows(ex1, [8, 8])
+    rows[9] = dataclasses.replace(rows[9], error=err)            # host 1 of ex2 failed
     before = len(rig.c.timeline)
     rig.handle(b"w0", m.batch_of(rows))
-    assert rig.c.in_flight[ex1].hosts == {4, 5, 6, 7} and rig.c.in_flight[ex2].hosts == {4, 5, 6, 7}
+    assert rig.c.in_flight[ex1].hosts == set(range(9, 24)) and rig.c.in_flight[ex2].hosts == set(range(10, 24))
     assert rig.c.in_flight[ex2].error is not None and rig.c.in_flight[ex1].error is None
-    assert len(rig.c.timeline) - before == 8                      # the row given twice: once
-    assert rig.c.tenants._running[ex1].charged == pytest.approx(4 * 0.001)
-    rig.handle(b"w4", m.batch_of(_rows(ex1, [4, 5, 6, 7]) + _rows(ex2, [7, 6, 5, 4])))
-    assert not rig.c.in_flight
+    assert len(rig.c.timeline) - before == 19                     # the row given twice: once
+    assert rig.c.tenants._running[ex1].charged == pytest.approx(9 * 0.001)
+    # long runs that finish their computations (the last row of each does)
+    rig.handle(b"w0", m.batch_of(_rows(ex1, range(9, 24)) + _rows(ex2, range(23, 9, -1))))
+    assert not rig.c.in_flight and len(rig.c.timeline) - before == 48
     assert out1 in rig.c.directory.buffers and rig.c.directory.buffers[out1].error is None
 
 

@@ -26,6 +26,11 @@ from zpath.net import messages as m
 
 log = logging.getLogger(__name__)
 
+# a batch's run of at least this many rows of one computation is taken as a
+# whole (_rows_taken); a shorter one row by row (relays batch rows of many
+# computations, interleaved, when reports come together)
+RUN_ROWS = 8
+
 # Pieces smaller than this that one computation reads from one host over one
 # channel travel together (SendPieces -> Pieces), at most BUCKET_BYTES a message:
 # a data-parallel step's gradient of many small leaves crosses the DCN as a few
@@ -425,12 +430,14 @@ class Dispatch:
             info = in_flight.get(x)
             if info is None:
                 continue
-            run = hosts[k:j]
-            distinct = set(run)
-            if len(distinct) == j - k and distinct <= info.hosts and not (errors and any(k <= r < j for r in errors)):
-                self._rows_taken(x, info, run, msg.starts[k:j], msg.ends[k:j], msg.waited[k:j])
-            else:
-                self._rows_one_by_one(x, info, msg, k, j, errors)
+            if j - k >= RUN_ROWS:       # (a short run costs less row by row)
+                run = hosts[k:j]
+                distinct = set(run)
+                if len(distinct) == j - k and distinct <= info.hosts and \
+                        not (errors and any(k <= r < j for r in errors)):
+                    self._rows_taken(x, info, run, msg.starts[k:j], msg.ends[k:j], msg.waited[k:j])
+                    continue
+            self._rows_one_by_one(x, info, msg, k, j, errors)
 
     def _rows_taken(self, x: int, info: InFlight, hosts: list[int], starts: list[float], ends: list[float],
                     waited: list[float]) -> None:
