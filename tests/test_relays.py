@@ -10,6 +10,7 @@ import time
 import pytest
 
 from zpath.config import ControllerConfig
+from zpath.controller import dispatch
 from zpath.controller.relays import Inner
 from zpath.errors import ErrorKind, ZpathError
 from zpath.net import messages as m
@@ -112,6 +113,78 @@ def test_a_batch_charges_its_tenant_what_each_host_ran():
     assert sum(rig.c.tenants.used.values()) - used == pytest.approx(sum(secs.values()))
 
 
+def _forwarded_in_log(rig: Rig) -> dict[tuple[int, int], int]:
+    """(host, relay) -> the Relays in the effects that named the host."""
+    counts: dict[tuple[int, int], int] = {}
+    for e in rig.effects:
+        if type(e.msg) is m.Relay:
+            r = int(e.ident[1:])
+            for h in e.msg.hosts:
+                counts[h, r] = counts.get((h, r), 0) + 1
+    return counts
+
+
+def test_order_counts_kept_per_group_match_every_relay_sent_through_a_regrouping():
+    rig = _rig()
+    a, _ = rig.client("a")
+    x = None
+    for _ in range(3):                   # whole groups: each relay's count is one counter
+        call, x2 = _spmd(rig, a, 8, x)
+        rig.handle(a, call)
+        ex = next(iter(rig.c.in_flight))
+        rig.handle(b"w0", m.batch_of(_rows(ex, range(4))))
+        rig.handle(b"w4", m.batch_of(_rows(ex, range(4, 8))))
+        x = x2
+    counts = _forwarded_in_log(rig)
+    assert counts[5, 4] >= 3 and rig.c._whole
+    assert all(rig.c.forwarded(h, r) == n for (h, r), n in counts.items())
+    # six of the eight hosts: the second group only in part (per-host counts)
+    av = m.Aval([6, 4], "float32")
+    call = m.Call(next(rig.ids), rig.programs["f"][0], [6], ["i"], list(range(6)),
+                  [m.CallInput(rig.new_id(a), av, ["i", None], True)], [m.CallOutput(rig.new_id(a), av, ["i", None])])
+    rig.handle(a, call)
+    ex = max(rig.c.in_flight)
+    assert [e.msg.hosts for e in _relays(rig) if e.msg.collect == [ex]] == [[0, 1, 2, 3], [4, 5]]
+    counts = _forwarded_in_log(rig)
+    assert all(rig.c.forwarded(h, r) == n for (h, r), n in counts.items())
+    assert rig.c.forwarded(6, 4) < rig.c.forwarded(5, 4)
+    # a host registers: the groups change and the counters become each host's
+    rig.handle(b"w8", m.RegisterWorker("h8", 0, "tcp://x:8", 1, "cpu", 1, PROTOCOL_VERSION, [8], "", 0, 1,
+                                       "machine8", "", ""))
+    rig.c.relay_of_hosts()
+    assert not rig.c._whole
+    assert all(rig.c.forwarded(h, r) == n for (h, r), n in counts.items())
+    # and a direct message to host 5 awaits all of them
+    mark = len(rig.log)
+    rig.handle(a, rig.call(a, 5, inp=None)[0])
+    to5 = [x for i, x in rig.log[mark:] if i == b"w5"]
+    assert type(to5[0]) is m.Await and (to5[0].relay, to5[0].count) == (4, counts[5, 4])
+
+
+def test_a_batch_of_several_computations_is_taken_run_by_run_as_row_by_row():
+    assert dispatch.RUN_ROWS <= 8          # (the long runs below are taken as a whole)
+    rig = _rig(n=24, group=24)
+    a, _ = rig.client("a")
+    call1, out1 = _spmd(rig, a, 24)
+    rig.handle(a, call1)
+    call2, out2 = _spmd(rig, a, 24)
+    rig.handle(a, call2)
+    ex1, ex2 = sorted(rig.c.in_flight)
+    err = m.ErrorInfo(ErrorKind.REMOTE_ERROR, "boom", None, "", "")
+    rows = _rows(ex1, range(8)) + _rows(ex2, range(10)) + _rows(ex1, [8, 8])
+    rows[9] = dataclasses.replace(rows[9], error=err)            # host 1 of ex2 failed
+    before = len(rig.c.timeline)
+    rig.handle(b"w0", m.batch_of(rows))
+    assert rig.c.in_flight[ex1].hosts == set(range(9, 24)) and rig.c.in_flight[ex2].hosts == set(range(10, 24))
+    assert rig.c.in_flight[ex2].error is not None and rig.c.in_flight[ex1].error is None
+    assert len(rig.c.timeline) - before == 19                     # the row given twice: once
+    assert rig.c.tenants._running[ex1].charged == pytest.approx(9 * 0.001)
+    # long runs that finish their computations (the last row of each does)
+    rig.handle(b"w0", m.batch_of(_rows(ex1, range(9, 24)) + _rows(ex2, range(23, 9, -1))))
+    assert not rig.c.in_flight and len(rig.c.timeline) - before == 48
+    assert out1 in rig.c.directory.buffers and rig.c.directory.buffers[out1].error is None
+
+
 def test_a_batch_with_a_row_its_sender_does_not_relay_is_rejected_whole(caplog):
     rig = _rig()
     a, _ = rig.client("a")
@@ -174,7 +247,7 @@ def test_a_direct_message_after_relayed_ones_comes_after_an_await():
     call, _ = rig.call(a, 5, inp=None)
     rig.handle(a, call)
     to5 = [x for i, x in rig.log[mark:] if i == b"w5"]
-    assert type(to5[0]) is m.Await and to5[0].relay == 4 and to5[0].count == rig.c.forwarded_via[5][4]
+    assert type(to5[0]) is m.Await and to5[0].relay == 4 and to5[0].count == rig.c.forwarded(5, 4)
     assert m.Execute in [type(x) for x in to5[1:]]
     mark = len(rig.log)
     rig.handle(a, rig.call(a, 5, inp=None)[0])          # nothing relayed since: no second Await

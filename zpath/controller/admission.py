@@ -426,13 +426,18 @@ class Admission:
 
     def _free(self, frees: dict[int, list[int]]) -> None:
         same: dict[tuple[int, ...], m.Free] = {}     # hosts told the same get one message (encoded once)
+        by_list: dict[int, m.Free] = {}               # (the same list object: the same message, at once)
         out = []
+        idents = self.worker_ident
         for rank, buffers in frees.items():
-            if rank in self.worker_ident:
-                key = tuple(buffers)
-                msg = same.get(key)
+            if rank in idents:
+                msg = by_list.get(id(buffers))
                 if msg is None:
-                    msg = same[key] = m.Free(buffers)
+                    key = tuple(buffers)
+                    msg = same.get(key)
+                    if msg is None:
+                        msg = same[key] = m.Free(buffers)
+                    by_list[id(buffers)] = msg
                 out.append((rank, msg))
         self.to_hosts(out)
         if frees and self.memory_waiting:

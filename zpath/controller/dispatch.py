@@ -8,6 +8,8 @@ import collections
 import copy
 import dataclasses
 import logging
+import operator
+from itertools import groupby, repeat
 from typing import Any
 
 from zpath import sharding
@@ -23,6 +25,11 @@ from zpath.net import messages as m
 
 
 log = logging.getLogger(__name__)
+
+# a batch's run of at least this many rows of one computation is taken as a
+# whole (_rows_taken); a shorter one row by row (relays batch rows of many
+# computations, interleaved, when reports come together)
+RUN_ROWS = 8
 
 # Pieces smaller than this that one computation reads from one host over one
 # channel travel together (SendPieces -> Pieces), at most BUCKET_BYTES a message:
@@ -397,39 +404,73 @@ class Dispatch:
         hosts, exec_ids = msg.hosts, msg.exec_ids
         n = len(hosts)
         why = ""
+        runs: list[tuple[int, int, int]] = []       # (computation, first row, end): its rows in a run
         if not len(exec_ids) == len(msg.starts) == len(msg.ends) == len(msg.waited) == n or \
                 any(not 0 <= e.row < n for e in msg.errors):
             why = "its columns do not agree"
         else:
-            last, info = -1, None
-            for h, x in zip(hosts, exec_ids, strict=True):
-                if h != sender:
-                    if x != last:
-                        last, info = x, in_flight.get(x)
-                    if info is not None and (info.relay_of is None or info.relay_of.get(h) != sender):
-                        why = f"a row of computation {x} for host {h}, which it does not relay it to"
+            k = 0
+            for x, rows in groupby(exec_ids):
+                j = k + len(list(rows))
+                runs.append((x, k, j))
+                info = in_flight.get(x)
+                if info is not None:
+                    relay_of = info.relay_of
+                    bad = [h for h in hosts[k:j] if h != sender and (relay_of is None or relay_of.get(h) != sender)]
+                    if bad:
+                        why = f"a row of computation {x} for host {bad[0]}, which it does not relay it to"
                         break
+                k = j
         if why:
             if self.log_limit.allow(None, self.now):
                 log.warning("host %d sent a batch of %d reports with %s: rejected", sender, n, why)
             return
         errors = {e.row: e.error for e in msg.errors}
+        for x, k, j in runs:
+            info = in_flight.get(x)
+            if info is None:
+                continue
+            if j - k >= RUN_ROWS:       # (a short run costs less row by row)
+                run = hosts[k:j]
+                distinct = set(run)
+                if len(distinct) == j - k and distinct <= info.hosts and \
+                        not (errors and any(k <= r < j for r in errors)):
+                    self._rows_taken(x, info, run, msg.starts[k:j], msg.ends[k:j], msg.waited[k:j])
+                    continue
+            self._rows_one_by_one(x, info, msg, k, j, errors)
+
+    def _rows_taken(self, x: int, info: InFlight, hosts: list[int], starts: list[float], ends: list[float],
+                    waited: list[float]) -> None:
+        """A run of a batch's rows of computation ``x`` (``info``), all fine,
+        of distinct hosts that run it: taken as a whole, as
+        ``_rows_one_by_one`` would one by one (a last host finishes it)."""
+        n = len(hosts)
+        usual = n - 1 if len(info.hosts) == n else n
+        self.timeline.extend(zip(map(Report, repeat(x, usual), repeat(None, usual), starts[:usual], ends[:usual],
+                                     waited[:usual]), hosts[:usual], repeat(info, usual), strict=True))
+        seconds = [end - start if end > start else 0.0 for start, end in zip(starts[:usual], ends[:usual],
+                                                                                strict=True)]
+        info.hosts.difference_update(hosts[:usual])
+        if seconds:
+            self.tenants.hosts_done(x, sum(map(operator.mul, seconds, map(info.host_devices.__getitem__, hosts))),
+                                    max(seconds))
+        if usual < n:
+            self._host_done(hosts[-1], Report(x, None, starts[-1], ends[-1], waited[-1]), info)
+
+    def _rows_one_by_one(self, x: int, info: InFlight, msg: m.ExecDoneBatch, first: int, end: int,
+                         errors: dict[int, m.ErrorInfo]) -> None:
+        """Rows ``first`` to ``end`` of a batch, of computation ``x``
+        (``info``), one by one. The usual rows (no error, not the
+        computation's last host) are charged to the tenant scheduler at once."""
         timeline, hosts_done = self.timeline, self.tenants.hosts_done
-        # the usual rows (no error, not a computation's last host) are charged
-        # to the tenant scheduler once per run of rows of one computation
-        last, info, charged, longest = -1, None, 0.0, 0.0
-        for k, (h, x, start, end, waited) in enumerate(zip(hosts, exec_ids, msg.starts, msg.ends, msg.waited,
-                                                          strict=True)):
-            if x != last:
-                if charged or longest:
-                    hosts_done(last, charged, longest)
-                    charged = longest = 0.0
-                last, info = x, in_flight.get(x)
-            if info is None or h not in info.hosts:
+        charged, longest = 0.0, 0.0
+        for k in range(first, end):
+            h, start, stop, waited = msg.hosts[k], msg.starts[k], msg.ends[k], msg.waited[k]
+            if h not in info.hosts:
                 continue
             if k not in errors and len(info.hosts) > 1:       # (_host_done, the usual case)
-                timeline.append((Report(x, None, start, end, waited), h, info))
-                seconds = end - start if end > start else 0.0
+                timeline.append((Report(x, None, start, stop, waited), h, info))
+                seconds = stop - start if stop > start else 0.0
                 charged += seconds * info.host_devices[h]
                 if seconds > longest:
                     longest = seconds
@@ -441,10 +482,11 @@ class Dispatch:
             error = errors.get(k)
             if error is not None:
                 log.info("computation %d failed on host %d: %s", x, h, error.message)
-            self._host_done(h, Report(x, error, start, end, waited), info)
-            info = in_flight.get(x)
+            self._host_done(h, Report(x, error, start, stop, waited), info)
+            if x not in self.in_flight:
+                return
         if charged or longest:
-            hosts_done(last, charged, longest)
+            hosts_done(x, charged, longest)
 
     def _host_done(self, host: int, msg: m.ExecDone | Report, info: InFlight) -> None:
         """Host ``host`` finished its part of computation ``info`` (``msg``:

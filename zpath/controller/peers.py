@@ -42,8 +42,9 @@ class Peers:
 
     def _pings(self) -> None:
         self._ping_seq += 1
+        ping = m.Ping(self._ping_seq)       # one message for all: the loop encodes and signs it once
         for ident in self.worker_ident.values():
-            self.send(ident, m.Ping(self._ping_seq))
+            self.send(ident, ping)
 
     def _hello(self, ident: bytes, parent: int, msg: m.Hello) -> None:
         if msg.protocol != PROTOCOL_VERSION:
