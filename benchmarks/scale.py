@@ -34,7 +34,10 @@ controller's, not a tracing client's) and prints per N:
 * ``pipeline_parallel_over_sequential`` -- a pipeline of min(N, 64) stages, one
   per host, each stage a 1 ms computation reading the previous stage's output
   from the previous host: runs per second with parallel dispatch over runs per
-  second with sequential dispatch (median of ``--repeats`` alternated runs).
+  second with sequential dispatch: the median over ``--repeats`` adjacent
+  pairs (one run of each, after one unmeasured run of each) of the pair's
+  ratio, ``pipeline_ratio_range`` the smallest and largest pair, and
+  ``pipeline_ms`` every run's time.
 
 ``relayed_messages`` counts the ``Relay`` messages the controller sent
 (``Status.relayed``): a message for at least ``--relay-min-hosts`` hosts goes
@@ -383,31 +386,54 @@ def _measure(cluster: SimulatedCluster, d: Driver, ctl: psutil.Process, sim: psu
     out["ctl_bound_min_computation_ms"] = out["ctl_cpu_us_per_spmd_node"] / 1000 / BUSY
 
     # a pipeline of one 1 ms stage per host, parallel against sequential dispatch
-    stages = min(hosts, 64)
-    one = d.program(1.0)
-    rates: dict[str, list[float]] = {"parallel": [], "sequential": []}
-    for _ in range(repeats):
-        for dispatch in ("parallel", "sequential"):
-            calls, x = [], None
-            for s in range(stages):
-                c, x = d.spmd(one, [d.hosts[s].devices[0].id], x)
-                calls.append(c)
-            first = [o.buffer for c in calls[:-1] for o in c.outputs]
-            wall = timed(d, lambda: d.send_program(calls, dispatch, release=first), x,
-                         d.hosts[stages - 1].devices[0].id, 1)
-            d.release([x])
-            rates[dispatch].append(1 / wall)
-    par, seq = statistics.median(rates["parallel"]), statistics.median(rates["sequential"])
-    out["pipeline_stages"] = stages
-    out["pipeline_runs_per_s"] = {"parallel": par, "sequential": seq}
-    out["pipeline_ideal_runs_per_s"] = 1 / (stages * 1e-3)
-    out["pipeline_parallel_over_sequential"] = par / seq
+    out.update(pipeline(d, min(hosts, 64), repeats))
     d.drain()
     out["relayed_messages"] = d.relayed()
     out["ctl_rss_mib"] = ctl.memory_info().rss / 2**20
     out["sim_rss_mib"] = sim.memory_info().rss / 2**20
     out["seconds"] = time.perf_counter() - started
     return out
+
+
+def pipeline(d: Driver, stages: int, repeats: int) -> dict:
+    """A pipeline of ``stages`` 1 ms stages, one per host, each reading the
+    previous stage's output from the previous host: parallel against
+    sequential dispatch. Sequential dispatch pays a controller round trip per
+    stage, so its time moves with the machine's load (other processes on the
+    two cores delay every round trip); the two modes therefore run in adjacent
+    pairs (which mode goes first alternates), after one unmeasured run of
+    each, and the figure is the median of the pairs' ratios, with their
+    spread."""
+    one = d.program(1.0)
+
+    def run(dispatch: str) -> float:
+        calls, x = [], None
+        for s in range(stages):
+            c, x = d.spmd(one, [d.hosts[s].devices[0].id], x)
+            calls.append(c)
+        first = [o.buffer for c in calls[:-1] for o in c.outputs]
+        wall = timed(d, lambda: d.send_program(calls, dispatch, release=first), x,
+                     d.hosts[stages - 1].devices[0].id, 1)
+        d.release([x])
+        return wall
+
+    run("parallel")              # warm-up: plans, templates, the program on every host
+    run("sequential")
+    walls: dict[str, list[float]] = {"parallel": [], "sequential": []}
+    ratios = []
+    for i in range(repeats):
+        pair = ("parallel", "sequential") if i % 2 == 0 else ("sequential", "parallel")
+        got = {mode: run(mode) for mode in pair}
+        for mode, wall in got.items():
+            walls[mode].append(wall)
+        ratios.append(got["sequential"] / got["parallel"])
+    par, seq = (statistics.median(walls[mode]) for mode in ("parallel", "sequential"))
+    return {"pipeline_stages": stages,
+            "pipeline_runs_per_s": {"parallel": 1 / par, "sequential": 1 / seq},
+            "pipeline_ideal_runs_per_s": 1 / (stages * 1e-3),
+            "pipeline_parallel_over_sequential": statistics.median(ratios),
+            "pipeline_ratio_range": [min(ratios), max(ratios)],
+            "pipeline_ms": {mode: [round(w * 1e3, 2) for w in ws] for mode, ws in walls.items()}}
 
 
 def plot(results: list[dict], path: str) -> None:
@@ -423,7 +449,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hosts", type=int, nargs="+", default=list(HOSTS), help="sizes to measure")
     p.add_argument("--devices", type=int, default=4, help="devices per simulated host")
     p.add_argument("--big-nodes", type=int, default=10_000, help="nodes of the big program")
-    p.add_argument("--repeats", type=int, default=3, help="pipeline runs per dispatch mode")
+    p.add_argument("--repeats", type=int, default=7, help="pipeline pairs (one run of each dispatch mode)")
     p.add_argument("--quick", action="store_true", help="fewer nodes per measurement")
     p.add_argument("--json", action="store_true", help="one JSON object per size")
     p.add_argument("--png", metavar="PATH", help="draw the figures into PATH (needs matplotlib)")
@@ -450,7 +476,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"stall max {r['max_stall_ms']:7.1f} ms ({r['big_program_nodes']} nodes in "
                   f"{r['big_program_s']:.2f} s); RSS {r['ctl_rss_mib']:.0f} MiB; "
                   f"busy at >= {r['min_busy_computation_ms']} ms; pipeline of {r['pipeline_stages']} "
-                  f"parallel/sequential {r['pipeline_parallel_over_sequential']:.2f}", flush=True)
+                  f"parallel/sequential {r['pipeline_parallel_over_sequential']:.2f} "
+                  f"({r['pipeline_ratio_range'][0]:.2f}-{r['pipeline_ratio_range'][1]:.2f})", flush=True)
     if args.png:
         plot(results, args.png)
     return 0
