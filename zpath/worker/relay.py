@@ -23,9 +23,11 @@ kind back until its turn; ``Ping``, ``HostDown``, ``Shutdown`` and a
 releases what waits for it, and its group's hosts send the rows they sent it
 in the last ``ROWS_KEPT_S`` seconds to the controller themselves (the
 controller takes a host's own rows while it still runs that computation, so
-rows the relay did pass on are dropped there). Something held longer than
-``ORDER_WAIT_S`` (a message the controller could not send) goes anyway, with
-a log line.
+rows the relay did pass on are dropped there). A host to which the
+controller could not send a message (its queue full) is lost at once, so
+neither it nor its group waits for that message (``ControllerCore.unreachable``);
+something held longer than ``ORDER_WAIT_S`` still goes anyway, with a log
+line, as a last resort.
 
 Pure state: the I/O thread (``server.Worker``, ``simulate.SimHost``) hands
 each event and ``now`` in and carries out what comes back."""
