@@ -100,9 +100,14 @@ class RelayState:
                   buffers: list, now: float) -> list[Item]:
         """A message a relay forwarded (after the ``after``-th direct one):
         what to handle now, in order. Its computations report to the relay."""
-        for exec_id in collect:
-            if relay not in self.lost_relays:
+        if relay not in self.lost_relays:
+            for exec_id in collect:
                 self.report_to[exec_id] = (relay, address)
+        if not self.waiting and self.blocked is None and after <= self.received:
+            # its turn already (nothing held: the usual case, every message
+            # through the relay)
+            self.forwarded_from[relay] = self.forwarded_from.get(relay, 0) + 1
+            return [(msg, buffers)]
         self.waiting.append((after, relay, msg, buffers, now))
         return self._pump(now)
 

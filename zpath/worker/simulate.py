@@ -153,22 +153,30 @@ class _Run:
 
 
 class Timers:
-    """Callbacks due at monotonic times (one heap for the process)."""
+    """Callbacks due at monotonic times (one heap for the process). Callbacks
+    due at the same time (an SPMD computation's hosts of this process, which
+    start together) share one heap entry and run in the order they were set."""
 
     def __init__(self) -> None:
-        self._heap: list[tuple[float, int, Callable[[], None]]] = []
-        self._n = itertools.count()
+        self._heap: list[float] = []
+        self._due: dict[float, list[Callable[[], None]]] = {}
 
     def at(self, when: float, fn: Callable[[], None]) -> None:
-        heapq.heappush(self._heap, (when, next(self._n), fn))
+        fns = self._due.get(when)
+        if fns is None:
+            self._due[when] = [fn]
+            heapq.heappush(self._heap, when)
+        else:
+            fns.append(fn)
 
     def run_due(self, now: float) -> None:
-        heap = self._heap
-        while heap and heap[0][0] <= now:
-            heapq.heappop(heap)[2]()
+        heap, due = self._heap, self._due
+        while heap and heap[0] <= now:
+            for fn in due.pop(heapq.heappop(heap)):
+                fn()
 
     def next_in(self, now: float) -> float | None:
-        return max(0.0, self._heap[0][0] - now) if self._heap else None
+        return max(0.0, self._heap[0] - now) if self._heap else None
 
 
 class SimHost:
@@ -229,18 +237,11 @@ class SimHost:
         if self.relay.blocked is not None:      # (held: expires in _relay_due)
             self.proc.relaying.add(self)
 
-    def forwarded(self, relay: int, address: str, after: int, collect: list[int], frames: list,
-                  now: float) -> None:
-        """A message of the controller that relay ``relay`` forwarded (decoded
-        once for the process's hosts), handled in its turn."""
-        try:
-            header, msg, buffers = self.proc._decode(frames)
-        except ProtocolError as e:
-            log.warning("host %s: rejected a message relay %d forwarded: %s", self.rank, relay, e)
-            return
-        if header.signer != codec.CLUSTER or type(msg) is m.Batch:
-            log.warning("host %s: rejected a %s relay %d forwarded", self.rank, type(msg).__name__, relay)
-            return
+    def forwarded(self, relay: int, address: str, after: int, collect: list[int], msg: Record,
+                  buffers: list, now: float) -> None:
+        """A message of the controller that relay ``relay`` forwarded (checked
+        and decoded once for the process's hosts: ``SimProcess.forwarded``),
+        handled in its turn."""
         for item, bufs in self.relay.forwarded(relay, address, after, collect, msg, buffers, now):
             self.handle_ctl(item, bufs, now)
         if self.relay.waiting:
@@ -264,7 +265,9 @@ class SimHost:
             else:
                 proc._send_peer(address, fwd, frames)
         if mine:
-            self.forwarded(self.rank, proc.data_address, after, msg.collect, frames, now)
+            got = proc.forwarded_message(self.rank, frames)
+            if got is not None:
+                self.forwarded(self.rank, proc.data_address, after, msg.collect, *got, now)
 
     def _relay_lost(self, rank: int, now: float) -> None:
         for item, bufs in self.relay.relay_lost(rank, now):
@@ -455,9 +458,13 @@ class SimHost:
         became free, its inputs were made and its message came, whichever is
         last (an accelerator runs its queue back to back, whenever this loop
         gets to notice), so a late timer delays reports, not the devices."""
-        if run.waiting or run.devices & self.busy or \
-                any(not (q := self.queues[d]) or q[0] is not run for d in run.devices):
+        if run.waiting or run.devices & self.busy:
             return
+        queues = self.queues
+        for d in run.devices:
+            q = queues[d]
+            if not q or q[0] is not run:
+                return
         start = run.arrived
         errors = []
         shards, pieces = self.store._entries, self.proc.pieces._entries     # (read without the lock: one thread)
@@ -734,9 +741,11 @@ class SimProcess:
                     if isinstance(reply, m.Registered) and h in waiting:
                         h.registered(reply)
                         waiting.discard(h)
-                    elif isinstance(reply, m.Error):
+                    elif isinstance(reply, m.Error) and h in waiting:
                         raise ZpathError(f"controller refused simulated host {h.name}: {reply.message}")
-                    elif h not in waiting:        # already registered: handled once serving
+                    elif h not in waiting:
+                        # already registered: handled once serving (an Error here answers its
+                        # registration sent again while the controller was slow to answer the first)
                         h.early.append((reply, bufs))
         if waiting:
             raise ZpathError("stopped while registering")
@@ -848,12 +857,31 @@ class SimProcess:
         except zmq.ZMQError as err:
             log.error("cannot send %s to %s: %s", type(msg).__name__, address, err)
 
+    def forwarded_message(self, relay: int, frames: list) -> tuple[Record, list] | None:
+        """The controller's message in the frames relay ``relay`` forwarded,
+        checked and decoded (once for all the process's hosts it reaches), or
+        None if it is refused."""
+        try:
+            header, msg, buffers = self._decode(frames)
+        except ProtocolError as e:
+            log.warning("rejected a message relay %d forwarded: %s", relay, e)
+            return None
+        if header.signer != codec.CLUSTER or type(msg) is m.Batch:
+            log.warning("rejected a %s relay %d forwarded", type(msg).__name__, relay)
+            return None
+        return msg, buffers
+
     def forwarded(self, fwd: m.Forwarded, frames: list) -> None:
         """A relay forwarded a message to hosts of this process."""
+        got = self.forwarded_message(fwd.relay, frames)
+        if got is None:
+            return
+        msg, buffers = got
+        by_rank, now = self.by_rank, self.now
         for host, after in zip(fwd.hosts, fwd.after, strict=True):
-            h = self.by_rank.get(host)
+            h = by_rank.get(host)
             if h is not None and h.alive:
-                h.forwarded(fwd.relay, fwd.address, after, fwd.collect, frames, self.now)
+                h.forwarded(fwd.relay, fwd.address, after, fwd.collect, msg, buffers, now)
 
     def _relay_due(self) -> float | None:
         """Relays pass on the rows due; what waited past its time goes on.
