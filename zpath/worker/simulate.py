@@ -94,7 +94,7 @@ def program_cost_s(blob: bytes, default_s: float) -> float:
 class SimValue:
     """A shard or piece that exists only as its size, and the (monotonic)
     time it was made on its device."""
-    __slots__ = ("shape", "dtype", "nbytes", "made", "parts")
+    __slots__ = ("shape", "dtype", "nbytes", "made", "parts", "per_device")
 
     def __init__(self, shape: tuple[int, ...], dtype: str, made: float = 0.0, size: int = -1,
                  parts: tuple[tuple[int, int], ...] = ()) -> None:
@@ -102,7 +102,15 @@ class SimValue:
         whole part of a buffer (see ``whole_key``), (device, elements) of each
         of its shards."""
         self.shape, self.dtype, self.made, self.parts = shape, dtype, made, parts
-        self.nbytes = (math.prod(shape) if size < 0 else size) * _itemsize(dtype)
+        self.nbytes = (math.prod(shape) if size < 0 else size) * (_ITEMSIZE.get(dtype) or _itemsize(dtype))
+        self.per_device: tuple[tuple[int, int], ...] | None = None    # (device, bytes) of parts, once asked
+
+    def device_bytes(self) -> tuple[tuple[int, int], ...]:
+        """(device, bytes) of each of ``parts`` (worked out once: every Pong asks)."""
+        if self.per_device is None:
+            item = _itemsize(self.dtype)
+            self.per_device = tuple((d, size * item) for d, size in self.parts)
+        return self.per_device
 
 
 def whole_key(buffer: int, host_index: int) -> ShardKey:
@@ -346,10 +354,9 @@ class SimHost:
             elif v is not None:
                 shards += len(v.parts)
                 nbytes += v.nbytes
-                item = _itemsize(v.dtype)
-                for d, size in v.parts:
+                for d, n in v.per_device or v.device_bytes():
                     if d in per:
-                        per[d] += size * item
+                        per[d] += n
         return shards, nbytes, [per[d] for d in self.device_ids]
 
     def when_shard(self, buffer: int, device: int, region: Any,
@@ -558,11 +565,11 @@ class SimHost:
         self._free(self.order.finish(run.index))
         wall = time.time() - time.monotonic()
         nxt = None
-        tried: set[int] = set()
+        tried: list[_Run] = []          # (the heads: usually one, an SPMD run on all the devices)
         for d in run.devices:
             q = self.queues[d]
-            if q and id(head := q[0]) not in tried:
-                tried.add(id(head))
+            if q and (head := q[0]) not in tried:
+                tried.append(head)
                 self._try_start(head, now)
                 if nxt is None and head.devices <= self.busy and not head.waiting:
                     nxt = head
@@ -577,8 +584,10 @@ class SimHost:
         next reports; a report not held takes those held with it."""
         hold = 0.0
         if nxt is not None and done.error is None:
-            behind = max(len(self.queues[d]) for d in run.devices) + 1
-            deep = min(HOLD_DEEP_S, behind * run.cost / 2) if run.hold and behind >= DEEP_QUEUE else 0.0
+            deep = 0.0
+            if run.hold:
+                behind = max(len(self.queues[d]) for d in run.devices) + 1
+                deep = min(HOLD_DEEP_S, behind * run.cost / 2) if behind >= DEEP_QUEUE else 0.0
             if deep >= 2 * HOLD_SHORT_S:
                 hold = deep
             elif run.cost < SHORT_COMPUTATION_S and nxt.cost < SHORT_COMPUTATION_S:
