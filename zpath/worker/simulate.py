@@ -283,6 +283,7 @@ class SimHost:
         rows = self.relay.rows_for_lost(rank, now)
         if rows:
             self.out.append(m.batch_of(rows))
+            self.proc.outgoing.add(self)
         self.relay.forget_host(rank)
         if self.relay.rows:
             self.proc.relaying.add(self)
@@ -310,6 +311,7 @@ class SimHost:
                     self.costs[msg.digest] = program_cost_s(bytes(buffers[0]), self.proc.default_cost_s)
             case m.Ping():
                 self.out.append(m.Pong(msg.seq, *self.stats()))
+                self.proc.outgoing.add(self)
             case m.Free():
                 self._free_after_earlier(msg.buffers, True)
             case m.ClientGone():
@@ -429,6 +431,7 @@ class SimHost:
             self.out.append(m.ExecDone(msg.exec_id, m.ErrorInfo(
                 ErrorKind.FUSED_UNKNOWN, f"fused program {msg.fused} is not defined on this host",
                 self.rank, "", ""), t, t))
+            self.proc.outgoing.add(self)
             return
 
         def buffer(code: int) -> int:
@@ -596,6 +599,7 @@ class SimHost:
             self.out += self.held
             self.held = []
             self.out.append(done)
+            self.proc.outgoing.add(self)
             return
         due = now + hold
         if not self.held or due < self.held_due:
@@ -608,8 +612,10 @@ class SimHost:
             self._release_held()
 
     def _release_held(self) -> None:
-        self.out += self.held
-        self.held = []
+        if self.held:
+            self.out += self.held
+            self.held = []
+            self.proc.outgoing.add(self)
 
     def _free_after_earlier(self, buffers: list[int], remember: bool) -> None:
         self._free(self.order.free_after_earlier(buffers, remember))
@@ -667,6 +673,10 @@ class SimHost:
             log.error("host %s: cannot send %d messages to the controller: %s", self.rank, len(out), e)
 
 
+def _index(h: SimHost) -> int:
+    return h.index
+
+
 class SimProcess:
     """The hosts of one process and the loop that serves them."""
 
@@ -714,6 +724,8 @@ class SimProcess:
         self.pieces = Store()
         # hosts with something due in their RelayState (rows to pass on, messages held)
         self.relaying: set[SimHost] = set()
+        # hosts with messages in ``out`` (sent at the next flush)
+        self.outgoing: set[SimHost] = set()
         self.peer_socks: dict[str, zmq.Socket] = {}
         self.poller = zmq.Poller()
         self._decoded: collections.OrderedDict[bytes, tuple] = collections.OrderedDict()
@@ -903,6 +915,7 @@ class SimProcess:
                 rows = h.relay.take_rows(self.now)
                 if rows:
                     h.out.append(m.batch_of(rows))
+                    self.outgoing.add(h)
                 d = h.relay.next_due_in(self.now)
             else:
                 d = None
@@ -954,8 +967,11 @@ class SimProcess:
         self.close()
 
     def _flush(self) -> None:
+        """Send what the hosts with something to send have (``outgoing``):
+        reports through relays to them first, then each host's messages."""
         now = self.now
-        for h in self.hosts:
+        outgoing = self.outgoing
+        for h in list(outgoing):
             if h.out and h.relay.report_to:
                 h.to_relays(now)
         if self.relaying:
@@ -963,9 +979,12 @@ class SimProcess:
                 rows = h.relay.take_rows(now)
                 if rows:
                     h.out.append(m.batch_of(rows))
-        for h in self.hosts:
-            if h.out:
-                h.flush()
+                    outgoing.add(h)
+        if outgoing:
+            self.outgoing = set()
+            for h in sorted(outgoing, key=_index):
+                if h.out:
+                    h.flush()
 
     def _decode(self, frames: list) -> tuple:
         """Check and decode a control message, once per distinct message: the
