@@ -20,13 +20,16 @@ One thread serves every host of the process: each host's control socket (a
 DEALER to the controller, so the controller sees N hosts), one data port (a
 ROUTER shared by the process's hosts: ``Put`` and ``Fetch`` name a device, so
 the host they are for is known), and a timer heap for emulated computations
-and transfers. Pieces between hosts of one process never touch a socket. A
-message that reaches several hosts of the process with the same bytes (the
-controller sends a computation of many hosts once, see docs/protocol.md) is
-checked and decoded once. Relays (zpath/worker/relay.py) work as on real
-workers, except that a relay hands what it forwards to hosts of its own process
-without a socket (one ``Forwarded`` per other process), and their reports reach
-it the same way.
+and transfers (computations due at the same time share an entry). The loop
+waits on the sockets' ``ZMQ_FD``s with epoll, so a turn costs what is ready,
+not what is open, and flushes only the hosts with something to send. Pieces
+between hosts of one process never touch a socket. A message that reaches
+several hosts of the process with the same bytes (the controller sends a
+computation of many hosts once, see docs/protocol.md) is checked and decoded
+once. Relays (zpath/worker/relay.py) work as on real workers, except that a
+relay hands what it forwards to hosts of its own process without a socket (one
+``Forwarded`` per other process, checked and decoded once for all its hosts),
+and their reports reach it the same way.
 
 Kill the process (SIGKILL) to lose all its hosts at once, as a crashed
 machine; pause it (SIGSTOP) as a hung one; ``SimHost.kill`` loses one host.
