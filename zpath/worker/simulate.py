@@ -39,7 +39,6 @@ from __future__ import annotations
 import argparse
 import collections
 import heapq
-import itertools
 import json
 import logging
 import math
