@@ -51,7 +51,7 @@ computation against hosts; parallel against sequential dispatch against
 stages) with matplotlib (benchmarks/plots.py, the ``bench`` extra). This is a benchmark
 that prints figures, not a test.
 
-    python benchmarks/scale.py [--hosts 1 8 64 256 512] [--devices 4] [--quick] [--json] [--png docs/scale.png]
+    python benchmarks/scale.py [--hosts 1 8 64 256 512] [--devices 4] [--quick] [--json [PATH]] [--png docs/scale.png]
                                [--relay-min-hosts N] [--relay-group K]
 """
 from __future__ import annotations
@@ -451,7 +451,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--big-nodes", type=int, default=10_000, help="nodes of the big program")
     p.add_argument("--repeats", type=int, default=7, help="pipeline pairs (one run of each dispatch mode)")
     p.add_argument("--quick", action="store_true", help="fewer nodes per measurement")
-    p.add_argument("--json", action="store_true", help="one JSON object per size")
+    p.add_argument("--json", nargs="?", const="", metavar="PATH",
+                   help="one JSON object per size; with PATH, the last one also into PATH (benchmarks/ab.py)")
     p.add_argument("--png", metavar="PATH", help="draw the figures into PATH (needs matplotlib)")
     p.add_argument("--relay-min-hosts", type=int, help="ZPATH_RELAY_MIN_HOSTS of the controller "
                    "(messages for this many hosts go through relays; 0: none; default: the controller's)")
@@ -466,8 +467,11 @@ def main(argv: list[str] | None = None) -> int:
         r = measure(n, args.devices, args.quick, args.big_nodes, args.repeats, args.relay_min_hosts,
                     args.relay_group)
         results.append(r)
-        if args.json:
+        if args.json is not None:
             print(json.dumps(r), flush=True)
+            if args.json:
+                with open(args.json, "w") as f:
+                    json.dump(r, f)
         else:
             print(f"hosts {n:4d}: {r['spmd_nodes_per_s']:8.1f} SPMD nodes/s op by op, "
                   f"{r['traced_nodes_per_s']:8.1f} traced, {r['sequential_nodes_per_s']:8.1f} sequential; "
