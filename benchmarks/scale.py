@@ -91,6 +91,7 @@ HOSTS = (1, 8, 64, 256, 512)
 LADDER_MS = (0.5, 1.0, 2.3, 5.0, 10.0, 20.0, 35.0, 50.0, 100.0, 200.0)
 BUSY = 0.95
 F_COMPUTATIONS = 128
+HEARTBEAT_S = 2.0            # the driver's heartbeat while it waits (see Driver.wait_for)
 
 
 class Driver:
@@ -199,7 +200,14 @@ class Driver:
         req = next(self._requests)
         self.ep.send(s, m.Fetch(req, buffer, device, [[0, 1]] if length > 1 else [[0, 1]], timeout))
         deadline = time.monotonic() + timeout
+        beat = time.monotonic()
         while time.monotonic() < deadline:
+            if time.monotonic() - beat > HEARTBEAT_S:
+                # as a real client's heartbeat: a client silent for ZPATH_CLIENT_TIMEOUT
+                # (15 s) is taken to be gone, and its work with it (a 10,000-node program at
+                # 512 hosts on a loaded machine takes longer than that)
+                self.ep.send(self.sock, m.Ping(0))
+                beat = time.monotonic()
             if not s.poll(100):
                 self.drain()
                 continue
