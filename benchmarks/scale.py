@@ -34,7 +34,10 @@ controller's, not a tracing client's) and prints per N:
 * ``pipeline_parallel_over_sequential`` -- a pipeline of min(N, 64) stages, one
   per host, each stage a 1 ms computation reading the previous stage's output
   from the previous host: runs per second with parallel dispatch over runs per
-  second with sequential dispatch (median of ``--repeats`` alternated runs).
+  second with sequential dispatch: the median over ``--repeats`` adjacent
+  pairs (one run of each, after one unmeasured run of each) of the pair's
+  ratio, ``pipeline_ratio_range`` the smallest and largest pair, and
+  ``pipeline_ms`` every run's time.
 
 ``relayed_messages`` counts the ``Relay`` messages the controller sent
 (``Status.relayed``): a message for at least ``--relay-min-hosts`` hosts goes
@@ -48,7 +51,7 @@ computation against hosts; parallel against sequential dispatch against
 stages) with matplotlib (benchmarks/plots.py, the ``bench`` extra). This is a benchmark
 that prints figures, not a test.
 
-    python benchmarks/scale.py [--hosts 1 8 64 256 512] [--devices 4] [--quick] [--json] [--png docs/scale.png]
+    python benchmarks/scale.py [--hosts 1 8 64 256 512] [--devices 4] [--quick] [--json [PATH]] [--png docs/scale.png]
                                [--relay-min-hosts N] [--relay-group K]
 """
 from __future__ import annotations
@@ -88,6 +91,7 @@ HOSTS = (1, 8, 64, 256, 512)
 LADDER_MS = (0.5, 1.0, 2.3, 5.0, 10.0, 20.0, 35.0, 50.0, 100.0, 200.0)
 BUSY = 0.95
 F_COMPUTATIONS = 128
+HEARTBEAT_S = 2.0            # the driver's heartbeat while it waits (see Driver.wait_for)
 
 
 class Driver:
@@ -196,7 +200,14 @@ class Driver:
         req = next(self._requests)
         self.ep.send(s, m.Fetch(req, buffer, device, [[0, 1]] if length > 1 else [[0, 1]], timeout))
         deadline = time.monotonic() + timeout
+        beat = time.monotonic()
         while time.monotonic() < deadline:
+            if time.monotonic() - beat > HEARTBEAT_S:
+                # as a real client's heartbeat: a client silent for ZPATH_CLIENT_TIMEOUT
+                # (15 s) is taken to be gone, and its work with it (a 10,000-node program at
+                # 512 hosts on a loaded machine takes longer than that)
+                self.ep.send(self.sock, m.Ping(0))
+                beat = time.monotonic()
             if not s.poll(100):
                 self.drain()
                 continue
@@ -383,31 +394,54 @@ def _measure(cluster: SimulatedCluster, d: Driver, ctl: psutil.Process, sim: psu
     out["ctl_bound_min_computation_ms"] = out["ctl_cpu_us_per_spmd_node"] / 1000 / BUSY
 
     # a pipeline of one 1 ms stage per host, parallel against sequential dispatch
-    stages = min(hosts, 64)
-    one = d.program(1.0)
-    rates: dict[str, list[float]] = {"parallel": [], "sequential": []}
-    for _ in range(repeats):
-        for dispatch in ("parallel", "sequential"):
-            calls, x = [], None
-            for s in range(stages):
-                c, x = d.spmd(one, [d.hosts[s].devices[0].id], x)
-                calls.append(c)
-            first = [o.buffer for c in calls[:-1] for o in c.outputs]
-            wall = timed(d, lambda: d.send_program(calls, dispatch, release=first), x,
-                         d.hosts[stages - 1].devices[0].id, 1)
-            d.release([x])
-            rates[dispatch].append(1 / wall)
-    par, seq = statistics.median(rates["parallel"]), statistics.median(rates["sequential"])
-    out["pipeline_stages"] = stages
-    out["pipeline_runs_per_s"] = {"parallel": par, "sequential": seq}
-    out["pipeline_ideal_runs_per_s"] = 1 / (stages * 1e-3)
-    out["pipeline_parallel_over_sequential"] = par / seq
+    out.update(pipeline(d, min(hosts, 64), repeats))
     d.drain()
     out["relayed_messages"] = d.relayed()
     out["ctl_rss_mib"] = ctl.memory_info().rss / 2**20
     out["sim_rss_mib"] = sim.memory_info().rss / 2**20
     out["seconds"] = time.perf_counter() - started
     return out
+
+
+def pipeline(d: Driver, stages: int, repeats: int) -> dict:
+    """A pipeline of ``stages`` 1 ms stages, one per host, each reading the
+    previous stage's output from the previous host: parallel against
+    sequential dispatch. Sequential dispatch pays a controller round trip per
+    stage, so its time moves with the machine's load (other processes on the
+    two cores delay every round trip); the two modes therefore run in adjacent
+    pairs (which mode goes first alternates), after one unmeasured run of
+    each, and the figure is the median of the pairs' ratios, with their
+    spread."""
+    one = d.program(1.0)
+
+    def run(dispatch: str) -> float:
+        calls, x = [], None
+        for s in range(stages):
+            c, x = d.spmd(one, [d.hosts[s].devices[0].id], x)
+            calls.append(c)
+        first = [o.buffer for c in calls[:-1] for o in c.outputs]
+        wall = timed(d, lambda: d.send_program(calls, dispatch, release=first), x,
+                     d.hosts[stages - 1].devices[0].id, 1)
+        d.release([x])
+        return wall
+
+    run("parallel")              # warm-up: plans, templates, the program on every host
+    run("sequential")
+    walls: dict[str, list[float]] = {"parallel": [], "sequential": []}
+    ratios = []
+    for i in range(repeats):
+        pair = ("parallel", "sequential") if i % 2 == 0 else ("sequential", "parallel")
+        got = {mode: run(mode) for mode in pair}
+        for mode, wall in got.items():
+            walls[mode].append(wall)
+        ratios.append(got["sequential"] / got["parallel"])
+    par, seq = (statistics.median(walls[mode]) for mode in ("parallel", "sequential"))
+    return {"pipeline_stages": stages,
+            "pipeline_runs_per_s": {"parallel": 1 / par, "sequential": 1 / seq},
+            "pipeline_ideal_runs_per_s": 1 / (stages * 1e-3),
+            "pipeline_parallel_over_sequential": statistics.median(ratios),
+            "pipeline_ratio_range": [min(ratios), max(ratios)],
+            "pipeline_ms": {mode: [round(w * 1e3, 2) for w in ws] for mode, ws in walls.items()}}
 
 
 def plot(results: list[dict], path: str) -> None:
@@ -423,9 +457,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hosts", type=int, nargs="+", default=list(HOSTS), help="sizes to measure")
     p.add_argument("--devices", type=int, default=4, help="devices per simulated host")
     p.add_argument("--big-nodes", type=int, default=10_000, help="nodes of the big program")
-    p.add_argument("--repeats", type=int, default=3, help="pipeline runs per dispatch mode")
+    p.add_argument("--repeats", type=int, default=7, help="pipeline pairs (one run of each dispatch mode)")
     p.add_argument("--quick", action="store_true", help="fewer nodes per measurement")
-    p.add_argument("--json", action="store_true", help="one JSON object per size")
+    p.add_argument("--json", nargs="?", const="", metavar="PATH",
+                   help="one JSON object per size; with PATH, the last one also into PATH (benchmarks/ab.py)")
     p.add_argument("--png", metavar="PATH", help="draw the figures into PATH (needs matplotlib)")
     p.add_argument("--relay-min-hosts", type=int, help="ZPATH_RELAY_MIN_HOSTS of the controller "
                    "(messages for this many hosts go through relays; 0: none; default: the controller's)")
@@ -440,8 +475,11 @@ def main(argv: list[str] | None = None) -> int:
         r = measure(n, args.devices, args.quick, args.big_nodes, args.repeats, args.relay_min_hosts,
                     args.relay_group)
         results.append(r)
-        if args.json:
+        if args.json is not None:
             print(json.dumps(r), flush=True)
+            if args.json:
+                with open(args.json, "w") as f:
+                    json.dump(r, f)
         else:
             print(f"hosts {n:4d}: {r['spmd_nodes_per_s']:8.1f} SPMD nodes/s op by op, "
                   f"{r['traced_nodes_per_s']:8.1f} traced, {r['sequential_nodes_per_s']:8.1f} sequential; "
@@ -450,7 +488,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"stall max {r['max_stall_ms']:7.1f} ms ({r['big_program_nodes']} nodes in "
                   f"{r['big_program_s']:.2f} s); RSS {r['ctl_rss_mib']:.0f} MiB; "
                   f"busy at >= {r['min_busy_computation_ms']} ms; pipeline of {r['pipeline_stages']} "
-                  f"parallel/sequential {r['pipeline_parallel_over_sequential']:.2f}", flush=True)
+                  f"parallel/sequential {r['pipeline_parallel_over_sequential']:.2f} "
+                  f"({r['pipeline_ratio_range'][0]:.2f}-{r['pipeline_ratio_range'][1]:.2f})", flush=True)
     if args.png:
         plot(results, args.png)
     return 0

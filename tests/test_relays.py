@@ -8,6 +8,7 @@ import dataclasses
 import time
 
 import pytest
+import zmq
 
 from zpath.config import ControllerConfig
 from zpath.controller import dispatch
@@ -17,17 +18,19 @@ from zpath.net import messages as m
 from zpath.net.codec import PROTOCOL_VERSION
 from zpath.worker import relay as relays
 from zpath.worker.relay import RelayState
-from tests.test_controller_tenancy import Rig
+from tests.test_controller_tenancy import Rig, loop_on  # noqa: F401 (a fixture)
 
 pytestmark = pytest.mark.timeout(60)
 
 
-def _rig(n: int = 8, group: int = 4, minimum: int = 4, **config) -> Rig:
-    """``n`` one-device hosts of one island runtime (SPMD over all of them)."""
+def _rig(n: int = 8, group: int = 4, minimum: int = 4, runtime: str = "rt", **config) -> Rig:
+    """``n`` one-device hosts of one island runtime (SPMD over all of them;
+    ``runtime=""``: hosts that share none, each lost alone)."""
     rig = Rig(hosts=(), relay_min_hosts=minimum, relay_group=group, **config)
     for h in range(n):
         rig.handle(f"w{h}".encode(), m.RegisterWorker(f"h{h}", 0, f"tcp://x:{h}", 1, "cpu", 1, PROTOCOL_VERSION,
-                                                      [h], "rt", h, n, f"machine{h}", "", ""))
+                                                      [h], runtime, h if runtime else 0, n if runtime else 1,
+                                                      f"machine{h}", "", ""))
     return rig
 
 
@@ -276,6 +279,52 @@ def test_a_lost_relay_fails_what_it_ran_naming_it_and_its_group_gets_a_new_relay
     rig.run(rig.c._host_lost, 8, "killed")
     assert rig.c.relay_of_hosts()[9] == 9 and 8 not in rig.c.relay_of_hosts()
     assert all(rig.c.relay_of_hosts()[h] == 0 for h in range(4))
+
+
+def test_a_host_whose_message_is_dropped_is_lost_and_its_group_is_not_left_waiting(loop_on):
+    """The controller's queue to host 4 (a relay) is full: the Relay it drops
+    would leave hosts 5-7 waiting ORDER_WAIT_S for what 4 forwards. Host 4
+    is lost at once instead: its part of the call fails with HostLost and
+    every worker gets its HostDown, which releases what waits for it (here
+    the island goes with it: its hosts share one JAX runtime)."""
+    rig = _rig()
+    ctl = loop_on(rig)
+    sent: list[tuple[bytes, m.Record]] = []
+
+    def send(sock, msg, to=None, parent=0, buffers=(), msg_id=0, block=True, sign=None):
+        if to == b"w4":
+            raise zmq.Again()
+        sent.append((to, msg))
+
+    def send_batch(sock, msgs, to=None, block=True, sign=None):
+        if to == b"w4":
+            raise zmq.Again()
+        sent.extend((to, e[0]) for e in msgs)
+        return []
+
+    ctl.ep.send, ctl.ep.send_batch = send, send_batch
+    a, _ = rig.client("a")
+    call, out = _spmd(rig, a, 8)
+    ctl._run(rig.c.handle(rig.now, a, next(rig.ids), call, []))
+    ctl._flush_out()
+    rig.c.validate_state()
+    assert 4 not in rig.c.worker_ident and b"w4" not in rig.c.peers
+    failed = [x for i, x in sent if i == a and type(x) is m.CallFailed and out in x.buffers]
+    assert failed and failed[0].error.kind == ErrorKind.HOST_LOST and failed[0].error.host == 4
+    assert "queue full" in failed[0].error.message       # (the first message dropped: its RegisterProgram)
+    down = {i for i, x in sent if type(x) is m.HostDown and x.rank == 4}
+    assert down >= {f"w{h}".encode() for h in (0, 1, 2, 3, 5, 6, 7)}
+    assert not rig.c.in_flight and {i for i, x in sent if type(x) is m.Shutdown} == down - {a}
+    # a group host that waits for what relay 4 forwards goes on at its HostDown
+    s = RelayState()
+    s.direct(m.Await(4, 1), [], 0.0)
+    s.direct(m.Free([1]), [], 0.0)
+    hd = next(x for i, x in sent if i == b"w5" and type(x) is m.HostDown)
+    assert _names(s.direct(hd, [], 0.1)) == ["HostDown"]
+    assert _names(s.relay_lost(hd.rank, 0.1)) == ["Free[1]"]
+    s.validate_state()
+    # a drop to a host lost already changes nothing
+    assert ctl.core.unreachable(rig.now, 4, "Free") == []
 
 
 def test_relay_config_is_checked():

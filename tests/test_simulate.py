@@ -318,3 +318,34 @@ def test_a_killed_simulated_process_loses_its_hosts_as_real_ones_are():
             d.wait_for(out0, devs0[0], len(devs0), timeout=20)
         finally:
             d.close()
+
+
+def test_relays_in_two_islands_and_a_transfer_between_them():
+    """Two islands of 8 simulated hosts (two devices each), relays for
+    messages of 4 hosts or more in groups of 4: SPMD nodes on each island go
+    through relays (the controller's count grows with each), and a node on
+    island 1 reads island 0's output (a transfer between the islands)."""
+    scale = _scale_module()
+    env = {"ZPATH_RELAY_MIN_HOSTS": "4", "ZPATH_RELAY_GROUP": "4"}
+    with SimulatedCluster(16, 2, islands=2, cost_ms=1.0, env=env, start_timeout=60) as c:
+        d = scale.Driver(c.address, c.key)
+        try:
+            devs = {i: [dev.id for h in d.hosts if h.island == i for dev in h.devices] for i in (0, 1)}
+            assert len(devs[0]) == len(devs[1]) == 16
+            prog = d.program(1.0)
+            relayed = d.relayed()
+            calls, outs = scale.chain(d, prog, devs[0], 3)            # island 0
+            d.send_calls(calls)
+            d.wait_for(outs[-1], devs[0][0], 16, timeout=30)
+            after0 = d.relayed()
+            assert after0 >= relayed + 3 * 2, (relayed, after0)       # 2 groups of 4 hosts per node
+            # island 1 reads island 0's last output (moved between the islands), then goes on
+            calls, outs1 = scale.chain(d, prog, devs[1], 3, x=outs[-1])
+            d.send_calls(calls)
+            d.wait_for(outs1[-1], devs[1][0], 16, timeout=30)
+            d.drain()                                                 # (raises on a refused call)
+            # (the first node's Execute differs per host, each naming its pieces: it goes directly)
+            assert d.relayed() >= after0 + 2 * 2
+            d.release(outs + outs1)
+        finally:
+            d.close()

@@ -212,6 +212,21 @@ class ControllerCore(Peers, FastCalls, Admission, Dispatch, Fusion, Failures, Re
             log.exception("error while checking suspect hosts")
         return self._take()
 
+    def unreachable(self, now: float, rank: int, what: str) -> list[Effect]:
+        """A message to host ``rank`` was dropped: its queue is full, it has
+        stopped reading. It is lost, as a silent host is: what it ran fails,
+        and the hosts that wait for a message it was to forward as a relay
+        (or for what it relayed to them) are released by its ``HostDown``
+        rather than after ``ORDER_WAIT_S`` (docs/design.md, "Reports through
+        relays")."""
+        self.now = now
+        if rank in self.worker_ident:           # (not lost already)
+            try:
+                self._host_lost(rank, f"it stopped reading its messages (queue full): {what} dropped")
+            except Exception:  # a bug here must not take the controller down
+                log.exception("error while losing host %d", rank)
+        return self._take()
+
     def resume(self, now: float) -> list[Effect]:
         """Go on with the planning (or sending) that stopped at a flush point
         (``busy``)."""

@@ -80,6 +80,7 @@ class Controller:
         self._out: dict[bytes, list[tuple]] = {}
         self._items: dict[int, tuple] = {}      # id(message) -> its item, until the flush
         self._inner: dict[int, tuple] = {}      # id(message) -> (it, its frames) that Relays carry
+        self._unreachable: dict[int, str] = {}  # hosts a message was dropped to -> what (see _dropped)
 
     # ---- sending -------------------------------------------------------------
     def _emit(self, effects: list[Effect]) -> None:
@@ -155,6 +156,8 @@ class Controller:
         if len(out) < 2:
             for ident, msgs in out.items():
                 self._send_now(ident, msgs)
+            if self._unreachable:
+                self._lose_unreachable()
             return
         same: dict[tuple[int, ...], tuple[list[tuple], list[bytes]]] = {}
         for ident, msgs in out.items():
@@ -169,6 +172,8 @@ class Controller:
                 self._send_now(idents[0], msgs)
             else:
                 self._send_to_many(idents, msgs)
+        if self._unreachable:
+            self._lose_unreachable()
 
     def _send_to_many(self, idents: list[bytes], msgs: list[tuple]) -> None:
         try:
@@ -208,9 +213,21 @@ class Controller:
             self._flush_out()
 
     def _dropped(self, ident: bytes, what: str) -> None:
+        """A peer's queue is full. A worker that missed a message cannot go on
+        in order (a missed Execute never reports, a missed Relay leaves its
+        group waiting for what it forwards): it is lost, once this flush is
+        done (``_lose_unreachable``)."""
         peer = self.core.peers.get(ident)
         log.error("%s %s is not reading its messages (queue full): dropped %s",
                   peer.role if peer else "peer", peer.id if peer else repr(ident), what)
+        if peer is not None and peer.role == "worker":
+            self._unreachable.setdefault(peer.id, what)
+
+    def _lose_unreachable(self) -> None:
+        while self._unreachable:
+            rank, what = self._unreachable.popitem()
+            self._emit(self.core.unreachable(time.monotonic(), rank, what))
+            self._flush_out()
 
     # ---- loop ----------------------------------------------------------------
     def serve_forever(self) -> None:

@@ -23,9 +23,11 @@ kind back until its turn; ``Ping``, ``HostDown``, ``Shutdown`` and a
 releases what waits for it, and its group's hosts send the rows they sent it
 in the last ``ROWS_KEPT_S`` seconds to the controller themselves (the
 controller takes a host's own rows while it still runs that computation, so
-rows the relay did pass on are dropped there). Something held longer than
-``ORDER_WAIT_S`` (a message the controller could not send) goes anyway, with
-a log line.
+rows the relay did pass on are dropped there). A host to which the
+controller could not send a message (its queue full) is lost at once, so
+neither it nor its group waits for that message (``ControllerCore.unreachable``);
+something held longer than ``ORDER_WAIT_S`` still goes anyway, with a log
+line, as a last resort.
 
 Pure state: the I/O thread (``server.Worker``, ``simulate.SimHost``) hands
 each event and ``now`` in and carries out what comes back."""
@@ -98,9 +100,14 @@ class RelayState:
                   buffers: list, now: float) -> list[Item]:
         """A message a relay forwarded (after the ``after``-th direct one):
         what to handle now, in order. Its computations report to the relay."""
-        for exec_id in collect:
-            if relay not in self.lost_relays:
+        if relay not in self.lost_relays:
+            for exec_id in collect:
                 self.report_to[exec_id] = (relay, address)
+        if not self.waiting and self.blocked is None and after <= self.received:
+            # its turn already (nothing held: the usual case, every message
+            # through the relay)
+            self.forwarded_from[relay] = self.forwarded_from.get(relay, 0) + 1
+            return [(msg, buffers)]
         self.waiting.append((after, relay, msg, buffers, now))
         return self._pump(now)
 
