@@ -16,7 +16,7 @@ import collections
 import dataclasses
 import itertools
 import math
-from typing import Any, Callable, Collection
+from typing import Any, Callable, Collection, Sequence
 
 import numpy as np
 
@@ -438,9 +438,7 @@ class Directory:
             for h in shards:
                 shards[h].append([])
             if i.put:
-                layout: dict[Region, list[int]] = {}
-                for d, r in zip(call.devices, regs, strict=True):
-                    layout.setdefault(r, []).append(d)
+                layout = new_layout(call.devices, regs)
                 ops.append((_NEW, k, tuple(i.aval.shape), i.aval.dtype, layout,
                             footprint_of([layout], i.aval.dtype)))
                 for d, h, r in zip(call.devices, hosts, regs, strict=True):
@@ -468,16 +466,14 @@ class Directory:
                 after = footprint_of(lays, buf.dtype)
                 ops.append((_ADD, k, new, Footprint({d: n - before.get(d, 0) for d, n in after.items()})))
         for k, (o, regs) in enumerate(zip(call.outputs, out_regs, strict=True), len(call.inputs)):
-            layout = {}
-            for d, r in zip(call.devices, regs, strict=True):
-                layout.setdefault(r, []).append(d)
+            layout = new_layout(call.devices, regs)
             ops.append((_NEW, k, tuple(o.aval.shape), o.aval.dtype, layout,
                         footprint_of([layout], o.aval.dtype)))
         # layouts as region -> tuple of devices: a buffer's copy of one is a
         # plain dict copy (its values are never changed in place, only replaced);
         # a new buffer's layouts key (see layouts_key) is made once, here
         ops = [(op[0], op[1], *op[2:4], (lay := {r: tuple(d) for r, d in op[4].items()}), op[5],
-                self.intern(LayoutsKey((tuple(lay.items()),)))) if op[0] == _NEW
+                self.intern(new_layouts_key(lay))) if op[0] == _NEW
                else (op[0], op[1], {r: tuple(d) for r, d in op[2].items()}, op[3]) for op in ops]
         jax_ids = [self.jax_id_of(d) for d in call.devices]
         weight = 1 + len(call.devices) * (len(call.inputs) + len(call.outputs) + 1) + pieces_n + len(sends)
@@ -611,6 +607,20 @@ def spec_key(spec: m.Spec) -> tuple:
         if e is not None and type(e) is not str:
             return tuple([e if e is None or type(e) is str else tuple(e) for e in spec])
     return tuple(spec)
+
+
+def new_layout(devices: Sequence[int], regions: Sequence[Region]) -> dict[Region, tuple[int, ...]]:
+    """A new buffer's layout: each region with the devices that hold it, in
+    the devices' order."""
+    layout: dict[Region, list[int]] = {}
+    for d, r in zip(devices, regions, strict=True):
+        layout.setdefault(r, []).append(d)
+    return {r: tuple(ds) for r, ds in layout.items()}
+
+
+def new_layouts_key(layout: dict[Region, tuple[int, ...]]) -> LayoutsKey:
+    """The layouts key of a new buffer of one layout (``layouts_key``)."""
+    return LayoutsKey((tuple(layout.items()),))
 
 
 def layouts_key(buf: Buffer) -> tuple:

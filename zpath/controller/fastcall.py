@@ -36,7 +36,7 @@ from typing import Any
 
 from zpath import sharding
 from zpath.controller.admission import SEND_COST
-from zpath.controller.directory import Buffer, Plan, footprint_of, layouts_key
+from zpath.controller.directory import Buffer, Plan, footprint_of, layouts_key, new_layout, new_layouts_key
 from zpath.controller.records import InFlight, ParkedNode, Peer, ProgramRun, Submission
 from zpath.controller.report_hold import may_hold
 from zpath.controller.scheduler import Ready
@@ -244,9 +244,9 @@ class FastCalls:
         try:
             for k, i in enumerate(ins):
                 if i.put:
-                    new.append((False, k, *self._made(peer, call, i.aval, i.spec)))
+                    new.append((False, k, *self._made(call, i.aval, i.spec)))
             for k, o in enumerate(outs):
-                made = self._made(peer, call, o.aval, o.spec)
+                made = self._made(call, o.aval, o.spec)
                 buf = buffers.get(o.buffer)
                 if buf is None or buf.layouts != [made[2]]:
                     return                 # (not what the directory made: never sent this way)
@@ -271,18 +271,12 @@ class FastCalls:
         entries.append(e)
         del entries[:-FAST_PER_KEY]
 
-    @staticmethod
-    def _made(peer: Peer, call: m.Call, aval: m.Aval, spec: m.Spec) -> tuple:
+    def _made(self, call: m.Call, aval: m.Aval, spec: m.Spec) -> tuple:
         """A new buffer's (shape, dtype, layout, bytes per device, layouts
         key) as the directory plans it (Directory._lower)."""
-        layout: dict = {}
-        regions = sharding.regions(aval.shape, call.mesh_shape, call.axis_names, spec)
-        for d, r in zip(call.devices, regions, strict=True):
-            layout.setdefault(r, []).append(d)
-        layout = {r: tuple(ds) for r, ds in layout.items()}
-        shape = tuple(aval.shape)
-        probe = Buffer(0, shape, aval.dtype, peer.id, [layout])
-        return shape, aval.dtype, layout, footprint_of([layout], aval.dtype), layouts_key(probe)
+        layout = new_layout(call.devices, sharding.regions(aval.shape, call.mesh_shape, call.axis_names, spec))
+        return (tuple(aval.shape), aval.dtype, layout, footprint_of([layout], aval.dtype),
+                self.directory.intern(new_layouts_key(layout)))
 
     def validate_fastcalls(self) -> None:
         """At most FAST_PER_KEY calls remembered per (client, program), each

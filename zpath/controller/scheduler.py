@@ -28,16 +28,15 @@ class GangScheduler:
         """Give one computation (its per-host parts) its place in the island's
         order; return the (host, Execute) messages to send, in order, with
         their ``hold`` set to ``hold``."""
-        seq = self.next_seq.get(island, 0)
-        self.next_seq[island] = seq + 1
+        seq = self.take_seq(island)
         hosts = sorted(executes)
         first = executes[hosts[0]]
-        if type(self)._place is GangScheduler._place and all(ex is first for ex in executes.values()):
-            mine = codec.replace(first, seq=seq, hold=hold)      # one message for all (the usual SPMD case)
-            return [(host, mine) for host in hosts]
+        if all(ex is first for ex in executes.values()):     # one message for all (the usual SPMD case)
+            return self.place_shared(hosts, codec.replace(first, seq=seq, hold=hold))
         out = []
         placed: dict[int, m.Execute] = {}     # one message per distinct part (a shared one goes once)
-        for host, ex in sorted(executes.items()):
+        for host in hosts:
+            ex = executes[host]
             mine = placed.get(id(ex))
             if mine is None:
                 mine = placed[id(ex)] = codec.replace(ex, seq=seq, hold=hold)
@@ -52,14 +51,11 @@ class GangScheduler:
 
     def place_shared(self, hosts: list[int], ex: m.Execute) -> list[tuple[int, m.Execute]]:
         """``dispatch`` for a computation whose hosts (sorted) all get one
-        message, made with its place from ``take_seq`` (the fast path of a
-        repeated call, fastcall.py)."""
-        if len(hosts) == 1:
-            return self._place(hosts[0], ex, 1)
-        out = []
-        for host in hosts:
-            out += self._place(host, ex, len(hosts))
-        return out
+        message, made with its place from ``take_seq`` (also the fast path of
+        a repeated call, fastcall.py)."""
+        if type(self)._place is GangScheduler._place:
+            return [(host, ex) for host in hosts]
+        return [sent for host in hosts for sent in self._place(host, ex, len(hosts))]
 
     def _place(self, host: int, ex: m.Execute, hosts: int) -> list[tuple[int, m.Execute]]:
         """What to send ``host`` now for its part ``ex`` of a computation on
