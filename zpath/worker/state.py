@@ -48,20 +48,15 @@ MAX_PENDING_FETCHES = 16_384
 # the I/O thread looks at its deadlines at least this often (seconds)
 IDLE_WAIT_S = 0.5
 
-def with_local_shards(ex: m.Execute, local: Any) -> m.Execute:
-    """``ex`` with the shards of this host's devices (those in ``local``) named
-    for every input whose ``shards`` the controller left empty: the one
-    Execute it sends every host when each shard is in place at the region the
-    input's spec gives its device (docs/protocol.md, Execute)."""
-    return LocalShards(local)(ex)
-
-
 _exec_input = codec.constructor(m.ExecInput)
 
 
 class LocalShards:
-    """:func:`with_local_shards` for one host's devices (``local``), with the
-    shard list it names for an input remembered by what it depends on (the
+    """An Execute with the shards of this host's devices (those in ``local``)
+    named for every input whose ``shards`` the controller left empty: the one
+    Execute it sends every host when each shard is in place at the region the
+    input's spec gives its device (docs/protocol.md, Execute). The shard list
+    it names for an input is remembered by what it depends on (the
     computation's devices, mesh and axes, the input's shape and spec): op-by-op
     calls ask the same on every call. The lists and their ShardInputs are
     shared by the Executes that get them: read only. At most ``max_entries``
