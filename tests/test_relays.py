@@ -43,6 +43,15 @@ def _spmd(rig: Rig, ident: bytes, n: int, inp: int | None = None) -> tuple[m.Cal
                   [m.CallInput(inp, av, ["i", None], put)], [m.CallOutput(out, av, ["i", None])]), out
 
 
+def _running(rig: Rig) -> tuple[bytes, int, int]:
+    """A client's SPMD call over 8 hosts, handled: (the client, its output,
+    its exec id)."""
+    a, _ = rig.client("a")
+    call, out = _spmd(rig, a, 8)
+    rig.handle(a, call)
+    return a, out, next(iter(rig.c.in_flight))
+
+
 def _relays(rig: Rig, since: int = 0) -> list:
     return [e for e in rig.effects[since:] if type(e.msg) is m.Relay]
 
@@ -86,10 +95,7 @@ def test_few_hosts_and_the_pings_go_directly():
 
 def test_a_relay_s_batch_finishes_its_group_s_hosts_and_the_computation():
     rig = _rig()
-    a, _ = rig.client("a")
-    call, out = _spmd(rig, a, 8)
-    rig.handle(a, call)
-    ex = next(iter(rig.c.in_flight))
+    a, out, ex = _running(rig)
     rig.handle(b"w0", m.batch_of(_rows(ex, [1, 0, 3, 2])))
     assert rig.c.in_flight[ex].hosts == {4, 5, 6, 7}
     rig.handle(b"w4", m.batch_of(_rows(ex, [4, 5])))
@@ -100,10 +106,7 @@ def test_a_relay_s_batch_finishes_its_group_s_hosts_and_the_computation():
 
 def test_a_batch_charges_its_tenant_what_each_host_ran():
     rig = _rig()
-    a, _ = rig.client("a")
-    call, out = _spmd(rig, a, 8)
-    rig.handle(a, call)
-    ex = next(iter(rig.c.in_flight))
+    a, out, ex = _running(rig)
     secs = {h: 0.001 * (h + 1) for h in range(8)}
     rows = lambda hosts: [m.ExecRow(h, ex, None, 1000.0, 1000.0 + secs[h]) for h in hosts]   # noqa: E731
     rig.handle(b"w0", m.batch_of(rows([1, 0, 3, 2])))
@@ -239,10 +242,7 @@ def test_a_batch_from_a_client_is_refused():
 
 def test_a_direct_message_after_relayed_ones_comes_after_an_await():
     rig = _rig()
-    a, _ = rig.client("a")
-    call, out = _spmd(rig, a, 8)
-    rig.handle(a, call)
-    ex = next(iter(rig.c.in_flight))
+    a, out, ex = _running(rig)
     rig.handle(b"w0", m.batch_of(_rows(ex, range(4))))
     rig.handle(b"w4", m.batch_of(_rows(ex, range(4, 8))))
     # a one-device call on host 5 goes directly: first an Await for what relay 4 forwarded it
@@ -259,10 +259,7 @@ def test_a_direct_message_after_relayed_ones_comes_after_an_await():
 
 def test_a_lost_relay_fails_what_it_ran_naming_it_and_its_group_gets_a_new_relay():
     rig = _rig(host_timeout_s=5.0)
-    a, _ = rig.client("a")
-    call, out = _spmd(rig, a, 8)
-    rig.handle(a, call)
-    ex = next(iter(rig.c.in_flight))
+    a, out, ex = _running(rig)
     rig.handle(b"w0", m.batch_of(_rows(ex, [1, 2])))       # the relay's own row never comes
     mark = len(rig.log)
     rig.run(rig.c._host_lost, 0, "killed")
