@@ -35,7 +35,12 @@ STALL_S = 1.0            # the loop held up longer than this: not the peers' sil
 MAX_FRAME_BYTES = 272 << 20
 
 # after these, what handling them sends goes out before the next item of a batch
-_FLUSH_AFTER = (m.Call, m.Program, m.RunProgram, m.DefineProgram)
+_FLUSH_AFTER = (m.Program, m.RunProgram, m.DefineProgram)
+# Calls whose work is sent together while more are waiting (see _recv_all):
+# at most this many, and the first held at most this long (wall seconds of
+# handling the calls after it)
+COALESCE_CALLS = 8
+COALESCE_S = 0.0005
 
 # The collector's full passes visit every object the controller keeps: ~50-130
 # ms while a 10,000-node program is planned (what it collects then: nothing).
@@ -278,29 +283,39 @@ class Controller:
     def _recv_all(self, budget: int = 1000) -> None:
         """Handle waiting messages, at most ``budget`` of them, so the loop gets
         back to its timers (pings) even under a flood; what their handling
-        sends of planned nodes is bounded too (``ControllerCore.begin_turn``)."""
+        sends of planned nodes is bounded too (``ControllerCore.begin_turn``).
+
+        What handling a message sends goes out coalesced, one Batch per peer
+        (see _emit): for a received message (a client's Batch of calls, a
+        worker's reports), when it is done; after a Program (or a template's
+        definition or run), whose work is sent before the next is planned. A
+        Call's work waits while more Calls are waiting (later in the same
+        Batch, or readable on the socket), so a burst of op-by-op calls
+        reaches each host as one Batch of Executes, but for at most
+        COALESCE_CALLS calls or COALESCE_S of handling since the first: the
+        first call of a burst is not held back by the rest, and a lone call
+        goes at once."""
         self.core.begin_turn()
-        while budget > 0:
-            if not self.running:
-                return
-            try:
-                ident, frames = self.ep.recv_frames(self.sock, router=True, block=False)
-                header, msg, buffers = self.ep.decode(frames, ident, self.core.keys_of(ident))
-            except zmq.Again:
-                return
-            except BadMessage as e:
-                self._run(self.core.reject(time.monotonic(), e.ident,
-                                           e.header.msg_id if e.header else 0, str(e)))
-                self._flush_out()
-                budget -= 1
-                continue
-            # What handling a message sends goes out coalesced, one Batch per
-            # peer (see _emit): for a batch, when it is done, except after a
-            # Call or Program, whose work is sent before the next is planned
-            # (the first call of a burst is not held back by the rest).
-            msgs = unbatched(header, msg, buffers)
-            budget -= len(msgs)
-            try:
+        held = 0                 # calls handled since the last flush
+        since = 0.0              # when the first of them was handled
+        try:
+            while budget > 0:
+                if not self.running:
+                    return
+                try:
+                    ident, frames = self.ep.recv_frames(self.sock, router=True, block=False)
+                    header, msg, buffers = self.ep.decode(frames, ident, self.core.keys_of(ident))
+                except zmq.Again:
+                    return
+                except BadMessage as e:
+                    self._run(self.core.reject(time.monotonic(), e.ident,
+                                               e.header.msg_id if e.header else 0, str(e)))
+                    self._flush_out()
+                    held = 0
+                    budget -= 1
+                    continue
+                msgs = unbatched(header, msg, buffers)
+                budget -= len(msgs)
                 for header, msg, buffers in msgs:
                     now = time.monotonic()
                     if isinstance(msg, ProtocolError):      # one bad item of a batch
@@ -311,17 +326,34 @@ class Controller:
                     if why:
                         self._run(self.core.reject(now, ident, header.msg_id, why))
                         continue
-                    if type(msg) in _FLUSH_AFTER:        # a submission: its planning on the timeline
+                    kind = type(msg)
+                    if kind is m.Call:        # planned and sent (or held: see above)
+                        t0 = time.time()
+                        self._run(self.core.handle(now, ident, header.msg_id, msg, buffers))
+                        t1 = time.time()
+                        self._plan_event(ident, msg, t0, t1)
+                        if not held:
+                            since = t0
+                        held += 1
+                        if held >= COALESCE_CALLS or t1 - since >= COALESCE_S:
+                            self._flush_out()
+                            held = 0
+                    elif kind in _FLUSH_AFTER:   # a submission: its planning on the timeline
                         t0 = time.time()
                         self._run(self.core.handle(now, ident, header.msg_id, msg, buffers))
                         self._plan_event(ident, msg, t0, time.time())
                         self._flush_out()
+                        held = 0
                     else:
                         self._run(self.core.handle(now, ident, header.msg_id, msg, buffers))
-            finally:
-                self._flush_out()
-            if not readable(self.sock):
-                return
+                more = readable(self.sock)
+                if not (held and more):
+                    self._flush_out()
+                    held = 0
+                if not more:
+                    return
+        finally:
+            self._flush_out()
 
     def _plan_event(self, ident: bytes, msg: Any, start: float, end: float) -> None:
         peer = self.core.peers.get(ident)
