@@ -75,6 +75,8 @@ class Admission:
         # parts come so far (see Program.more)
         # (None: refused for its size; its later parts are refused too)
         self.program_parts: dict[tuple[bytes, int], tuple[list[m.Call], list[int]] | None] = {}
+        # host -> buffers this event frees there, sent as one Free at its end (see _free)
+        self.frees_pending: dict[int, list[int]] = {}
 
     @property
     def busy(self) -> bool:
@@ -425,23 +427,40 @@ class Admission:
             self._resume_waiting()      # a waiting call that keeps it alive may go ahead
 
     def _free(self, frees: dict[int, list[int]]) -> None:
-        same: dict[tuple[int, ...], m.Free] = {}     # hosts told the same get one message (encoded once)
-        by_list: dict[int, m.Free] = {}               # (the same list object: the same message, at once)
-        out = []
+        """Tell hosts to free buffers: what one event frees on a host goes as
+        one Free, after the event's other messages (``send_frees``), so a
+        burst of nodes sent together (each freeing what the one before read)
+        costs a host one Free, not one per node. A Free only waits for the
+        computations sent before it: later is never wrong, and no message
+        of the same event can name a buffer it frees (released buffers
+        leave the directory; a node sent later was planned before)."""
+        pending = self.frees_pending
         idents = self.worker_ident
         for rank, buffers in frees.items():
             if rank in idents:
-                msg = by_list.get(id(buffers))
-                if msg is None:
-                    key = tuple(buffers)
-                    msg = same.get(key)
-                    if msg is None:
-                        msg = same[key] = m.Free(buffers)
-                    by_list[id(buffers)] = msg
-                out.append((rank, msg))
-        self.to_hosts(out)
+                held = pending.get(rank)
+                if held is None:
+                    pending[rank] = list(buffers)
+                else:
+                    held += buffers
         if frees and self.memory_waiting:
             self._resume_waiting()
+
+    def send_frees(self) -> None:
+        """Send the Frees the event made (see ``_free``): hosts told the same
+        get one message (encoded once)."""
+        pending, self.frees_pending = self.frees_pending, {}
+        same: dict[tuple[int, ...], m.Free] = {}
+        out = []
+        idents = self.worker_ident
+        for rank, buffers in pending.items():
+            if rank in idents:           # (not lost meanwhile)
+                key = tuple(buffers)
+                msg = same.get(key)
+                if msg is None:
+                    msg = same[key] = m.Free(buffers)
+                out.append((rank, msg))
+        self.to_hosts(out)
 
     def _free_puts(self, call: m.Call, owner: int) -> None:
         """Shards the client already put for a call that will not run: free them
@@ -459,6 +478,7 @@ class Admission:
         seqs = [s.seq for s in self.memory_waiting]
         assert seqs == sorted(seqs), f"memory_waiting out of arrival order: {seqs}"
         assert not self._resuming
+        assert not self.frees_pending, "Frees of an event left unsent"
         for s in self.memory_waiting:
             assert s.next < len(s.calls), "a planned submission still waits for memory"
             assert s.pinned_from is not None and s.pinned_from <= s.next, "a waiting submission is not pinned"

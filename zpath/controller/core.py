@@ -115,6 +115,8 @@ class ControllerCore(Peers, FastCalls, Admission, Dispatch, Fusion, Failures, Re
                 out.append(Send(ident, msg, 0, ()))
 
     def _take(self) -> list[Effect]:
+        if self.frees_pending:
+            self.send_frees()
         out, self._out = self._out, []
         return out
 
