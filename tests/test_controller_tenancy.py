@@ -157,6 +157,44 @@ def test_a_long_held_chain_is_released_without_recursion(make_rig):
     assert rig.c._queued(ca) == 0 and not rig.failed(a)
 
 
+def test_what_one_event_frees_on_a_host_goes_as_one_free_after_its_other_messages(make_rig):
+    """Op-by-op calls held behind another client's window, each released by
+    the client once the next reads it (``x = f(x)``): when they go, in one
+    event, each frees what the one before read, and the host gets one Free."""
+    rig = make_rig()
+    busy = _fill_window(rig, 0)
+    a, _ = rig.client("a")
+    rig.c.tenants._cost[(rig.programs["f"][0], (0,))] = 1e-6
+    first, prev = rig.call(a, 0)
+    rig.handle(a, first)
+    rig.drain()                 # (the busy client's two go, and a's first)
+    _fill_window(rig, 0)
+    calls, released = [], []
+    for _ in range(10):
+        call, out = rig.call(a, 0, prev)
+        rig.handle(a, call)
+        rig.handle(a, m.Release([prev]))
+        calls.append(call)
+        released.append(prev)
+        prev = out
+    assert not [x for _, x in rig.log if isinstance(x, m.Free) and set(x.buffers) & set(released)]
+    mark = len(rig.log)
+    frees = []
+    for exec_id in [x for x, info in rig.c.in_flight.items() if info.client_ident == busy]:
+        start = len(rig.log)
+        rig.finish(exec_id)
+        event = rig.log[start:]
+        mine = [(to, x.buffers) for to, x in event if isinstance(x, m.Free)]
+        assert len(mine) <= 1 and (not mine or isinstance(event[-1][1], m.Free))   # after its Executes
+        frees += mine
+    assert [x.outputs[0].buffer for x in rig.executes(mark)] == [c.outputs[0].buffer for c in calls]
+    assert [to for to, _ in frees] == [b"w0"] * len(frees) and len(frees) < len(released)
+    assert [b for _, bs in frees for b in bs] == released
+    rig.drain()
+    rig.handle(a, m.Release([prev]))
+    assert rig.idle()
+
+
 def test_nodes_of_a_lost_host_fail_in_a_long_cascade(make_rig):
     rig = make_rig(hosts=((0, 1), (1, 1)))
     a, ca = rig.client("a")
@@ -338,6 +376,89 @@ def test_what_one_received_message_makes_the_controller_send_goes_out_as_one_bat
     assert "cannot encode Error" in caplog.text and "UnicodeEncodeError" in caplog.text
     ctl._flush_out()
     assert sent[4:] == [(a, [m.Ping(5)])]
+
+
+def test_op_by_op_calls_waiting_together_go_to_a_host_in_few_batches_and_a_lone_one_at_once(
+        make_rig, loop_on, monkeypatch):
+    """Calls waiting together (one received Batch, or more messages readable)
+    are handled before one flush, at most COALESCE_CALLS of them and
+    COALESCE_S after the first; a call alone goes when it is handled."""
+    import collections
+
+    import zmq
+
+    from zpath.net import codec
+
+    rig = make_rig()
+    ctl = loop_on(rig)
+    sent: list[tuple[bytes, list[m.Record]]] = []
+    ctl.ep.send_batch = lambda sock, msgs, to=None, block=True, sign=None: \
+        sent.append((to, [e[0] for e in msgs])) or []
+    a, _ = rig.client("a")
+    rig.c.tenants._cost[(rig.programs["f"][0], (0,))] = 1e-6      # the window takes them all
+    inbox: collections.deque = collections.deque()     # what the socket holds: (ident, message)
+
+    def recv_frames(sock, router=False, block=True):
+        if not inbox:
+            raise zmq.Again()
+        return inbox[0][0], []
+
+    def decode(frames, ident=None, keys=None):
+        msg = inbox.popleft()[1]
+        if type(msg) is list:            # a client's Batch of calls
+            return None, codec.Batched([(codec.Header(PROTOCOL_VERSION, c.TYPE, next(rig.ids), 0, "a"), c)
+                                        for c in msg]), []
+        return codec.Header(PROTOCOL_VERSION, msg.TYPE, next(rig.ids), 0, "a"), msg, []
+
+    monkeypatch.setattr(ctl.ep, "recv_frames", recv_frames)
+    monkeypatch.setattr(ctl.ep, "decode", decode)
+    monkeypatch.setattr(server, "readable", lambda sock: bool(inbox))
+    prev = None
+
+    def chain(n: int) -> list[m.Call]:
+        nonlocal prev
+        calls = []
+        for _ in range(n):
+            call, prev = rig.call(a, 0, prev)
+            calls.append(call)
+        return calls
+
+    def executes() -> list[list[int]]:
+        """The outputs of the Executes of each batch sent (all to the one host)."""
+        assert all(to == b"w0" for to, _ in sent)
+        return [[x.outputs[0].buffer for x in msgs if isinstance(x, m.Execute)] for _, msgs in sent]
+
+    def outs(calls: list[m.Call]) -> list[int]:
+        return [c.outputs[0].buffer for c in calls]
+
+    monkeypatch.setattr(server, "COALESCE_S", 60.0)     # the count bounds it
+    calls = chain(20)
+    inbox.append((a, calls))
+    sent.clear()
+    ctl._recv_all()
+    assert executes() == [outs(calls[:8]), outs(calls[8:16]), outs(calls[16:])]
+    # three received messages of two calls each: one batch
+    more = [chain(2) for _ in range(3)]
+    inbox.extend((a, c) for c in more)
+    sent.clear()
+    ctl._recv_all()
+    assert executes() == [outs(more[0] + more[1] + more[2])]
+    # a call alone is not held: it went when _recv_all returned
+    lone = chain(1)
+    inbox.append((a, lone))
+    sent.clear()
+    ctl._recv_all()
+    assert executes() == [outs(lone)]
+    # the time bound: past COALESCE_S from the first held call, each flushes
+    monkeypatch.setattr(server, "COALESCE_S", 0.0)
+    calls = chain(5)
+    inbox.append((a, calls))
+    sent.clear()
+    ctl._recv_all()
+    assert executes() == [[o] for o in outs(calls)]
+    seqs = [x.seq for _, msgs in sent for x in msgs if isinstance(x, m.Execute)]
+    assert seqs == sorted(seqs)
+    rig.c.validate_state()
 
 
 def test_a_batch_through_the_controller_socket_each_item_handled_and_a_bad_one_answered(make_rig, loop_on):
