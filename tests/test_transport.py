@@ -445,6 +445,43 @@ def test_client_fetch_queued_for_a_host_it_has_since_heard_is_lost_looks_for_a_c
     assert others == [("Put", err)] and len(sent) == 1
 
 
+def test_client_sends_the_releases_made_among_a_burst_of_calls_as_one_release_after_them():
+    """``x = f(x)`` op-by-op: each x is released once the next call reads it.
+    The releases go as one Release after the calls around them (never before
+    a call made before them), and before any other message."""
+    from zpath.client.connection import Client
+    from zpath.net import messages as m
+
+    c = Client.__new__(Client)               # only what _flush uses
+    c.outbox = Outbox()
+    sent: list[list] = []
+    c._send_ctl = lambda msgs: sent.append([x[0] for x in msgs]) if msgs else None
+    c._data_sock = lambda host: ("data", host)
+    data = []
+    c._send = lambda sock, msg, buffers, msg_id: data.append((sent[-1] if sent else None, msg))
+    av = m.Aval([1], "float32")
+
+    def call(inp, out):
+        return m.Call(out, "p", [1], ["i"], [0], [m.CallInput(inp, av, [None], False)],
+                      [m.CallOutput(out, av, [None])])
+
+    try:
+        calls = [call(k, k + 1) for k in range(1, 5)]
+        for x in calls:
+            c.outbox.put("ctl", None, x, (), 0)
+            c.outbox.put("rel", None, x.inputs[0].buffer, (), 0)
+        c.outbox.put("ctl", None, m.StatusRequest(False), (), 5)
+        c.outbox.put("rel", None, 5, (), 0)
+        later = call(6, 7)
+        c.outbox.put("ctl", None, later, (), 0)
+        c.outbox.put("data", 0, m.Fetch(1, 7, 0, [[0, 1]], 1.0), (), 1)
+        assert c._flush() is False
+        assert sent == [[*calls, m.Release([1, 2, 3, 4]), m.StatusRequest(False), later, m.Release([5])]]
+        assert data == [(sent[0], m.Fetch(1, 7, 0, [[0, 1]], 1.0))]      # after what came before it
+    finally:
+        c.outbox.close()
+
+
 def test_send_batch_uses_bodies_packed_beforehand(pair):
     from zpath.net import codec
     from zpath.net import messages as m

@@ -34,6 +34,8 @@ log = logging.getLogger(__name__)
 REQUEST_TIMEOUT_S = 60.0
 HEARTBEAT_S = 1.0
 MAX_TEMPLATES = 1024          # program templates per connection (the controller's limit too)
+# submissions that releases made before them may follow (see Client._flush)
+_RELEASES_AFTER = (m.Call, m.Program, m.RunProgram)
 
 
 def error_from_info(info: m.ErrorInfo) -> ZpathError:
@@ -326,19 +328,22 @@ class Client:
 
     def _flush(self) -> bool:
         """Send what the outbox holds, in order; messages to the controller that
-        follow one another go as one Batch (calls made in a burst, with the
-        releases between them)."""
+        follow one another go as one Batch (calls made in a burst), and the
+        releases among them as one Release after them (but before anything
+        else): a release only ever goes later than it was made, never before
+        a call that reads what it releases (op-by-op ``x = f(x)`` releases
+        each x after the next call)."""
         to_ctl: list[tuple[Record, int, int]] = []
         released: list[int] = []
         for kind, target, msg, buffers, msg_id in self.outbox.drain():
-            if kind == "rel":           # batched into one Release, sent in order
+            if kind == "rel":           # batched into one Release, after the calls around it
                 released.append(msg)
                 continue
             if kind == "drop":          # templates of programs that are gone
                 with self._ids_lock:
                     self._templates_live -= len(msg)
                 kind, msg = "ctl", m.DropTemplates(msg)
-            if released:
+            if released and not (kind == "ctl" and type(msg) in _RELEASES_AFTER):
                 to_ctl.append((m.Release(released), 0, 0))
                 released = []
             if kind == "ctl" and not buffers:
