@@ -41,6 +41,8 @@ _FLUSH_AFTER = (m.Program, m.RunProgram, m.DefineProgram)
 # handling the calls after it)
 COALESCE_CALLS = 8
 COALESCE_S = 0.0005
+# a call's plan event, made without the record's frozen __init__ (one per call)
+_controller_event = codec.constructor(m.ControllerEvent)
 
 # The collector's full passes visit every object the controller keeps: ~50-130
 # ms while a 10,000-node program is planned (what it collects then: nothing).
@@ -48,6 +50,7 @@ COALESCE_S = 0.0005
 # it is idle (its poll timed out, no computation in flight) after FULL_GC_AFTER
 # young-generation passes; CPython runs one itself only after FULL_GC_FORCED
 # of them (~7M objects made in a loop that is never idle).
+
 FULL_GC_AFTER = 10            # CPython's own default threshold
 FULL_GC_FORCED = 1000
 
@@ -367,7 +370,7 @@ class Controller:
             case _:          # a template's run: its program's name
                 t = self.core.templates.get((peer.id, msg.template)) if peer else None
                 name = t.name if t is not None else f"template {msg.template}"
-        self.core.events.append(m.ControllerEvent("plan", peer.id if peer else -1, name, start, end))
+        self.core.events.append(_controller_event("plan", peer.id if peer else -1, name, start, end))
 
     def stop(self, *_: Any) -> None:
         self.running = False
