@@ -21,7 +21,14 @@ from zpath.client import tracer
 from zpath.client.avals import Aval, aval_of, dtype_name, host_value
 from zpath.client.futures import Future
 from zpath.errors import Closed
+from zpath.net import codec
 from zpath.net import messages as m
+
+# the records of every call, made without their frozen __init__ (codec.constructor)
+_aval = codec.constructor(m.Aval)
+_call = codec.constructor(m.Call)
+_call_input = codec.constructor(m.CallInput)
+_call_output = codec.constructor(m.CallOutput)
 
 _current: dict[str, Any] = {"client": None}
 DEFAULT_PMAP_AXIS = "_zp_pmap"      # the mesh axis of a zp.pmap given no axis_name
@@ -561,9 +568,9 @@ class Computation:
 
     def call_message(self, traced: _Traced, inputs: list[m.CallInput],
                      out_buffers: list[int]) -> m.Call:
-        outs = [m.CallOutput(b, m.Aval(list(shape), dtype_name(dtype)), spec)
+        outs = [_call_output(b, _aval(list(shape), dtype_name(dtype)), spec)
                 for b, (shape, dtype), spec in zip(out_buffers, traced.out_avals, traced.out_specs, strict=True)]
-        return m.Call(self.client.new_call_id(), traced.digest, list(self.mesh.shape),
+        return _call(self.client.new_call_id(), traced.digest, list(self.mesh.shape),
                       list(self.mesh.axis_names), self.mesh.device_ids, inputs, outs)
 
     def future(self, buffer: int, aval: Aval, spec: list, key: str | None = None) -> Future:
@@ -590,11 +597,11 @@ class Computation:
         traced = self.prepare(bound, self._may_donate(bound))
         inputs = []
         for x, (shape, dtype), spec, k in zip(bound.leaves, bound.avals, traced.in_specs, bound.keys, strict=True):
-            aval = m.Aval(list(shape), dtype_name(dtype))
+            aval = _aval(list(shape), dtype_name(dtype))
             if isinstance(x, Future):
-                inputs.append(m.CallInput(x.buffer, aval, spec, False))
+                inputs.append(_call_input(x.buffer, aval, spec, False))
             else:
-                inputs.append(m.CallInput(self.put(host_value(x, dtype, k), spec), aval, spec, True))
+                inputs.append(_call_input(self.put(host_value(x, dtype, k), spec), aval, spec, True))
         out_buffers = [client.new_buffer_id() for _ in traced.out_avals]
         futures = [self.future(b, a, spec, k) for b, a, spec, k in
                    zip(out_buffers, traced.out_avals, traced.out_specs, traced.out_keys, strict=True)]
@@ -614,6 +621,8 @@ class Computation:
         of their futures is read by this call alone (no call, program or fetch
         read it before, and it is not passed twice), so no transfer or fetch
         can still be reading it; client values put for this call always are."""
+        if not self.donate_argnums:
+            return False
         donated = self._donated_leaves(bound)
         if not donated:
             return False
