@@ -12,6 +12,7 @@ import hashlib
 import itertools
 import logging
 import threading
+import types
 from typing import Any, Callable
 
 import pytest
@@ -458,6 +459,18 @@ def test_op_by_op_calls_waiting_together_go_to_a_host_in_few_batches_and_a_lone_
     assert executes() == [[o] for o in outs(calls)]
     seqs = [x.seq for _, msgs in sent for x in msgs if isinstance(x, m.Execute)]
     assert seqs == sorted(seqs)
+    # the bound holds whatever follows a held call (other messages readable):
+    # a call handled at once, then messages that take past COALESCE_S
+    monkeypatch.setattr(server, "COALESCE_S", 0.5)
+    clock = iter([0.0, 0.0])          # the call's handling; then 10 s later
+    monkeypatch.setattr(server, "time", types.SimpleNamespace(time=lambda: next(clock, 10.0),
+                                                              monotonic=lambda: rig.now))
+    lone = chain(1)
+    inbox.extend([(a, lone), (a, m.Ping(1)), (a, m.Ping(2))])
+    sent.clear()
+    ctl._recv_all()
+    assert [(to, [type(x) for x in msgs]) for to, msgs in sent] == \
+        [(b"w0", [m.Execute]), (a, [m.Pong]), (a, [m.Pong])]
     rig.c.validate_state()
 
 

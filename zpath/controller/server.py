@@ -38,7 +38,7 @@ MAX_FRAME_BYTES = 272 << 20
 _FLUSH_AFTER = (m.Program, m.RunProgram, m.DefineProgram)
 # Calls whose work is sent together while more are waiting (see _recv_all):
 # at most this many, and the first held at most this long (wall seconds of
-# handling the calls after it)
+# handling what came after it)
 COALESCE_CALLS = 8
 COALESCE_S = 0.0005
 # a call's plan event, made without the record's frozen __init__ (one per call)
@@ -350,7 +350,7 @@ class Controller:
                     else:
                         self._run(self.core.handle(now, ident, header.msg_id, msg, buffers))
                 more = readable(self.sock)
-                if not (held and more):
+                if not (held and more) or time.time() - since >= COALESCE_S:
                     self._flush_out()
                     held = 0
                 if not more:
