@@ -50,7 +50,6 @@ _controller_event = codec.constructor(m.ControllerEvent)
 # it is idle (its poll timed out, no computation in flight) after FULL_GC_AFTER
 # young-generation passes; CPython runs one itself only after FULL_GC_FORCED
 # of them (~7M objects made in a loop that is never idle).
-
 FULL_GC_AFTER = 10            # CPython's own default threshold
 FULL_GC_FORCED = 1000
 
@@ -292,12 +291,12 @@ class Controller:
         (see _emit): for a received message (a client's Batch of calls, a
         worker's reports), when it is done; after a Program (or a template's
         definition or run), whose work is sent before the next is planned. A
-        Call's work waits while more Calls are waiting (later in the same
-        Batch, or readable on the socket), so a burst of op-by-op calls
-        reaches each host as one Batch of Executes, but for at most
-        COALESCE_CALLS calls or COALESCE_S of handling since the first: the
-        first call of a burst is not held back by the rest, and a lone call
-        goes at once."""
+        Call's work waits while more is waiting (later items of the same
+        Batch, or messages readable on the socket), so a burst of op-by-op
+        calls reaches each host as one Batch of Executes, but for at most
+        COALESCE_CALLS calls and COALESCE_S after the first was handled: the
+        first call of a burst is not held back long by the rest, and a call
+        with nothing behind it goes at once."""
         self.core.begin_turn()
         held = 0                 # calls handled since the last flush
         since = 0.0              # when the first of them was handled
