@@ -411,8 +411,7 @@ _SCRIPT = textwrap.dedent("""
     res["donated_reports"] += [[i, e] for i, e, _ in (reports.get(timeout=60) for _ in range(3))]
     res["donated"] = [[a.is_deleted() for b in range(8000, 8004) for a in stored(b)],
                       [np.asarray(a).tolist() for a in stored(8004)]]
-    ex.stop()
-    # the executor's threads, named for the kernel (they have all run by now)
+    # the executor's threads, named for the kernel (running: they have all run by now)
     names = set()
     for tid in os.listdir("/proc/self/task"):
         try:
@@ -420,6 +419,7 @@ _SCRIPT = textwrap.dedent("""
         except OSError:
             pass
     res["thread_names"] = sorted(n for n in names if n.startswith("zpath-"))
+    ex.stop()
     print(json.dumps(res))
 """)
 
