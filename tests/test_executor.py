@@ -22,7 +22,7 @@ from zpath.worker.store import Store, shard_key
 pytestmark = pytest.mark.timeout(120)
 
 _SCRIPT = textwrap.dedent("""
-    import dataclasses, hashlib, json, queue
+    import dataclasses, hashlib, json, os, queue
     import numpy as np
     import jax
     jax.config.update("jax_enable_x64", True)
@@ -411,6 +411,14 @@ _SCRIPT = textwrap.dedent("""
     res["donated_reports"] += [[i, e] for i, e, _ in (reports.get(timeout=60) for _ in range(3))]
     res["donated"] = [[a.is_deleted() for b in range(8000, 8004) for a in stored(b)],
                       [np.asarray(a).tolist() for a in stored(8004)]]
+    # the executor's threads, named for the kernel (running: they have all run by now)
+    names = set()
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            names.add(open(f"/proc/self/task/{tid}/comm").read().strip())
+        except OSError:
+            pass
+    res["thread_names"] = sorted(n for n in names if n.startswith("zpath-"))
     ex.stop()
     print(json.dumps(res))
 """)
@@ -504,6 +512,11 @@ def test_computations_the_controller_lets_hold_with_a_deep_queue_are_reported_wi
     assert [r[1] for r in got[1:]] == pytest.approx([short] * 6 + [0])
     assert results["held_deep_tiny_value"] == [2.0 ** 7] * 3
     assert results["held_deep_nothing_more"]
+
+
+def test_executor_threads_are_named_for_the_kernel(results):
+    # (top -H, perf and benchmarks/worker_threads.py tell them apart by these)
+    assert {"zpath-exec_0", "zpath-settle"} <= set(results["thread_names"])
 
 
 def test_store_wait_set_and_callbacks():

@@ -12,6 +12,7 @@ failed input poisons the outputs with the same root cause instead of running."""
 from __future__ import annotations
 
 import collections
+import ctypes
 import dataclasses
 import logging
 import queue
@@ -58,6 +59,22 @@ _SETTLING = object()     # (_run: the settler thread reports this one)
 # CPU, NCCL on GPUs)
 _PEER_FAILURE = re.compile(r"\bgloo\b.*\bfailed\b|connection (?:closed|reset|refused) by peer|broken pipe"
                            r"|\bnccl\b.*(?:error|failed)", re.IGNORECASE)
+
+
+try:       # to name threads for the kernel (Linux): top -H, perf, /proc/<pid>/task/*/comm
+    _prctl: Any = ctypes.CDLL(None, use_errno=True).prctl
+except (OSError, AttributeError):  # pragma: no cover
+    _prctl = None
+_PR_SET_NAME = 15
+
+
+def name_thread(name: str) -> None:
+    """Give the calling thread ``name`` (at most 15 bytes kept) where the
+    kernel shows it (``/proc/<pid>/task/<tid>/comm``, ``top -H``, ``perf``),
+    so a worker's threads can be told apart from outside (Python names its
+    threads for itself only). Does nothing where that is not available."""
+    if _prctl is not None:
+        _prctl(_PR_SET_NAME, ctypes.c_char_p(name.encode()[:15]), 0, 0, 0)
 
 
 def _as_is(buffer: int) -> int:
@@ -209,6 +226,7 @@ class Executor:
         reported with HOLD_SHORT_S. So a chain of computations wakes the I/O
         thread and the controller once per group instead of once per node. A
         failure is never held."""
+        name_thread(f"zpath-{threading.current_thread().name}")
         while not self._stopped:
             entry = self._ready.get()
             chain = None
@@ -248,6 +266,7 @@ class Executor:
 
     # ---- settling: storing a computation's outputs and reporting it ---------
     def _settler(self) -> None:
+        name_thread("zpath-settle")
         while True:
             token = self._settle_wake.get()
             try:

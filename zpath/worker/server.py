@@ -49,7 +49,7 @@ from zpath.net.transport import (LOG_BURST, LOG_RATE, REPLY_BURST, REPLY_RATE, B
                                  RateLimit, backoff, make_context, raw, readable, unbatched)
 from zpath.worker import compile_cache
 from zpath.worker import relay as relays
-from zpath.worker.executor import Executor
+from zpath.worker.executor import Executor, name_thread
 from zpath.worker.state import (Chunks, FusedRun, LocalShards, PendingFetch, ShapedLink, WorkerState,
                                 refused_on_data)
 from zpath.worker.store import Entry, PieceKey, Store, shard_key
@@ -173,7 +173,8 @@ class Worker:
         self.outbox = Outbox()
         self.chaining = False       # held reports: the executor's last report was held
         self.store = Store()
-        self.pool = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="send")
+        self.pool = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="send",
+                                                          initializer=name_thread, initargs=("zpath-send",))
         self.rank: int | None = None
         self.executor: Executor | None = None
         self.local_shards: LocalShards | None = None     # with the executor's devices, once registered
