@@ -346,6 +346,15 @@ def test_a_block_of_rows_makes_the_columns_its_rows_would():
     state.validate_state()
 
 
+def test_the_simulator_cpu_benchmark_counts_both_ways():
+    res = run_script([str(ROOT / "benchmarks" / "sim_cpu.py"), "--hosts", "64", "--nodes", "4", "--repeats", "2",
+                      "--per-host", "--json"], timeout=60)
+    assert res.returncode == 0, res.stderr[-2000:]
+    got = json.loads(res.stdout.strip().splitlines()[-1])
+    assert got["hosts"] == 64 and len(got["groups_us_per_host_per_node"]) == 2
+    assert got["groups_median"] > 0 and got["per_host_median"] > 0
+
+
 def test_the_simulated_worker_imports_no_jax():
     code = ("import sys, zpath.worker.simulate, zpath.cluster.cli; "
             "sys.exit(1 if any(n == 'jax' or n.startswith('jax.') for n in sys.modules) else 0)")

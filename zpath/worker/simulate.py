@@ -970,7 +970,9 @@ class SimGroup:
         if not h.alive:
             return
         for b, got in made:               # what it holds goes into its own store
-            if h not in got.copies:
+            if h in got.copies:
+                got.copies.discard(h)      # (its own now: freed by its own order)
+            else:
                 v = got.value(h.index)
                 if v is not None:
                     h.store.set(whole_key(b, h.index), v)
