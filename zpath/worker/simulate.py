@@ -29,7 +29,10 @@ computation of many hosts once, see docs/protocol.md) is checked and decoded
 once. Relays (zpath/worker/relay.py) work as on real workers, except that a
 relay hands what it forwards to hosts of its own process without a socket (one
 ``Forwarded`` per other process, checked and decoded once for all its hosts),
-and their reports reach it the same way.
+and their reports reach it the same way. Hosts that a relay gives the same
+computations are kept as one record (``SimGroup``: one queue, clock and timer,
+what their runs made kept once, their rows as one block) until a message for
+one of them alone splits it off (docs/design.md, "Simulated hosts").
 
 Kill the process (SIGKILL) to lose all its hosts at once, as a crashed
 machine; pause it (SIGSTOP) as a hung one; ``SimHost.kill`` loses one host.
@@ -766,10 +769,11 @@ class SimGroup:
     """Hosts of this process that run the same computations in the same
     order (a relay forwarded each to all of them, and only to them), kept as
     one record: one queue of runs, one device clock, one order of frees, one
-    timer per run, and one set of rows per report, built together; only what
-    each host holds (its store) is per host, written in one loop. Each host
-    still answers on the wire as a lone one would (its Pong, its Fetch, its
-    row of the relay's ``ExecDoneBatch``).
+    timer per run, what its runs made (``made``: once, not in each host's
+    store) and one block of rows per report. Each host still answers on the
+    wire as a lone one would (its Pong, its Fetch, its row of the relay's
+    ``ExecDoneBatch``); what it holds alone (a client's Put, a part it was
+    asked for: ``expose``) stays in its own store.
 
     A group forms when a relay's message reaches hosts of this process that
     all have nothing queued, running or held; a message for some of them
