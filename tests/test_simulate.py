@@ -27,9 +27,11 @@ from tests.conftest import run_script
 from zpath.cluster.launcher import SimulatedCluster
 from zpath.errors import ErrorKind
 from zpath.keys import session_key
+from zpath.net import codec
 from zpath.net import messages as m
 from zpath.net.codec import CLUSTER, PROTOCOL_VERSION
 from zpath.net.transport import Endpoint, make_context, unbatched
+from zpath.worker import relay as relays
 from zpath.worker.simulate import SimProcess, program_cost_s, sim_program
 
 pytestmark = pytest.mark.timeout(120)
@@ -82,8 +84,18 @@ class FakeController:
 @pytest.fixture
 def sim():
     """A SimProcess of two hosts (two devices each) registered with a fake controller."""
+    yield from _sim(True)
+
+
+@pytest.fixture(params=[True, False], ids=["groups", "per-host"])
+def sim_groups(request):
+    """As ``sim``, with groups of hosts (SimGroup) or without."""
+    yield from _sim(request.param)
+
+
+def _sim(groups: bool):
     ctl = FakeController()
-    proc = SimProcess(KEY, ctl.address, hosts=2, devices=2, cost_ms=5.0)
+    proc = SimProcess(KEY, ctl.address, hosts=2, devices=2, cost_ms=5.0, groups=groups)
     t = threading.Thread(target=lambda: (proc.register(10.0), proc.serve_forever()), daemon=True)
     t.start()
     idents = {}
@@ -253,6 +265,94 @@ def test_the_data_port_takes_puts_answers_fetches_and_refuses_the_rest(sim):
     assert data.poll(10_000)
     _, _, reply, _ = ctl.ep.recv(data)
     assert isinstance(reply, m.Error) and reply.code == ErrorKind.PROTOCOL
+
+
+def test_hosts_that_run_the_same_computations_answer_as_lone_ones(sim_groups):
+    """A relay's computations for both hosts run as one group record (or per
+    host): every host answers on the wire the same either way; a message to
+    one host splits it off, its queued and running work with it."""
+    ctl, proc, idents, data = sim_groups
+    h0, h1 = idents[0], idents[1]
+    blob = sim_program(30.0)
+    digest = hashlib.sha256(blob).hexdigest()
+    for ident in (h0, h1):
+        ctl.send(ident, m.RegisterProgram(digest, "f"), [blob])
+    ids = iter(range(100, 200))
+
+    def relay(msg: m.Record, collect: list[int]) -> None:
+        frames = codec.encode(KEY, msg, msg_id=next(ids), sender="controller")
+        ctl.send(h0, m.Relay([0, 1], [proc.data_address] * 2, [1, 1], collect), frames)
+
+    def rows(exec_id: int) -> list[tuple[int, float, float]]:
+        """The relay's batch for ``exec_id``: (host, start, end) of each row."""
+        _, batch = ctl.expect(m.ExecDoneBatch, where=lambda b: exec_id in b.exec_ids)
+        assert set(batch.exec_ids) == {exec_id} and not batch.errors
+        return sorted(zip(batch.hosts, batch.starts, batch.ends, strict=True))
+
+    x, y, z, w, v = (1 << 32 | k for k in range(1, 6))
+    relay(_execute(1, 0, digest, [], x), [1])
+    made = rows(1)
+    assert [h for h, _, _ in made] == [0, 1]
+    assert all(e - s == pytest.approx(0.030, abs=1e-6) for _, s, e in made)
+    relay(_execute(2, 1, digest, [m.ExecInput(x, AV, ["x"], [])], y), [2])
+    read = rows(2)
+    assert [h for h, _, _ in read] == [0, 1] and min(s for _, s, _ in read) >= max(e for _, _, e in made) - 1e-6
+    reply, bufs = _request(ctl, data, m.Fetch(5, y, 2, [[2, 3]], 10.0))
+    assert reply == m.FetchReply(5, m.Aval([1], "float32"), None) and bytes(bufs[0]) == bytes(4)
+    ctl.send(h1, m.Ping(1))
+    _, pong = ctl.expect(m.Pong, where=lambda p: p.seq == 1)
+    assert (pong.shards, pong.nbytes, pong.device_bytes) == (4, 16, [8, 8])   # x and y: 2 shards each
+    relay(m.Free([x]), [])
+    ctl.send(h0, m.Ping(2))             # (on the relay's socket: after the Free)
+    _, pong = ctl.expect(m.Pong, where=lambda p: p.seq == 2)
+    assert (pong.shards, pong.device_bytes) == (2, [4, 4])      # y only
+    # a computation for host 1 alone (it splits off), then one for both again
+    ctl.send(h1, m.Execute(3, 2, digest, "g", [2], ["x"], [2, 3], [2, 3], [],
+                           [m.ExecOutput(z, m.Aval([2], "float32"), ["x"])]))
+    _, alone = ctl.expect(m.ExecDone, where=lambda d: d.exec_id == 3)
+    assert alone.error is None
+    ctl.send(h1, m.Ping(3))
+    _, pong = ctl.expect(m.Pong, where=lambda p: p.seq == 3)
+    assert (pong.shards, pong.nbytes, pong.device_bytes) == (4, 16, [8, 8])   # y and z
+    relay(_execute(4, 3, digest, [m.ExecInput(y, AV, ["x"], [])], w), [4])
+    assert [h for h, _, _ in rows(4)] == [0, 1]
+    # host 1 splits off while both hosts' computation runs: it still reports
+    # that one through the relay, and runs its own after it, on its devices
+    relay(_execute(5, 4, digest, [m.ExecInput(w, AV, ["x"], [])], v), [5])
+    ctl.send(h1, m.Execute(6, 5, digest, "g", [2], ["x"], [2, 3], [2, 3], [], []))
+    both = rows(5)
+    _, after = ctl.expect(m.ExecDone, where=lambda d: d.exec_id == 6)
+    assert [h for h, _, _ in both] == [0, 1] and after.start >= both[1][2] - 1e-6
+    reply, _ = _request(ctl, data, m.Fetch(6, v, 3, [[3, 4]], 10.0))
+    assert reply.error is None
+    assert (proc.group_runs > 0) == proc.groups
+
+
+def test_a_block_of_rows_makes_the_columns_its_rows_would():
+    err = m.ErrorInfo(ErrorKind.REMOTE_ERROR, "x", 3, "", "")
+    row = m.ExecRow(3, 8, err, 1.0, 2.0, 0.5)
+    block = relays.RowBlock(7, [5, 6], 3.0, 4.0)
+    rows = [m.ExecRow(5, 7, None, 3.0, 4.0), row, m.ExecRow(6, 7, None, 3.0, 4.0)]
+    got = relays.batch_of([block, row], 2)
+    by_host = lambda rs: sorted(rs, key=lambda r: r.host)  # noqa: E731
+    assert by_host(m.rows_of(got)) == by_host(rows) and got.relay == 2
+    assert relays.batch_of([row], 2) == m.batch_of([row], 2)
+    state = relays.RelayState()
+    state.collect([7], [5, 6, 9])
+    state.rows_in(block, 0.0)
+    assert state.take_rows(0.0) == []                # host 9's row is still to come
+    state.row_in(m.ExecRow(9, 7, None, 3.0, 4.0), 0.0)
+    assert len(m.rows_of(relays.batch_of(state.take_rows(0.0)))) == 3
+    state.validate_state()
+
+
+def test_the_simulator_cpu_benchmark_counts_both_ways():
+    res = run_script([str(ROOT / "benchmarks" / "sim_cpu.py"), "--hosts", "64", "--nodes", "4", "--repeats", "2",
+                      "--per-host", "--json"], timeout=60)
+    assert res.returncode == 0, res.stderr[-2000:]
+    got = json.loads(res.stdout.strip().splitlines()[-1])
+    assert got["hosts"] == 64 and len(got["groups_us_per_host_per_node"]) == 2
+    assert got["groups_median"] > 0 and got["per_host_median"] > 0
 
 
 def test_the_simulated_worker_imports_no_jax():

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import collections
 import logging
-from typing import Any
+from typing import Any, NamedTuple
 
 from zpath.config import HOLD_SHORT_S
 from zpath.net import messages as m
@@ -57,6 +57,51 @@ IDLE = 0.5
 Item = tuple[Record, list]
 
 
+class RowBlock(NamedTuple):
+    """The rows of one computation from several hosts that ran it over the
+    same times (a group of simulated hosts, ``simulate.SimGroup``): one
+    record, not a row each (``batch_of`` spreads it into the columns)."""
+    exec_id: int
+    hosts: list[int]
+    start: float
+    end: float
+
+
+def batch_of(rows: list[m.ExecRow | RowBlock], relay: int = -1) -> m.ExecDoneBatch:
+    """The ``ExecDoneBatch`` of these rows and blocks (``m.batch_of`` where
+    every one is a row)."""
+    if all(type(r) is m.ExecRow for r in rows):
+        return m.batch_of(rows, relay)     # type: ignore[arg-type]
+    exec_ids: list[int] = []
+    hosts: list[int] = []
+    starts: list[float] = []
+    ends: list[float] = []
+    errors = []
+    for r in rows:
+        if type(r) is RowBlock:
+            n = len(r.hosts)
+            exec_ids += [r.exec_id] * n
+            hosts += r.hosts
+            starts += [r.start] * n
+            ends += [r.end] * n
+        else:
+            if r.error is not None:
+                errors.append(m.RowError(len(hosts), r.error))
+            exec_ids.append(r.exec_id)
+            hosts.append(r.host)
+            starts.append(r.start)
+            ends.append(r.end)
+    waited = [0.0] * len(hosts)
+    k = 0
+    for r in rows:               # (a block's hosts did not wait: they ran from their start)
+        if type(r) is RowBlock:
+            k += len(r.hosts)
+        else:
+            waited[k] = r.waited
+            k += 1
+    return m.ExecDoneBatch(exec_ids, hosts, starts, ends, waited, errors, relay)
+
+
 class RelayState:
     """One host's side of relays: the order of its control messages, where
     its reports go, and (as a relay) the rows it collects."""
@@ -76,7 +121,7 @@ class RelayState:
         self.sent_rows: dict[int, collections.deque[tuple[float, m.ExecRow]]] = {}
         # ---- collecting (as a relay) ----
         self.collecting: dict[int, set[int]] = {}     # exec id -> hosts yet to report
-        self.rows: list[m.ExecRow] = []               # rows to pass on
+        self.rows: list[m.ExecRow | RowBlock] = []    # rows to pass on (batch_of)
         self.rows_since = 0.0                         # when the oldest of them came
         self.complete = False                         # a computation's rows are all in
 
@@ -103,13 +148,20 @@ class RelayState:
         if relay not in self.lost_relays:
             for exec_id in collect:
                 self.report_to[exec_id] = (relay, address)
-        if not self.waiting and self.blocked is None and after <= self.received:
-            # its turn already (nothing held: the usual case, every message
-            # through the relay)
-            self.forwarded_from[relay] = self.forwarded_from.get(relay, 0) + 1
+        if self.take_in_turn(relay, after):
             return [(msg, buffers)]
         self.waiting.append((after, relay, msg, buffers, now))
         return self._pump(now)
+
+    def take_in_turn(self, relay: int, after: int) -> bool:
+        """Whether a message relay ``relay`` forwarded (after the ``after``-th
+        direct one) is in its turn now, nothing held before it (the usual
+        case, every message through the relay); if so it is counted as
+        handed out, and the caller handles it at once."""
+        if self.waiting or self.blocked is not None or after > self.received:
+            return False
+        self.forwarded_from[relay] = self.forwarded_from.get(relay, 0) + 1
+        return True
 
     def relay_lost(self, rank: int, now: float) -> list[Item]:
         """Host ``rank`` was lost (HostDown): what waited for it goes now.
@@ -209,7 +261,22 @@ class RelayState:
                 del self.collecting[row.exec_id]
                 self.complete = True
 
-    def take_rows(self, now: float) -> list[m.ExecRow]:
+    def rows_in(self, block: RowBlock, now: float) -> None:
+        """The rows of a block (a group of simulated hosts: only the
+        simulator gives them): as ``row_in`` for each."""
+        if not block.hosts:
+            return
+        if not self.rows:
+            self.rows_since = now
+        self.rows.append(block)
+        left = self.collecting.get(block.exec_id)
+        if left is not None:
+            left.difference_update(block.hosts)
+            if not left:
+                del self.collecting[block.exec_id]
+                self.complete = True
+
+    def take_rows(self, now: float) -> list[m.ExecRow | RowBlock]:
         """The rows to pass on now (every host reported a computation, or the
         oldest row held waited RELAY_HOLD_S), or none."""
         if not self.rows or not (self.complete or now - self.rows_since >= RELAY_HOLD_S):

@@ -29,7 +29,10 @@ computation of many hosts once, see docs/protocol.md) is checked and decoded
 once. Relays (zpath/worker/relay.py) work as on real workers, except that a
 relay hands what it forwards to hosts of its own process without a socket (one
 ``Forwarded`` per other process, checked and decoded once for all its hosts),
-and their reports reach it the same way.
+and their reports reach it the same way. Hosts that a relay gives the same
+computations are kept as one record (``SimGroup``: one queue, clock and timer,
+what their runs made kept once, their rows as one block) until a message for
+one of them alone splits it off (docs/design.md, "Simulated hosts").
 
 Kill the process (SIGKILL) to lose all its hosts at once, as a crashed
 machine; pause it (SIGSTOP) as a hung one; ``SimHost.kill`` loses one host.
@@ -38,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import copy
 import heapq
 import json
 import logging
@@ -218,6 +222,8 @@ class SimHost:
         self.out: list[Record] = []                # control messages to send at the next flush
         self.alive = True
         self.relay = relays.RelayState()
+        # the group whose computations this host runs with others (SimGroup), if any
+        self.group: SimGroup | None = None
         # messages that came after its Registered while other hosts registered
         self.early: list[tuple[Record, list]] = []                          # device-seconds of emulated computation run
 
@@ -237,6 +243,8 @@ class SimHost:
         """Lose this host as a crashed machine would: its connection closes
         without a word and nothing it had is answered again."""
         self.alive = False
+        if self.group is not None:
+            self.group.split(self, self.proc.now)
         self.proc.forget(self)
         self.ctl.close(0)
 
@@ -270,15 +278,17 @@ class SimHost:
         mine, after, forwards = relays.forwards(msg, self.rank, proc.data_address)
         if msg.collect:
             self.relay.collect(msg.collect, msg.hosts)
+        hosts, afters = ([self.rank], [after]) if mine else ([], [])
         for address, fwd in forwards:
-            if address == proc.data_address:
-                proc.forwarded(fwd, frames)
+            if address == proc.data_address:       # (this process's other hosts: no socket)
+                hosts += fwd.hosts
+                afters += fwd.after
             else:
                 proc._send_peer(address, fwd, frames)
-        if mine:
+        if hosts:
             got = proc.forwarded_message(self.rank, frames)
             if got is not None:
-                self.forwarded(self.rank, proc.data_address, after, msg.collect, *got, now)
+                proc.deliver(self.rank, proc.data_address, hosts, afters, msg.collect, *got)
 
     def _relay_lost(self, rank: int, now: float) -> None:
         for item, bufs in self.relay.relay_lost(rank, now):
@@ -291,7 +301,13 @@ class SimHost:
         if self.relay.rows:
             self.proc.relaying.add(self)
 
+    def idle(self) -> bool:
+        """Nothing queued, running or held here (it may join a group)."""
+        return not self.busy and not self.held and not any(self.queues.values())
+
     def handle_ctl(self, msg: Record, buffers: list, now: float) -> None:
+        if self.group is not None and type(msg) in SPLITS:
+            self.group.split(self, now)         # (a message for this host alone)
         match msg:
             case m.Execute():
                 self._submit(self._run_of(msg), now)
@@ -362,6 +378,18 @@ class SimHost:
                 for d, n in v.per_device or v.device_bytes():
                     if d in per:
                         per[d] += n
+        if self.group is not None:        # (what its group made, kept once for all its hosts)
+            for made in self.group.made.values():
+                if self in made.copies:
+                    continue
+                got = made.placed.get(self.index)
+                if got is not None and got.shards:
+                    item = _itemsize(made.dtype)
+                    shards += len(got.parts)
+                    nbytes += got.size * item
+                    for d, n in got.parts:
+                        if d in per:
+                            per[d] += n * item
         return shards, nbytes, [per[d] for d in self.device_ids]
 
     def when_shard(self, buffer: int, device: int, region: Any,
@@ -371,6 +399,8 @@ class SimHost:
         whole part (made here), whichever is done first. Returns None if it
         was called now, else a function that cancels the wait (True if it
         was still waiting)."""
+        if self.group is not None:
+            self.group.expose(self, buffer)
         keys = (shard_key(buffer, device, region), whole_key(buffer, self.index))
         for k in keys:
             e = self.store._entries.get(k)
@@ -388,10 +418,18 @@ class SimHost:
             was, state[0] = state[0], False
             for k in keys:
                 self.store.forget(k, once)
+            waiting = self.proc.wanted.get(buffer)
+            if waiting is not None:
+                waiting.discard(self)
+                if not waiting:
+                    del self.proc.wanted[buffer]
             return was
 
         for k in keys:
             self.store.when_done(k, once)
+        # (a group it is in, or joins, keeps what it makes out of the hosts'
+        # stores: it puts this host's part there when it makes it, see SimGroup)
+        self.proc.wanted.setdefault(buffer, set()).add(self)
         return cancel
 
     def _cost(self, program: str) -> float:
@@ -590,14 +628,8 @@ class SimHost:
         next reports; a report not held takes those held with it."""
         hold = 0.0
         if nxt is not None and done.error is None:
-            deep = 0.0
-            if run.hold:
-                behind = max(len(self.queues[d]) for d in run.devices) + 1
-                deep = min(HOLD_DEEP_S, behind * run.cost / 2) if behind >= DEEP_QUEUE else 0.0
-            if deep >= 2 * HOLD_SHORT_S:
-                hold = deep
-            elif run.cost < SHORT_COMPUTATION_S and nxt.cost < SHORT_COMPUTATION_S:
-                hold = HOLD_SHORT_S
+            behind = max(len(self.queues[d]) for d in run.devices) + 1 if run.hold else 0
+            hold = hold_for(run.hold, run.cost, behind, nxt.cost)
         if not hold:
             self.out += self.held
             self.held = []
@@ -680,6 +712,300 @@ def _index(h: SimHost) -> int:
     return h.index
 
 
+def hold_for(may_hold: bool, cost: float, behind: int, next_cost: float) -> float:
+    """How long a report may wait for the next ones, as a real worker's
+    executor decides (``Executor._report``), when its devices went on at once
+    with a run of ``next_cost`` seconds: a run the controller let hold
+    (``may_hold``) with DEEP_QUEUE or more queued behind it (``behind``, itself
+    counted) up to half their time (at most HOLD_DEEP_S), and a short run
+    followed by a short one up to HOLD_SHORT_S; else 0 (it goes now)."""
+    deep = min(HOLD_DEEP_S, behind * cost / 2) if may_hold and behind >= DEEP_QUEUE else 0.0
+    if deep >= 2 * HOLD_SHORT_S:
+        return deep
+    if cost < SHORT_COMPUTATION_S and next_cost < SHORT_COMPUTATION_S:
+        return HOLD_SHORT_S
+    return 0.0
+
+
+# messages that make a host of a group leave it (they are for it alone, or
+# change its order of computations and frees): see SimGroup
+SPLITS = (m.Execute, m.RunFused, m.Free, m.ClientGone, m.FailBuffers, m.HostDown)
+# messages a relay forwards that a group handles once for its hosts
+GROUPED = (m.Execute, m.Free)
+
+
+class _Made:
+    """A buffer a group's computation made: each host's part is where the
+    placement puts it (``placed``: host index -> Placed), made at ``made``;
+    ``copies``: the hosts that also hold it in their own store (asked for it
+    alone: a Fetch, a SendPiece)."""
+    __slots__ = ("made", "dtype", "placed", "copies")
+
+    def __init__(self, made: float, dtype: str, placed: dict[int, "Placed"]) -> None:
+        self.made, self.dtype, self.placed = made, dtype, placed
+        self.copies: set[SimHost] = set()
+
+    def value(self, host: int) -> "SimValue | None":
+        got = self.placed.get(host)
+        if got is None or not got.shards:
+            return None
+        return SimValue((got.size,), self.dtype, self.made, got.size, got.parts)
+
+
+class _GroupRun:
+    """One computation on every host of a group: one record, one timer."""
+    __slots__ = ("ex", "hosts", "cost", "index", "arrived", "start", "end", "route", "waiting", "waits")
+
+    def __init__(self, ex: m.Execute, hosts: list[SimHost], cost: float, index: int, arrived: float,
+                 route: tuple[int, str] | None) -> None:
+        self.ex, self.hosts, self.cost, self.index, self.arrived = ex, hosts, cost, index, arrived
+        self.route = route                  # (relay, its data address) the reports go to, or None
+        self.start = self.end = 0.0
+        self.waiting = False
+        self.waits: list[tuple] = []        # (store, key, callback) of what it waits for
+
+
+class SimGroup:
+    """Hosts of this process that run the same computations in the same
+    order (a relay forwarded each to all of them, and only to them), kept as
+    one record: one queue of runs, one device clock, one order of frees, one
+    timer per run, what its runs made (``made``: once, not in each host's
+    store) and one block of rows per report. Each host still answers on the
+    wire as a lone one would (its Pong, its Fetch, its row of the relay's
+    ``ExecDoneBatch``); what it holds alone (a client's Put, a part it was
+    asked for: ``expose``) stays in its own store.
+
+    A group forms when a relay's message reaches hosts of this process that
+    all have nothing queued, running or held; a message for some of them
+    only, or one that changes a host's own order (``SPLITS``), first splits
+    that host off: its part of the group's queued and running computations
+    becomes its own (``split``). A failed input splits every host, which then
+    goes on alone. Every host of a computation starts it at the same time,
+    the latest at which any of them could: its message came, its devices
+    were free and its inputs made (on a group these are the same for all
+    hosts, except when it forms from hosts whose last outputs were made at
+    different times)."""
+
+    def __init__(self, proc: "SimProcess", hosts: list[SimHost]) -> None:
+        self.proc = proc
+        self.members = list(hosts)
+        self.queue: collections.deque[_GroupRun] = collections.deque()
+        self.running: _GroupRun | None = None
+        self.free_at = max((t for h in hosts for t in h.free_at.values()), default=0.0)
+        self.order = FreeOrder()
+        self.held: list[tuple[_GroupRun, relays.RowBlock]] = []     # reports held (see hold_for)
+        self.held_due = 0.0
+        # what the group's computations made, once for all its hosts (not in
+        # their stores; see expose)
+        self.made: dict[int, _Made] = {}
+        # (program, devices) -> the cost of an Execute that runs alike on every host
+        self.fits: dict[tuple, float] = {}
+        for h in hosts:
+            h.group = self
+
+    def execute(self, ex: m.Execute, cost: float, route: tuple[int, str] | None, now: float) -> None:
+        run = _GroupRun(ex, list(self.members), cost, self.order.arrive(), now, route)
+        self.queue.append(run)
+        self.proc.group_runs += 1
+        self.try_start(now)
+
+    def free(self, buffers: list[int]) -> None:
+        """A Free to every host: once the computations before it finished."""
+        self._free(self.order.free_after_earlier(buffers, True))
+
+    def _free(self, due: list[tuple[list[int], bool]]) -> None:
+        made = self.made
+        for buffers, remember in due:
+            rest = []
+            for b in buffers:
+                got = made.pop(b, None)
+                if got is None:
+                    rest.append(b)         # (a client's Put, or made before the group formed)
+                else:
+                    for h in got.copies:
+                        h.store.free_buffers([b], remember=False)
+            if rest:
+                for h in self.members:
+                    h.store.free_buffers(rest, remember=remember)
+
+    def expose(self, h: SimHost, buffer: int) -> None:
+        """Host ``h`` asks for its part of ``buffer`` alone: if the group made
+        it, it goes into the host's store now, or once it is made."""
+        got = self.made.get(buffer)
+        if got is not None:
+            if h not in got.copies:
+                v = got.value(h.index)
+                if v is not None:
+                    got.copies.add(h)
+                    h.store.set(whole_key(buffer, h.index), v)
+
+    def try_start(self, now: float) -> None:
+        """Start the first queued run if its inputs are on every host (as
+        ``SimHost._try_start``)."""
+        if self.running is not None or not self.queue or self.queue[0].waiting:
+            return
+        run = self.queue[0]
+        start = run.arrived
+        ex = run.ex
+        for inp in ex.inputs:
+            b = inp.buffer
+            made = self.made.get(b)
+            if made is not None:              # (made here for every host: it was a group then too)
+                if made.made > start:
+                    start = made.made
+                continue
+            for h in self.members:
+                e = h.store._entries.get(whole_key(b, h.index))      # (one thread: no lock)
+                if e is not None and e.done:
+                    entries: Any = (e,)
+                else:
+                    entries = h._in_place((b, self.proc.placement(ex, inp, h.index)))
+                    if type(entries) is not list:       # the key to wait for
+                        run.waiting = True
+                        self._wait(run, h, entries)
+                        if entries.device >= 0:
+                            self._wait(run, h, whole_key(b, h.index))
+                        self.release_held()
+                        return
+                for e in entries:
+                    if e.error is not None:         # each host goes on alone (SimHost._try_start)
+                        self.dissolve(now)
+                        return
+                    v = e.value
+                    if type(v) is SimValue and v.made > start:
+                        start = v.made
+        for store, key, cb in run.waits:
+            store.forget(key, cb)
+        run.waits.clear()
+        self.queue.popleft()
+        run.start = start = max(start, self.free_at)
+        run.end = start + run.cost
+        self.running = run
+        self.proc.timers.at(run.end, lambda: self._finish(run))
+
+    def _wait(self, run: _GroupRun, h: SimHost, key: ShardKey) -> None:
+        cb = lambda _e, run=run: self._input_came(run)  # noqa: E731
+        run.waits.append((h.store, key, cb))
+        h.store.when_done(key, cb)
+
+    def _input_came(self, run: _GroupRun) -> None:
+        if run.waiting:
+            run.waiting = False
+            self.try_start(self.proc.now)
+
+    def _finish(self, run: _GroupRun) -> None:
+        if self.running is not run:          # (every host split off before it ended)
+            return
+        now = self.proc.now
+        hosts = [h for h in run.hosts if h.group is self and h.alive]
+        ex, end = run.ex, run.end
+        for o in ex.outputs:
+            b = o.buffer
+            self.made[b] = _Made(end, o.aval.dtype, self.proc.placements(ex, o))
+            waiting = self.proc.wanted.get(b)
+            if waiting:          # (hosts that wait for their part alone: SimHost.when_shard)
+                for h in list(waiting):
+                    if h.group is self and h.alive:
+                        self.expose(h, b)
+        self.running = None
+        self.free_at = end
+        self._free(self.order.finish(run.index))
+        self.try_start(now)
+        wall = time.time() - time.monotonic()
+        rows = relays.RowBlock(ex.exec_id, [h.rank for h in hosts], run.start + wall, end + wall)
+        nxt = self.running
+        hold = 0.0
+        if nxt is not None:             # (the devices went on at once)
+            hold = hold_for(ex.hold, run.cost, len(self.queue) + 1, nxt.cost)
+        if not hold:
+            self.release_held()
+            self._send(run, rows)
+            return
+        due = now + hold
+        if not self.held or due < self.held_due:
+            self.held_due = due
+            self.proc.timers.at(due, self._release_due)
+        self.held.append((run, rows))
+
+    def _release_due(self) -> None:
+        if self.held and self.proc.now >= self.held_due - 1e-6:
+            self.release_held()
+
+    def release_held(self) -> None:
+        held, self.held = self.held, []
+        for run, rows in held:
+            self._send(run, rows)
+
+    def _send(self, run: _GroupRun, block: relays.RowBlock) -> None:
+        """A run's rows to its relay (the relay's own rows, if it is a host of
+        this process), or each host's report to the controller."""
+        proc, now = self.proc, self.proc.now
+        if not block.hosts:
+            return
+        if run.route is None:
+            for rank in block.hosts:
+                h = proc.by_rank[rank]
+                h.out.append(m.ExecDone(block.exec_id, None, block.start, block.end))
+                proc.outgoing.add(h)
+            return
+        relay, address = run.route
+        local = proc.by_rank.get(relay)
+        if local is not None and local.alive:
+            local.relay.rows_in(block, now)
+            proc.relaying.add(local)
+            return
+        proc._send_peer(address, relays.batch_of([block], relay), [])
+        for rank in block.hosts:           # (kept in case that relay is lost before it passes them on)
+            proc.by_rank[rank].relay.sent_row(relay, m.ExecRow(rank, block.exec_id, None, block.start,
+                                                               block.end), now)
+
+    def split(self, h: SimHost, now: float) -> None:
+        """Host ``h`` goes on alone: its part of the group's queued and
+        running computations becomes its own, in the same order."""
+        self.release_held()
+        self.members.remove(h)
+        h.group = None
+        running, queued = self.running, list(self.queue)
+        made = list(self.made.items())
+        if not self.members:              # (nothing left to run as a group)
+            self.queue.clear()
+            self.running = None
+            self.made = {}
+        if not h.alive:
+            return
+        for b, got in made:               # what it holds goes into its own store
+            if h in got.copies:
+                got.copies.discard(h)      # (its own now: freed by its own order)
+            else:
+                v = got.value(h.index)
+                if v is not None:
+                    h.store.set(whole_key(b, h.index), v)
+        h.order = copy.deepcopy(self.order)
+        for d in h.device_ids:
+            h.free_at[d] = max(h.free_at.get(d, 0.0), self.free_at)
+        for run in ([running] if running is not None else []) + queued:
+            r = h._run_of(run.ex)
+            r.index, r.arrived, r.cost = run.index, run.arrived, run.cost
+            if run.route is not None:
+                h.relay.report_to[run.ex.exec_id] = run.route
+            if run is running:
+                r.start, r.end = run.start, run.end
+                h.busy |= r.devices
+                h.proc.timers.at(r.end, lambda r=r: h._finish(r, None, h.proc.now))
+            else:
+                for d in r.devices:
+                    h.queues[d].append(r)
+        if not h.busy:
+            heads = {id(q[0]): q[0] for q in h.queues.values() if q}
+            for r in heads.values():
+                h._try_start(r, now)
+
+    def dissolve(self, now: float) -> None:
+        """Every host goes on alone."""
+        for h in list(self.members):
+            self.split(h, now)
+
+
 class SimProcess:
     """The hosts of one process and the loop that serves them."""
 
@@ -687,7 +1013,7 @@ class SimProcess:
                  islands: int = 1, island: int = 0, cost_ms: float = 1.0, name: str | None = None,
                  bind_host: str = "127.0.0.1", transfer_us: float = 0.0, transfer_gbps: float = 0.0,
                  move_bytes: bool = False, controller_timeout_s: float = 60.0,
-                 worker_key: bytes | None = None) -> None:
+                 worker_key: bytes | None = None, groups: bool = True) -> None:
         if hosts < 1 or devices < 1 or islands < 1 or hosts % islands:
             raise ZpathError(f"--hosts ({hosts}) must be a positive multiple of --islands ({islands}), "
                              f"--devices ({devices}) positive")
@@ -700,6 +1026,8 @@ class SimProcess:
         self.default_cost_s = cost_ms / 1000
         self.transfer_s, self.transfer_gbps, self.move_bytes = transfer_us / 1e6, transfer_gbps, move_bytes
         self.controller_timeout_s = controller_timeout_s
+        self.groups = groups          # hosts that run the same computations as one record (SimGroup)
+        self.group_runs = 0           # computations run so (once for several hosts)
         self.ctx = make_context()
         self.ep = Endpoint(self.keys.workers, f"worker:{self.name}", keys=self.keys.of)
         self.data = self.ctx.socket(zmq.ROUTER)
@@ -735,6 +1063,9 @@ class SimProcess:
         self.selector: selectors.BaseSelector | None = None
         self._fd_of: dict[zmq.Socket, int] = {}
         self._check: set[zmq.Socket] = set()      # sockets whose ZMQ_EVENTS the next turn reads
+        self._draining: set[SimHost] = set()       # hosts whose control socket is being read
+        # buffer -> hosts that wait for their part of it alone (SimHost.when_shard)
+        self.wanted: dict[int, set[SimHost]] = {}
         self._decoded: collections.OrderedDict[bytes, tuple] = collections.OrderedDict()
         self.heard = time.monotonic()
         self.running = True
@@ -807,9 +1138,14 @@ class SimProcess:
     def placement(self, ex: m.Execute, value: Any, host: int) -> "Placed":
         """The shards of an input or output of ``ex`` on host ``host``'s devices,
         each where the spec puts it."""
+        return self.placements(ex, value).get(host, NOWHERE)
+
+    def placements(self, ex: m.Execute, value: Any) -> dict[int, "Placed"]:
+        """Host index -> the shards of an input or output of ``ex`` on that
+        host's devices (hosts with none are left out)."""
         hit = self._placed.get(id(value))
         if hit is not None and hit[0] is value and hit[1] is ex:
-            return hit[2].get(host, NOWHERE)
+            return hit[2]
         spec = tuple(a if a is None or type(a) is str else tuple(a) for a in value.spec)
         key = (tuple(ex.devices), tuple(value.aval.shape), tuple(ex.mesh_shape), tuple(ex.axis_names), spec)
         got = self._placement.get(key)
@@ -829,7 +1165,7 @@ class SimProcess:
                 got[index] = Placed(mine, sum(n for _, n in parts), parts)
             self._remember(self._placement, key, got)
             self._placed[id(value)] = (value, ex, got)
-        return got.get(host, NOWHERE)
+        return got
 
     @staticmethod
     def _remember(cache: dict, key: Any, value: Any) -> None:
@@ -907,12 +1243,94 @@ class SimProcess:
         got = self.forwarded_message(fwd.relay, frames)
         if got is None:
             return
-        msg, buffers = got
-        by_rank, now = self.by_rank, self.now
-        for host, after in zip(fwd.hosts, fwd.after, strict=True):
+        self.deliver(fwd.relay, fwd.address, fwd.hosts, fwd.after, fwd.collect, *got)
+
+    def deliver(self, relay: int, address: str, hosts: list[int], afters: list[int], collect: list[int],
+                msg: Record, buffers: list) -> None:
+        """The message relay ``relay`` forwarded to ``hosts`` of this process
+        (each after its ``afters``-th direct message), decoded: to their group
+        once where it can be (``to_group``), else to each host."""
+        now = self.now
+        if self.groups and type(msg) in GROUPED and len(hosts) > 1 and \
+                self.to_group(relay, address, hosts, afters, collect, msg, now):
+            return
+        by_rank = self.by_rank
+        for host, after in zip(hosts, afters, strict=True):
             h = by_rank.get(host)
             if h is not None and h.alive:
-                h.forwarded(fwd.relay, fwd.address, after, fwd.collect, msg, buffers, now)
+                h.forwarded(relay, address, after, collect, msg, buffers, now)
+
+    def _fits(self, ex: m.Execute, hs: list[SimHost]) -> tuple[float, bool] | None:
+        """The cost of ``ex`` if it runs alike on each of ``hs`` (on all of each
+        host's devices, at the same cost), and whether every host has its
+        program (so the cost is for good); None if not."""
+        local = self.local(ex)
+        program = ex.program
+        cost = hs[0]._cost(program)
+        known = True
+        for h in hs:
+            if len(local.get(h.index, ())) != len(h.device_ids) or h._cost(program) != cost:
+                return None
+            known = known and program in h.costs
+        return cost, known
+
+    def to_group(self, relay: int, address: str, hosts: list[int], afters: list[int], collect: list[int],
+                 msg: Record, now: float) -> bool:
+        """Hand an ``Execute`` or ``Free`` to the group of exactly these hosts
+        (formed now if they are all idle) if it is every host's turn for it and
+        each would handle it alike; False (nothing done) if not."""
+        for host, after in zip(hosts, afters, strict=True):
+            h = self.by_rank.get(host)
+            if h is not None and h.alive and after > h.relay.received and h not in self._draining:
+                # the direct messages it comes after were sent first: most likely
+                # they wait on the host's socket (read the relay's first)
+                self._drain_ctl(h)
+                if h.alive:
+                    self._check.add(h.ctl)
+        hs: list[SimHost] = []
+        turns: list[int] = []
+        by_rank = self.by_rank
+        for host, after in zip(hosts, afters, strict=True):
+            h = by_rank.get(host)
+            if h is None or not h.alive:
+                continue
+            rs = h.relay
+            if rs.waiting or rs.blocked is not None or after > rs.received or relay in rs.lost_relays:
+                return False
+            hs.append(h)
+            turns.append(after)
+        if len(hs) < 2:
+            return False
+        g = hs[0].group
+        same = g is not None and len(g.members) == len(hs) and all(h.group is g for h in hs)
+        cost = 0.0
+        if type(msg) is m.Execute:
+            if any(inp.shards for inp in msg.inputs):        # pieces to assemble: per host
+                return False
+            key = (msg.program, tuple(msg.devices))
+            got = g.fits.get(key) if same else None
+            if got is None:
+                fit = self._fits(msg, hs)
+                if fit is None:
+                    return False
+                got = fit[0]
+                if same and fit[1]:
+                    g.fits[key] = got
+            cost = got
+        if not same:
+            for h in hs:
+                if h.group is not None:
+                    h.group.split(h, now)
+            if not all(h.idle() for h in hs):
+                return False
+            g = SimGroup(self, hs)
+        for h, after in zip(hs, turns, strict=True):
+            h.relay.take_in_turn(relay, after)          # (its turn: checked above)
+        if type(msg) is m.Execute:
+            g.execute(msg, cost, (relay, address) if msg.exec_id in collect else None, now)
+        else:
+            g.free(msg.buffers)
+        return True
 
     def _relay_due(self) -> float | None:
         """Relays pass on the rows due; what waited past its time goes on.
@@ -924,7 +1342,7 @@ class SimProcess:
                     h.handle_ctl(item, bufs, self.now)
                 rows = h.relay.take_rows(self.now)
                 if rows:
-                    h.out.append(m.batch_of(rows))
+                    h.out.append(relays.batch_of(rows))
                     self.outgoing.add(h)
                 d = h.relay.next_due_in(self.now)
             else:
@@ -1003,7 +1421,7 @@ class SimProcess:
             for h in list(self.relaying):
                 rows = h.relay.take_rows(now)
                 if rows:
-                    h.out.append(m.batch_of(rows))
+                    h.out.append(relays.batch_of(rows))
                     outgoing.add(h)
         if outgoing:
             self.outgoing = set()
@@ -1028,6 +1446,13 @@ class SimProcess:
         return got
 
     def _drain_ctl(self, h: SimHost) -> None:
+        self._draining.add(h)
+        try:
+            self._drain_ctl_of(h)
+        finally:
+            self._draining.discard(h)
+
+    def _drain_ctl_of(self, h: SimHost) -> None:
         sock = h.ctl
         for _ in range(1000):
             if not h.alive:
@@ -1040,6 +1465,7 @@ class SimProcess:
             except ProtocolError as e:
                 log.warning("host %s: rejected message on the control socket: %s", h.rank, e)
                 continue
+            self.now = time.monotonic()        # (a message arrives when it is read)
             for _, item, bufs in unbatched(header, msg, buffers):
                 if isinstance(item, ProtocolError):
                     log.warning("host %s: rejected message on the control socket: %s", h.rank, item)
