@@ -191,6 +191,33 @@ def test_a_batch_of_several_computations_is_taken_run_by_run_as_row_by_row():
     assert out1 in rig.c.directory.buffers and rig.c.directory.buffers[out1].error is None
 
 
+def test_a_batch_s_interleaved_rows_are_taken_computation_by_computation():
+    """A relay's batch of computations in flight together (op by op, back to
+    back) holds their rows interleaved, host by host: each computation's rows
+    are taken as a whole, with the same outcome as the same rows run by run."""
+    def state(interleaved: bool) -> tuple:
+        rig = _rig(n=24, group=24)
+        a, _ = rig.client("a")
+        for _ in range(2):
+            rig.handle(a, _spmd(rig, a, 24)[0])
+        ex1, ex2 = sorted(rig.c.in_flight)
+        one_by_one = []
+        rows_one_by_one = rig.c._rows_one_by_one
+        rig.c._rows_one_by_one = lambda x, *rest: (one_by_one.append(x), rows_one_by_one(x, *rest))
+        for hosts in (range(20), range(20, 24)):      # 20 rows of each, then the last 4 (row by row)
+            by_host = [row for h in hosts for row in _rows(ex1, [h]) + _rows(ex2, [h])]
+            rig.handle(b"w0", m.batch_of(by_host if interleaved else _rows(ex1, hosts) + _rows(ex2, hosts)))
+            if hosts == range(20):
+                assert one_by_one == [] and rig.c.in_flight[ex1].hosts == rig.c.in_flight[ex2].hosts == \
+                    set(range(20, 24))
+                charged = (rig.c.tenants._running[ex1].charged, rig.c.tenants._running[ex2].charged)
+        assert not rig.c.in_flight and one_by_one == [ex1, ex2]
+        timeline = sorted((r.exec_id, h, r.start, r.end, r.error) for r, h, _ in rig.c.timeline)
+        return charged, timeline, sorted(rig.c.directory.buffers), rig.log[-1]
+
+    assert state(True) == state(False)
+
+
 def test_a_batch_with_a_row_its_sender_does_not_relay_is_rejected_whole(caplog):
     rig = _rig()
     a, _ = rig.client("a")
@@ -200,6 +227,11 @@ def test_a_batch_with_a_row_its_sender_does_not_relay_is_rejected_whole(caplog):
     rig.handle(b"w4", m.batch_of(_rows(ex, [4, 1])))
     rig.handle(b"w1", m.batch_of(_rows(ex, [1, 2])))
     assert rig.c.in_flight[ex].hosts == set(range(8))
+    # nor is a batch taken in part whose bad row is of a later computation
+    rig.handle(a, _spmd(rig, a, 8)[0])
+    ex3 = max(rig.c.in_flight)
+    rig.handle(b"w4", m.batch_of(_rows(ex, range(4, 8)) + _rows(ex3, [4, 5, 3])))
+    assert rig.c.in_flight[ex].hosts == rig.c.in_flight[ex3].hosts == set(range(8))
     assert "which it does not relay it to: rejected" in caplog.text
     # a host's own rows it takes from the host itself (resent after its relay was lost)
     rig.handle(b"w5", m.batch_of(_rows(ex, [5])))
