@@ -212,7 +212,7 @@ def test_a_batch_s_interleaved_rows_are_taken_computation_by_computation():
                     set(range(20, 24))
                 charged = (rig.c.tenants._running[ex1].charged, rig.c.tenants._running[ex2].charged)
         assert not rig.c.in_flight and one_by_one == [ex1, ex2]
-        timeline = sorted((r.exec_id, h, r.start, r.end, r.error) for r, h, _ in rig.c.timeline)
+        timeline = sorted((r.exec_id, r.host, r.start, r.end, r.ok) for r in rig.c.timeline_records(100))
         return charged, timeline, sorted(rig.c.directory.buffers), rig.log[-1]
 
     assert state(True) == state(False)

@@ -459,8 +459,8 @@ class Dispatch:
         ``_rows_one_by_one`` would one by one (a last host finishes it)."""
         n = len(hosts)
         usual = n - 1 if len(info.hosts) == n else n
-        self.timeline.extend(zip(map(Report, repeat(x, usual), repeat(None, usual), starts[:usual], ends[:usual],
-                                     waited[:usual]), hosts[:usual], repeat(info, usual), strict=True))
+        self.timeline.extend(zip(repeat(x, usual), repeat(None, usual), starts[:usual], ends[:usual], waited[:usual],
+                                 hosts[:usual], repeat(info, usual), strict=True))
         seconds = [end - start if end > start else 0.0 for start, end in zip(starts[:usual], ends[:usual],
                                                                                 strict=True)]
         info.hosts.difference_update(hosts[:usual])
@@ -482,7 +482,7 @@ class Dispatch:
             if h not in info.hosts:
                 continue
             if k not in errors and len(info.hosts) > 1:       # (_host_done, the usual case)
-                timeline.append((Report(x, None, start, stop, waited), h, info))
+                timeline.append((x, None, start, stop, waited, h, info))
                 seconds = stop - start if stop > start else 0.0
                 charged += seconds * info.host_devices[h]
                 if seconds > longest:
@@ -517,7 +517,8 @@ class Dispatch:
             # its collective failed: a host of it may have died (its outputs
             # there wait for the verdict)
             self._peer_failed(host, info, msg.error)
-        self.timeline.append((msg, host, info))       # an ExecRecord when asked (see timeline_records)
+        # an ExecRecord when asked (see timeline_records)
+        self.timeline.append((msg.exec_id, msg.error, msg.start, msg.end, msg.waited, host, info))
         self.tenants.host_done(msg.exec_id, msg.end - msg.start, info.host_devices[host])
         info.hosts.discard(host)
         info.error = info.error or (msg.error if msg.error is None or msg.error.kind != ErrorKind.PEER_FAILED
@@ -538,8 +539,8 @@ class Dispatch:
     def timeline_records(self, limit: int) -> list[m.ExecRecord]:
         """The last ``limit`` host reports, oldest first."""
         recent = list(self.timeline)[-limit:] if limit > 0 else []
-        return [m.ExecRecord(msg.exec_id, info.seq, info.island, host, info.client, info.name, info.devices,
-                             msg.start, msg.end, msg.error is None, msg.waited) for msg, host, info in recent]
+        return [m.ExecRecord(x, info.seq, info.island, host, info.client, info.name, info.devices,
+                             start, end, error is None, waited) for x, error, start, end, waited, host, info in recent]
 
     def _explain(self, ident: bytes, parent: int, peer: Peer, req: m.ExplainRequest) -> None:
         """Plan a program on a scratch copy of the directory and describe it."""

@@ -31,7 +31,8 @@ class Peers:
         self.client_ids = 0
         self.host_stores: dict[int, tuple[int, int]] = {}   # rank -> (shards, bytes) from Pong
         self.device_held: dict[int, int] = {}               # device -> bytes its worker holds (Pong)
-        # (ExecDone, host, InFlight) per host report, made into ExecRecords when asked
+        # (exec id, error, start, end, waited, host, InFlight) per host report (a plain
+        # tuple: a batch's rows are made at once), made into ExecRecords when asked
         self.timeline: collections.deque[tuple] = collections.deque(maxlen=TIMELINE_RECORDS)
         # what the controller did and what waited there (plans, waits for memory)
         self.events: collections.deque[m.ControllerEvent] = collections.deque(maxlen=EVENT_RECORDS)
