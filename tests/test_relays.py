@@ -11,7 +11,7 @@ import pytest
 import zmq
 
 from zpath.config import ControllerConfig
-from zpath.controller import dispatch
+from zpath.controller import dispatch, peers
 from zpath.controller.relays import Inner
 from zpath.errors import ErrorKind, ZpathError
 from zpath.net import messages as m
@@ -91,6 +91,22 @@ def test_few_hosts_and_the_pings_go_directly():
     mark = len(rig.effects)
     rig.tick(1.0)
     assert not _relays(rig, mark) and sum(type(x) is m.Ping for _, x in rig.log[mark:]) == 8
+
+
+def test_many_workers_are_pinged_a_part_at_a_time_each_once_per_interval():
+    rig = _rig(n=200)
+    assert rig.c.ping_parts() == 4 and rig.c.tick_interval() == pytest.approx(rig.c.config.ping_interval_s / 4)
+    pinged: list[bytes] = []
+    for _ in range(8):                      # two intervals
+        mark = len(rig.log)
+        rig.tick(rig.c.tick_interval())
+        part = [i for i, x in rig.log[mark:] if type(x) is m.Ping]
+        assert 0 < len(part) <= peers.PING_HOSTS and len({x.seq for _, x in rig.log[mark:] if type(x) is m.Ping}) == 1
+        pinged += part
+    assert sorted(pinged) == sorted(2 * [f"w{h}".encode() for h in range(200)])
+    assert all(rig.c.rm.hosts[h].alive for h in range(200))       # (they answered nothing, within the timeout)
+    small = _rig(n=64)
+    assert small.c.ping_parts() == 1 and small.c.tick_interval() == small.c.config.ping_interval_s
 
 
 def test_a_relay_s_batch_finishes_its_group_s_hosts_and_the_computation():

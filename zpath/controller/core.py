@@ -191,8 +191,9 @@ class ControllerCore(Peers, FastCalls, Admission, Dispatch, Fusion, Failures, Re
         self.send_budget = SEND_BUDGET
 
     def tick(self, now: float) -> list[Effect]:
-        """Ping every worker; a worker silent past its timeout is lost, a client
-        has left."""
+        """Ping the workers (every ``tick_interval()``: all of them, or, when
+        there are more than ``PING_HOSTS``, the next part of them in turn); a
+        worker silent past its timeout is lost, a client has left."""
         self.now = now
         self.send_budget = SEND_BUDGET
         self._pings()
