@@ -132,7 +132,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--devices", type=int, default=4, help="devices per host")
     p.add_argument("--nodes", type=int, default=30, help="nodes per run")
     p.add_argument("--repeats", type=int, default=5, help="runs per size (the median is printed)")
-    p.add_argument("--json", action="store_true", help="one JSON object per size")
+    p.add_argument("--json", nargs="?", const="", metavar="PATH",
+                   help="one JSON object per size (PATH: the last one into PATH too, as benchmarks/ab.py reads it)")
     p.add_argument("--relay-min-hosts", type=int, help="the controller's relay_min_hosts (0: no relays; "
                    "default: the controller's; relayed reports come as one batch per relay)")
     p.add_argument("--in-flight", type=int, default=1, help="nodes in flight together, their rows interleaved "
@@ -140,8 +141,11 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     for n in args.hosts:
         r = measure(n, args.devices, args.nodes, args.repeats, args.relay_min_hosts, args.in_flight)
-        if args.json:
+        if args.json is not None:
             print(json.dumps(r), flush=True)
+            if args.json:
+                with open(args.json, "w") as f:
+                    json.dump(r, f)
         else:
             print(f"hosts {n:4d}: per SPMD node {r['total_us_per_node']:8.0f} us CPU ({r['total_us_per_host']:5.1f} "
                   f"per host): Call {r['call_us']:7.0f}, {n} ExecDones {r['exec_done_us']:7.0f} "
