@@ -105,6 +105,15 @@ def test_many_workers_are_pinged_a_part_at_a_time_each_once_per_interval():
         pinged += part
     assert sorted(pinged) == sorted(2 * [f"w{h}".encode() for h in range(200)])
     assert all(rig.c.rm.hosts[h].alive for h in range(200))       # (they answered nothing, within the timeout)
+    # who is silent is judged once per round of the parts: every worker is, now
+    rig.now += rig.c.config.host_timeout_s
+    judging = []
+    for _ in range(4):
+        judging.append(rig.c.judging_tick())
+        assert rig.c.late(rig.now) == judging[-1]
+        rig.tick(0.001)
+        assert all(rig.c.rm.hosts[h].alive for h in range(200)) != any(judging)
+    assert judging.count(True) == 1
     small = _rig(n=64)
     assert small.c.ping_parts() == 1 and small.c.tick_interval() == small.c.config.ping_interval_s
 

@@ -56,17 +56,22 @@ class Peers:
         per ``ping_interval_s``, a part at a time."""
         return self.config.ping_interval_s / self.ping_parts()
 
+    def judging_tick(self) -> bool:
+        """Whether the next ``tick`` judges who is silent: the one that starts
+        a round of the parts (every tick with one part)."""
+        return (self._ping_turn + 1) % self.ping_parts() == 0
+
     def _pings(self) -> None:
         """Ping this tick's part of the workers: host ``rank`` when ``rank``
         modulo the parts is the turn's."""
         self._ping_seq += 1
         ping = m.Ping(self._ping_seq)       # one message for all: the loop encodes and signs it once
         parts = self.ping_parts()
+        self._ping_turn = turn = (self._ping_turn + 1) % parts
         if parts == 1:
             for ident in self.worker_ident.values():
                 self.send(ident, ping)
             return
-        self._ping_turn = turn = (self._ping_turn + 1) % parts
         for rank, ident in self.worker_ident.items():
             if rank % parts == turn:
                 self.send(ident, ping)
