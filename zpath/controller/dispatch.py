@@ -436,7 +436,7 @@ class Dispatch:
             runs.append((x, info, rows, run, distinct))
         errors = {e.row: e.error for e in msg.errors}
         for x, info, rows, run, distinct in runs:
-            if x not in in_flight:          # (a lost host's rows finished it meanwhile: it cannot)
+            if x not in in_flight:          # (gone while an earlier computation's rows were taken)
                 continue
             if len(run) >= RUN_ROWS and len(distinct) == len(run) and distinct <= info.hosts and \
                     not (errors and (rows is None or any(k in errors for k in rows))):
