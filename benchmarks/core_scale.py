@@ -5,13 +5,15 @@ A ``ControllerCore`` (zpath/controller/core.py) with N registered hosts of
 over every device, one at a time: the client's ``Call``, every host's
 ``ExecDone`` (through relays: each relay's ``ExecDoneBatch``), and the client's ``Release`` of the value before. It prints, per
 N, the median time (this process's CPU, single-threaded) of each of the three
-per node, and per host. Sockets, encoding and decoding are left out (see
+per node, and per host. ``--in-flight K`` sends K calls before their
+reports, which come as one batch per relay with the rows of all K
+interleaved, host by host (as op by op back to back). Sockets, encoding and decoding are left out (see
 benchmarks/scale.py for the whole controller), so this isolates what the
 controller's decisions cost as hosts grow. The core's API is stable, so the
 script runs against an older checkout too (``PYTHONPATH=OLD python
 benchmarks/core_scale.py``) for side-by-side figures.
 
-    python benchmarks/core_scale.py [--hosts 64 256 512] [--nodes 30] [--repeats 5] [--json]
+    python benchmarks/core_scale.py [--hosts 64 256 512] [--nodes 30] [--repeats 5] [--in-flight K] [--json]
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ import json
 import statistics
 import sys
 import time
+from typing import Any
 
 from zpath.config import ControllerConfig
 from zpath.controller.core import ControllerCore, Send
@@ -54,44 +57,70 @@ class Chain:
 
     def node(self) -> tuple[float, float, float]:
         """One SPMD node: (seconds for its Call, for every host's ExecDone, for the Release)."""
+        call, done, release = self.nodes(1)
+        return call, done, release
+
+    def nodes(self, k: int) -> tuple[float, float, float]:
+        """``k`` SPMD nodes in flight together (each reads the one before), their
+        reports coming as one batch per relay that holds the rows of all ``k``
+        host by host (as a relay batches what its group reports when the calls
+        come back to back); then the values before each released. Seconds per
+        node for the Calls, the reports and the Releases."""
         av = m.Aval([len(self.devices)], "float32")
-        out = self.client << 32 | next(self.ids)
-        call = m.Call(next(self.ids), self.digest, [len(self.devices)], ["x"], self.devices,
-                      [] if self.x is None else [m.CallInput(self.x, av, ["x"], False)],
-                      [m.CallOutput(out, av, ["x"])])
-        t0 = time.process_time()
-        effects = self.c.handle(self.now, b"client", 3, call, [])
-        t1 = time.process_time()
-        relays = [e for e in effects if isinstance(e, Send) and type(e.msg) is RELAY and e.msg.collect]
-        if relays:        # through relays: each sends its group's reports as one batch
-            for e in relays:
-                k = len(e.msg.hosts)
-                self.c.handle(self.now, e.ident, 4, m.ExecDoneBatch(
-                    e.msg.collect * k, e.msg.hosts, [self.now] * k, [self.now + 0.001] * k, [0.0] * k, []), [])
-        else:
-            exec_id = next(e.msg.exec_id for e in effects if isinstance(e, Send) and isinstance(e.msg, m.Execute))
-            for h in range(self.hosts):
-                self.c.handle(self.now, f"w{h}".encode(), 4, m.ExecDone(exec_id, None, self.now, self.now + 0.001),
-                              [])
-        t2 = time.process_time()
-        if self.x is not None:
-            self.c.handle(self.now, b"client", 5, m.Release([self.x]), [])
-        t3 = time.process_time()
-        self.x = out
+        call_s = done_s = release_s = 0.0
+        sent: list[Any] = []          # the effects that sent computations (a call's, or a report's: parked nodes)
+        made = []
+        for _ in range(k):
+            out = self.client << 32 | next(self.ids)
+            call = m.Call(next(self.ids), self.digest, [len(self.devices)], ["x"], self.devices,
+                          [] if self.x is None else [m.CallInput(self.x, av, ["x"], False)],
+                          [m.CallOutput(out, av, ["x"])])
+            t0 = time.process_time()
+            sent += self.c.handle(self.now, b"client", 3, call, [])
+            call_s += time.process_time() - t0
+            made.append(self.x)
+            self.x = out
+        while sent:
+            relays: dict[bytes, tuple[list[int], list[int]]] = {}     # relay -> (its hosts, exec ids)
+            direct: list[int] = []
+            for e in sent:
+                if isinstance(e, Send) and type(e.msg) is RELAY and e.msg.collect:
+                    relays.setdefault(e.ident, (e.msg.hosts, []))[1].extend(e.msg.collect)
+                elif isinstance(e, Send) and isinstance(e.msg, m.Execute) and e.msg.exec_id not in direct:
+                    direct.append(e.msg.exec_id)
+            sent = []
+            t0 = time.process_time()
+            for ident, (hosts, execs) in relays.items():
+                rows = [(x, h) for h in hosts for x in execs]
+                n = len(rows)
+                sent += self.c.handle(self.now, ident, 4, m.ExecDoneBatch(
+                    [x for x, _ in rows], [h for _, h in rows], [self.now] * n, [self.now + 0.001] * n, [0.0] * n,
+                    []), [])
+            for exec_id in direct:
+                for h in range(self.hosts):
+                    sent += self.c.handle(self.now, f"w{h}".encode(), 4,
+                                          m.ExecDone(exec_id, None, self.now, self.now + 0.001), [])
+            done_s += time.process_time() - t0
+        for x in made:
+            if x is not None:
+                t0 = time.process_time()
+                self.c.handle(self.now, b"client", 5, m.Release([x]), [])
+                release_s += time.process_time() - t0
         self.now += 0.002
-        return t1 - t0, t2 - t1, t3 - t2
+        return call_s / k, done_s / k, release_s / k
 
 
-def measure(hosts: int, devices: int, nodes: int, repeats: int, relay_min_hosts: int | None = None) -> dict:
+def measure(hosts: int, devices: int, nodes: int, repeats: int, relay_min_hosts: int | None = None,
+            in_flight: int = 1) -> dict:
     chain = Chain(hosts, devices, relay_min_hosts)
     for _ in range(5):                 # warm-up: the plan cache, the arrays
-        chain.node()
+        chain.nodes(in_flight)
     runs = []
     for _ in range(repeats):
-        parts = [chain.node() for _ in range(nodes)]
-        runs.append([sum(p[k] for p in parts) / nodes for k in range(3)])
+        parts = [chain.nodes(in_flight) for _ in range(max(1, nodes // in_flight))]
+        runs.append([sum(p[k] for p in parts) / len(parts) for k in range(3)])
     call, done, release = (statistics.median(r[k] for r in runs) * 1e6 for k in range(3))
-    return {"hosts": hosts, "devices": hosts * devices, "call_us": call, "exec_done_us": done,
+    return {"hosts": hosts, "devices": hosts * devices, "in_flight": in_flight, "call_us": call, "exec_done_us": done,
             "exec_done_us_per_host": done / hosts, "release_us": release,
             "total_us_per_node": call + done + release, "total_us_per_host": (call + done + release) / hosts,
             "runs_total_us": [sum(r) * 1e6 for r in runs]}
@@ -103,14 +132,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--devices", type=int, default=4, help="devices per host")
     p.add_argument("--nodes", type=int, default=30, help="nodes per run")
     p.add_argument("--repeats", type=int, default=5, help="runs per size (the median is printed)")
-    p.add_argument("--json", action="store_true", help="one JSON object per size")
+    p.add_argument("--json", nargs="?", const="", metavar="PATH",
+                   help="one JSON object per size (PATH: the last one into PATH too, as benchmarks/ab.py reads it)")
     p.add_argument("--relay-min-hosts", type=int, help="the controller's relay_min_hosts (0: no relays; "
                    "default: the controller's; relayed reports come as one batch per relay)")
+    p.add_argument("--in-flight", type=int, default=1, help="nodes in flight together, their rows interleaved "
+                   "in each relay's batch (as op by op, back to back)")
     args = p.parse_args(argv)
     for n in args.hosts:
-        r = measure(n, args.devices, args.nodes, args.repeats, args.relay_min_hosts)
-        if args.json:
+        r = measure(n, args.devices, args.nodes, args.repeats, args.relay_min_hosts, args.in_flight)
+        if args.json is not None:
             print(json.dumps(r), flush=True)
+            if args.json:
+                with open(args.json, "w") as f:
+                    json.dump(r, f)
         else:
             print(f"hosts {n:4d}: per SPMD node {r['total_us_per_node']:8.0f} us CPU ({r['total_us_per_host']:5.1f} "
                   f"per host): Call {r['call_us']:7.0f}, {n} ExecDones {r['exec_done_us']:7.0f} "

@@ -11,7 +11,7 @@ import pytest
 import zmq
 
 from zpath.config import ControllerConfig
-from zpath.controller import dispatch
+from zpath.controller import dispatch, peers
 from zpath.controller.relays import Inner
 from zpath.errors import ErrorKind, ZpathError
 from zpath.net import messages as m
@@ -91,6 +91,32 @@ def test_few_hosts_and_the_pings_go_directly():
     mark = len(rig.effects)
     rig.tick(1.0)
     assert not _relays(rig, mark) and sum(type(x) is m.Ping for _, x in rig.log[mark:]) == 8
+
+
+def test_many_workers_are_pinged_a_part_at_a_time_each_once_per_interval(monkeypatch):
+    monkeypatch.setattr(peers, "PING_HOSTS", 64)
+    rig = _rig(n=200)
+    assert rig.c.ping_parts() == 4 and rig.c.tick_interval() == pytest.approx(rig.c.config.ping_interval_s / 4)
+    pinged: list[bytes] = []
+    for _ in range(8):                      # two intervals
+        mark = len(rig.log)
+        rig.tick(rig.c.tick_interval())
+        part = [i for i, x in rig.log[mark:] if type(x) is m.Ping]
+        assert 0 < len(part) <= peers.PING_HOSTS and len({x.seq for _, x in rig.log[mark:] if type(x) is m.Ping}) == 1
+        pinged += part
+    assert sorted(pinged) == sorted(2 * [f"w{h}".encode() for h in range(200)])
+    assert all(rig.c.rm.hosts[h].alive for h in range(200))       # (they answered nothing, within the timeout)
+    # who is silent is judged once per round of the parts: every worker is, now
+    rig.now += rig.c.config.host_timeout_s
+    judging = []
+    for _ in range(4):
+        judging.append(rig.c.judging_tick())
+        assert rig.c.late(rig.now) == judging[-1]
+        rig.tick(0.001)
+        assert all(rig.c.rm.hosts[h].alive for h in range(200)) != any(judging)
+    assert judging.count(True) == 1
+    small = _rig(n=64)
+    assert small.c.ping_parts() == 1 and small.c.tick_interval() == small.c.config.ping_interval_s
 
 
 def test_a_relay_s_batch_finishes_its_group_s_hosts_and_the_computation():
@@ -191,6 +217,33 @@ def test_a_batch_of_several_computations_is_taken_run_by_run_as_row_by_row():
     assert out1 in rig.c.directory.buffers and rig.c.directory.buffers[out1].error is None
 
 
+def test_a_batch_s_interleaved_rows_are_taken_computation_by_computation():
+    """A relay's batch of computations in flight together (op by op, back to
+    back) holds their rows interleaved, host by host: each computation's rows
+    are taken as a whole, with the same outcome as the same rows run by run."""
+    def state(interleaved: bool) -> tuple:
+        rig = _rig(n=24, group=24)
+        a, _ = rig.client("a")
+        for _ in range(2):
+            rig.handle(a, _spmd(rig, a, 24)[0])
+        ex1, ex2 = sorted(rig.c.in_flight)
+        one_by_one = []
+        rows_one_by_one = rig.c._rows_one_by_one
+        rig.c._rows_one_by_one = lambda x, *rest: (one_by_one.append(x), rows_one_by_one(x, *rest))
+        for hosts in (range(20), range(20, 24)):      # 20 rows of each, then the last 4 (row by row)
+            by_host = [row for h in hosts for row in _rows(ex1, [h]) + _rows(ex2, [h])]
+            rig.handle(b"w0", m.batch_of(by_host if interleaved else _rows(ex1, hosts) + _rows(ex2, hosts)))
+            if hosts == range(20):
+                assert one_by_one == [] and rig.c.in_flight[ex1].hosts == rig.c.in_flight[ex2].hosts == \
+                    set(range(20, 24))
+                charged = (rig.c.tenants._running[ex1].charged, rig.c.tenants._running[ex2].charged)
+        assert not rig.c.in_flight and one_by_one == [ex1, ex2]
+        timeline = sorted((r.exec_id, r.host, r.start, r.end, r.ok) for r in rig.c.timeline_records(100))
+        return charged, timeline, sorted(rig.c.directory.buffers), rig.log[-1]
+
+    assert state(True) == state(False)
+
+
 def test_a_batch_with_a_row_its_sender_does_not_relay_is_rejected_whole(caplog):
     rig = _rig()
     a, _ = rig.client("a")
@@ -200,6 +253,11 @@ def test_a_batch_with_a_row_its_sender_does_not_relay_is_rejected_whole(caplog):
     rig.handle(b"w4", m.batch_of(_rows(ex, [4, 1])))
     rig.handle(b"w1", m.batch_of(_rows(ex, [1, 2])))
     assert rig.c.in_flight[ex].hosts == set(range(8))
+    # nor is a batch taken in part whose bad row is of a later computation
+    rig.handle(a, _spmd(rig, a, 8)[0])
+    ex3 = max(rig.c.in_flight)
+    rig.handle(b"w4", m.batch_of(_rows(ex, range(4, 8)) + _rows(ex3, [4, 5, 3])))
+    assert rig.c.in_flight[ex].hosts == rig.c.in_flight[ex3].hosts == set(range(8))
     assert "which it does not relay it to: rejected" in caplog.text
     # a host's own rows it takes from the host itself (resent after its relay was lost)
     rig.handle(b"w5", m.batch_of(_rows(ex, [5])))

@@ -9,7 +9,8 @@ import copy
 import dataclasses
 import logging
 import operator
-from itertools import groupby, repeat
+from collections.abc import Iterable
+from itertools import repeat
 from typing import Any
 
 from zpath import sharding
@@ -26,9 +27,8 @@ from zpath.net import messages as m
 
 log = logging.getLogger(__name__)
 
-# a batch's run of at least this many rows of one computation is taken as a
-# whole (_rows_taken); a shorter one row by row (relays batch rows of many
-# computations, interleaved, when reports come together)
+# a batch's rows of one computation, at least this many, are taken as a whole
+# (_rows_taken); fewer row by row
 RUN_ROWS = 8
 
 # Pieces smaller than this that one computation reads from one host over one
@@ -399,45 +399,58 @@ class Dispatch:
         host is taken only from the relay that execution was sent to that
         host through; one that is not rejects the whole batch. Rows of
         computations no longer in flight, or of hosts that no longer run
-        them (reported already, or lost), are dropped."""
+        them (reported already, or lost), are dropped. The rows are taken
+        computation by computation, in the order each first appears (a relay
+        interleaves the rows of computations in flight together: op by op,
+        back to back)."""
         in_flight = self.in_flight
         hosts, exec_ids = msg.hosts, msg.exec_ids
         n = len(hosts)
-        why = ""
-        runs: list[tuple[int, int, int]] = []       # (computation, first row, end): its rows in a run
         if not len(exec_ids) == len(msg.starts) == len(msg.ends) == len(msg.waited) == n or \
                 any(not 0 <= e.row < n for e in msg.errors):
-            why = "its columns do not agree"
-        else:
-            k = 0
-            for x, rows in groupby(exec_ids):
-                j = k + len(list(rows))
-                runs.append((x, k, j))
-                info = in_flight.get(x)
-                if info is not None:
-                    relay_of = info.relay_of
-                    bad = [h for h in hosts[k:j] if h != sender and (relay_of is None or relay_of.get(h) != sender)]
-                    if bad:
-                        why = f"a row of computation {x} for host {bad[0]}, which it does not relay it to"
-                        break
-                k = j
-        if why:
-            if self.log_limit.allow(None, self.now):
-                log.warning("host %d sent a batch of %d reports with %s: rejected", sender, n, why)
+            self._batch_rejected(sender, n, "its columns do not agree")
             return
-        errors = {e.row: e.error for e in msg.errors}
-        for x, k, j in runs:
+        # computation -> its rows (None: every row of the batch)
+        rows_of: dict[int, list[int] | None] = {}
+        if n and exec_ids.count(exec_ids[0]) == n:
+            rows_of[exec_ids[0]] = None
+        else:
+            for k, x in enumerate(exec_ids):
+                rows = rows_of.get(x)
+                if rows is None:
+                    rows_of[x] = [k]
+                else:
+                    rows.append(k)
+        runs: list[tuple[int, InFlight, list[int] | None, list[int], set[int]]] = []
+        for x, rows in rows_of.items():
             info = in_flight.get(x)
             if info is None:
                 continue
-            if j - k >= RUN_ROWS:       # (a short run costs less row by row)
-                run = hosts[k:j]
-                distinct = set(run)
-                if len(distinct) == j - k and distinct <= info.hosts and \
-                        not (errors and any(k <= r < j for r in errors)):
-                    self._rows_taken(x, info, run, msg.starts[k:j], msg.ends[k:j], msg.waited[k:j])
-                    continue
-            self._rows_one_by_one(x, info, msg, k, j, errors)
+            run = hosts if rows is None else list(map(hosts.__getitem__, rows))
+            distinct = set(run)
+            if not distinct <= self.relayed_by(sender, info.relay_of):
+                bad = next(h for h in run if h not in self.relayed_by(sender, info.relay_of))
+                self._batch_rejected(sender, n, f"a row of computation {x} for host {bad}, "
+                                                "which it does not relay it to")
+                return
+            runs.append((x, info, rows, run, distinct))
+        errors = {e.row: e.error for e in msg.errors}
+        for x, info, rows, run, distinct in runs:
+            if x not in in_flight:          # (gone while an earlier computation's rows were taken)
+                continue
+            if len(run) >= RUN_ROWS and len(distinct) == len(run) and distinct <= info.hosts and \
+                    not (errors and (rows is None or any(k in errors for k in rows))):
+                if rows is None:
+                    self._rows_taken(x, info, run, msg.starts, msg.ends, msg.waited)
+                else:
+                    self._rows_taken(x, info, run, list(map(msg.starts.__getitem__, rows)),
+                                     list(map(msg.ends.__getitem__, rows)), list(map(msg.waited.__getitem__, rows)))
+                continue
+            self._rows_one_by_one(x, info, msg, range(n) if rows is None else rows, errors)
+
+    def _batch_rejected(self, sender: int, n: int, why: str) -> None:
+        if self.log_limit.allow(None, self.now):
+            log.warning("host %d sent a batch of %d reports with %s: rejected", sender, n, why)
 
     def _rows_taken(self, x: int, info: InFlight, hosts: list[int], starts: list[float], ends: list[float],
                     waited: list[float]) -> None:
@@ -446,8 +459,8 @@ class Dispatch:
         ``_rows_one_by_one`` would one by one (a last host finishes it)."""
         n = len(hosts)
         usual = n - 1 if len(info.hosts) == n else n
-        self.timeline.extend(zip(map(Report, repeat(x, usual), repeat(None, usual), starts[:usual], ends[:usual],
-                                     waited[:usual]), hosts[:usual], repeat(info, usual), strict=True))
+        self.timeline.extend(zip(repeat(x, usual), repeat(None, usual), starts[:usual], ends[:usual], waited[:usual],
+                                 hosts[:usual], repeat(info, usual), strict=True))
         seconds = [end - start if end > start else 0.0 for start, end in zip(starts[:usual], ends[:usual],
                                                                                 strict=True)]
         info.hosts.difference_update(hosts[:usual])
@@ -457,19 +470,19 @@ class Dispatch:
         if usual < n:
             self._host_done(hosts[-1], Report(x, None, starts[-1], ends[-1], waited[-1]), info)
 
-    def _rows_one_by_one(self, x: int, info: InFlight, msg: m.ExecDoneBatch, first: int, end: int,
+    def _rows_one_by_one(self, x: int, info: InFlight, msg: m.ExecDoneBatch, rows: Iterable[int],
                          errors: dict[int, m.ErrorInfo]) -> None:
-        """Rows ``first`` to ``end`` of a batch, of computation ``x``
-        (``info``), one by one. The usual rows (no error, not the
-        computation's last host) are charged to the tenant scheduler at once."""
+        """Rows ``rows`` of a batch, of computation ``x`` (``info``), one by
+        one. The usual rows (no error, not the computation's last host) are
+        charged to the tenant scheduler at once."""
         timeline, hosts_done = self.timeline, self.tenants.hosts_done
         charged, longest = 0.0, 0.0
-        for k in range(first, end):
+        for k in rows:
             h, start, stop, waited = msg.hosts[k], msg.starts[k], msg.ends[k], msg.waited[k]
             if h not in info.hosts:
                 continue
             if k not in errors and len(info.hosts) > 1:       # (_host_done, the usual case)
-                timeline.append((Report(x, None, start, stop, waited), h, info))
+                timeline.append((x, None, start, stop, waited, h, info))
                 seconds = stop - start if stop > start else 0.0
                 charged += seconds * info.host_devices[h]
                 if seconds > longest:
@@ -504,7 +517,8 @@ class Dispatch:
             # its collective failed: a host of it may have died (its outputs
             # there wait for the verdict)
             self._peer_failed(host, info, msg.error)
-        self.timeline.append((msg, host, info))       # an ExecRecord when asked (see timeline_records)
+        # an ExecRecord when asked (see timeline_records)
+        self.timeline.append((msg.exec_id, msg.error, msg.start, msg.end, msg.waited, host, info))
         self.tenants.host_done(msg.exec_id, msg.end - msg.start, info.host_devices[host])
         info.hosts.discard(host)
         info.error = info.error or (msg.error if msg.error is None or msg.error.kind != ErrorKind.PEER_FAILED
@@ -525,8 +539,8 @@ class Dispatch:
     def timeline_records(self, limit: int) -> list[m.ExecRecord]:
         """The last ``limit`` host reports, oldest first."""
         recent = list(self.timeline)[-limit:] if limit > 0 else []
-        return [m.ExecRecord(msg.exec_id, info.seq, info.island, host, info.client, info.name, info.devices,
-                             msg.start, msg.end, msg.error is None, msg.waited) for msg, host, info in recent]
+        return [m.ExecRecord(x, info.seq, info.island, host, info.client, info.name, info.devices,
+                             start, end, error is None, waited) for x, error, start, end, waited, host, info in recent]
 
     def _explain(self, ident: bytes, parent: int, peer: Peer, req: m.ExplainRequest) -> None:
         """Plan a program on a scratch copy of the directory and describe it."""

@@ -74,6 +74,8 @@ class Relays:
         self._epoch = 0                                       # direct messages sent but Relays
         self._address: dict[int, str] = {}                    # host -> its data port
         self.relayed_messages = 0                             # Relay messages sent (for benchmarks)
+        # (id(relay_of), host) -> (relay_of, the hosts whose rows that host may send, see relayed_by)
+        self._relayed: dict[tuple[int, int], tuple[dict[int, int] | None, frozenset[int]]] = {}
         self.relay_min = self.config.relay_min_hosts
 
     def relay_of_hosts(self) -> dict[int, int]:
@@ -101,6 +103,20 @@ class Relays:
                     relay_of[r] = live[0]
         self._groups = (version, relay_of, members)
         return relay_of
+
+    def relayed_by(self, sender: int, relay_of: dict[int, int] | None) -> frozenset[int]:
+        """The hosts whose report rows of an execution sent with ``relay_of``
+        (``InFlight.relay_of``: None, not relayed) host ``sender`` may send:
+        itself and those it relayed it to. Kept per (map, sender): an
+        execution keeps the map it was sent with, which is never changed."""
+        hit = self._relayed.get((id(relay_of), sender))
+        if hit is not None and hit[0] is relay_of:
+            return hit[1]
+        hosts = frozenset([sender, *(h for h, r in relay_of.items() if r == sender)] if relay_of else [sender])
+        if len(self._relayed) >= SPLITS_KEPT:
+            self._relayed.clear()
+        self._relayed[(id(relay_of), sender)] = (relay_of, hosts)
+        return hosts
 
     def group_size(self, hosts: int) -> int:
         """Hosts per group on an island of ``hosts`` hosts."""
