@@ -11,7 +11,7 @@ import pytest
 import zmq
 
 from zpath.config import ControllerConfig
-from zpath.controller import dispatch, peers
+from zpath.controller import dispatch
 from zpath.controller.relays import Inner
 from zpath.errors import ErrorKind, ZpathError
 from zpath.net import messages as m
@@ -91,32 +91,6 @@ def test_few_hosts_and_the_pings_go_directly():
     mark = len(rig.effects)
     rig.tick(1.0)
     assert not _relays(rig, mark) and sum(type(x) is m.Ping for _, x in rig.log[mark:]) == 8
-
-
-def test_many_workers_are_pinged_a_part_at_a_time_each_once_per_interval(monkeypatch):
-    monkeypatch.setattr(peers, "PING_HOSTS", 64)
-    rig = _rig(n=200)
-    assert rig.c.ping_parts() == 4 and rig.c.tick_interval() == pytest.approx(rig.c.config.ping_interval_s / 4)
-    pinged: list[bytes] = []
-    for _ in range(8):                      # two intervals
-        mark = len(rig.log)
-        rig.tick(rig.c.tick_interval())
-        part = [i for i, x in rig.log[mark:] if type(x) is m.Ping]
-        assert 0 < len(part) <= peers.PING_HOSTS and len({x.seq for _, x in rig.log[mark:] if type(x) is m.Ping}) == 1
-        pinged += part
-    assert sorted(pinged) == sorted(2 * [f"w{h}".encode() for h in range(200)])
-    assert all(rig.c.rm.hosts[h].alive for h in range(200))       # (they answered nothing, within the timeout)
-    # who is silent is judged once per round of the parts: every worker is, now
-    rig.now += rig.c.config.host_timeout_s
-    judging = []
-    for _ in range(4):
-        judging.append(rig.c.judging_tick())
-        assert rig.c.late(rig.now) == judging[-1]
-        rig.tick(0.001)
-        assert all(rig.c.rm.hosts[h].alive for h in range(200)) != any(judging)
-    assert judging.count(True) == 1
-    small = _rig(n=64)
-    assert small.c.ping_parts() == 1 and small.c.tick_interval() == small.c.config.ping_interval_s
 
 
 def test_a_relay_s_batch_finishes_its_group_s_hosts_and_the_computation():
@@ -497,7 +471,7 @@ def test_real_workers_relay_and_a_killed_relay_is_named_by_hostlost(tmp_path):
     import numpy as np
     import zpath as zp
     from tests.conftest import running_cluster
-    from zpath.cluster.testing import kill_host
+    from zpath.cluster.testing import kill_host, wait_until
     env = {"ZPATH_HOST_TIMEOUT": "30", "ZPATH_RELAY_MIN_HOSTS": "2", "ZPATH_RELAY_GROUP": "2"}
     with running_cluster(islands=1, hosts_per_island=2, devices_per_host=1, log_dir=str(tmp_path), env=env) as c:
         conn = zp.connect(c.address, c.key)
@@ -513,6 +487,10 @@ def test_real_workers_relay_and_a_killed_relay_is_named_by_hostlost(tmp_path):
                 np.testing.assert_allclose(np.asarray(y), x + x.sum(0))
                 assert float(np.asarray(z)[0, 0]) == k + 1
                 x = np.asarray(y)
+            # a result can be fetched from its host before the relay's batch
+            # carrying its report reaches the controller: wait for that report
+            wait_until(lambda: conn.client.request(m.StatusRequest(False)).running == 0, timeout=20,
+                       what="the last computations' reports through the relay")
             st = conn.client.request(m.StatusRequest(False))
             assert st.relayed >= 5 and st.running == 0
             heavy = zp.pmap(lambda x: jax.lax.psum(jnp.tanh(x @ x.T), "i")[:1] + x[:1], axis_name="i",

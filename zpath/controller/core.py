@@ -193,17 +193,13 @@ class ControllerCore(Peers, FastCalls, Admission, Dispatch, Fusion, Failures, Re
         self.send_budget = SEND_BUDGET
 
     def tick(self, now: float) -> list[Effect]:
-        """Ping the workers (every ``tick_interval()``: all of them, or, when
-        there are more than ``PING_HOSTS``, the next part of them in turn); a
-        worker silent past its timeout is lost, a client has left (judged once
-        per round of the parts: ``judging_tick``)."""
+        """Ping every worker; a worker silent past its timeout is lost, a client
+        has left."""
         self.now = now
         self.send_budget = SEND_BUDGET
-        judging = self.judging_tick()
         self._pings()
         try:
-            if judging:
-                self._check_liveness(now)
+            self._check_liveness(now)
         except Exception:  # a bug here must not take the controller down
             log.exception("error while checking hosts and clients")
         return self._take()

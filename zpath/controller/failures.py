@@ -80,10 +80,9 @@ class Failures:
                 self.to_host(failure.host, m.FailBuffers(failure.outputs, err))
 
     def late(self, now: float) -> bool:
-        """Whether the next ``tick`` judges who is silent (``judging_tick``)
-        and a peer has been silent past its timeout at ``now`` (the loop reads
-        what waits before judging: see ``tick``)."""
-        return self.judging_tick() and any(now - p.last_seen > self._timeout(p) for p in self.peers.values())
+        """Whether a peer has been silent past its timeout at ``now`` (the loop
+        reads what waits before judging: see ``tick``)."""
+        return any(now - p.last_seen > self._timeout(p) for p in self.peers.values())
 
     def stalled(self, now: float, busy: float) -> None:
         """The loop was held up ``busy`` seconds beyond what it tolerates: that

@@ -20,11 +20,6 @@ MAX_NONCE_BYTES = 64
 MAX_PROGRAM_BYTES = 256 << 20
 TIMELINE_RECORDS = 100_000
 EVENT_RECORDS = 10_000
-# Workers pinged per tick: more workers are pinged in turn, a part each tick,
-# each once per ping interval (512 Pongs coming back together held the loop
-# for tens of ms once a second; see tick_interval). Smaller parts wake an idle
-# loop more often: 64 cost it ~10 ms of CPU a second more at 512 hosts, 128 ~5.
-PING_HOSTS = 128
 
 
 class Peers:
@@ -45,37 +40,12 @@ class Peers:
         self.programs: dict[str, tuple[str, bytes]] = {}
         self.host_programs: dict[int, set[str]] = {}
         self._ping_seq = 0
-        self._ping_turn = 0
-
-    def ping_parts(self) -> int:
-        """Into how many parts the workers are split to be pinged in turn, one
-        part a tick (at most ``PING_HOSTS`` workers each)."""
-        return max(1, -(-len(self.worker_ident) // PING_HOSTS))
-
-    def tick_interval(self) -> float:
-        """How long from one ``tick`` to the next: every worker is pinged once
-        per ``ping_interval_s``, a part at a time."""
-        return self.config.ping_interval_s / self.ping_parts()
-
-    def judging_tick(self) -> bool:
-        """Whether the next ``tick`` judges who is silent: the one that starts
-        a round of the parts (every tick with one part)."""
-        return (self._ping_turn + 1) % self.ping_parts() == 0
 
     def _pings(self) -> None:
-        """Ping this tick's part of the workers: host ``rank`` when ``rank``
-        modulo the parts is the turn's."""
         self._ping_seq += 1
         ping = m.Ping(self._ping_seq)       # one message for all: the loop encodes and signs it once
-        parts = self.ping_parts()
-        self._ping_turn = turn = (self._ping_turn + 1) % parts
-        if parts == 1:
-            for ident in self.worker_ident.values():
-                self.send(ident, ping)
-            return
-        for rank, ident in self.worker_ident.items():
-            if rank % parts == turn:
-                self.send(ident, ping)
+        for ident in self.worker_ident.values():
+            self.send(ident, ping)
 
     def _hello(self, ident: bytes, parent: int, msg: m.Hello) -> None:
         if msg.protocol != PROTOCOL_VERSION:

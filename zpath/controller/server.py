@@ -252,7 +252,7 @@ class Controller:
                 log.warning("controller loop was busy for %.1fs", busy)
                 self.core.stalled(now, busy - STALL_S)
             if now >= next_ping:
-                next_ping = now + self.core.tick_interval()     # (many workers: a part at a time)
+                next_ping = now + self.config.ping_interval_s
                 if self.core.late(now):
                     # their answers may be waiting behind work that held this loop
                     # up (a huge message, a long plan): read what came before judging
