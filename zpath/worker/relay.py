@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import collections
 import logging
+from collections.abc import Iterable
 from typing import Any, NamedTuple
 
 from zpath.config import HOLD_SHORT_S
@@ -251,29 +252,23 @@ class RelayState:
 
     def row_in(self, row: m.ExecRow, now: float) -> None:
         """A group host's row (or this relay's own)."""
-        if not self.rows:
-            self.rows_since = now
-        self.rows.append(row)
-        left = self.collecting.get(row.exec_id)
-        if left is not None:
-            left.discard(row.host)
-            if not left:
-                del self.collecting[row.exec_id]
-                self.complete = True
+        self._arrived(row, row.exec_id, (row.host,), now)
 
     def rows_in(self, block: RowBlock, now: float) -> None:
         """The rows of a block (a group of simulated hosts: only the
         simulator gives them): as ``row_in`` for each."""
-        if not block.hosts:
-            return
+        if block.hosts:
+            self._arrived(block, block.exec_id, block.hosts, now)
+
+    def _arrived(self, item: m.ExecRow | RowBlock, exec_id: int, hosts: Iterable[int], now: float) -> None:
         if not self.rows:
             self.rows_since = now
-        self.rows.append(block)
-        left = self.collecting.get(block.exec_id)
+        self.rows.append(item)
+        left = self.collecting.get(exec_id)
         if left is not None:
-            left.difference_update(block.hosts)
+            left.difference_update(hosts)
             if not left:
-                del self.collecting[block.exec_id]
+                del self.collecting[exec_id]
                 self.complete = True
 
     def take_rows(self, now: float) -> list[m.ExecRow | RowBlock]:
