@@ -439,10 +439,8 @@ class Admission:
         for rank, buffers in frees.items():
             if rank in idents:
                 held = pending.get(rank)
-                if held is None:
-                    pending[rank] = list(buffers)
-                else:
-                    held += buffers
+                # (the same list object for hosts freed alike: see send_frees)
+                pending[rank] = buffers if held is None else held + buffers
         if frees and self.memory_waiting:
             self._resume_waiting()
 
@@ -451,14 +449,18 @@ class Admission:
         get one message (encoded once)."""
         pending, self.frees_pending = self.frees_pending, {}
         same: dict[tuple[int, ...], m.Free] = {}
+        by_list: dict[int, m.Free] = {}     # (the same list object: the same message, at once)
         out = []
         idents = self.worker_ident
         for rank, buffers in pending.items():
             if rank in idents:           # (not lost meanwhile)
-                key = tuple(buffers)
-                msg = same.get(key)
+                msg = by_list.get(id(buffers))
                 if msg is None:
-                    msg = same[key] = m.Free(buffers)
+                    key = tuple(buffers)
+                    msg = same.get(key)
+                    if msg is None:
+                        msg = same[key] = m.Free(buffers)
+                    by_list[id(buffers)] = msg
                 out.append((rank, msg))
         self.to_hosts(out)
 

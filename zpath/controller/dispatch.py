@@ -428,8 +428,9 @@ class Dispatch:
                 continue
             run = hosts if rows is None else list(map(hosts.__getitem__, rows))
             distinct = set(run)
-            if not distinct <= self.relayed_by(sender, info.relay_of):
-                bad = next(h for h in run if h not in self.relayed_by(sender, info.relay_of))
+            allowed = self.relayed_by(sender, info.relay_of)
+            if not distinct <= allowed:
+                bad = next(h for h in run if h not in allowed)
                 self._batch_rejected(sender, n, f"a row of computation {x} for host {bad}, "
                                                 "which it does not relay it to")
                 return

@@ -77,6 +77,7 @@ def batch_of(rows: list[m.ExecRow | RowBlock], relay: int = -1) -> m.ExecDoneBat
     hosts: list[int] = []
     starts: list[float] = []
     ends: list[float] = []
+    waited: list[float] = []
     errors = []
     for r in rows:
         if type(r) is RowBlock:
@@ -85,6 +86,7 @@ def batch_of(rows: list[m.ExecRow | RowBlock], relay: int = -1) -> m.ExecDoneBat
             hosts += r.hosts
             starts += [r.start] * n
             ends += [r.end] * n
+            waited += [0.0] * n          # (a block's hosts did not wait: they ran from their start)
         else:
             if r.error is not None:
                 errors.append(m.RowError(len(hosts), r.error))
@@ -92,14 +94,7 @@ def batch_of(rows: list[m.ExecRow | RowBlock], relay: int = -1) -> m.ExecDoneBat
             hosts.append(r.host)
             starts.append(r.start)
             ends.append(r.end)
-    waited = [0.0] * len(hosts)
-    k = 0
-    for r in rows:               # (a block's hosts did not wait: they ran from their start)
-        if type(r) is RowBlock:
-            k += len(r.hosts)
-        else:
-            waited[k] = r.waited
-            k += 1
+            waited.append(r.waited)
     return m.ExecDoneBatch(exec_ids, hosts, starts, ends, waited, errors, relay)
 
 
