@@ -71,7 +71,7 @@ def test_collectives_network_thread_runs_at_a_higher_niceness(island, client):
     thread only (ZPATH_COLLECTIVES_NICE, default 10): the one thread that the
     collectives' set-up started, none of the worker's own and not its main thread."""
     test_psum_across_hosts(client)      # (the island has run collectives)
-    workers = [p.pid for name, p in island.local.procs if name.startswith("worker")]
+    workers = [p.pid for name, p in island.procs if name.startswith("worker")]
     assert len(workers) == 2
     for pid in workers:
         threads = _niceness(pid)
