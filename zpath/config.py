@@ -156,6 +156,11 @@ class WorkerConfig(_FromEnv):
                                     "(gloo's network thread), which spins while the thread running "
                                     "a computation holds its connection; 0: leave them as they are")
 
+    def __post_init__(self) -> None:
+        if not 0 <= self.collectives_nice <= 19:
+            raise ZpathError(f"ZPATH_COLLECTIVES_NICE must be in 0..19 (a niceness to add), "
+                             f"not {self.collectives_nice}")
+
 
 @dataclasses.dataclass(frozen=True)
 class ClientConfig(_FromEnv):
