@@ -395,6 +395,8 @@ def test_sixteen_simulated_hosts_end_to_end_through_the_scale_benchmark(relays):
         assert r[k] > 0, (k, r)
     assert r["big_program_nodes"] == 300 and r["pipeline_stages"] == 16
     assert r["busy"] and all(0 < v <= 1.05 for v in r["busy"].values())
+    assert r["busy_warm"].keys() == r["busy"].keys() == r["busy_fixed_ms"].keys()
+    assert all(0 < v <= 1.05 for v in r["busy_warm"].values())
     assert (r["relayed_messages"] > 0) == relays, r["relayed_messages"]
 
 
