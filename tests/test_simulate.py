@@ -32,6 +32,7 @@ from zpath.net import messages as m
 from zpath.net.codec import CLUSTER, PROTOCOL_VERSION
 from zpath.net.transport import Endpoint, make_context, unbatched
 from zpath.worker import relay as relays
+from zpath.worker import simulate
 from zpath.worker.simulate import SimProcess, program_cost_s, sim_program
 
 pytestmark = pytest.mark.timeout(120)
@@ -147,6 +148,24 @@ def test_program_costs_are_declared_by_the_program_bytes():
     assert program_cost_s(b"zpath-sim-program\n{not json", 0.004) == 0.004
     with pytest.raises(ValueError):
         sim_program(-1.0)
+
+
+def test_a_program_cost_is_worked_out_once_per_process(monkeypatch):
+    """Every host of a process gets the program's bytes: they are read once."""
+    ctl = FakeController()
+    proc = SimProcess(KEY, ctl.address, hosts=2, devices=1, cost_ms=5.0)
+    try:
+        blob = sim_program(2.5)
+        assert proc.program_cost("d1", blob) == pytest.approx(0.0025)
+        read = []
+        monkeypatch.setattr(simulate, "program_cost_s", lambda b, d: read.append(b) or program_cost_s(b, d))
+        assert proc.program_cost("d1", blob) == pytest.approx(0.0025) and read == []
+        # other bytes under a name seen before are read (not the remembered cost)
+        assert proc.program_cost("d1", sim_program(7.0)) == pytest.approx(0.007) and len(read) == 1
+        assert proc.program_cost("d2", b"a real jax.export blob") == pytest.approx(0.005)
+    finally:
+        proc.close()
+        ctl.close()
 
 
 def test_a_simulated_host_answers_every_control_message(sim):
@@ -376,6 +395,8 @@ def test_sixteen_simulated_hosts_end_to_end_through_the_scale_benchmark(relays):
         assert r[k] > 0, (k, r)
     assert r["big_program_nodes"] == 300 and r["pipeline_stages"] == 16
     assert r["busy"] and all(0 < v <= 1.05 for v in r["busy"].values())
+    assert r["busy_warm"].keys() == r["busy"].keys() == r["busy_fixed_ms"].keys()
+    assert all(0 < v <= 1.05 for v in r["busy_warm"].values())
     assert (r["relayed_messages"] > 0) == relays, r["relayed_messages"]
 
 

@@ -141,8 +141,10 @@ def cut(array: Any, r: Region) -> Any:
     return out if out.flags.c_contiguous else out.copy(order="C")
 
 
+@functools.lru_cache(maxsize=256)
 def itemsize(dtype: str) -> int:
-    """Bytes per element of a dtype name (numpy's, or ml_dtypes' like bfloat16)."""
+    """Bytes per element of a dtype name (numpy's, or ml_dtypes' like bfloat16);
+    remembered (a plan over thousands of devices asks once per shard)."""
     try:
         return np.dtype(dtype).itemsize
     except TypeError:

@@ -424,8 +424,8 @@ class Directory:
         current state, changing nothing. The call has passed every check."""
         mesh = (call.mesh_shape, call.axis_names)
         try:
-            in_regs = [sharding.regions(i.aval.shape, *mesh, i.spec) for i in call.inputs]
-            out_regs = [sharding.regions(o.aval.shape, *mesh, o.spec) for o in call.outputs]
+            in_regs = [sharding.regions_of(i.aval.shape, *mesh, i.spec) for i in call.inputs]
+            out_regs = [sharding.regions_of(o.aval.shape, *mesh, o.spec) for o in call.outputs]
         except (ValueError, KeyError) as e:
             raise PlanError(ErrorKind.BAD_REQUEST, f"bad sharding: {e}") from None
         shards: dict[int, list[list]] = {h: [] for h in hosts}

@@ -327,7 +327,7 @@ class SimHost:
                                                            msg.dst_machine, msg.dst_key))
             case m.RegisterProgram():
                 if len(buffers) == 1:
-                    self.costs[msg.digest] = program_cost_s(bytes(buffers[0]), self.proc.default_cost_s)
+                    self.costs[msg.digest] = self.proc.program_cost(msg.digest, bytes(buffers[0]))
             case m.Ping():
                 self.out.append(m.Pong(msg.seq, *self.stats()))
                 self.proc.outgoing.add(self)
@@ -1024,6 +1024,7 @@ class SimProcess:
         self.name = name or f"sim-{socket.gethostname()}-{os.getpid()}"
         self.machine = f"sim:{socket.gethostname()}:{os.getpid()}"
         self.default_cost_s = cost_ms / 1000
+        self._program_costs: dict[str, tuple[bytes, float]] = {}     # digest -> (its bytes, their cost)
         self.transfer_s, self.transfer_gbps, self.move_bytes = transfer_us / 1e6, transfer_gbps, move_bytes
         self.controller_timeout_s = controller_timeout_s
         self.groups = groups          # hosts that run the same computations as one record (SimGroup)
@@ -1114,6 +1115,15 @@ class SimProcess:
                 self.by_device[d] = h
         log.info("%d simulated hosts registered (ranks %d..%d), %d devices each", len(self.hosts),
                  min(self.by_rank), max(self.by_rank), self.devices)
+
+    def program_cost(self, digest: str, blob: bytes) -> float:
+        """``program_cost_s`` of a program's bytes, worked out once for the
+        process's hosts (each host gets the program, the same bytes)."""
+        hit = self._program_costs.get(digest)
+        if hit is None or hit[0] != blob:
+            hit = (blob, program_cost_s(blob, self.default_cost_s))
+            self._remember(self._program_costs, digest, hit)
+        return hit[1]
 
     def local(self, ex: m.Execute) -> dict[int, list[int]]:
         """Host index -> its devices among those of ``ex`` (remembered: every
