@@ -298,6 +298,10 @@ class Computation:
                              "on one island (values move between islands when computations on "
                              "each read them)")
         self.client = mesh.devices.flat[0].client
+        # the mesh as every call's message and futures name it, made once (read only)
+        self._device_ids = mesh.device_ids
+        self._mesh_shape = list(mesh.shape)
+        self._axis_names = list(mesh.axis_names)
         self._cache: dict[Any, _Traced] = {}
         functools.update_wrapper(self, fn)
 
@@ -570,12 +574,12 @@ class Computation:
                      out_buffers: list[int]) -> m.Call:
         outs = [_call_output(b, _aval(list(shape), dtype_name(dtype)), spec)
                 for b, (shape, dtype), spec in zip(out_buffers, traced.out_avals, traced.out_specs, strict=True)]
-        return _call(self.client.new_call_id(), traced.digest, list(self.mesh.shape),
-                      list(self.mesh.axis_names), self.mesh.device_ids, inputs, outs)
+        return _call(self.client.new_call_id(), traced.digest, self._mesh_shape, self._axis_names,
+                     self._device_ids, inputs, outs)
 
     def future(self, buffer: int, aval: Aval, spec: list, key: str | None = None) -> Future:
-        fut = Future(self.client, buffer, aval[0], aval[1], self.mesh.device_ids,
-                     list(self.mesh.shape), list(self.mesh.axis_names), spec, mesh=self.mesh, key=key)
+        fut = Future(self.client, buffer, aval[0], aval[1], self._device_ids, self._mesh_shape,
+                     self._axis_names, spec, mesh=self.mesh, key=key)
         self.client.track(fut)
         return fut
 
