@@ -206,11 +206,12 @@ class Dispatch:
     def _park(self, node: ParkedNode) -> None:
         """A node is not sent yet: buffers it reads or writes are not freed, and
         nodes that read its outputs wait until it is sent."""
-        pinned = self.pinned
-        for b in call_buffers(node.call):       # (Counter.update, without its generality)
-            pinned[b] += 1
+        pinned, parked, exec_id = self.pinned, self.parked_outputs, node.exec_id
+        for i in node.call.inputs:              # (pinned.update(call_buffers(...)), without a list)
+            pinned[i.buffer] += 1
         for o in node.call.outputs:
-            self.parked_outputs[o.buffer] = node.exec_id
+            pinned[o.buffer] += 1
+            parked[o.buffer] = exec_id
         for b, lay in node.planned[0].copies:
             self.unsent_copies.setdefault(b, []).append(lay)
 
