@@ -415,6 +415,8 @@ class Admission:
     def _release(self, buffers: list[int], owner: int) -> None:
         """Free buffers the owner no longer needs, except those a parked node still
         reads or writes: those wait until it has been sent."""
+        if not buffers:
+            return                        # (a call that put nothing, sent: the usual op-by-op case)
         now = []
         deferred = False
         for b in buffers:
