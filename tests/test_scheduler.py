@@ -427,10 +427,10 @@ def test_the_tenant_schedulers_per_device_steps_agree_one_by_one_and_as_arrays(m
 
 
 @pytest.mark.parametrize("policy", ["fifo", "share"])
-def test_a_lone_clients_queue_goes_in_its_order_as_room_frees(policy):
-    """One client waits on an island (the usual op-by-op case, picked without
-    ordering clients): its head goes while it fits, nothing while it does not
-    (the queue is kept), and the island has nothing waiting once it is empty."""
+def test_a_lone_clients_queue_goes_in_its_order_as_room_frees(policy: str) -> None:
+    """One client waits on an island (the usual op-by-op case): its head goes
+    while it fits, nothing while it does not (the queue is kept), and the
+    island has nothing waiting once it is empty."""
     s = TenantScheduler(policy, window_s=1.0, min_window=1, default_cost_s=1.0)   # one at a time
     s.add_client(1, 1)
     for k in range(3):

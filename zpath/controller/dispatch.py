@@ -7,7 +7,6 @@ from __future__ import annotations
 import collections
 import copy
 import dataclasses
-import itertools
 import logging
 import operator
 from collections.abc import Iterable
@@ -314,7 +313,7 @@ class Dispatch:
             if buf is not None and buf.error is not None:
                 return buf.error
         plan = node.planned[0]
-        for h in itertools.chain(plan.executes, (src for src, _ in plan.sends)) if plan.sends else plan.executes:
+        for h in [*plan.executes, *(src for src, _ in plan.sends)]:
             host = self.rm.hosts[h]
             if not host.alive:
                 return m.ErrorInfo(ErrorKind.HOST_LOST, f"host {h} ({host.name}, island {host.island}) was lost "

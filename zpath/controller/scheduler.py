@@ -230,14 +230,6 @@ class TenantScheduler:
         queues = self._queues.get(island)
         if not queues:
             return None
-        if len(queues) == 1:              # one client waits (the usual case): no order to make
-            for q in queues.values():
-                if not self._fits(q[0]):
-                    return None
-                ready = q.popleft()
-                if not q:
-                    del self._queues[island]
-                return ready
         if self.policy == "fifo":
             order = sorted(queues, key=lambda c: queues[c][0].arrival)
         else:
