@@ -319,25 +319,31 @@ class Computation:
         """Split a call's arguments into static and dynamic ones, flatten the
         dynamic ones and work out their avals (canonical under the caller's
         ``jax_enable_x64``, as jax.jit does)."""
-        static_pos = self._static_positions(len(args))
-        static = (tuple((i, args[i]) for i in sorted(static_pos)),
-                  tuple(sorted((k, v) for k, v in kwargs.items() if k in self.static_argnames)))
-        for where, v in (*static[0], *static[1]):
-            try:
-                hash(v)
-            except TypeError:
-                raise TypeError(f"{self.name}: static argument {_arg_name(self.fn, where)} must be "
-                                f"hashable (as for jax.jit), not {type(v).__name__}") from None
-        dyn = (tuple(a for i, a in enumerate(args) if i not in static_pos),
-               {k: v for k, v in kwargs.items() if k not in self.static_argnames})
+        if not self.static_argnums and not self.static_argnames:     # (the usual case: all dynamic)
+            static: tuple = ((), ())
+            dyn = (args, dict(kwargs))
+        else:
+            static_pos = self._static_positions(len(args))
+            static = (tuple((i, args[i]) for i in sorted(static_pos)),
+                      tuple(sorted((k, v) for k, v in kwargs.items() if k in self.static_argnames)))
+            for where, v in (*static[0], *static[1]):
+                try:
+                    hash(v)
+                except TypeError:
+                    raise TypeError(f"{self.name}: static argument {_arg_name(self.fn, where)} must be "
+                                    f"hashable (as for jax.jit), not {type(v).__name__}") from None
+            dyn = (tuple(a for i, a in enumerate(args) if i not in static_pos),
+                   {k: v for k, v in kwargs.items() if k not in self.static_argnames})
         leaves, in_tree = jax.tree_util.tree_flatten(dyn, is_leaf=_is_arg_leaf)
-        keys = [_key_impl(x) for x in leaves]
-        avals = []
-        for x, k in zip(leaves, keys, strict=True):
-            if k is not None and not _is_arg_leaf(x):
-                avals.append(tracer.key_aval(x))
-            else:
-                avals.append(aval_of(x))
+        keys, avals = [], []
+        for x in leaves:
+            if type(x) is Future:           # (a future's key and aval, as _key_impl and aval_of give them)
+                keys.append(x._key)
+                avals.append((x.shape, x.dtype))
+                continue
+            k = _key_impl(x)
+            keys.append(k)
+            avals.append(tracer.key_aval(x) if k is not None and not _is_arg_leaf(x) else aval_of(x))
         weak = [type(x) in (int, float, complex) for x in leaves]
         return _Args(leaves, in_tree, static, avals, keys, weak, len(args))
 
