@@ -424,3 +424,24 @@ def test_the_tenant_schedulers_per_device_steps_agree_one_by_one_and_as_arrays(m
         return seen + [sorted(t._vt.items()), [float(x) for x in t._island_clock(0)[:72]]]
 
     assert replay(16) == replay(0)
+
+
+@pytest.mark.parametrize("policy", ["fifo", "share"])
+def test_a_lone_clients_queue_goes_in_its_order_as_room_frees(policy: str) -> None:
+    """One client waits on an island (the usual op-by-op case): its head goes
+    while it fits, nothing while it does not (the queue is kept), and the
+    island has nothing waiting once it is empty."""
+    s = TenantScheduler(policy, window_s=1.0, min_window=1, default_cost_s=1.0)   # one at a time
+    s.add_client(1, 1)
+    for k in range(3):
+        s.add(Ready(1, 0, (0, 1), "p", k))
+    got = []
+    for t in range(3):
+        r = s.pick(0)
+        assert r is not None
+        got.append(r.item)
+        s.sent(t, r)
+        assert s.pick(0) is None and s.queued(1) == 2 - t    # no room: nothing taken
+        s.finished(t)
+    assert got == [0, 1, 2]
+    assert s.islands() == [] and s.queued_items() == []

@@ -298,6 +298,10 @@ class Computation:
                              "on one island (values move between islands when computations on "
                              "each read them)")
         self.client = mesh.devices.flat[0].client
+        # the mesh as every call's message and futures name it, made once (read only)
+        self._device_ids = mesh.device_ids
+        self._mesh_shape = list(mesh.shape)
+        self._axis_names = list(mesh.axis_names)
         self._cache: dict[Any, _Traced] = {}
         functools.update_wrapper(self, fn)
 
@@ -315,25 +319,31 @@ class Computation:
         """Split a call's arguments into static and dynamic ones, flatten the
         dynamic ones and work out their avals (canonical under the caller's
         ``jax_enable_x64``, as jax.jit does)."""
-        static_pos = self._static_positions(len(args))
-        static = (tuple((i, args[i]) for i in sorted(static_pos)),
-                  tuple(sorted((k, v) for k, v in kwargs.items() if k in self.static_argnames)))
-        for where, v in (*static[0], *static[1]):
-            try:
-                hash(v)
-            except TypeError:
-                raise TypeError(f"{self.name}: static argument {_arg_name(self.fn, where)} must be "
-                                f"hashable (as for jax.jit), not {type(v).__name__}") from None
-        dyn = (tuple(a for i, a in enumerate(args) if i not in static_pos),
-               {k: v for k, v in kwargs.items() if k not in self.static_argnames})
+        if not self.static_argnums and not self.static_argnames:     # (the usual case: all dynamic)
+            static: tuple = ((), ())
+            dyn = (args, dict(kwargs))
+        else:
+            static_pos = self._static_positions(len(args))
+            static = (tuple((i, args[i]) for i in sorted(static_pos)),
+                      tuple(sorted((k, v) for k, v in kwargs.items() if k in self.static_argnames)))
+            for where, v in (*static[0], *static[1]):
+                try:
+                    hash(v)
+                except TypeError:
+                    raise TypeError(f"{self.name}: static argument {_arg_name(self.fn, where)} must be "
+                                    f"hashable (as for jax.jit), not {type(v).__name__}") from None
+            dyn = (tuple(a for i, a in enumerate(args) if i not in static_pos),
+                   {k: v for k, v in kwargs.items() if k not in self.static_argnames})
         leaves, in_tree = jax.tree_util.tree_flatten(dyn, is_leaf=_is_arg_leaf)
-        keys = [_key_impl(x) for x in leaves]
-        avals = []
-        for x, k in zip(leaves, keys, strict=True):
-            if k is not None and not _is_arg_leaf(x):
-                avals.append(tracer.key_aval(x))
-            else:
-                avals.append(aval_of(x))
+        keys, avals = [], []
+        for x in leaves:
+            if type(x) is Future:           # (a future's key and aval, as _key_impl and aval_of give them)
+                keys.append(x._key)
+                avals.append((x.shape, x.dtype))
+                continue
+            k = _key_impl(x)
+            keys.append(k)
+            avals.append(tracer.key_aval(x) if k is not None and not _is_arg_leaf(x) else aval_of(x))
         weak = [type(x) in (int, float, complex) for x in leaves]
         return _Args(leaves, in_tree, static, avals, keys, weak, len(args))
 
@@ -570,12 +580,12 @@ class Computation:
                      out_buffers: list[int]) -> m.Call:
         outs = [_call_output(b, _aval(list(shape), dtype_name(dtype)), spec)
                 for b, (shape, dtype), spec in zip(out_buffers, traced.out_avals, traced.out_specs, strict=True)]
-        return _call(self.client.new_call_id(), traced.digest, list(self.mesh.shape),
-                      list(self.mesh.axis_names), self.mesh.device_ids, inputs, outs)
+        return _call(self.client.new_call_id(), traced.digest, self._mesh_shape, self._axis_names,
+                     self._device_ids, inputs, outs)
 
     def future(self, buffer: int, aval: Aval, spec: list, key: str | None = None) -> Future:
-        fut = Future(self.client, buffer, aval[0], aval[1], self.mesh.device_ids,
-                     list(self.mesh.shape), list(self.mesh.axis_names), spec, mesh=self.mesh, key=key)
+        fut = Future(self.client, buffer, aval[0], aval[1], self._device_ids, self._mesh_shape,
+                     self._axis_names, spec, mesh=self.mesh, key=key)
         self.client.track(fut)
         return fut
 

@@ -45,7 +45,9 @@ class Future(ArrayMethods):
         self._axis_names = axis_names
         self._spec = spec
         self._lock = threading.Lock()
-        self._event = threading.Event()
+        # made by the first fetch (a threading.Event costs more than the rest
+        # of a future: most futures of an op-by-op chain are never waited on)
+        self._event: threading.Event | None = None
         self._value: np.ndarray | None = None
         self._error: BaseException | None = None       # the call failed: final
         self._fetch: Any = None                         # the fetch being waited on
@@ -103,10 +105,16 @@ class Future(ArrayMethods):
                 return True
             if self._fetch is None and self._donated is None:
                 self._fetch_error = None
-                self._event.clear()
+                self._waiting().clear()
                 self._read = True
                 self._fetch = self._client.start_fetch(self, self._client.config.fetch_timeout_s)
         return self.done()
+
+    def _waiting(self) -> threading.Event:
+        """The event a fetch's outcome sets, made now if need be (under ``_lock``)."""
+        if self._event is None:
+            self._event = threading.Event()
+        return self._event
 
     def _regions(self) -> list[sharding.Region]:
         return sharding.regions(self.shape, self._mesh_shape, self._axis_names, self._spec)
@@ -124,7 +132,8 @@ class Future(ArrayMethods):
                 self._value = value
             else:
                 self._fetch_error = error
-            self._event.set()
+            if self._event is not None:
+                self._event.set()
 
     def _fail(self, error: BaseException) -> None:
         """The call that produces this value failed: every fetch raises ``error``."""
@@ -132,7 +141,8 @@ class Future(ArrayMethods):
             if self._value is None:
                 self._error = error
             self._fetch = None
-            self._event.set()
+            if self._event is not None:
+                self._event.set()
 
     def done(self) -> bool:
         """True once the value is here or the call is known to have failed."""
@@ -177,13 +187,14 @@ class Future(ArrayMethods):
                 raise _fresh(self._error)
             if self._value is not None:
                 return self._value
+            event = self._waiting()
             if self._fetch is None:
                 self._fetch_error = None
-                self._event.clear()
+                event.clear()
                 self._read = True
                 self._fetch = self._client.start_fetch(self, timeout)
             fetch = self._fetch
-        arrived = self._event.wait(timeout)
+        arrived = event.wait(timeout)
         with self._lock:
             if self._error is not None:
                 raise _fresh(self._error)

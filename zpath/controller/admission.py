@@ -390,15 +390,18 @@ class Admission:
     def _unpin(self, buffers: list[int]) -> None:
         """Take one pin off each of ``buffers`` (a call may name one twice);
         releases deferred meanwhile go ahead for those no longer pinned."""
-        self.pinned.subtract(buffers)
+        pinned, deferred = self.pinned, self.deferred
+        for b in buffers:                 # (Counter.subtract, without its generality)
+            pinned[b] -= 1
         ready = []
-        for b in dict.fromkeys(buffers):
-            if self.pinned.get(b, 0) <= 0:
-                self.pinned.pop(b, None)
-                if b in self.deferred:
+        for b in buffers:
+            n = pinned.get(b)
+            if n is not None and n <= 0:
+                del pinned[b]
+                if b in deferred:
                     ready.append(b)
         for b in ready:
-            owner = self.deferred.pop(b, None)
+            owner = deferred.pop(b, None)
             if owner is not None:
                 self._release([b], owner)
 
@@ -412,6 +415,8 @@ class Admission:
     def _release(self, buffers: list[int], owner: int) -> None:
         """Free buffers the owner no longer needs, except those a parked node still
         reads or writes: those wait until it has been sent."""
+        if not buffers:
+            return                        # (a call that put nothing, sent: the usual op-by-op case)
         now = []
         deferred = False
         for b in buffers:

@@ -136,7 +136,9 @@ class Dispatch:
                         self.host_fused[rank].add(define.fused)
                     else:                 # dropped while this run waited: forgotten after it
                         drop_after.append((rank, m.DropFused([define.fused])))
-        self.to_hosts(self._send_orders(plan.sends))
+        sends = plan.sends
+        if sends:
+            self.to_hosts(self._send_orders(sends))
         island = self.rm.hosts[next(iter(plan.executes))].island
         ordered = self.scheduler.dispatch(island, plan.executes, hold)
         exec_id = next(iter(plan.executes.values())).exec_id
@@ -144,7 +146,7 @@ class Dispatch:
             peer.id, peer.ident, name, island, self.scheduler.next_seq[island] - 1, call.devices,
             set(plan.executes), self.rm.host_counts(call.devices),
             [o.buffer for o in call.outputs],
-            [(piece.piece_id, src, piece.dst_host) for src, piece in plan.sends],
+            [(piece.piece_id, src, piece.dst_host) for src, piece in sends],
             [i.buffer for i in call.inputs if i.put], plan.setup is not None, plan.copies,
             plan.transient)
         self.to_hosts(ordered)
@@ -204,9 +206,12 @@ class Dispatch:
     def _park(self, node: ParkedNode) -> None:
         """A node is not sent yet: buffers it reads or writes are not freed, and
         nodes that read its outputs wait until it is sent."""
-        self.pinned.update(call_buffers(node.call))
+        pinned, parked, exec_id = self.pinned, self.parked_outputs, node.exec_id
+        for i in node.call.inputs:              # (pinned.update(call_buffers(...)), without a list)
+            pinned[i.buffer] += 1
         for o in node.call.outputs:
-            self.parked_outputs[o.buffer] = node.exec_id
+            pinned[o.buffer] += 1
+            parked[o.buffer] = exec_id
         for b, lay in node.planned[0].copies:
             self.unsent_copies.setdefault(b, []).append(lay)
 
@@ -354,7 +359,10 @@ class Dispatch:
             self._pump(done[0])
 
     def _trigger(self, key: Any) -> None:
-        for node in self.waiters.pop(key, ()):
+        waiting = self.waiters.pop(key, None)
+        if waiting is None and not self._released:
+            return                        # (the usual case: nothing waits for it)
+        for node in waiting or ():
             node.waits.discard(key)
             if not node.waits:
                 self._released.append(node)

@@ -1,0 +1,79 @@
+"""Future as a unit: a fake connection answers its fetches from another thread."""
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from zpath.client.futures import Future
+from zpath.config import ClientConfig
+from zpath.errors import DeadlineExceeded, RemoteError
+
+pytestmark = pytest.mark.timeout(30)
+
+
+class _Conn:
+    """What a future asks of its connection: fetches, answered by ``answer``
+    from a thread of its own (as the I/O thread does), or never."""
+
+    config = ClientConfig()
+
+    def __init__(self, answer: np.ndarray | BaseException | None) -> None:
+        self.answer = answer
+        self.fetches: list[object] = []
+        self.threads: list[threading.Thread] = []
+
+    def start_fetch(self, future: Future, timeout: float) -> object:
+        fetch = object()
+        self.fetches.append(fetch)
+        if self.answer is not None:
+            value, error = (None, self.answer) if isinstance(self.answer, BaseException) else (self.answer, None)
+            t = threading.Thread(target=future._fetched, args=(fetch, value, error))
+            t.start()
+            self.threads.append(t)
+        return fetch
+
+    def release(self, buffer: int) -> None:
+        pass
+
+
+def _future(conn: _Conn) -> Future:
+    return Future(conn, 7, (2,), np.dtype(np.float32), [0, 1], [2], ["i"], ["i"])
+
+
+def test_a_fetch_answered_from_another_thread_wakes_the_waiter():
+    conn = _Conn(np.array([1.0, 2.0], np.float32))
+    fut = _future(conn)
+    assert not fut.done()
+    np.testing.assert_array_equal(fut.result(timeout=10), [1.0, 2.0])
+    assert len(conn.fetches) == 1 and fut.done() and fut.is_ready()
+    np.testing.assert_array_equal(fut.result(), [1.0, 2.0])        # kept: no second fetch
+    assert len(conn.fetches) == 1
+    for t in conn.threads:
+        t.join(10)
+
+
+def test_is_ready_starts_the_fetch_that_result_then_waits_for():
+    conn = _Conn(np.array([3.0, 4.0], np.float32))
+    fut = _future(conn)
+    fut.is_ready()                      # asks the workers; the answer may come before result()
+    np.testing.assert_array_equal(fut.result(timeout=10), [3.0, 4.0])
+    assert len(conn.fetches) == 1
+    for t in conn.threads:
+        t.join(10)
+
+
+def test_a_failed_call_or_fetch_raises_and_a_silent_one_runs_out_of_time():
+    fut = _future(_Conn(None))
+    fut._fail(RemoteError("it failed", host=1, computation="f", remote_traceback=""))   # before any fetch
+    with pytest.raises(RemoteError, match="it failed"):
+        fut.result(timeout=10)
+    conn = _Conn(RuntimeError("fetch broke"))
+    with pytest.raises(RuntimeError, match="fetch broke"):
+        _future(conn).result(timeout=10)
+    for t in conn.threads:
+        t.join(10)
+    silent = _future(_Conn(None))
+    with pytest.raises(DeadlineExceeded, match="not fetched within"):
+        silent.result(timeout=0.05)
