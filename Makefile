@@ -22,7 +22,7 @@ demo: $(STAMP)
 	$(PY) examples/demo.py
 
 test: $(STAMP)
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=15 tests
 
 bench: $(STAMP)
 	$(PY) benchmarks/opbyop.py

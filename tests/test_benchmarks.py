@@ -55,3 +55,19 @@ def test_controller_opbyop_benchmark_runs_calls_through_a_real_controller(tmp_pa
         assert res["held_reports"] > 0
     else:                 # the in-process core ran its calls
         assert res["core_us"] > 0 and res["core_after_sleep_us"] > 0
+
+
+def test_wake_floor_benchmark_times_both_mechanisms():
+    """Every message of each gap and kind arrives and is timed (the receiver
+    would wait for a missing one, and the script's timeout would fail this)."""
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "wake_floor.py"
+    p = run_script([str(script), "--gaps", "0.5,1", "--count", "8", "--json"], timeout=60)
+    assert p.returncode == 0, p.stdout + p.stderr[-3000:]
+    res = json.loads(p.stdout)
+    assert set(res["gaps"]) == {"0.5", "1.0"} and res["size"] == 1024
+    for row in res["gaps"].values():
+        for kind in ("dgram", "zmq"):
+            r = row[kind]
+            assert 0 < r["p25_us"] <= r["median_us"] <= r["p75_us"], row
+    bad = run_script([str(script), "--gaps", "0"], timeout=60)
+    assert bad.returncode == 2 and "--gaps must all be > 0" in bad.stderr

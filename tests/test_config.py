@@ -197,6 +197,14 @@ def test_controller_config_rejects_values_it_cannot_run_with():
         ControllerConfig.from_env({"ZPATH_DEVICE_MEMORY_LIMIT": "-1"})
 
 
+def test_worker_config_takes_a_niceness_to_add_in_0_to_19():
+    assert WorkerConfig.from_env({}).collectives_nice == 10
+    assert WorkerConfig.from_env({"ZPATH_COLLECTIVES_NICE": "0"}).collectives_nice == 0
+    for bad in ("-1", "20"):
+        with pytest.raises(ZpathError, match="ZPATH_COLLECTIVES_NICE must be in 0..19"):
+            WorkerConfig.from_env({"ZPATH_COLLECTIVES_NICE": bad})
+
+
 def test_controller_main_reports_a_bad_setting_in_one_line(tmp_path):
     env = dict(os.environ, ZPATH_KEY="ab" * 32, ZPATH_SCHEDULER_POLICY="lottery")
     out = subprocess.run([sys.executable, "-m", "zpath.controller"], capture_output=True, text=True,

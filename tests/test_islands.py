@@ -51,6 +51,37 @@ def test_psum_across_hosts(client):
     np.testing.assert_array_equal(np.asarray(y), expect)
 
 
+def _niceness(pid: int) -> dict[int, tuple[str, int]]:
+    """Each thread of process ``pid``: (its kernel name, its niceness)."""
+    out = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                stat = f.read()
+        except FileNotFoundError:     # the thread ended meanwhile
+            continue
+        name = stat[stat.index("(") + 1:stat.rindex(")")]
+        out[int(tid)] = (name, int(stat[stat.rindex(")") + 2:].split()[16]))
+    return out
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="per-thread niceness is read from Linux's /proc")
+def test_collectives_network_thread_runs_at_a_higher_niceness(island, client):
+    """A worker of a multi-host island lowers the priority of gloo's network
+    thread only (ZPATH_COLLECTIVES_NICE, default 10): the one thread that the
+    collectives' set-up started, none of the worker's own and not its main thread."""
+    test_psum_across_hosts(client)      # (the island has run collectives)
+    workers = [p.pid for name, p in island.procs if name.startswith("worker")]
+    assert len(workers) == 2
+    for pid in workers:
+        threads = _niceness(pid)
+        main_nice = threads[pid][1]
+        raised = {tid: name for tid, (name, nice) in threads.items() if nice == min(19, main_nice + 10)}
+        assert len(raised) == 1, threads
+        assert not any(n.startswith(("zpath-", "ZMQbg")) for n in raised.values()), raised
+        assert all(nice == main_nice for tid, (_, nice) in threads.items() if tid not in raised), threads
+
+
 def test_jit_2x2_mesh_matmul_matches_jax(client, x64):
     import jax
     import jax.numpy as jnp

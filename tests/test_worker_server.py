@@ -3,7 +3,9 @@ message does to the state and the store, and what the worker sends back
 (read from its outbox, never from a socket)."""
 from __future__ import annotations
 
+import os
 import select
+import threading
 
 import jax
 import numpy as np
@@ -14,7 +16,7 @@ from zpath.ids import buffer_id
 from zpath.net import channels, codec
 from zpath.net import messages as m
 from zpath.worker.executor import Executor
-from zpath.worker.server import Worker
+from zpath.worker.server import Worker, _lower_priority
 from zpath.worker.store import PieceKey, shard_key
 
 pytestmark = pytest.mark.timeout(60)
@@ -194,3 +196,32 @@ def test_datagram_frames_are_checked():
     finally:
         r.close()
         s.close()
+
+
+def test_lower_priority_adds_to_each_given_threads_niceness_only():
+    """Per thread (Linux keeps a niceness per thread): the given thread's goes
+    up by the amount (at most 19), the caller's stays; a thread that has ended
+    is skipped without an error."""
+    got: dict[str, int] = {}
+    ready, done = threading.Event(), threading.Event()
+
+    def body() -> None:
+        got["tid"] = threading.get_native_id()
+        got["before"] = os.getpriority(os.PRIO_PROCESS, got["tid"])
+        ready.set()
+        done.wait(10)
+        got["after"] = os.getpriority(os.PRIO_PROCESS, got["tid"])
+
+    t = threading.Thread(target=body)
+    t.start()
+    try:
+        assert ready.wait(10)
+        mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+        _lower_priority({got["tid"]}, 3)
+        _lower_priority({got["tid"]}, 30)          # capped at 19
+        assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == mine
+    finally:
+        done.set()
+        t.join(10)
+    assert got["before"] == mine and got["after"] == 19
+    _lower_priority({got["tid"]}, 3)                # ended: nothing to do, no error

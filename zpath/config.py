@@ -151,6 +151,15 @@ class WorkerConfig(_FromEnv):
                                  "directory of JAX's persistent compilation cache the workers "
                                  "share, so a program compiled once is not compiled again in a "
                                  "later run (default ~/.zpath/jax-cache; off: none)")
+    collectives_nice: int = setting(10, "ZPATH_COLLECTIVES_NICE",
+                                    "niceness added to the threads of an island's CPU collectives "
+                                    "(gloo's network thread), which spins while the thread running "
+                                    "a computation holds its connection; 0: leave them as they are")
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.collectives_nice <= 19:
+            raise ZpathError(f"ZPATH_COLLECTIVES_NICE must be in 0..19 (a niceness to add), "
+                             f"not {self.collectives_nice}")
 
 
 @dataclasses.dataclass(frozen=True)

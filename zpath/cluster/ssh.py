@@ -39,7 +39,7 @@ CONNECT_TIMEOUT_S = 10
 # Local ZPATH_* settings passed on to remote workers (never the key or addresses;
 # tests/test_config.py checks that each is a setting of zpath/config.py).
 FORWARDED_ENV = ("ZPATH_LOG_LEVEL", "ZPATH_CONTROLLER_TIMEOUT", "ZPATH_SHM", "ZPATH_FETCH_TIMEOUT",
-                 "ZPATH_DEVICE_MEMORY_LIMIT", "ZPATH_COMPILE_CACHE")
+                 "ZPATH_DEVICE_MEMORY_LIMIT", "ZPATH_COMPILE_CACHE", "ZPATH_COLLECTIVES_NICE")
 
 
 class HostfileError(ZpathError):

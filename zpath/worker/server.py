@@ -106,7 +106,7 @@ class Worker:
                                        initialization_timeout=int(REGISTER_TIMEOUT_S),
                                        coordinator_bind_address=_bind_address(bind_host, coordinator)
                                        if process_id == 0 else None)
-            _gloo_listens_on(bind_host)
+            _gloo_listens_on(bind_host, config.collectives_nice)
         self.jax = jax
         self.local = jax.local_devices()
         # what JAX lowers programs for on these devices ("cuda" where the devices
@@ -1009,7 +1009,7 @@ def _bind_address(bind_host: str, coordinator: str) -> str:
     return f"{host}:{port}"
 
 
-def _gloo_listens_on(address: str) -> None:
+def _gloo_listens_on(address: str, collectives_nice: int = 0) -> None:
     """Make gloo (CPU collectives between an island's hosts) listen on, and tell
     its peers, this worker's address. By default gloo uses the address the host
     name resolves to, which is 127.0.0.1 or 127.0.1.1 on many machines (the
@@ -1022,14 +1022,46 @@ def _gloo_listens_on(address: str) -> None:
             raise _gloo_missing
 
         def make_cpu_client() -> Any:
+            before = _threads()
             collectives = _jaxlib.make_gloo_tcp_collectives(
                 distributed_client=_jax_distributed.global_state.client, hostname=address)
+            _lower_priority(_threads() - before, collectives_nice)
             return _xla_bridge.make_cpu_client(collectives=collectives)
 
         _xla_bridge.register_backend_factory("cpu", make_cpu_client, priority=0, fail_quietly=False)
     except Exception as e:  # noqa: BLE001 (an internal API of another project)
         log.warning("cannot bind gloo to %s (%s: %s); it uses the host name's address",
                     address, type(e).__name__, e)
+
+
+def _threads() -> set[int]:
+    """This process's threads (Linux; empty elsewhere)."""
+    try:
+        return {int(t) for t in os.listdir("/proc/self/task")}
+    except OSError:
+        return set()
+
+
+def _lower_priority(threads: set[int], nice: int) -> None:
+    """Add ``nice`` to the niceness of these threads of this process (Linux
+    keeps a niceness per thread).
+
+    Used for gloo's network thread: it polls a connection with epoll, and while
+    another thread of the process holds that connection's lock (the thread
+    running the computation, in the middle of a send or a receive) each event
+    it cannot handle comes back at once, so it spins. On a machine with few
+    cores that spin takes the core the lock holder needs to finish
+    (docs/benchmarks.md, island_dispatch.py: ~170,000 epoll_wait calls a second
+    on one host, a third of a core). At a higher niceness it still runs at once
+    when a core is free, but yields to the process's other threads, and to
+    other processes, while it spins."""
+    for tid in threads:
+        try:
+            os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
+        except OSError as e:          # the thread ended, or not allowed here
+            log.debug("cannot lower the priority of thread %d: %s", tid, e)
+    if threads and nice:
+        log.info("CPU collectives' threads %s at niceness +%d", sorted(threads), nice)
 
 
 class _Stopped(Exception):

@@ -1,0 +1,153 @@
+"""The floor under a small piece's channel time on this machine: one message of
+``--size`` bytes (1 KiB) from one process to another that sleeps waiting for it,
+with nothing else in the path.
+
+zpath's ICI channel sends a small piece as one Unix datagram from the thread
+that has it to a receiver that sleeps in ``epoll`` (zpath/net/channels.py); its
+control messages go through ZeroMQ (an I/O thread on each side). This script
+times the bare mechanisms, so that a piece's measured channel time
+(benchmarks/transfer.py) can be read against what moving and waking alone
+costs here: a sender stamps the wall clock into the message (one machine, one
+clock) after ``--gap`` ms of sleep, the receiver stamps it when its wait
+returns with the bytes; the one-way time is the difference, median and
+quartiles over ``--count`` messages. A gap lets the receiver's core go idle,
+as it does between the pieces of a real program: a message after a gap pays
+the wake-up of an idle core (and, on a virtual machine, of its virtual CPU),
+which back-to-back messages do not.
+
+    .venv/bin/python benchmarks/wake_floor.py [--gaps 0.5,2,10] [--count 300] [--json]
+
+A script that prints figures, not a test.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import select
+import socket
+import statistics
+import struct
+import sys
+import tempfile
+import time
+
+import zmq
+
+STAMP = struct.Struct("<d")
+
+
+def _summary(lat: list[float]) -> dict[str, float]:
+    lat = sorted(lat)
+    n = len(lat)
+    return {"median_us": round(statistics.median(lat) * 1e6, 1),
+            "p25_us": round(lat[n // 4] * 1e6, 1), "p75_us": round(lat[(3 * n) // 4] * 1e6, 1)}
+
+
+def _send_all(send, gap_s: float, count: int, size: int) -> None:
+    pad = b"\0" * max(0, size - STAMP.size)
+    for _ in range(count):
+        if gap_s:
+            time.sleep(gap_s)
+        send(STAMP.pack(time.time()) + pad)
+
+
+def _receiver(recv, count: int, out: int) -> None:
+    """Runs in the child: receives ``count`` messages and writes the one-way times to ``out``."""
+    lat = []
+    for _ in range(count):
+        msg = recv()
+        lat.append(time.time() - STAMP.unpack_from(msg)[0])
+    os.write(out, json.dumps(lat).encode())
+    os.close(out)
+
+
+def _run(kind: str, gap_s: float, count: int, size: int, runtime_dir: str) -> dict[str, float]:
+    """One-way times of ``count`` messages of ``kind`` ('dgram' or 'zmq') after ``gap_s`` each."""
+    r, w = os.pipe()
+    addr = os.path.join(runtime_dir, f"floor-{os.getpid()}-{kind}")
+    ready_r, ready_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:                               # the receiver
+        try:
+            os.close(r)
+            os.close(ready_r)
+            if kind == "dgram":
+                sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+                sock.bind(addr)
+                ep = select.epoll()
+                ep.register(sock.fileno(), select.EPOLLIN)
+
+                def recv() -> bytes:
+                    ep.poll()
+                    return sock.recv(size + 64)
+            else:
+                ctx = zmq.Context()
+                sock = ctx.socket(zmq.PULL)
+                sock.bind("ipc://" + addr)
+                recv = sock.recv
+            os.write(ready_w, b"x")
+            _receiver(recv, count, w)
+        finally:
+            os._exit(0)
+    os.close(w)
+    os.close(ready_w)
+    try:
+        os.read(ready_r, 1)                    # the receiver is bound and waiting
+        if kind == "dgram":
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+            _send_all(lambda b: sock.sendto(b, addr), gap_s, count, size)
+            sock.close()
+        else:
+            ctx = zmq.Context()
+            zs = ctx.socket(zmq.PUSH)
+            zs.connect("ipc://" + addr)
+            time.sleep(0.05)                  # (the connection is made before the first stamp)
+            _send_all(zs.send, gap_s, count, size)
+            zs.close(linger=1000)
+            ctx.term()
+        chunks = []
+        while chunk := os.read(r, 1 << 16):
+            chunks.append(chunk)
+        return _summary(json.loads(b"".join(chunks)))
+    finally:
+        os.close(r)
+        os.close(ready_r)
+        os.waitpid(pid, 0)
+        if os.path.exists(addr):
+            os.unlink(addr)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--gaps", default="0.5,2,10",
+                   help="ms of sleep before each message, comma-separated, each > 0 (back to back, "
+                        "the sender outruns the receiver and the times measure a queue)")
+    p.add_argument("--count", type=int, default=300, help="messages per gap and kind (default 300)")
+    p.add_argument("--size", type=int, default=1024, help="bytes per message (default 1024)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    args = p.parse_args(argv)
+    if args.count < 4 or args.size < STAMP.size:
+        p.error(f"--count must be >= 4 and --size >= {STAMP.size}")
+    gaps = [float(g) for g in args.gaps.split(",")]
+    if min(gaps) <= 0:
+        p.error("--gaps must all be > 0")
+    runtime_dir = tempfile.gettempdir()
+    out: dict = {"size": args.size, "count": args.count, "load": os.getloadavg(), "gaps": {}}
+    for g in gaps:
+        out["gaps"][str(g)] = {kind: _run(kind, g / 1000, args.count, args.size, runtime_dir)
+                               for kind in ("dgram", "zmq")}
+    if args.json:
+        print(json.dumps(out))
+        return 0
+    print(f"one-way time of a {args.size}-byte message to a sleeping receiver "
+          f"(median [p25-p75] µs over {args.count}; load {out['load'][0]:.1f})")
+    print(f"{'gap ms':>7}  {'unix datagram':>22}  {'ZeroMQ ipc':>22}")
+    for g, row in out["gaps"].items():
+        cells = [f"{r['median_us']:7.0f} [{r['p25_us']:.0f}-{r['p75_us']:.0f}]" for r in (row["dgram"], row["zmq"])]
+        print(f"{g:>7}  {cells[0]:>22}  {cells[1]:>22}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
