@@ -12,7 +12,6 @@ import zmq
 
 from zpath.config import ControllerConfig
 from zpath.controller import dispatch
-from zpath.controller.peers import Timeline
 from zpath.controller.relays import Inner
 from zpath.errors import ErrorKind, ZpathError
 from zpath.net import messages as m
@@ -141,24 +140,6 @@ def test_hosts_whose_reports_came_since_the_last_tick_skip_one_ping_and_their_ro
     assert rig.now - quiet <= 6.0
     assert rig.c.rm.hosts[4].lost_why.startswith("no answer for")        # not the island's loss
     assert not rig.c.heard.keys() & set(range(8))                       # (lost hosts are forgotten)
-
-
-def test_the_timeline_keeps_a_batch_s_rows_as_one_block_and_the_last_reports_up_to_its_limit():
-    t = Timeline(5)
-    info = object()
-    t.append((1, None, 0.0, 1.0, 0.0, 9, info))
-    t.block(2, info, [3, 4, 5], [1.0, 2.0, 3.0], [1.5, 2.5, 3.5], [0.0, 0.1, 0.2])
-    t.block(2, info, [], [], [], [])                          # (nothing)
-    assert len(t) == 4
-    assert t.recent(2) == [(2, None, 2.0, 2.5, 0.1, 4, info), (2, None, 3.0, 3.5, 0.2, 5, info)]
-    t.block(3, info, [6, 7], [4.0, 5.0], [4.5, 5.5], [0.0, 0.0])  # over the limit: the oldest go
-    assert len(t) == 5
-    assert [(x, host) for x, _, _, _, _, host, _ in t.recent(10)] == [(2, 3), (2, 4), (2, 5), (3, 6), (3, 7)]
-    t.block(4, info, [8, 9], [6.0, 7.0], [6.5, 7.5], [0.0, 0.0])  # part of a block goes
-    assert len(t) == 5
-    assert [(x, host) for x, _, _, _, _, host, _ in t.recent(5)] == [(2, 5), (3, 6), (3, 7), (4, 8), (4, 9)]
-    assert t.recent(0) == [] and t.recent(1) == [(4, None, 7.0, 7.5, 0.0, 9, info)]
-    t.validate()
 
 
 def test_a_relay_s_batch_finishes_its_group_s_hosts_and_the_computation():

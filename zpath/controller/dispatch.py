@@ -10,6 +10,7 @@ import dataclasses
 import logging
 import operator
 from collections.abc import Iterable
+from itertools import repeat
 from typing import Any
 
 from zpath import sharding
@@ -460,18 +461,18 @@ class Dispatch:
         """A run of a batch's rows of computation ``x`` (``info``), all fine,
         of distinct hosts that run it: taken as a whole, as
         ``_rows_one_by_one`` would one by one (a last host finishes it)."""
-        last = None
-        if len(info.hosts) == len(hosts):     # its last rows: the last one finishes it, after the others
-            last = Report(x, None, starts[-1], ends[-1], waited[-1]), hosts[-1]
-            hosts, starts, ends, waited = hosts[:-1], starts[:-1], ends[:-1], waited[:-1]
-        self.timeline.block(x, info, hosts, starts, ends, waited)     # (the lists are not changed after)
-        seconds = [end - start if end > start else 0.0 for start, end in zip(starts, ends, strict=True)]
-        info.hosts.difference_update(hosts)
+        n = len(hosts)
+        usual = n - 1 if len(info.hosts) == n else n
+        self.timeline.extend(zip(repeat(x, usual), repeat(None, usual), starts[:usual], ends[:usual], waited[:usual],
+                                 hosts[:usual], repeat(info, usual), strict=True))
+        seconds = [end - start if end > start else 0.0 for start, end in zip(starts[:usual], ends[:usual],
+                                                                                strict=True)]
+        info.hosts.difference_update(hosts[:usual])
         if seconds:
             self.tenants.hosts_done(x, sum(map(operator.mul, seconds, map(info.host_devices.__getitem__, hosts))),
                                     max(seconds))
-        if last is not None:
-            self._host_done(last[1], last[0], info)
+        if usual < n:
+            self._host_done(hosts[-1], Report(x, None, starts[-1], ends[-1], waited[-1]), info)
 
     def _rows_one_by_one(self, x: int, info: InFlight, msg: m.ExecDoneBatch, rows: Iterable[int],
                          errors: dict[int, m.ErrorInfo]) -> None:
@@ -541,7 +542,7 @@ class Dispatch:
 
     def timeline_records(self, limit: int) -> list[m.ExecRecord]:
         """The last ``limit`` host reports, oldest first."""
-        recent = self.timeline.recent(limit)
+        recent = list(self.timeline)[-limit:] if limit > 0 else []
         return [m.ExecRecord(x, info.seq, info.island, host, info.client, info.name, info.devices,
                              start, end, error is None, waited) for x, error, start, end, waited, host, info in recent]
 

@@ -5,8 +5,6 @@ from __future__ import annotations
 import collections
 import hashlib
 import logging
-from itertools import repeat
-from typing import Any
 
 from zpath import sharding
 from zpath.controller.records import Peer
@@ -24,79 +22,6 @@ TIMELINE_RECORDS = 100_000
 EVENT_RECORDS = 10_000
 
 
-class Timeline:
-    """The last ``limit`` host reports, oldest first. An entry is one report,
-    (exec id, error, start, end, waited, host, InFlight), or a block of a
-    batch's rows of one computation, all fine: (exec id, InFlight, hosts,
-    starts, ends, waited), lists kept as the batch decoded them (one tuple
-    per relay's group and computation, not one per row: a 512-host node's
-    reports are 16 objects for the collector, not 512). Either is made into
-    ``ExecRecord`` fields only when asked (``recent``)."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self._entries: collections.deque[tuple] = collections.deque()
-        self._rows = 0
-
-    def __len__(self) -> int:
-        return self._rows
-
-    def append(self, report: tuple) -> None:
-        self._entries.append(report)
-        self._rows += 1
-        if self._rows > self.limit:
-            self._trim()
-
-    def block(self, exec_id: int, info: Any, hosts: list[int], starts: list[float], ends: list[float],
-              waited: list[float]) -> None:
-        """Rows of one computation (lists of one length, not changed after)."""
-        if hosts:
-            self._entries.append((exec_id, info, hosts, starts, ends, waited))
-            self._rows += len(hosts)
-            if self._rows > self.limit:
-                self._trim()
-
-    def _trim(self) -> None:
-        entries = self._entries
-        while self._rows > self.limit:
-            first = entries.popleft()
-            if len(first) == 7:
-                self._rows -= 1
-                continue
-            x, info, hosts, starts, ends, waited = first
-            keep = self.limit - (self._rows - len(hosts))     # of its rows, the last `keep`
-            self._rows -= len(hosts)
-            if keep > 0:
-                entries.appendleft((x, info, hosts[-keep:], starts[-keep:], ends[-keep:], waited[-keep:]))
-                self._rows += keep
-
-    def recent(self, limit: int) -> list[tuple]:
-        """The last ``limit`` reports as (exec id, error, start, end, waited,
-        host, InFlight), oldest first."""
-        out: list[tuple] = []
-        got = 0
-        for entry in reversed(self._entries):
-            if got >= limit:
-                break
-            if len(entry) == 7:
-                out.append((entry,))
-                got += 1
-            else:
-                x, info, hosts, starts, ends, waited = entry
-                n = len(hosts)
-                out.append(tuple(zip(repeat(x, n), repeat(None, n), starts, ends, waited, hosts, repeat(info, n),
-                                     strict=True)))
-                got += n
-        reports = [r for part in reversed(out) for r in part]
-        return reports[-limit:] if limit > 0 else []
-
-    def validate(self) -> None:
-        assert self._rows == sum(1 if len(e) == 7 else len(e[2]) for e in self._entries), "timeline rows miscounted"
-        assert self._rows <= self.limit, "timeline over its limit"
-        for e in self._entries:
-            assert len(e) == 7 or len(e[2]) == len(e[3]) == len(e[4]) == len(e[5]) > 0, "a block's columns differ"
-
-
 class Peers:
     """Mixin of ControllerCore: registration, status, timeline."""
 
@@ -106,8 +31,9 @@ class Peers:
         self.client_ids = 0
         self.host_stores: dict[int, tuple[int, int]] = {}   # rank -> (shards, bytes) from Pong
         self.device_held: dict[int, int] = {}               # device -> bytes its worker holds (Pong)
-        # the host reports, made into ExecRecords when asked
-        self.timeline = Timeline(TIMELINE_RECORDS)
+        # (exec id, error, start, end, waited, host, InFlight) per host report (a plain
+        # tuple: a batch's rows are made at once), made into ExecRecords when asked
+        self.timeline: collections.deque[tuple] = collections.deque(maxlen=TIMELINE_RECORDS)
         # what the controller did and what waited there (plans, waits for memory)
         self.events: collections.deque[m.ControllerEvent] = collections.deque(maxlen=EVENT_RECORDS)
         self.wall_offset = 0.0     # wall clock - the loop's clock (set by the loop: events are wall time)
@@ -280,7 +206,6 @@ class Peers:
 
     def validate_peers(self) -> None:
         """Workers and their idents agree; every live host has its worker."""
-        self.timeline.validate()
         for rank, ident in self.worker_ident.items():
             p = self.peers.get(ident)
             assert p is not None and p.role == "worker" and p.id == rank, f"host {rank}: no worker peer"
