@@ -123,9 +123,12 @@ def test_hosts_whose_reports_came_since_the_last_tick_skip_one_ping_and_their_ro
         assert pinged(mark) == ([] if step % 2 == 0 else list(range(8))), step
     assert all(h.alive for h in rig.c.rm.hosts.values())
     assert rig.now - rig.c.peers[b"w5"].last_seen > 5.0       # no Pong for longer than the timeout
+    assert not rig.c.late(rig.now) and rig.c.late(rig.now + 5.0)
+    rig.c.stalled(rig.now + 5.0, 4.0)       # a held-up loop: its time counts from the last report
+    assert not rig.c.late(rig.now + 5.0)
     # hosts 4-7 fall silent (their relay too: no rows, no Pongs); 0-3 go on
     # reporting through theirs, and are pinged every second tick
-    quiet = rig.now - 0.5                       # when their last rows came
+    quiet = rig.now - 0.5 + 4.0                 # when their last rows came, and the stall's 4 s
     while rig.c.rm.hosts[4].alive:
         call, _ = _spmd(rig, a, 4)
         rig.handle(a, call)

@@ -88,7 +88,7 @@ class Failures:
         """The loop was held up ``busy`` seconds beyond what it tolerates: that
         time does not count as the peers' silence."""
         for peer in self.peers.values():
-            peer.last_seen = min(now, peer.last_seen + busy)
+            peer.last_seen = min(now, self.seen(peer) + busy)
 
     def _timeout(self, peer: Peer) -> float:
         return self.config.host_timeout_s if peer.role == "worker" else self.config.client_timeout_s
