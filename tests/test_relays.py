@@ -93,6 +93,58 @@ def test_few_hosts_and_the_pings_go_directly():
     assert not _relays(rig, mark) and sum(type(x) is m.Ping for _, x in rig.log[mark:]) == 8
 
 
+def test_hosts_whose_reports_came_since_the_last_tick_skip_one_ping_and_their_rows_keep_them_alive():
+    """Liveness from traffic: a host that reported since the last tick (its
+    row passed on by its relay) and was pinged then is not pinged this tick;
+    every host gets a ping at least every second tick (a worker hears the
+    controller only directly); a host whose rows come without Pongs stays
+    alive, and one silent in both ways is lost at the timeout, as before."""
+    rig = _rig(host_timeout_s=5.0)
+    a, _ = rig.client("a")
+
+    def pinged(mark: int) -> list[int]:
+        return sorted(int(i[1:]) for i, x in rig.log[mark:] if type(x) is m.Ping)
+
+    mark = len(rig.log)
+    rig.tick(1.0)
+    assert pinged(mark) == list(range(8))
+    for step in range(12):
+        call, _ = _spmd(rig, a, 8)
+        rig.handle(a, call)
+        ex = max(rig.c.in_flight)
+        rig.now += 0.5
+        rig.handle(b"w0", m.batch_of(_rows(ex, [0, 1, 2, 3])))
+        rig.handle(b"w4", m.batch_of(_rows(ex, [4, 5, 6] if step < 4 else [4, 5, 6, 7])))
+        if step < 4:                               # host 7 is slow: it reports directly, later
+            rig.handle(b"w7", m.ExecDone(ex, None, 1000.0, 1000.001))
+        mark = len(rig.log)
+        rig.tick(0.5)
+        # every host reported: pinged every second tick (a Pong is not a report)
+        assert pinged(mark) == ([] if step % 2 == 0 else list(range(8))), step
+    assert all(h.alive for h in rig.c.rm.hosts.values())
+    assert rig.now - rig.c.peers[b"w5"].last_seen > 5.0       # no Pong for longer than the timeout
+    assert not rig.c.late(rig.now) and rig.c.late(rig.now + 5.0)
+    rig.c.stalled(rig.now + 5.0, 4.0)       # a held-up loop: its time counts from the last report
+    assert not rig.c.late(rig.now + 5.0)
+    # hosts 4-7 fall silent (their relay too: no rows, no Pongs); 0-3 go on
+    # reporting through theirs, and are pinged every second tick
+    quiet = rig.now - 0.5 + 4.0                 # when their last rows came, and the stall's 4 s
+    while rig.c.rm.hosts[4].alive:
+        call, _ = _spmd(rig, a, 4)
+        rig.handle(a, call)
+        ex = max(rig.c.in_flight)
+        rig.now += 0.5
+        rig.handle(b"w0", m.batch_of(_rows(ex, [0, 1, 2, 3])))
+        mark = len(rig.log)
+        rig.tick(0.5)
+        assert rig.c.rm.hosts[4].alive == (rig.now - quiet <= 5.0)
+        if rig.c.rm.hosts[4].alive:
+            assert set(pinged(mark)) >= {4, 5, 6, 7}
+    assert rig.now - quiet <= 6.0
+    assert rig.c.rm.hosts[4].lost_why.startswith("no answer for")        # not the island's loss
+    assert not rig.c.heard.keys() & set(range(8))                       # (lost hosts are forgotten)
+
+
 def test_a_relay_s_batch_finishes_its_group_s_hosts_and_the_computation():
     rig = _rig()
     a, out, ex = _running(rig)

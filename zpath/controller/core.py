@@ -133,7 +133,7 @@ class ControllerCore(Peers, FastCalls, Admission, Dispatch, Fusion, Failures, Re
         if (kind is m.ExecDone or kind is m.ExecDoneBatch) and peer is not None and peer.role == "worker":
             # reports, the most frequent messages of all (one per host, or per
             # relay's group, per computation): straight to them
-            peer.last_seen = now
+            peer.last_seen = self.heard[peer.id] = now
             try:
                 if kind is m.ExecDone:
                     self._exec_done(peer.id, msg)

@@ -443,6 +443,9 @@ class Dispatch:
                                                 "which it does not relay it to")
                 return
             runs.append((x, info, rows, run, distinct))
+        heard, now = self.heard, self.now
+        for _, _, _, _, distinct in runs:      # rows that show their hosts alive (Peers._pings)
+            heard.update(dict.fromkeys(distinct, now))
         errors = {e.row: e.error for e in msg.errors}
         for x, info, rows, run, distinct in runs:
             if x not in in_flight:          # (gone while an earlier computation's rows were taken)

@@ -82,13 +82,13 @@ class Failures:
     def late(self, now: float) -> bool:
         """Whether a peer has been silent past its timeout at ``now`` (the loop
         reads what waits before judging: see ``tick``)."""
-        return any(now - p.last_seen > self._timeout(p) for p in self.peers.values())
+        return any(now - self.seen(p) > self._timeout(p) for p in self.peers.values())
 
     def stalled(self, now: float, busy: float) -> None:
         """The loop was held up ``busy`` seconds beyond what it tolerates: that
         time does not count as the peers' silence."""
         for peer in self.peers.values():
-            peer.last_seen = min(now, peer.last_seen + busy)
+            peer.last_seen = min(now, self.seen(peer) + busy)
 
     def _timeout(self, peer: Peer) -> float:
         return self.config.host_timeout_s if peer.role == "worker" else self.config.client_timeout_s
@@ -98,7 +98,7 @@ class Failures:
         for peer in list(self.peers.values()):
             if peer.ident not in self.peers:       # lost meanwhile (with its island)
                 continue
-            silent = now - peer.last_seen
+            silent = now - self.seen(peer)
             if peer.role == "worker" and silent > self.config.host_timeout_s:
                 self._host_lost(peer.id, f"no answer for {silent:.1f}s")
             elif peer.role == "client" and silent > self.config.client_timeout_s:
@@ -172,6 +172,7 @@ class Failures:
         if ident is not None:
             self.peers.pop(ident, None)
         self.host_programs.pop(rank, None)
+        self.heard.pop(rank, None)
         self._forget_relays_of(rank)
         err = m.ErrorInfo(ErrorKind.HOST_LOST, f"host {rank} ({host.name}, island {host.island}) was lost: {why}",
                           rank, "", "")

@@ -40,12 +40,36 @@ class Peers:
         self.programs: dict[str, tuple[str, bytes]] = {}
         self.host_programs: dict[int, set[str]] = {}
         self._ping_seq = 0
+        # rank -> when its latest report came (its own, or a row a relay passed
+        # on for it): traffic that shows it alive without a Pong (see _pings)
+        self.heard: dict[int, float] = {}
+        self._pinged_at = float("-inf")     # the last tick's time
+        self._not_pinged: set[int] = set()  # the hosts the last tick did not ping
 
     def _pings(self) -> None:
+        """One ``Ping`` for the workers of a tick (the loop encodes and signs it
+        once), but not for a host that reported since the last tick and was
+        pinged then: its reports show it alive (``_check_liveness``). So no
+        host goes more than two ticks without a direct message (a worker
+        counts only those as word from the controller; a host that only gets
+        work through its relay hears nothing else), and a busy host's Pong
+        statistics (``Status``) are at most two ticks old."""
         self._ping_seq += 1
-        ping = m.Ping(self._ping_seq)       # one message for all: the loop encodes and signs it once
-        for ident in self.worker_ident.values():
-            self.send(ident, ping)
+        ping = m.Ping(self._ping_seq)
+        since, self._pinged_at = self._pinged_at, self.now
+        skipped, self._not_pinged = self._not_pinged, set()
+        heard, not_pinged = self.heard, self._not_pinged
+        for rank, ident in self.worker_ident.items():
+            if rank not in skipped and heard.get(rank, since) > since:
+                not_pinged.add(rank)
+            else:
+                self.send(ident, ping)
+
+    def seen(self, peer: Peer) -> float:
+        """When ``peer`` was last heard from: its own message, or for a worker
+        a report row a relay passed on for it."""
+        return max(peer.last_seen, self.heard.get(peer.id, peer.last_seen)) if peer.role == "worker" \
+            else peer.last_seen
 
     def _hello(self, ident: bytes, parent: int, msg: m.Hello) -> None:
         if msg.protocol != PROTOCOL_VERSION:
