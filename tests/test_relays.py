@@ -91,6 +91,18 @@ def test_few_hosts_and_the_pings_go_directly():
     mark = len(rig.effects)
     rig.tick(1.0)
     assert not _relays(rig, mark) and sum(type(x) is m.Ping for _, x in rig.log[mark:]) == 8
+    # below the minimum, a host that reported is pinged every tick all the same
+    rig = _rig(minimum=9)
+    a, _ = rig.client("a")
+    for _ in range(3):
+        rig.handle(a, _spmd(rig, a, 8)[0])
+        ex = max(rig.c.in_flight)
+        rig.now += 0.5
+        for h in range(8):
+            rig.handle(f"w{h}".encode(), m.ExecDone(ex, None, 1000.0, 1000.001))
+        mark = len(rig.log)
+        rig.tick(0.5)
+        assert sum(type(x) is m.Ping for _, x in rig.log[mark:]) == 8
 
 
 def test_hosts_whose_reports_came_since_the_last_tick_skip_one_ping_and_their_rows_keep_them_alive():

@@ -53,9 +53,17 @@ class Peers:
         host goes more than two ticks without a direct message (a worker
         counts only those as word from the controller; a host that only gets
         work through its relay hears nothing else), and a busy host's Pong
-        statistics (``Status``) are at most two ticks old."""
+        statistics (``Status``) are at most two ticks old. Only with at least
+        ``relay_min_hosts`` hosts, where the pings cost: with fewer, every
+        host is pinged every tick, so a worker whose controller timeout is as
+        short as two ticks is not left on its own."""
         self._ping_seq += 1
         ping = m.Ping(self._ping_seq)
+        if len(self.worker_ident) < self.config.relay_min_hosts:
+            self._pinged_at, self._not_pinged = self.now, set()
+            for ident in self.worker_ident.values():
+                self.send(ident, ping)
+            return
         since, self._pinged_at = self._pinged_at, self.now
         skipped, self._not_pinged = self._not_pinged, set()
         heard, not_pinged = self.heard, self._not_pinged
