@@ -71,3 +71,17 @@ def test_wake_floor_benchmark_times_both_mechanisms():
             assert 0 < r["p25_us"] <= r["median_us"] <= r["p75_us"], row
     bad = run_script([str(script), "--gaps", "0"], timeout=60)
     assert bad.returncode == 2 and "--gaps must all be > 0" in bad.stderr
+
+
+def test_heartbeats_benchmark_measures_the_controller_under_busy_hosts(tmp_path):
+    """A chain of SPMD nodes runs over a few simulated hosts and the
+    controller's CPU a second and per node come out (the script waits for the
+    chain's last output, so a node that never finished would time it out)."""
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "heartbeats.py"
+    out_json = tmp_path / "out.json"
+    p = run_script([str(script), "--hosts", "8", "--cost-ms", "20", "--nodes", "6", "--json", str(out_json)],
+                   timeout=120)
+    assert p.returncode == 0, p.stdout + p.stderr[-3000:]
+    r = json.loads(out_json.read_text())
+    assert (r["hosts"], r["nodes"]) == (8, 6) and r["wall_s"] >= 6 * 0.020
+    assert r["ctl_cpu_ms_per_s"] > 0 and r["ctl_cpu_ms_per_node"] > 0
