@@ -14,7 +14,6 @@ A benchmark that prints figures, not a test.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -58,10 +57,7 @@ def main() -> None:
     args = p.parse_args()
     r = measure(args.hosts, args.cost_ms, args.nodes)
     if args.json is not None:
-        print(json.dumps(r), flush=True)
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(r, f)
+        scale.print_json(r, args.json)
     else:
         print(f"hosts {r['hosts']}: controller CPU {r['ctl_cpu_ms_per_s']:.1f} ms a second, "
               f"{r['ctl_cpu_ms_per_node']:.2f} ms per {r['cost_ms']:g} ms node ({r['nodes']} nodes in "

@@ -474,6 +474,14 @@ def plot(results: list[dict], path: str) -> None:
     print(f"wrote {path}", file=sys.stderr)
 
 
+def print_json(r: dict, path: str) -> None:
+    """``--json [PATH]``: print ``r`` as one line of JSON (and write it to PATH, if one)."""
+    print(json.dumps(r), flush=True)
+    if path:
+        with open(path, "w") as f:
+            json.dump(r, f)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--hosts", type=int, nargs="+", default=list(HOSTS), help="sizes to measure")
@@ -498,10 +506,7 @@ def main(argv: list[str] | None = None) -> int:
                     args.relay_group)
         results.append(r)
         if args.json is not None:
-            print(json.dumps(r), flush=True)
-            if args.json:
-                with open(args.json, "w") as f:
-                    json.dump(r, f)
+            print_json(r, args.json)
         else:
             print(f"hosts {n:4d}: {r['spmd_nodes_per_s']:8.1f} SPMD nodes/s op by op, "
                   f"{r['traced_nodes_per_s']:8.1f} traced, {r['sequential_nodes_per_s']:8.1f} sequential; "
