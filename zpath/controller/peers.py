@@ -59,13 +59,10 @@ class Peers:
         short as two ticks is not left on its own."""
         self._ping_seq += 1
         ping = m.Ping(self._ping_seq)
-        if len(self.worker_ident) < self.config.relay_min_hosts:
-            self._pinged_at, self._not_pinged = self.now, set()
-            for ident in self.worker_ident.values():
-                self.send(ident, ping)
-            return
         since, self._pinged_at = self._pinged_at, self.now
         skipped, self._not_pinged = self._not_pinged, set()
+        if len(self.worker_ident) < self.config.relay_min_hosts:
+            since = float("inf")              # (no report is later: every host pinged)
         heard, not_pinged = self.heard, self._not_pinged
         for rank, ident in self.worker_ident.items():
             if rank not in skipped and heard.get(rank, since) > since:

@@ -329,25 +329,22 @@ class Controller:
                         self._run(self.core.reject(now, ident, header.msg_id, why))
                         continue
                     kind = type(msg)
-                    if kind is m.Call:        # planned and sent (or held: see above)
-                        t0 = time.time()
+                    if kind is not m.Call and kind not in _FLUSH_AFTER:
                         self._run(self.core.handle(now, ident, header.msg_id, msg, buffers))
-                        t1 = time.time()
-                        self._plan_event(ident, msg, t0, t1)
+                        continue
+                    # a submission: its planning on the timeline
+                    t0 = time.time()
+                    self._run(self.core.handle(now, ident, header.msg_id, msg, buffers))
+                    t1 = time.time()
+                    self._plan_event(ident, msg, t0, t1)
+                    if kind is m.Call:        # sent, or held while more waits (see above)
                         if not held:
                             since = t0
                         held += 1
-                        if held >= COALESCE_CALLS or t1 - since >= COALESCE_S:
-                            self._flush_out()
-                            held = 0
-                    elif kind in _FLUSH_AFTER:   # a submission: its planning on the timeline
-                        t0 = time.time()
-                        self._run(self.core.handle(now, ident, header.msg_id, msg, buffers))
-                        self._plan_event(ident, msg, t0, time.time())
-                        self._flush_out()
-                        held = 0
-                    else:
-                        self._run(self.core.handle(now, ident, header.msg_id, msg, buffers))
+                        if held < COALESCE_CALLS and t1 - since < COALESCE_S:
+                            continue
+                    self._flush_out()
+                    held = 0
                 more = readable(self.sock)
                 if not (held and more) or time.time() - since >= COALESCE_S:
                     self._flush_out()

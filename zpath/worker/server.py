@@ -1055,12 +1055,14 @@ def _lower_priority(threads: set[int], nice: int) -> None:
     on one host, a third of a core). At a higher niceness it still runs at once
     when a core is free, but yields to the process's other threads, and to
     other processes, while it spins."""
+    if not nice:
+        return
     for tid in threads:
         try:
             os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
         except OSError as e:          # the thread ended, or not allowed here
             log.debug("cannot lower the priority of thread %d: %s", tid, e)
-    if threads and nice:
+    if threads:
         log.info("CPU collectives' threads %s at niceness +%d", sorted(threads), nice)
 
 
