@@ -357,9 +357,8 @@ class ControllerCore(Peers, FastCalls, Admission, Dispatch, Fusion, Failures, Re
             case m.ExecDoneBatch() if peer.role == "worker":
                 self._exec_done_batch(peer.id, msg)
             case m.TimelineRequest():
-                events = list(self.events)[-msg.limit:] if msg.limit > 0 else []
-                self.send(ident, m.Timeline(self.timeline_records(msg.limit), events, self.now + self.wall_offset),
-                          parent)
+                self.send(ident, m.Timeline(self.timeline_records(msg.limit), self.event_records(msg.limit),
+                                            self.now + self.wall_offset), parent)
             case m.Release() if peer.role == "client":
                 self._release(msg.buffers, peer.id)
             case m.Goodbye() if peer.role == "client":

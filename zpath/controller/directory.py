@@ -37,7 +37,7 @@ class PlanError(Exception):
         self.error = error
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class Buffer:
     id: int
     shape: tuple[int, ...]
@@ -63,7 +63,7 @@ class Buffer:
         return [lay for lay in self.layouts if not any(lay is u for u in self.unmade)]
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class Plan:
     executes: dict[int, m.Execute]       # or m.RunFused (a fused program's run)
     sends: list[tuple[int, m.SendPiece]]

@@ -74,7 +74,7 @@ SMALL_DEVICES = 16
 RECENT_LISTS = 256
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class Ready:
     """A computation ready to go to the workers, waiting for its turn."""
     client: int
@@ -85,7 +85,7 @@ class Ready:
     arrival: int = 0
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class _Running:
     client: int
     island: int
@@ -282,6 +282,11 @@ class TenantScheduler:
                         return self.window_s
         seen = self._seen.get(island)
         if seen:
+            if len(seen) == 1 and (only is None or only in seen):
+                # (the usual case, one client: it is the only one whether or
+                # not it is stale, so no clock to read; a stale one goes at a
+                # later look)
+                return self.solo_window_s
             now = self.clock()
             for c, t in list(seen.items()):
                 if now - t >= SOLO_GRACE_S:

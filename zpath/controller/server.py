@@ -41,8 +41,6 @@ _FLUSH_AFTER = (m.Program, m.RunProgram, m.DefineProgram)
 # handling what came after it)
 COALESCE_CALLS = 8
 COALESCE_S = 0.0005
-# a call's plan event, made without the record's frozen __init__ (one per call)
-_controller_event = codec.constructor(m.ControllerEvent)
 
 # The collector's full passes visit every object the controller keeps: ~50-130
 # ms while a 10,000-node program is planned (what it collects then: nothing).
@@ -216,7 +214,7 @@ class Controller:
             client, name = self.core.resume_label()
             t0 = time.time()
             self._emit(self.core.resume(time.monotonic()))
-            self.core.events.append(m.ControllerEvent("plan", client, name, t0, time.time()))
+            self.core.events.append(("plan", client, name, t0, time.time()))
             self._flush_out()
 
     def _dropped(self, ident: bytes, what: str) -> None:
@@ -366,7 +364,7 @@ class Controller:
             case _:          # a template's run: its program's name
                 t = self.core.templates.get((peer.id, msg.template)) if peer else None
                 name = t.name if t is not None else f"template {msg.template}"
-        self.core.events.append(_controller_event("plan", peer.id if peer else -1, name, start, end))
+        self.core.events.append(("plan", peer.id if peer else -1, name, start, end))
 
     def stop(self, *_: Any) -> None:
         self.running = False
