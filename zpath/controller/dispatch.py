@@ -236,8 +236,8 @@ class Dispatch:
             self._abandon(node, was_parked)
             return
         call = node.call
-        ready = Ready(node.run.peer.id, node.island, tuple(call.devices),
-                      (call.program, tuple(call.devices)), node)
+        devices = tuple(call.devices)
+        ready = Ready(node.run.peer.id, node.island, devices, (call.program, devices), node)
         if self.tenants.can_send_now(ready):
             self._send(ready, was_parked)
             return

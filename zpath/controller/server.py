@@ -295,7 +295,9 @@ class Controller:
         COALESCE_CALLS calls and COALESCE_S after the first was handled: the
         first call of a burst is not held back long by the rest, and a call
         with nothing behind it goes at once."""
-        self.core.begin_turn()
+        core = self.core
+        peers = core.peers
+        core.begin_turn()
         held = 0                 # calls handled since the last flush
         since = 0.0              # when the first of them was handled
         try:
@@ -316,31 +318,41 @@ class Controller:
                     continue
                 msgs = unbatched(header, msg, buffers)
                 budget -= len(msgs)
+                # the time the event came, for all of a batch's items (they came together)
+                now = time.monotonic()
                 for header, msg, buffers in msgs:
-                    now = time.monotonic()
-                    if isinstance(msg, ProtocolError):      # one bad item of a batch
-                        self._run(self.core.reject(now, ident, header.msg_id, str(BadMessage(
+                    kind = type(msg)
+                    if ident not in peers:
+                        if isinstance(msg, ProtocolError):      # one bad item of a batch
+                            self._emit(core.reject(now, ident, header.msg_id, str(BadMessage(
+                                str(msg), ident, header))))
+                            continue
+                        why = core.refuses(ident, header.signer, msg)
+                        if why:
+                            self._emit(core.reject(now, ident, header.msg_id, why))
+                            continue
+                    elif issubclass(kind, ProtocolError):       # one bad item of a batch
+                        self._emit(core.reject(now, ident, header.msg_id, str(BadMessage(
                             str(msg), ident, header))))
                         continue
-                    why = self.core.refuses(ident, header.signer, msg)
-                    if why:
-                        self._run(self.core.reject(now, ident, header.msg_id, why))
-                        continue
-                    kind = type(msg)
                     if kind is not m.Call and kind not in _FLUSH_AFTER:
-                        self._run(self.core.handle(now, ident, header.msg_id, msg, buffers))
+                        self._emit(core.handle(now, ident, header.msg_id, msg, buffers))
                         continue
                     # a submission: its planning on the timeline
                     t0 = time.time()
-                    self._run(self.core.handle(now, ident, header.msg_id, msg, buffers))
+                    self._emit(core.handle(now, ident, header.msg_id, msg, buffers))
                     t1 = time.time()
-                    self._plan_event(ident, msg, t0, t1)
                     if kind is m.Call:        # sent, or held while more waits (see above)
+                        peer = peers.get(ident)
+                        prog = core.programs.get(msg.program)
+                        core.events.append(("plan", peer.id if peer else -1, prog[0] if prog else "", t0, t1))
                         if not held:
                             since = t0
                         held += 1
                         if held < COALESCE_CALLS and t1 - since < COALESCE_S:
                             continue
+                    else:
+                        self._plan_event(ident, msg, t0, t1)
                     self._flush_out()
                     held = 0
                 more = readable(self.sock)
