@@ -521,6 +521,16 @@ class Dispatch:
     def _host_done(self, host: int, msg: m.ExecDone | Report, info: InFlight) -> None:
         """Host ``host`` finished its part of computation ``info`` (``msg``:
         its report)."""
+        error = msg.error
+        if error is None:              # (the usual report: what the rest does for it)
+            self.timeline.append((msg.exec_id, None, msg.start, msg.end, msg.waited, host, info.seq, info.island,
+                                  info.client, info.name, info.devices))
+            self.tenants.host_done(msg.exec_id, msg.end - msg.start, info.host_devices[host])
+            hosts = info.hosts
+            hosts.discard(host)
+            if not hosts:
+                self._all_done(msg.exec_id, info)
+            return
         if info.fused and msg.error is not None and msg.error.kind == ErrorKind.FUSED_UNKNOWN:
             # the host did not run it, so nothing there will ever hold its results
             # (it cannot poison what it does not know): they fail here
@@ -542,17 +552,23 @@ class Dispatch:
         info.error = info.error or (msg.error if msg.error is None or msg.error.kind != ErrorKind.PEER_FAILED
                                     else dataclasses.replace(msg.error, kind=ErrorKind.REMOTE_ERROR))
         if not info.hosts:
+            self._all_done(msg.exec_id, info)
+
+    def _all_done(self, exec_id: int, info: InFlight) -> None:
+        """Every host reported computation ``exec_id`` (``info``)."""
+        if info.copies:
             if info.error is None:
                 self.directory.confirm(info.copies)
-            elif info.copies:
+            else:
                 # a copy of a failed computation may hold its error: nothing
                 # reads it (an input left with no copy at all fails with it)
                 lost = self._drop_copies(info.copies, info.error)
                 if lost and info.client_ident in self.peers:
                     self.send(info.client_ident, m.CallFailed(0, lost, info.error))
+        if info.transient:
             self._release_transient(info.transient)
-            del self.in_flight[msg.exec_id]
-            self._exec_finished(msg.exec_id, info.devices)
+        del self.in_flight[exec_id]
+        self._exec_finished(exec_id, info.devices)
 
     def timeline_records(self, limit: int) -> list[m.ExecRecord]:
         """The last ``limit`` host reports, oldest first."""
