@@ -318,6 +318,14 @@ class ControllerCore(Peers, FastCalls, Admission, Dispatch, Fusion, Failures, Re
         peer = self.peers.get(ident)
         if peer is not None:
             peer.last_seen = self.now
+            # a client's most frequent messages, before the match tries its cases in turn
+            kind = type(msg)
+            if kind is m.Call and peer.role == "client":
+                self._call(ident, peer, msg)
+                return
+            if kind is m.Release and peer.role == "client":
+                self._release(msg.buffers, peer.id)
+                return
         match msg:
             case m.RegisterWorker():
                 self._register_worker(ident, parent, msg)
