@@ -737,13 +737,13 @@ def _golden_messages() -> dict[str, tuple[codec.Record, tuple]]:
 # frames of codec.encode(b"k" * 32, msg, msg_id=..., sender="worker:golden", parent=7,
 # buffers=...) for the messages above, recorded (hex) from the codec before its
 # fast paths (commit a5173e3); signatures and headers re-recorded for protocol 3
-# (the header's signer) and for protocols 4 (relays) and 5 (DeviceInfo.platform): the
-# version byte; bodies unchanged
+# (the header's signer) and for protocols 4 (relays), 5 (DeviceInfo.platform) and 6 (a
+# relayed message's own buffers): the version byte; bodies unchanged
 GOLDEN = [
     ("Execute", 1000, [      # (re-recorded when Execute.hold was appended: the same
         # body with 11 fields instead of 10 and a trailing false)
-        "8cb2f9df22d1c71574ce0f08e4c1554cec384f24fd0bc9c9d407c6f6a48ebf87",
-        "960521cd03e807ad776f726b65723a676f6c64656e00",
+        "f055ca2784f214beb660d91c7612d2a770809015a267c12e9b065c97da843e53",
+        "960621cd03e807ad776f726b65723a676f6c64656e00",
         "9bce0001e240cd2694d94061626162616261626162616261626162616261626162616261626162616261626162616261"
         "626162616261626162616261626162616261626162616261626162ac6a69745f5f6c616d6264615f910291a169920001"
         "9200019294cf000000010000001192920804a7666c6f6174333292a169c0919300929200049200049094cf0000000100"
@@ -751,35 +751,35 @@ GOLDEN = [
         "cf000000010000001392920804a7666c6f6174333292a169c0c2",
     ]),
     ("ExecDone", 1001, [
-        "b657f9a48830729be9f0f8948e00bf3e69452d219eb390493fb008a2ac97e4b7",
-        "960522cd03e907ad776f726b65723a676f6c64656e00",
+        "005e767aef0707cc6f062419d6d235ac028fcebd64eb46fa06d5a07bb7a71cfb",
+        "960622cd03e907ad776f726b65723a676f6c64656e00",
         "95ce0001e240c0cb41d999a660080000cb41d999a660100000cb0000000000000000",
     ]),
     ("Call", 1002, [
-        "aeff46fa012ab7b533a8eb2be92cd7423bc53d7acd284149a574528b7443cb02",
-        "96051fcd03ea07ad776f726b65723a676f6c64656e00",
+        "e16cbeec25a33e7ce5b06a849fe28c061a15e16b49d723055da781472e027377",
+        "96061fcd03ea07ad776f726b65723a676f6c64656e00",
         "97cd1092d94063646364636463646364636463646364636463646364636463646364636463646364636463646364636463"
         "646364636463646364636463646364636463646364910291a1699200019194cf000000010000001192920804a7666c6f"
         "6174333292a169c0c39193cf000000010000001392920804a7666c6f6174333292a169c0",
     ]),
     ("Ping", 1003, [
-        "777a5e9fe7b92a985055145823dccd665ac271550c65b5c9d96cd12a21402c28",
-        "960507cd03eb07ad776f726b65723a676f6c64656e00",
+        "749ed01f30c7d4dc13adaddcd72a0bdf2c614bc230389324556fd05377d1cb20",
+        "960607cd03eb07ad776f726b65723a676f6c64656e00",
         "911f",
     ]),
     ("Pong", 1004, [
-        "b69557696d79fd33fcce443e13fb2caf32eea954f69ee4b4a903a35edc25bba5",
-        "960508cd03ec07ad776f726b65723a676f6c64656e00",
+        "3c45e4f3a9bd5b4501b263b999ff64b7ad4db3fe26cef6e23b75b44b8614427c",
+        "960608cd03ec07ad776f726b65723a676f6c64656e00",
         "941f0ccd100092cd0800cd0800",
     ]),
     ("ExecDoneErr", 1005, [
-        "63fe83a9533bd3039c9805c02a0e95ece9fe1692154da04c0a0dc0c2669e3295",
-        "960522cd03ed07ad776f726b65723a676f6c64656e00",
+        "197f9b039cc91319836844aea5aaa4594cebda3f8f91b272cb5c83d6125b5244",
+        "960622cd03ed07ad776f726b65723a676f6c64656e00",
         "950595ab52656d6f74654572726f72a8626f6f6d20e29c93c0a166a27462cb3ff0000000000000cb4004000000000000cb0000000000000000",
     ]),
     ("Put", 1006, [
-        "7a931ba7cb13ee119e31274209968665a38ab6713610a0362caae939dc9a31cf",
-        "960532cd03ee07ad776f726b65723a676f6c64656e00",
+        "ca27c3dec338b80a1d642b0266e8ee32e8ece7ede4c45b2e82ff484c34180a21",
+        "960632cd03ee07ad776f726b65723a676f6c64656e00",
         "94cf0000000100000003029292000492000692920406a7666c6f61743332",
         "010203",
         "",
@@ -1020,6 +1020,30 @@ def test_a_bad_item_of_a_batch_is_refused_alone_with_what_a_lone_message_gets():
         assert a == m.Ping(1) and c == m.Ping(3)          # the good ones still come
         assert type(bad_item) is ProtocolError and text in str(bad_item)
         assert (h2.msg_id, h2.parent, h2.type_id) == (2, 5, tid)   # answerable: its own ids
+
+
+def test_a_batch_decodes_in_one_pass_to_what_its_record_and_items_decode_to():
+    """decode reads a Batch's items in one pass (codec._unbatch_body): the
+    same messages, headers and per-item errors as decoding the Batch record
+    and then each item, and a batch that record refuses is refused as
+    before (None: decode's general path gives the error)."""
+    good = codec.pack_body(m.Ping(1))
+    items = [(m.Ping.TYPE, 1, 0, good), (9999, 2, 5, good), (m.Ping.TYPE, 3, 4, b"\xc1"),
+             (m.Batch.TYPE, 4, 0, codec.pack_body(m.Batch([]))), (m.ExecDone.TYPE, 5, 0,
+             codec.pack_body(m.ExecDone(7, None, 1, 2.5)))]
+    header = codec.Header(PROTOCOL_VERSION, m.Batch.TYPE, 9, 0, "worker:1", codec.CLUSTER)
+    raw = msgpack.unpackb(codec.pack_body(m.Batch(items)), raw=False)
+    fast = codec._unbatch_body(header, raw).messages
+    slow = codec._unbatch(header, m.Batch._decode(raw).items).messages
+    assert [h for h, _ in fast] == [h for h, _ in slow]
+    assert [x if not isinstance(x, ProtocolError) else str(x) for _, x in fast] == \
+        [x if not isinstance(x, ProtocolError) else str(x) for _, x in slow]
+    assert fast[4][1] == m.ExecDone(7, None, 1.0, 2.5) and type(fast[4][1].start) is float
+    for bad in ([[[1, 2, 3]]], [[[1, 2, 3, b"", 5]]], [[[True, 2, 3, good]]], [[[1, 2, 3, "s"]]], [[], []],
+                [(1, 2)], {"items": []}):
+        assert codec._unbatch_body(header, bad) is None
+        with pytest.raises(ProtocolError, match="Batch"):
+            codec.decode(KEY, signed(hdr(PROTOCOL_VERSION, m.Batch.TYPE, 1, 0, "x", 0), body(bad)))
 
 
 def test_a_batch_itself_is_checked_like_any_message():
