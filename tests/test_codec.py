@@ -1022,6 +1022,30 @@ def test_a_bad_item_of_a_batch_is_refused_alone_with_what_a_lone_message_gets():
         assert (h2.msg_id, h2.parent, h2.type_id) == (2, 5, tid)   # answerable: its own ids
 
 
+def test_a_batch_decodes_in_one_pass_to_what_its_record_and_items_decode_to():
+    """decode reads a Batch's items in one pass (codec._unbatch_body): the
+    same messages, headers and per-item errors as decoding the Batch record
+    and then each item, and a batch that record refuses is refused as
+    before (None: decode's general path gives the error)."""
+    good = codec.pack_body(m.Ping(1))
+    items = [(m.Ping.TYPE, 1, 0, good), (9999, 2, 5, good), (m.Ping.TYPE, 3, 4, b"\xc1"),
+             (m.Batch.TYPE, 4, 0, codec.pack_body(m.Batch([]))), (m.ExecDone.TYPE, 5, 0,
+             codec.pack_body(m.ExecDone(7, None, 1, 2.5)))]
+    header = codec.Header(PROTOCOL_VERSION, m.Batch.TYPE, 9, 0, "worker:1", codec.CLUSTER)
+    raw = msgpack.unpackb(codec.pack_body(m.Batch(items)), raw=False)
+    fast = codec._unbatch_body(header, raw).messages
+    slow = codec._unbatch(header, m.Batch._decode(raw).items).messages
+    assert [h for h, _ in fast] == [h for h, _ in slow]
+    assert [x if not isinstance(x, ProtocolError) else str(x) for _, x in fast] == \
+        [x if not isinstance(x, ProtocolError) else str(x) for _, x in slow]
+    assert fast[4][1] == m.ExecDone(7, None, 1.0, 2.5) and type(fast[4][1].start) is float
+    for bad in ([[[1, 2, 3]]], [[[1, 2, 3, b"", 5]]], [[[True, 2, 3, good]]], [[[1, 2, 3, "s"]]], [[], []],
+                [(1, 2)], {"items": []}):
+        assert codec._unbatch_body(header, bad) is None
+        with pytest.raises(ProtocolError, match="Batch"):
+            codec.decode(KEY, signed(hdr(PROTOCOL_VERSION, m.Batch.TYPE, 1, 0, "x", 0), body(bad)))
+
+
 def test_a_batch_itself_is_checked_like_any_message():
     good = codec.pack_body(m.Ping(1))
     # the item list is checked like any record field

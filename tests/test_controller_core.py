@@ -427,3 +427,33 @@ def test_small_pieces_one_computation_reads_from_one_host_go_as_a_bucket(make_ri
     (_, ex), = [(i, x) for i, x in rig.log[mark:] if isinstance(x, m.Execute)]
     wanted = {p.piece_id for inp in ex.inputs for s in inp.shards for p in s.pieces}
     assert wanted == {p.piece_id for p in bucket.pieces} | {alone.piece_id}
+
+
+def test_the_timeline_and_events_keep_nothing_the_collector_must_walk(make_rig):
+    """The history of host reports and controller events (up to 100,000 and
+    10,000 entries) holds plain numbers and strings, not the computations'
+    records with their lists and sets: after the collector's first looks
+    (two: a row, and the tuple of devices in it) it no longer tracks any of
+    it. A TimelineRequest still gets every field."""
+    import gc
+
+    rig = make_rig(hosts=((0, 1), (0, 1)))
+    a, client = rig.client("a")
+    outs = []
+    for device in (0, 1, 0):
+        call, out = rig.call(a, device)
+        rig.handle(a, call)
+        outs.append(out)
+    rig.drain()
+    rig.c.events.append(("plan", client, "f", 5.0, 6.0))     # as the loop records a call's planning
+    gc.collect()
+    gc.collect()
+    assert len(rig.c.timeline) == 3 and not any(gc.is_tracked(row) for row in rig.c.timeline)
+    assert not any(gc.is_tracked(e) for e in rig.c.events)
+    mark = len(rig.log)
+    rig.handle(a, m.TimelineRequest(10))
+    (timeline,) = [x for _, x in rig.log[mark:] if isinstance(x, m.Timeline)]
+    assert [(r.host, r.client, r.name, r.devices, r.ok, r.island) for r in timeline.records] == \
+        [(0, client, "p", [0], True, 0), (1, client, "p", [1], True, 0), (0, client, "p", [0], True, 0)]
+    assert [r.seq for r in timeline.records] == [0, 1, 2]
+    assert timeline.events == [m.ControllerEvent("plan", client, "f", 5.0, 6.0)]

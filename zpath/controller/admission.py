@@ -204,8 +204,8 @@ class Admission:
         """A submission left the memory queue: its wait goes on the timeline."""
         if sub.waiting_since is not None:
             name = self.program_name(sub.calls[0].program) if sub.calls else ""
-            self.events.append(m.ControllerEvent("memory", sub.peer.id, name, sub.waiting_since + self.wall_offset,
-                                                 self.now + self.wall_offset))
+            self.events.append(("memory", sub.peer.id, name, sub.waiting_since + self.wall_offset,
+                                self.now + self.wall_offset))
             sub.waiting_since = None
 
     def _node_done(self, sub: Submission, k: int, call: m.Call) -> None:

@@ -318,6 +318,14 @@ class ControllerCore(Peers, FastCalls, Admission, Dispatch, Fusion, Failures, Re
         peer = self.peers.get(ident)
         if peer is not None:
             peer.last_seen = self.now
+            # a client's most frequent messages, before the match tries its cases in turn
+            kind = type(msg)
+            if kind is m.Call and peer.role == "client":
+                self._call(ident, peer, msg)
+                return
+            if kind is m.Release and peer.role == "client":
+                self._release(msg.buffers, peer.id)
+                return
         match msg:
             case m.RegisterWorker():
                 self._register_worker(ident, parent, msg)
@@ -357,9 +365,8 @@ class ControllerCore(Peers, FastCalls, Admission, Dispatch, Fusion, Failures, Re
             case m.ExecDoneBatch() if peer.role == "worker":
                 self._exec_done_batch(peer.id, msg)
             case m.TimelineRequest():
-                events = list(self.events)[-msg.limit:] if msg.limit > 0 else []
-                self.send(ident, m.Timeline(self.timeline_records(msg.limit), events, self.now + self.wall_offset),
-                          parent)
+                self.send(ident, m.Timeline(self.timeline_records(msg.limit), self.event_records(msg.limit),
+                                            self.now + self.wall_offset), parent)
             case m.Release() if peer.role == "client":
                 self._release(msg.buffers, peer.id)
             case m.Goodbye() if peer.role == "client":

@@ -40,7 +40,7 @@ class PlanError(Exception):
         self.error = error
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class Buffer:
     id: int
     shape: tuple[int, ...]
@@ -66,7 +66,7 @@ class Buffer:
         return [lay for lay in self.layouts if not any(lay is u for u in self.unmade)]
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class Plan:
     executes: dict[int, m.Execute]       # or m.RunFused (a fused program's run)
     sends: list[tuple[int, m.SendPiece]]

@@ -118,9 +118,11 @@ class Dispatch:
         self.directory.poison([b for b in outs if client_of(b) == client], client, err)
         self.send(ident, m.CallFailed(call.call_id, outs, err))
 
-    def _dispatch(self, peer: Peer, call: m.Call, plan: Plan, name: str, hold: bool = False) -> int:
+    def _dispatch(self, peer: Peer, call: m.Call, plan: Plan, name: str, hold: bool = False,
+                  devices: tuple[int, ...] | None = None) -> int:
         """Send a planned call to its hosts in gang order (``hold``: see
-        ``Execute.hold``); returns its exec id."""
+        ``Execute.hold``; ``devices``: the call's devices as a tuple, if made
+        already); returns its exec id."""
         drop_after: list[tuple[int, m.DropFused]] = []
         known = self.host_programs
         for digest in plan.programs if plan.programs is not None else [call.program]:
@@ -147,8 +149,8 @@ class Dispatch:
         ordered = self.scheduler.dispatch(island, plan.executes, hold)
         exec_id = next(iter(plan.executes.values())).exec_id
         self.in_flight[exec_id] = InFlight(
-            peer.id, peer.ident, name, island, self.scheduler.next_seq[island] - 1, call.devices,
-            set(plan.executes), self.rm.host_counts(call.devices),
+            peer.id, peer.ident, name, island, self.scheduler.next_seq[island] - 1,
+            tuple(call.devices) if devices is None else devices, set(plan.executes), self.rm.host_counts(call.devices),
             [o.buffer for o in call.outputs],
             [(piece.piece_id, src, piece.dst_host) for src, piece in sends],
             [i.buffer for i in call.inputs if i.put], plan.setup is not None, plan.copies,
@@ -238,8 +240,8 @@ class Dispatch:
             self._abandon(node, was_parked)
             return
         call = node.call
-        ready = Ready(node.run.peer.id, node.island, tuple(call.devices),
-                      (call.program, tuple(call.devices)), node)
+        devices = tuple(call.devices)
+        ready = Ready(node.run.peer.id, node.island, devices, (call.program, devices), node)
         if self.tenants.can_send_now(ready):
             self._send(ready, was_parked)
             return
@@ -270,7 +272,7 @@ class Dispatch:
             self._abandon(node, was_parked, err)
             return
         hold = may_hold(self.tenants, node.island, run.peer.id, run.sequential, self.memory_limit)
-        exec_id = self._dispatch(run.peer, node.call, *node.planned, hold=hold)
+        exec_id = self._dispatch(run.peer, node.call, *node.planned, hold=hold, devices=ready.devices)
         self.send_budget -= SEND_COST + len(node.planned[0].executes)
         self.tenants.sent(exec_id, ready)
         run.sent += 1
@@ -476,7 +478,9 @@ class Dispatch:
         n = len(hosts)
         usual = n - 1 if len(info.hosts) == n else n
         self.timeline.extend(zip(repeat(x, usual), repeat(None, usual), starts[:usual], ends[:usual], waited[:usual],
-                                 hosts[:usual], repeat(info, usual), strict=True))
+                                 hosts[:usual], repeat(info.seq, usual), repeat(info.island, usual),
+                                 repeat(info.client, usual), repeat(info.name, usual), repeat(info.devices, usual),
+                                 strict=True))
         seconds = [end - start if end > start else 0.0 for start, end in zip(starts[:usual], ends[:usual],
                                                                                 strict=True)]
         info.hosts.difference_update(hosts[:usual])
@@ -498,7 +502,8 @@ class Dispatch:
             if h not in info.hosts:
                 continue
             if k not in errors and len(info.hosts) > 1:       # (_host_done, the usual case)
-                timeline.append((x, None, start, stop, waited, h, info))
+                timeline.append((x, None, start, stop, waited, h, info.seq, info.island, info.client, info.name,
+                                 info.devices))
                 seconds = stop - start if stop > start else 0.0
                 charged += seconds * info.host_devices[h]
                 if seconds > longest:
@@ -520,6 +525,16 @@ class Dispatch:
     def _host_done(self, host: int, msg: m.ExecDone | Report, info: InFlight) -> None:
         """Host ``host`` finished its part of computation ``info`` (``msg``:
         its report)."""
+        error = msg.error
+        if error is None:              # (the usual report: what the rest does for it)
+            self.timeline.append((msg.exec_id, None, msg.start, msg.end, msg.waited, host, info.seq, info.island,
+                                  info.client, info.name, info.devices))
+            self.tenants.host_done(msg.exec_id, msg.end - msg.start, info.host_devices[host])
+            hosts = info.hosts
+            hosts.discard(host)
+            if not hosts:
+                self._all_done(msg.exec_id, info)
+            return
         if info.fused and msg.error is not None and msg.error.kind == ErrorKind.FUSED_UNKNOWN:
             # the host did not run it, so nothing there will ever hold its results
             # (it cannot poison what it does not know): they fail here
@@ -534,29 +549,36 @@ class Dispatch:
             # there wait for the verdict)
             self._peer_failed(host, info, msg.error)
         # an ExecRecord when asked (see timeline_records)
-        self.timeline.append((msg.exec_id, msg.error, msg.start, msg.end, msg.waited, host, info))
+        self.timeline.append((msg.exec_id, msg.error, msg.start, msg.end, msg.waited, host, info.seq, info.island,
+                              info.client, info.name, info.devices))
         self.tenants.host_done(msg.exec_id, msg.end - msg.start, info.host_devices[host])
         info.hosts.discard(host)
         info.error = info.error or (msg.error if msg.error is None or msg.error.kind != ErrorKind.PEER_FAILED
                                     else dataclasses.replace(msg.error, kind=ErrorKind.REMOTE_ERROR))
         if not info.hosts:
+            self._all_done(msg.exec_id, info)
+
+    def _all_done(self, exec_id: int, info: InFlight) -> None:
+        """Every host reported computation ``exec_id`` (``info``)."""
+        if info.copies:
             if info.error is None:
                 self.directory.confirm(info.copies)
-            elif info.copies:
+            else:
                 # a copy of a failed computation may hold its error: nothing
                 # reads it (an input left with no copy at all fails with it)
                 lost = self._drop_copies(info.copies, info.error)
                 if lost and info.client_ident in self.peers:
                     self.send(info.client_ident, m.CallFailed(0, lost, info.error))
+        if info.transient:
             self._release_transient(info.transient)
-            del self.in_flight[msg.exec_id]
-            self._exec_finished(msg.exec_id, info.devices)
+        del self.in_flight[exec_id]
+        self._exec_finished(exec_id, info.devices)
 
     def timeline_records(self, limit: int) -> list[m.ExecRecord]:
         """The last ``limit`` host reports, oldest first."""
         recent = list(self.timeline)[-limit:] if limit > 0 else []
-        return [m.ExecRecord(x, info.seq, info.island, host, info.client, info.name, info.devices,
-                             start, end, error is None, waited) for x, error, start, end, waited, host, info in recent]
+        return [m.ExecRecord(x, seq, island, host, client, name, list(devices), start, end, error is None, waited)
+                for x, error, start, end, waited, host, seq, island, client, name, devices in recent]
 
     def _explain(self, ident: bytes, parent: int, peer: Peer, req: m.ExplainRequest) -> None:
         """Plan a program on a scratch copy of the directory and describe it."""

@@ -208,7 +208,7 @@ class FastCalls:
                       e.jax_ids, [_exec_input(i.buffer, i.aval, i.spec, []) for i in ins],
                       [_exec_output(o.buffer, o.aval, o.spec) for o in outs], hold)
         puts = [i.buffer for i in ins if i.put]
-        self.in_flight[exec_id] = InFlight(owner, peer.ident, e.name, island, seq, call.devices, set(e.hosts),
+        self.in_flight[exec_id] = InFlight(owner, peer.ident, e.name, island, seq, e.ready.devices, set(e.hosts),
                                            e.host_devices, [o.buffer for o in outs], [], puts)
         self.to_hosts(self.scheduler.place_shared(e.hosts, ex))
         self.send_budget -= SEND_COST + len(e.hosts)

@@ -31,11 +31,17 @@ class Peers:
         self.client_ids = 0
         self.host_stores: dict[int, tuple[int, int]] = {}   # rank -> (shards, bytes) from Pong
         self.device_held: dict[int, int] = {}               # device -> bytes its worker holds (Pong)
-        # (exec id, error, start, end, waited, host, InFlight) per host report (a plain
-        # tuple: a batch's rows are made at once), made into ExecRecords when asked
+        # (exec id, error, start, end, waited, host, *InFlight.row) per host
+        # report, made into ExecRecords when asked (timeline_records). Plain
+        # tuples of numbers and strings: the collector stops tracking them at
+        # its first look, so the history (up to TIMELINE_RECORDS) costs it
+        # nothing after (a row that held its InFlight kept that and its lists
+        # and set alive, walked by every full pass)
         self.timeline: collections.deque[tuple] = collections.deque(maxlen=TIMELINE_RECORDS)
-        # what the controller did and what waited there (plans, waits for memory)
-        self.events: collections.deque[m.ControllerEvent] = collections.deque(maxlen=EVENT_RECORDS)
+        # what the controller did and what waited there (plans, waits for
+        # memory): (kind, client, name, start, end) as ControllerEvent's fields,
+        # made into records when asked (events_records), for the same reason
+        self.events: collections.deque[tuple] = collections.deque(maxlen=EVENT_RECORDS)
         self.wall_offset = 0.0     # wall clock - the loop's clock (set by the loop: events are wall time)
         self.programs: dict[str, tuple[str, bytes]] = {}
         self.host_programs: dict[int, set[str]] = {}
@@ -45,6 +51,11 @@ class Peers:
         self.heard: dict[int, float] = {}
         self._pinged_at = float("-inf")     # the last tick's time
         self._not_pinged: set[int] = set()  # the hosts the last tick did not ping
+
+    def event_records(self, limit: int) -> list[m.ControllerEvent]:
+        """The last ``limit`` events (``events``), oldest first."""
+        recent = list(self.events)[-limit:] if limit > 0 else []
+        return [m.ControllerEvent(*e) for e in recent]
 
     def _pings(self) -> None:
         """One ``Ping`` for the workers of a tick (the loop encodes and signs it

@@ -24,7 +24,7 @@ class Peer:
     keys: Callable[[int], bytes | None] | None = None
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class ProgramRun:
     """One submitted program: how many of its nodes have been sent."""
     peer: Peer
@@ -69,7 +69,7 @@ class Submission:
     then: Callable[[Submission], None] | None = None
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class InFlight:
     """A dispatched computation until every host reported it finished."""
     client: int
@@ -77,7 +77,7 @@ class InFlight:
     name: str
     island: int
     seq: int
-    devices: list[int]
+    devices: tuple[int, ...]
     hosts: set[int]                        # hosts still running it
     host_devices: dict[int, int]           # host -> how many of its devices it uses
     outputs: list[int]
@@ -101,7 +101,7 @@ class Report(NamedTuple):
     waited: float
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class ParkedNode:
     """A node waiting to be sent: for computations it reads to finish
     (sequential programs), for parked producers to be sent, or for its turn in

@@ -74,7 +74,7 @@ SMALL_DEVICES = 16
 RECENT_LISTS = 256
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class Ready:
     """A computation ready to go to the workers, waiting for its turn."""
     client: int
@@ -85,7 +85,7 @@ class Ready:
     arrival: int = 0
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class _Running:
     client: int
     island: int
@@ -95,6 +95,7 @@ class _Running:
     wall: float                      # seconds per device estimated when it was sent
     charged: float = 0.0             # device-seconds measured so far (hosts that finished)
     longest: float = 0.0             # longest host's seconds
+    few: list[int] | None = None     # its distinct devices, if at most SMALL_DEVICES (_few_devices)
 
 
 class TenantScheduler:
@@ -263,7 +264,10 @@ class TenantScheduler:
         few = self._few_devices(devices)
         if few is not None:
             count, load, least = self._count, self._load, self.min_window
-            return any(count.item(d) < least or load.item(d) <= half for d in few)
+            for d in few:             # (any(...) without a generator: once per computation)
+                if count.item(d) < least or load.item(d) <= half:
+                    return True
+            return False
         idx = self._idx(devices)
         return bool(((self._count[idx] < self.min_window) | (self._load[idx] <= half)).any())
 
@@ -282,6 +286,11 @@ class TenantScheduler:
                         return self.window_s
         seen = self._seen.get(island)
         if seen:
+            if len(seen) == 1 and (only is None or only in seen):
+                # (the usual case, one client: it is the only one whether or
+                # not it is stale, so no clock to read; a stale one goes at a
+                # later look)
+                return self.solo_window_s
             now = self.clock()
             for c, t in list(seen.items()):
                 if now - t >= SOLO_GRACE_S:
@@ -301,7 +310,10 @@ class TenantScheduler:
         few = self._few_devices(ready.devices)
         if few is not None:
             count, load, least = self._count, self._load, self.min_window
-            return all(count.item(d) < least or load.item(d) + est <= window for d in few)
+            for d in few:             # (all(...) without a generator: once or twice per computation)
+                if count.item(d) >= least and load.item(d) + est > window:
+                    return False
+            return True
         idx = self._idx(ready.devices)
         return bool(((self._count[idx] < self.min_window) | (self._load[idx] + est <= window)).all())
 
@@ -360,9 +372,9 @@ class TenantScheduler:
         """A computation went to the workers: charge its estimate."""
         wall = self._cost.get(ready.cost_key, self.default_cost_s)
         estimate = wall * len(ready.devices)
-        self._running[ticket] = _Running(ready.client, ready.island, ready.devices, ready.cost_key,
-                                         estimate, wall)
         few = self._few_devices(ready.devices)
+        self._running[ticket] = _Running(ready.client, ready.island, ready.devices, ready.cost_key,
+                                         estimate, wall, 0.0, 0.0, few)
         active = self._active.get(ready.island)
         if active is None:
             active = self._active[ready.island] = collections.Counter()
@@ -411,7 +423,7 @@ class TenantScheduler:
         run = self._running.pop(ticket, None)
         if run is None:
             return None
-        few = self._few_devices(run.devices)
+        few = run.few
         if few is not None:
             load, count = self._load, self._count
             for d in few:

@@ -41,8 +41,6 @@ _FLUSH_AFTER = (m.Program, m.RunProgram, m.DefineProgram)
 # handling what came after it)
 COALESCE_CALLS = 8
 COALESCE_S = 0.0005
-# a call's plan event, made without the record's frozen __init__ (one per call)
-_controller_event = codec.constructor(m.ControllerEvent)
 
 # The collector's full passes visit every object the controller keeps: ~50-130
 # ms while a 10,000-node program is planned (what it collects then: nothing).
@@ -218,7 +216,7 @@ class Controller:
             client, name = self.core.resume_label()
             t0 = time.time()
             self._emit(self.core.resume(time.monotonic()))
-            self.core.events.append(m.ControllerEvent("plan", client, name, t0, time.time()))
+            self.core.events.append(("plan", client, name, t0, time.time()))
             self._flush_out()
 
     def _dropped(self, ident: bytes, what: str) -> None:
@@ -299,7 +297,9 @@ class Controller:
         COALESCE_CALLS calls and COALESCE_S after the first was handled: the
         first call of a burst is not held back long by the rest, and a call
         with nothing behind it goes at once."""
-        self.core.begin_turn()
+        core = self.core
+        peers = core.peers
+        core.begin_turn()
         held = 0                 # calls handled since the last flush
         since = 0.0              # when the first of them was handled
         try:
@@ -320,31 +320,41 @@ class Controller:
                     continue
                 msgs = unbatched(header, msg, buffers)
                 budget -= len(msgs)
+                # the time the event came, for all of a batch's items (they came together)
+                now = time.monotonic()
                 for header, msg, buffers in msgs:
-                    now = time.monotonic()
-                    if isinstance(msg, ProtocolError):      # one bad item of a batch
-                        self._run(self.core.reject(now, ident, header.msg_id, str(BadMessage(
+                    kind = type(msg)
+                    if ident not in peers:
+                        if isinstance(msg, ProtocolError):      # one bad item of a batch
+                            self._emit(core.reject(now, ident, header.msg_id, str(BadMessage(
+                                str(msg), ident, header))))
+                            continue
+                        why = core.refuses(ident, header.signer, msg)
+                        if why:
+                            self._emit(core.reject(now, ident, header.msg_id, why))
+                            continue
+                    elif issubclass(kind, ProtocolError):       # one bad item of a batch
+                        self._emit(core.reject(now, ident, header.msg_id, str(BadMessage(
                             str(msg), ident, header))))
                         continue
-                    why = self.core.refuses(ident, header.signer, msg)
-                    if why:
-                        self._run(self.core.reject(now, ident, header.msg_id, why))
-                        continue
-                    kind = type(msg)
                     if kind is not m.Call and kind not in _FLUSH_AFTER:
-                        self._run(self.core.handle(now, ident, header.msg_id, msg, buffers))
+                        self._emit(core.handle(now, ident, header.msg_id, msg, buffers))
                         continue
                     # a submission: its planning on the timeline
                     t0 = time.time()
-                    self._run(self.core.handle(now, ident, header.msg_id, msg, buffers))
+                    self._emit(core.handle(now, ident, header.msg_id, msg, buffers))
                     t1 = time.time()
-                    self._plan_event(ident, msg, t0, t1)
                     if kind is m.Call:        # sent, or held while more waits (see above)
+                        peer = peers.get(ident)
+                        prog = core.programs.get(msg.program)
+                        core.events.append(("plan", peer.id if peer else -1, prog[0] if prog else "", t0, t1))
                         if not held:
                             since = t0
                         held += 1
                         if held < COALESCE_CALLS and t1 - since < COALESCE_S:
                             continue
+                    else:
+                        self._plan_event(ident, msg, t0, t1)
                     self._flush_out()
                     held = 0
                 more = readable(self.sock)
@@ -368,7 +378,7 @@ class Controller:
             case _:          # a template's run: its program's name
                 t = self.core.templates.get((peer.id, msg.template)) if peer else None
                 name = t.name if t is not None else f"template {msg.template}"
-        self.core.events.append(_controller_event("plan", peer.id if peer else -1, name, start, end))
+        self.core.events.append(("plan", peer.id if peer else -1, name, start, end))
 
     def stop(self, *_: Any) -> None:
         self.running = False

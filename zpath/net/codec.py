@@ -559,8 +559,9 @@ def registry() -> dict[int, type[Record]]:
     return dict(_REGISTRY)
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class Header:
+class Header(typing.NamedTuple):
+    """A message's header (a named tuple: one is made for every item of a
+    Batch, and a tuple is made in C)."""
     version: int
     type_id: int
     msg_id: int
@@ -569,7 +570,11 @@ class Header:
     signer: int = CLUSTER
 
 
-_header = _fast_init(Header)
+def _header(*fields: Any) -> Header:
+    return _new_tuple(Header, fields)
+
+
+_new_tuple = tuple.__new__
 
 
 # ---- signature ------------------------------------------------------------------------
@@ -695,6 +700,42 @@ def _unbatch(header: "Header", items: list) -> Batched:
     return Batched(out)
 
 
+def _unbatch_body(header: "Header", body: Any) -> Batched | None:
+    """``_unbatch(header, Batch._decode(body).items)`` in one pass over the
+    items, each checked as the Batch's decoder checks it; None where that
+    decoder (or the size check) would refuse the batch, for ``decode`` to
+    refuse it as before."""
+    if type(body) is not list or len(body) != 1:
+        return None
+    items = body[0]
+    if type(items) is not list or len(items) > MAX_BATCH_ITEMS:
+        return None
+    version, sender, signer = header.version, header.sender, header.signer
+    new, registry, unpackb = _new_tuple, _REGISTRY, _unpackb
+    out: list[tuple[Header, Any]] = []
+    append = out.append
+    for i, item in enumerate(items):
+        if type(item) is not list or len(item) != 4:
+            return None
+        type_id, msg_id, parent, body_b = item
+        if type(type_id) is not int or type(msg_id) is not int or type(parent) is not int \
+                or type(body_b) is not bytes:
+            return None
+        h = new(Header, (version, type_id, msg_id, parent, sender, signer))
+        cls = registry.get(type_id)
+        if cls is not None and type_id != BATCH_TYPE:      # (the usual case: _unbatch_item's)
+            try:
+                append((h, cls._decode(unpackb(body_b, raw=False, strict_map_key=False))))
+                continue
+            except Exception:
+                pass
+        try:
+            append((h, _unbatch_item(i, type_id, body_b)))
+        except ProtocolError as e:
+            append((h, e))
+    return Batched(out)
+
+
 def _unbatch_item(i: int, type_id: int, body_b: bytes) -> Record:
     cls = _REGISTRY.get(type_id)
     if cls is None or type_id == BATCH_TYPE:
@@ -785,6 +826,11 @@ def decode(key: bytes | KeyOf, frames: Sequence[Any]) -> tuple[Header, Any, list
         body = _unpackb(body_b, raw=False, strict_map_key=False)
     except Exception as e:
         raise ProtocolError(f"body of {cls.__name__} is not msgpack: {e}") from None
+    if type_id == BATCH_TYPE and len(parts) == 3:      # (a Batch carries no buffers)
+        header = _new_tuple(Header, (version, type_id, msg_id, parent, sender, signer))
+        batched = _unbatch_body(header, body)
+        if batched is not None:
+            return header, batched, []
     try:
         msg = cls._decode(body)
     except Exception:
