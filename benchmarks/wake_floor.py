@@ -17,6 +17,13 @@ which back-to-back messages do not.
 
     .venv/bin/python benchmarks/wake_floor.py [--gaps 0.5,2,10] [--count 300] [--json]
 
+It also times, in this one process, the steps zpath adds to a 1 KiB piece's trip
+(the sender makes and signs the ``Piece`` and its datagram and sends it; the
+receiver reads it, checks and decodes it, and makes the array), one after the
+other as on the piece's path: back to back ("hot"), and after each gap of sleep,
+when the code and data they touch have left the caches: what each costs on a CPU
+that was idle, as the workers' CPUs are between the pieces of a program.
+
 A script that prints figures, not a test.
 """
 from __future__ import annotations
@@ -32,7 +39,14 @@ import sys
 import tempfile
 import time
 
+import numpy as np
 import zmq
+
+sys.path.insert(0, __file__.rsplit("/benchmarks/", 1)[0])
+
+from zpath.net import channels, codec   # noqa: E402
+from zpath.net import messages as m   # noqa: E402
+from zpath.net.transport import Endpoint   # noqa: E402
 
 STAMP = struct.Struct("<d")
 
@@ -118,6 +132,41 @@ def _run(kind: str, gap_s: float, count: int, size: int, runtime_dir: str) -> di
             os.unlink(addr)
 
 
+STEPS = ("make and sign", "send and read", "check and decode", "array")
+
+
+def _steps(gap_s: float, count: int, size: int) -> dict[str, float]:
+    """Median µs of each step of a small piece's path in this process (see the
+    module's docstring), after ``gap_s`` of sleep (0: back to back)."""
+    ep = Endpoint(b"k" * 32, "worker:bench")
+    rx = channels.DgramReceiver(channels.dgram_name("zpath-floor", f"steps-{os.getpid()}"))
+    tx = channels.DgramSender()
+    value = np.ones((1, size // 4), np.float32)
+    times: list[list[float]] = []
+    try:
+        for _ in range(count):
+            if gap_s:
+                time.sleep(gap_s)
+            t0 = time.perf_counter()
+            data = memoryview(value).cast("B")
+            frames = codec.encode(ep.sign_key, m.Piece(1, m.Aval(list(value.shape), "float32"), None),
+                                  msg_id=ep.next_id(), sender=ep.sender, buffers=[data], signer=ep.signer)
+            t1 = time.perf_counter()
+            if not tx.send(rx.name, frames):
+                raise RuntimeError("the datagram did not go")
+            got = rx.recv()
+            t2 = time.perf_counter()
+            _, msg, buffers = ep.decode(channels.dgram_frames(got))
+            t3 = time.perf_counter()
+            np.ndarray(tuple(msg.aval.shape), np.float32, buffer=buffers[0])
+            t4 = time.perf_counter()
+            times.append([t1 - t0, t2 - t1, t3 - t2, t4 - t3])
+    finally:
+        rx.close()
+        tx.close()
+    return {name: round(statistics.median(t[k] for t in times) * 1e6, 1) for k, name in enumerate(STEPS)}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--gaps", default="0.5,2,10",
@@ -137,6 +186,8 @@ def main(argv: list[str] | None = None) -> int:
     for g in gaps:
         out["gaps"][str(g)] = {kind: _run(kind, g / 1000, args.count, args.size, runtime_dir)
                                for kind in ("dgram", "zmq")}
+    out["steps"] = {"hot": _steps(0.0, max(args.count, 1000), args.size),
+                    **{str(g): _steps(g / 1000, args.count, args.size) for g in gaps}}
     if args.json:
         print(json.dumps(out))
         return 0
@@ -146,6 +197,11 @@ def main(argv: list[str] | None = None) -> int:
     for g, row in out["gaps"].items():
         cells = [f"{r['median_us']:7.0f} [{r['p25_us']:.0f}-{r['p75_us']:.0f}]" for r in (row["dgram"], row["zmq"])]
         print(f"{g:>7}  {cells[0]:>22}  {cells[1]:>22}")
+    print(f"\nzpath's steps on a {args.size}-byte piece's path, in this process: median µs, "
+          "back to back (hot) and after each gap")
+    print(f"{'gap ms':>7}  " + "  ".join(f"{name:>16}" for name in STEPS) + f"  {'all':>6}")
+    for g, row in out["steps"].items():
+        print(f"{g:>7}  " + "  ".join(f"{row[name]:16.1f}" for name in STEPS) + f"  {sum(row.values()):6.1f}")
     return 0
 
 

@@ -69,6 +69,11 @@ def test_wake_floor_benchmark_times_both_mechanisms():
         for kind in ("dgram", "zmq"):
             r = row[kind]
             assert 0 < r["p25_us"] <= r["median_us"] <= r["p75_us"], row
+    # zpath's steps on the piece's path, hot and after each gap: each one timed
+    assert set(res["steps"]) == {"hot", "0.5", "1.0"}
+    for row in res["steps"].values():
+        assert set(row) == {"make and sign", "send and read", "check and decode", "array"}
+        assert all(t > 0 for t in row.values()), row
     bad = run_script([str(script), "--gaps", "0"], timeout=60)
     assert bad.returncode == 2 and "--gaps must all be > 0" in bad.stderr
 

@@ -4,14 +4,18 @@ validated after every event, the Rig of test_controller_tenancy); a worker's
 side (worker/relay.py's RelayState) as pure state."""
 from __future__ import annotations
 
+import collections
 import dataclasses
+import random
 import time
+from typing import Any
 
 import pytest
 import zmq
 
 from zpath.config import ControllerConfig
 from zpath.controller import dispatch
+from zpath.controller.records import Send
 from zpath.controller.relays import Inner
 from zpath.errors import ErrorKind, ZpathError
 from zpath.net import messages as m
@@ -73,10 +77,17 @@ def test_an_spmd_computation_goes_once_per_group_to_its_relay_with_the_order_cou
     assert all(isinstance(e.buffers, Inner) and e.msg.collect == [ex] for e in executes)
     assert executes[0].buffers is executes[1].buffers            # one message, encoded once by the loop
     assert executes[0].msg.addresses == [f"tcp://x:{h}" for h in range(4)]
-    # each host is told how many direct messages came before (its RegisterProgram; the relay's
-    # own Relay too)
-    assert executes[0].msg.after == [2, 1, 1, 1]
-    assert not [x for i, x in rig.log[mark:] if type(x) is m.Execute]       # none went directly
+    # the program came first, through the same relays (one message with its bytes, for
+    # all hosts), so each host is told of no direct message before it but the relay's own
+    # Relays
+    programs = [e for e in sent if type(e.buffers.msg) is m.RegisterProgram]
+    assert [(e.ident, e.msg.hosts, e.msg.after) for e in programs] == [
+        (b"w0", [0, 1, 2, 3], [1, 0, 0, 0]), (b"w4", [4, 5, 6, 7], [1, 0, 0, 0])]
+    assert programs[0].buffers is programs[1].buffers and programs[0].msg.collect == []
+    assert list(programs[0].buffers.buffers) == [rig.c.programs[call.program][1]]
+    assert sent.index(programs[0]) < sent.index(executes[0])
+    assert executes[0].msg.after == [2, 0, 0, 0]
+    assert not [x for i, x in rig.log[mark:] if type(x) in (m.Execute, m.RegisterProgram)]   # none went directly
     assert rig.c.in_flight[ex].relay_of == {h: 0 if h < 4 else 4 for h in range(8)}
     assert rig.c.relayed_messages == len(sent)
 
@@ -87,6 +98,10 @@ def test_few_hosts_and_the_pings_go_directly():
     mark = len(rig.effects)
     rig.handle(a, _spmd(rig, a, 8)[0])
     assert not _relays(rig, mark) and len(rig.executes(0)) == 8
+    # the program too, to each host with its bytes
+    registers = [e for e in rig.effects[mark:] if type(e.msg) is m.RegisterProgram]
+    assert sorted(e.ident for e in registers) == [f"w{h}".encode() for h in range(8)]
+    assert all(list(e.buffers) == [rig.c.programs[e.msg.digest][1]] for e in registers)
     rig = _rig()
     mark = len(rig.effects)
     rig.tick(1.0)
@@ -353,6 +368,101 @@ def test_a_direct_message_after_relayed_ones_comes_after_an_await():
     assert not [x for i, x in rig.log[mark:] if type(x) is m.Await]
 
 
+def _hosts_handle(rig: Rig, seed: int, forward_bias: float) -> dict[int, list]:
+    """What each host handles, in order, of what the core sent, as workers'
+    RelayStates take it when the two paths interleave at random: each host's
+    direct messages in the order sent, each relay's forwarded ones in the order
+    it handled their Relays, but one path's next message delivered before the
+    other's with odds ``forward_bias`` (a forwarded one first) for each
+    pick."""
+    rng = random.Random(seed)
+    rank = {ident: r for r, ident in rig.c.worker_ident.items()}
+    states = {r: RelayState() for r in rank.values()}
+    handled: dict[int, list] = {r: [] for r in rank.values()}
+    direct: dict[int, collections.deque] = {r: collections.deque() for r in rank.values()}
+    forwarded: dict[tuple[int, int], collections.deque] = {}
+    for e in rig.effects:
+        if isinstance(e, Send) and e.ident in rank:
+            direct[rank[e.ident]].append((e.msg, e.buffers.msg if type(e.msg) is m.Relay else None))
+    while True:
+        ds = [h for h, q in direct.items() if q]
+        fs = [k for k, q in forwarded.items() if q]
+        if not ds and not fs:
+            break
+        if fs and (not ds or rng.random() < forward_bias):
+            h, relay = rng.choice(fs)
+            after, collect, inner = forwarded[(h, relay)].popleft()
+            handled[h] += [x for x, _ in states[h].forwarded(relay, "", after, collect, inner, [], 0.0)]
+            continue
+        h = rng.choice(ds)
+        msg, inner = direct[h].popleft()
+        for x, _ in states[h].direct(msg, [], 0.0):
+            if type(x) is m.Relay:
+                for host, after in zip(x.hosts, x.after, strict=True):
+                    forwarded.setdefault((host, h), collections.deque()).append((after, x.collect, inner))
+            else:
+                handled[h].append(x)
+    for st in states.values():
+        st.validate_state()
+        assert not st.waiting and not st.held and st.blocked is None
+    return handled
+
+
+def test_each_host_has_the_program_before_the_execute_that_needs_it_whichever_path_each_took():
+    """Programs and Executes each go through relays or directly: one-host
+    calls (all direct), a new program for 3 of 8 hosts (direct) then for all
+    (relayed, and directly to the 3 hosts that lacked it, the Execute relayed),
+    and a new program read where pieces move (relayed program, an Execute per
+    host sent directly)."""
+    rig = _rig()
+    a, _ = rig.client("a")
+    f, g = rig.programs["f"][0], rig.programs["g"][0]
+
+    def call(program: str, devices: list[int], inp: int | None = None, shape=(8, 4), in_spec=("i", None),
+             out_spec=("i", None)) -> tuple[m.Call, int]:
+        av = m.Aval(list(shape), "float32")
+        put = inp is None
+        inp = rig.new_id(a) if put else inp
+        out = rig.new_id(a)
+        return m.Call(next(rig.ids), program, [len(devices)], ["i"], devices,
+                      [m.CallInput(inp, av, list(in_spec), put)], [m.CallOutput(out, av, list(out_spec))]), out
+
+    rig.handle(a, rig.call(a, 5)[0])                          # f on host 5 alone: direct
+    rig.handle(a, call(g, [0, 1, 2, 3, 4], shape=(5, 4))[0])  # g for 5 hosts: relayed
+    rig.handle(a, call(f, list(range(8)))[0])                 # f for the 7 others: relayed
+    rig.handle(a, call(g, list(range(8)))[0])                 # g for hosts 5-7: direct, its Execute relayed
+    registers = [(e.ident, e.msg.digest) for e in rig.effects if type(e.msg) is m.RegisterProgram]
+    assert registers == [(b"w5", f), (b"w5", g), (b"w6", g), (b"w7", g)]
+    # a new program read where the input's pieces move: each host's own Execute, sent
+    # directly, its program through the relays
+    mixed = rig
+    rig = moved = _rig()
+    a, _ = rig.client("a")
+    f, g = rig.programs["f"][0], rig.programs["g"][0]
+    one, x = call(f, [0], shape=(8, 4), in_spec=(None, None), out_spec=(None, None))
+    rig.handle(a, one)
+    mark = len(rig.effects)
+    rig.handle(a, call(g, list(range(8)), inp=x)[0])
+    sent = rig.effects[mark:]
+    assert [type(e.buffers.msg) for e in sent if type(e.msg) is m.Relay] == [m.RegisterProgram] * 2
+    assert sorted(e.ident for e in sent if type(e.msg) is m.Execute) == [f"w{h}".encode() for h in range(8)]
+    assert [e.msg for e in sent if type(e.msg) is m.Await and e.ident == b"w5"] == [m.Await(4, 1)]
+    for r in (mixed, moved):
+        for seed in range(40):
+            bias = (0.1, 0.5, 0.9)[seed % 3]
+            for host, got in _hosts_handle(r, seed, bias).items():
+                assert sum(type(x) is m.Execute for x in got) == len(
+                    [1 for e in r.effects if type(e.msg) is m.Execute and r.c.worker_ident.get(host) == e.ident]
+                    + [1 for e in r.effects if type(e.msg) is m.Relay and type(e.buffers.msg) is m.Execute
+                       and host in e.msg.hosts])
+                known: set[str] = set()
+                for x in got:
+                    if type(x) is m.RegisterProgram:
+                        known.add(x.digest)
+                    elif type(x) is m.Execute:
+                        assert x.program in known, (host, seed, [type(y).__name__ for y in got])
+
+
 def test_a_lost_relay_fails_what_it_ran_naming_it_and_its_group_gets_a_new_relay():
     rig = _rig(host_timeout_s=5.0)
     a, out, ex = _running(rig)
@@ -519,7 +629,17 @@ def test_forwards_one_message_per_data_port():
     assert [(a, f.hosts, f.after, f.relay, f.address) for a, f in out] == [
         ("tcp://a", [3], [1], 4, "tcp://b"), ("tcp://b", [5], [3], 4, "tcp://b"), ("tcp://c", [6], [4], 4, "tcp://b")]
     assert relays.check_relay(relay, [b"", b"", b""]) == ""
-    assert "3 frames" in relays.check_relay(relay, [b""])
+
+
+def test_a_relayed_message_may_carry_its_own_buffers_within_bounds():
+    relay = m.Relay([3, 4], ["tcp://a", "tcp://b"], [1, 2], [])
+    fwd = m.Forwarded(4, "tcp://b", [3], [1], [])
+    for msg in (relay, fwd):
+        assert relays.check_relay(msg, [b""] * 4) == ""                       # a RegisterProgram's
+        assert relays.check_relay(msg, [b""] * (3 + m.RELAY_BUFFERS)) == ""
+        for n in (0, 1, 2, 3 + m.RELAY_BUFFERS + 1):
+            assert f"got {n}" in relays.check_relay(msg, [b""] * n)
+    assert "3 counts" in relays.check_relay(m.Relay([3, 4], ["tcp://a", "tcp://b"], [1, 2, 3], []), [b""] * 4)
 
 
 # ---- real workers ------------------------------------------------------------------------

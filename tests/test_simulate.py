@@ -347,6 +347,41 @@ def test_hosts_that_run_the_same_computations_answer_as_lone_ones(sim_groups):
     assert (proc.group_runs > 0) == proc.groups
 
 
+def test_a_program_comes_through_a_relay_with_its_bytes_and_a_malformed_relay_is_dropped(sim, caplog):
+    """A ``RegisterProgram`` carried by a ``Relay`` (its frames and its one
+    buffer) reaches both hosts: their computation runs for the program's
+    declared 30 ms, not the process's default 5 ms. A ``Relay`` with too many
+    buffers, or whose message's bytes were changed, is dropped with a log
+    line, and the hosts go on."""
+    ctl, proc, idents, data = sim
+    h0, h1 = idents[0], idents[1]
+    blob = sim_program(30.0)
+    digest = hashlib.sha256(blob).hexdigest()
+    ids = iter(range(100, 200))
+    sent = [0]                   # direct messages to host 0 (its Relays): each host's `after`
+
+    def relay(msg: m.Record, collect: list[int], buffers: list = (), extra: list = (), spoil: bool = False) -> None:
+        frames = codec.encode(KEY, msg, msg_id=next(ids), sender="controller", buffers=buffers)
+        if spoil:
+            frames[-1] = bytes(frames[-1])[:-1] + b"?"
+        sent[0] += 1
+        ctl.send(h0, m.Relay([0, 1], [proc.data_address] * 2, [sent[0], 0], collect), [*frames, *extra])
+
+    with caplog.at_level("WARNING", logger="zpath.worker.simulate"):
+        relay(m.RegisterProgram(digest, "f"), [], [blob], extra=[b""] * m.RELAY_BUFFERS)    # too many
+        relay(m.RegisterProgram(digest, "f"), [], [blob], spoil=True)                        # not as signed
+        ctl.send(h0, m.Ping(1))
+        sent[0] += 1
+        ctl.expect(m.Pong, where=lambda p: p.seq == 1)
+        assert any("at most 4 of its buffers" in r.getMessage() for r in caplog.records), caplog.text
+        assert any("rejected a message relay 0 forwarded" in r.getMessage() for r in caplog.records), caplog.text
+        relay(m.RegisterProgram(digest, "f"), [], [blob])
+        relay(_execute(1, 0, digest, [], 1 << 32 | 1), [1])
+        _, batch = ctl.expect(m.ExecDoneBatch, where=lambda b: 1 in b.exec_ids)
+    assert sorted(batch.hosts) == [0, 1] and not batch.errors
+    assert all(e - s == pytest.approx(0.030, abs=1e-6) for s, e in zip(batch.starts, batch.ends, strict=True))
+
+
 def test_a_block_of_rows_makes_the_columns_its_rows_would():
     err = m.ErrorInfo(ErrorKind.REMOTE_ERROR, "x", 3, "", "")
     row = m.ExecRow(3, 8, err, 1.0, 2.0, 0.5)
@@ -444,8 +479,10 @@ def test_a_killed_simulated_process_loses_its_hosts_as_real_ones_are():
 def test_relays_in_two_islands_and_a_transfer_between_them():
     """Two islands of 8 simulated hosts (two devices each), relays for
     messages of 4 hosts or more in groups of 4: SPMD nodes on each island go
-    through relays (the controller's count grows with each), and a node on
-    island 1 reads island 0's output (a transfer between the islands)."""
+    through relays (the controller's count grows with each), and so does the
+    program, to each island's hosts before their first node; a node on
+    island 1 reads island 0's output (a transfer between the islands): its
+    Executes go directly, after the program that came through the relays."""
     scale = _scale_module()
     env = {"ZPATH_RELAY_MIN_HOSTS": "4", "ZPATH_RELAY_GROUP": "4"}
     with SimulatedCluster(16, 2, islands=2, cost_ms=1.0, env=env, start_timeout=60) as c:
@@ -459,14 +496,16 @@ def test_relays_in_two_islands_and_a_transfer_between_them():
             d.send_calls(calls)
             d.wait_for(outs[-1], devs[0][0], 16, timeout=30)
             after0 = d.relayed()
-            assert after0 >= relayed + 3 * 2, (relayed, after0)       # 2 groups of 4 hosts per node
+            # 2 groups of 4 hosts per node, and the program first
+            assert after0 == relayed + 3 * 2 + 2, (relayed, after0)
             # island 1 reads island 0's last output (moved between the islands), then goes on
             calls, outs1 = scale.chain(d, prog, devs[1], 3, x=outs[-1])
             d.send_calls(calls)
             d.wait_for(outs1[-1], devs[1][0], 16, timeout=30)
             d.drain()                                                 # (raises on a refused call)
-            # (the first node's Execute differs per host, each naming its pieces: it goes directly)
-            assert d.relayed() >= after0 + 2 * 2
+            # (the first node's Execute differs per host, each naming its pieces: it goes
+            # directly; the program through the relays)
+            assert d.relayed() == after0 + 2 * 2 + 2
             d.release(outs + outs1)
         finally:
             d.close()

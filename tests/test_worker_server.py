@@ -16,7 +16,7 @@ from zpath.ids import buffer_id
 from zpath.net import channels, codec
 from zpath.net import messages as m
 from zpath.worker.executor import Executor
-from zpath.worker.server import Worker, _lower_priority
+from zpath.worker.server import Worker, _frame, _lower_priority
 from zpath.worker.store import PieceKey, shard_key
 
 pytestmark = pytest.mark.timeout(60)
@@ -179,6 +179,31 @@ def test_a_small_piece_goes_by_zeromq_when_no_datagram_socket_takes_it(pair):
     assert b.dgram_in.recv() is None
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_strided_or_bfloat16_small_piece_arrives_as_its_c_ordered_bytes(pair, dtype):
+    """A piece's bytes go as one frame without a copy when they lie C-ordered in
+    the shard; a strided cut (columns 1:3 of 2x4), or a dtype with no buffer
+    format (bfloat16), goes as a C-ordered copy. Both arrive equal."""
+    a, b = pair
+    value = np.arange(8, dtype=np.float32).reshape(2, 4).astype(jax.numpy.dtype(dtype))
+    region, sub = [[0, 2], [0, 4]], [[0, 2], [1, 3]]
+    key = shard_key(buffer_id(1, 7), 0, region)
+    a.store.set(key, value)
+    a._piece_ready(m.SendPiece(7, buffer_id(1, 7), 0, region, sub, 1, b.data_address, "ICI", b.machine, ""),
+                   a.store.entry(key))
+    assert select.select([b.dgram_in.fileno()], [], [], 5)[0]
+    b._drain_dgram()
+    got = b.store.entry(PieceKey(7)).value
+    assert got.dtype == value.dtype and got.flags.c_contiguous
+    np.testing.assert_array_equal(got, value[:, 1:3])
+    frame = _frame(value[:, 1:3])
+    assert bytes(frame) == np.ascontiguousarray(value[:, 1:3]).tobytes()
+    whole = _frame(value)
+    assert bytes(whole) == value.tobytes()
+    if dtype == "float32":       # C-ordered in the shard: a view on it, no copy
+        assert isinstance(whole, memoryview) and whole.obj is value
+
+
 def test_datagram_frames_are_checked():
     frames = [b"ab", b"", np.arange(3, dtype=np.float32).view(np.uint8)]
     r = channels.DgramReceiver(channels.dgram_name("zpath-test", f"frames-{id(frames)}"))
@@ -186,6 +211,12 @@ def test_datagram_frames_are_checked():
     try:
         assert s.send(r.name, frames)
         assert [bytes(f) for f in channels.dgram_frames(r.recv())] == [bytes(f) for f in frames]
+        # small frames come out as bytes (codec.decode's shortest path), big ones as views
+        big = bytes(range(256)) * ((channels.DGRAM_COPY_BYTES >> 8) + 1)
+        assert s.send(r.name, [b"ab", big])
+        small, large = channels.dgram_frames(r.recv())
+        assert type(small) is bytes and small == b"ab"
+        assert type(large) is memoryview and bytes(large) == big
         assert r.recv() is None
         assert not s.send(r.name, [bytes(channels.DGRAM_MAX_BYTES)])       # too big: the caller uses ZeroMQ
         assert not s.send(channels.dgram_name("zpath-test", "nobody"), frames)

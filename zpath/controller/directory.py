@@ -22,12 +22,15 @@ import numpy as np
 
 from zpath.errors import ErrorKind
 from zpath import sharding
+from zpath.net import codec
 from zpath.net import messages as m
 from zpath.sharding import Region
 
 
 PLAN_CACHE_SIZE = 4096      # lowered plans kept (least recently used first out)
 PLAN_CACHE_WEIGHT = 1 << 20  # and their total size, in shards, pieces and layout regions
+# a ShardInput without the frozen __init__ (a new plan over thousands of devices makes one each)
+_shard_input = codec.constructor(m.ShardInput)
 
 
 class PlanError(Exception):
@@ -442,7 +445,7 @@ class Directory:
                 ops.append((_NEW, k, tuple(i.aval.shape), i.aval.dtype, layout,
                             footprint_of([layout], i.aval.dtype)))
                 for d, h, r in zip(call.devices, hosts, regs, strict=True):
-                    shards[h][-1].append(m.ShardInput(d, sharding.to_wire(r), []))
+                    shards[h][-1].append(_shard_input(d, sharding.to_wire(r), []))
                 continue
             buf = self.buffers[i.buffer]
             lays = layouts_of.setdefault(i.buffer, list(buf.layouts))
@@ -450,7 +453,7 @@ class Directory:
             copied = False
             for d, h, r in zip(call.devices, hosts, regs, strict=True):
                 if any(d in lay.get(r, ()) for lay in lays):
-                    shard = m.ShardInput(d, sharding.to_wire(r), [])
+                    shard = _shard_input(d, sharding.to_wire(r), [])
                 else:
                     pieces = self._pieces(lays, buf.id, k, r, h, sends)
                     pieces_n += len(pieces)
@@ -681,6 +684,11 @@ def _check_sizes(call: m.Call) -> None:
 
 
 def footprint_of(layouts: list[dict[Region, list[int]]], dtype: str) -> "Footprint":
+    if len(layouts) == 1:       # (a new buffer's: each device holds one region, sized once)
+        lay = layouts[0]
+        one = {d: n for r, devs in lay.items() for n in (sharding.nbytes(r, dtype),) for d in devs}
+        if len(one) == sum(map(len, lay.values())):
+            return Footprint(one)
     seen: dict[int, set] = {}
     for lay in layouts:
         for r, devs in lay.items():

@@ -124,13 +124,17 @@ class Dispatch:
         ``Execute.hold``; ``devices``: the call's devices as a tuple, if made
         already); returns its exec id."""
         drop_after: list[tuple[int, m.DropFused]] = []
-        for rank in plan.executes:
-            for digest in plan.programs if plan.programs is not None else [call.program]:
-                if digest not in self.host_programs[rank]:
-                    pname, blob = self.programs[digest]
-                    self.to_host(rank, m.RegisterProgram(digest, pname), buffers=[blob])
-                    self.host_programs[rank].add(digest)
-            if plan.setup is not None:
+        known = self.host_programs
+        for digest in plan.programs if plan.programs is not None else [call.program]:
+            # the hosts without the program get it first, alike (through relays: relays.py)
+            need = [rank for rank in plan.executes if digest not in known[rank]]
+            if need:
+                pname, blob = self.programs[digest]
+                self.to_hosts_alike(need, m.RegisterProgram(digest, pname), [blob])
+                for rank in need:
+                    known[rank].add(digest)
+        if plan.setup is not None:
+            for rank in plan.executes:
                 define = plan.setup[rank]
                 if define.fused not in self.host_fused.setdefault(rank, set()):
                     self.to_host(rank, define)

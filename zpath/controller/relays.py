@@ -8,7 +8,8 @@ a group's relay is its first live host. Each message of a relayable kind
 (``RELAYABLE``) that ``to_hosts`` sends to at least ``relay_min_hosts``
 workers goes instead as one ``Relay`` per group it reaches, to the group's
 relay (the message's own frames are encoded and signed once by the loop, see
-``Inner``). Every other message to a worker goes directly, and the worker is told where each stands in the other path:
+``Inner``); so does a message with buffers that many hosts get alike
+(``to_hosts_alike``: a new program's ``RegisterProgram``). Every other message to a worker goes directly, and the worker is told where each stands in the other path:
 a ``Relay`` says, per host, how many direct messages the controller had
 sent it before (``after``), and a direct message that follows messages a
 relay forwarded to that host goes after an ``Await`` naming how many.
@@ -17,6 +18,7 @@ a report batch (``ExecDoneBatch``) is taken from a host only for itself and
 for the hosts it relays that execution to, and only for hosts still running it."""
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from zpath.controller.records import Send
@@ -29,13 +31,14 @@ SPLITS_KEPT = 256
 
 
 class Inner:
-    """The message a ``Relay`` carries: the loop encodes and signs it (with the
-    worker key) once for all the relays it goes to, and sends its frames as
-    the ``Relay``'s buffers."""
-    __slots__ = ("msg",)
+    """The message a ``Relay`` carries, and its own buffers (a program's
+    bytes): the loop encodes and signs it (with the worker key) once for all
+    the relays it goes to, and sends its frames as the ``Relay``'s buffers."""
+    __slots__ = ("msg", "buffers")
 
-    def __init__(self, msg: Any) -> None:
+    def __init__(self, msg: Any, buffers: Sequence[Any] = ()) -> None:
         self.msg = msg
+        self.buffers = buffers
 
 
 class _Group:
@@ -172,6 +175,16 @@ class Relays:
                 relayed.add(id(msg))
         return [(rank, msg) for rank, msg in messages if id(msg) not in relayed]
 
+    def to_hosts_alike(self, ranks: list[int], msg: Any, buffers: Sequence[Any] = ()) -> None:
+        """Send hosts ``ranks`` (each once) the same message with buffers (a
+        program's ``RegisterProgram``): one ``Relay`` per group, carrying it
+        encoded and signed once, from ``relay_min_hosts`` hosts on; else (or
+        a host has no relay) to each host directly."""
+        if not (self.relay_min and len(ranks) >= self.relay_min and len(buffers) <= m.RELAY_BUFFERS
+                and len(set(ranks)) == len(ranks) and self._relay_one(msg, ranks, self.relay_of_hosts(), buffers)):
+            for rank in ranks:
+                self.to_host(rank, msg, buffers=buffers)
+
     def _split(self, ranks: list[int], relay_of: dict[int, int]) -> list[_Group] | None:
         """``ranks`` by relay (None: a host has none), cached per host list
         until the groups change."""
@@ -197,14 +210,16 @@ class Relays:
         self._splits[key] = (list(ranks), groups)
         return groups
 
-    def _relay_one(self, msg: Any, ranks: list[int], relay_of: dict[int, int]) -> bool:
-        """Send ``msg`` to ``ranks`` through their groups' relays (False: it
-        cannot be, a host has no relay; it goes directly)."""
+    def _relay_one(self, msg: Any, ranks: list[int], relay_of: dict[int, int],
+                   buffers: Sequence[Any] = ()) -> bool:
+        """Send ``msg`` (with its ``buffers``) to ``ranks`` through their
+        groups' relays (False: it cannot be, a host has no relay; it goes
+        directly)."""
         groups = self._split(ranks, relay_of)
         if groups is None:
             return False
         sent, via, whole, idents = self.direct_sent, self.forwarded_via, self._whole, self.worker_ident
-        inner = Inner(msg)
+        inner = Inner(msg, buffers)
         collect = [msg.exec_id] if type(msg) in (m.Execute, m.RunFused) else []
         for g in groups:
             r = g.relay

@@ -117,18 +117,20 @@ class Controller:
             if pending:
                 self._send_now(e.ident, pending)
             if type(e.buffers) is Inner:         # a Relay: the message it carries, encoded once
-                e = Send(e.ident, e.msg, e.parent, self._inner_frames(e.buffers.msg))
+                e = Send(e.ident, e.msg, e.parent, self._inner_frames(e.buffers))
             self._send_one(e)
 
-    def _inner_frames(self, msg: Any) -> list:
-        """The frames of a message that Relays carry, signed with the worker key
-        once for all of them (relays.py)."""
+    def _inner_frames(self, inner: Inner) -> list:
+        """The frames of a message that Relays carry (with its own buffers),
+        signed with the worker key once for all of them (relays.py)."""
+        msg = inner.msg
         hit = self._inner.get(id(msg))
         if hit is None or hit[0] is not msg:
             if len(self._inner) > 64:
                 self._inner.clear()
             hit = self._inner[id(msg)] = (msg, codec.encode(self.keys.workers, msg, msg_id=self.ep.next_id(),
-                                                            sender=self.ep.sender, signer=codec.CLUSTER))
+                                                            sender=self.ep.sender, buffers=inner.buffers,
+                                                            signer=codec.CLUSTER))
         return hit[1]
 
     def _send_one(self, e: Send) -> None:

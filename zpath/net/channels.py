@@ -435,6 +435,19 @@ DGRAM_MAX_BYTES = INLINE_PIECE_BYTES + (16 << 10)
 # socket buffers asked for (the kernel caps them at net.core.{w,r}mem_max)
 DGRAM_SOCKET_BYTES = 4 << 20
 _LENGTH = struct.Struct("<I")
+# a datagram's frames up to this size come out of :func:`dgram_frames` as bytes
+# (copies, cheap at this size; codec.decode takes bytes on its shortest path),
+# bigger ones as memoryviews on the datagram
+DGRAM_COPY_BYTES = 4096
+_HEADS: dict[int, struct.Struct] = {}
+
+
+def _head(n: int) -> struct.Struct:
+    """``<u32 * n``, made once per n."""
+    head = _HEADS.get(n)
+    if head is None:
+        head = _HEADS[n] = struct.Struct(f"<{n}I")
+    return head
 
 
 def dgram_name(prefix: str, address: str) -> bytes:
@@ -446,25 +459,29 @@ def dgram_name(prefix: str, address: str) -> bytes:
     return f"\0{prefix}-dgram-{digest}".encode()
 
 
-def dgram_frames(data: bytes) -> list[memoryview]:
-    """The frames of one datagram (a count, each frame's length, the frames);
-    ValueError if the lengths do not add up."""
-    view = memoryview(data)
-    if len(view) < _LENGTH.size:
+def dgram_frames(data: bytes) -> list[bytes | memoryview]:
+    """The frames of one datagram (a count, each frame's length, the frames):
+    bytes up to :data:`DGRAM_COPY_BYTES`, memoryviews on ``data`` above;
+    ValueError if the lengths do not add up. (Few calls: on the small piece's
+    path each one costs several µs on a CPU that was idle.)"""
+    total = len(data)
+    if total < _LENGTH.size:
         raise ValueError("datagram too short")
-    (n,) = _LENGTH.unpack_from(view, 0)
+    (n,) = _LENGTH.unpack_from(data, 0)
     at = _LENGTH.size * (n + 1)
-    if n > 64 or at > len(view):
-        raise ValueError(f"datagram with {n} frames in {len(view)} bytes")
-    out = []
-    for k in range(n):
-        (size,) = _LENGTH.unpack_from(view, _LENGTH.size * (k + 1))
-        if at + size > len(view):
-            raise ValueError("datagram frames longer than the datagram")
-        out.append(view[at:at + size])
-        at += size
-    if at != len(view):
+    if n > 64 or at > total:
+        raise ValueError(f"datagram with {n} frames in {total} bytes")
+    sizes = _head(n).unpack_from(data, _LENGTH.size)
+    end = at + sum(sizes)
+    if end > total:
+        raise ValueError("datagram frames longer than the datagram")
+    if end != total:
         raise ValueError("datagram longer than its frames")
+    view = memoryview(data) if max(sizes, default=0) > DGRAM_COPY_BYTES else None
+    out: list[bytes | memoryview] = []
+    for size in sizes:
+        out.append(data[at:at + size] if size <= DGRAM_COPY_BYTES else view[at:at + size])
+        at += size
     return out
 
 
@@ -510,10 +527,10 @@ class DgramSender:
     def send(self, name: bytes, frames: list[Any]) -> bool:
         """Send ``frames`` (bytes-like) as one datagram to the socket ``name``;
         False if it could not go now (no such socket, its queue full, too big)."""
-        sizes = [memoryview(f).nbytes for f in frames]
+        sizes = [len(f) if type(f) is bytes else memoryview(f).nbytes for f in frames]
         if sum(sizes) + _LENGTH.size * (len(frames) + 1) > DGRAM_MAX_BYTES:
             return False
-        head = struct.pack(f"<{len(frames) + 1}I", len(frames), *sizes)
+        head = _head(len(frames) + 1).pack(len(frames), *sizes)
         try:
             self.sock.sendmsg([head, *frames], (), 0, name)
         except OSError:       # ECONNREFUSED, ENOENT, EAGAIN (its queue is full), ...

@@ -733,11 +733,16 @@ class ExecRow(Record):
     waited: float = 0.0
 
 
+# the most buffers of its own a message a Relay or Forwarded carries may have
+# (a RegisterProgram has one: the program)
+RELAY_BUFFERS = 4
+
+
 @message(63)
 class Relay(Record):
     """Controller -> worker (a relay): forward the message whose frames (a
-    signed envelope: signature, header, body) are the three buffers to
-    ``hosts``, whose data ports are ``addresses``; each is to handle it once
+    signed envelope: signature, header, body, then its own buffers, at most
+    ``RELAY_BUFFERS``) are the buffers to ``hosts``, whose data ports are ``addresses``; each is to handle it once
     it has handled the first ``after[k]`` messages the controller sent it
     directly. The reports of the computations in ``collect`` (the
     forwarded message's exec id) come back through this relay (see
@@ -752,7 +757,7 @@ class Relay(Record):
 @message(64)
 class Forwarded(Record):
     """Worker (a relay) -> worker: a message of the controller (its frames
-    are the three buffers, checked as if it came on the control socket), for
+    are the buffers, as ``Relay``'s, checked as if it came on the control socket), for
     ``hosts`` of the receiving process, each handling it after its first
     ``after[k]`` direct messages (as ``Relay``). ``relay`` and ``address``:
     where the reports of ``collect`` go."""

@@ -3,8 +3,9 @@ the group's reports back as one message (docs/design.md, "Scale", "Reports
 through relays"; docs/protocol.md, ``Relay``).
 
 The controller sends a message for many hosts (a computation's ``Execute``,
-a ``Free``) once per group of hosts, to the group's relay, as a ``Relay``
-whose buffers are the message's own signed frames. The relay forwards those
+a ``Free``, a program's ``RegisterProgram``) once per group of hosts, to the
+group's relay, as a ``Relay`` whose buffers are the message's own signed
+frames (with its own buffers: the program's bytes). The relay forwards those
 frames to the group's other hosts over their data ports (``Forwarded``,
 signed with the worker key; hosts of one simulated process get one), from
 its I/O thread, so forwarding never waits behind its own computations. A
@@ -319,8 +320,9 @@ def forwards(relay: m.Relay, own_rank: int, own_address: str) -> tuple[bool, int
 
 def check_relay(msg: Any, buffers: list) -> str:
     """Why a ``Relay`` or ``Forwarded`` is malformed ("" if it is not)."""
-    if len(buffers) != 3:
-        return f"{type(msg).__name__} needs the 3 frames of one message, got {len(buffers)}"
+    if not 3 <= len(buffers) <= 3 + m.RELAY_BUFFERS:
+        return (f"{type(msg).__name__} needs the frames of one message (3, and at most "
+                f"{m.RELAY_BUFFERS} of its buffers), got {len(buffers)}")
     n = len(msg.hosts)
     if type(msg) is m.Relay and not n == len(msg.addresses) == len(msg.after):
         return f"Relay: {n} hosts, {len(msg.addresses)} addresses, {len(msg.after)} counts"

@@ -492,7 +492,10 @@ class Worker:
                                 f" ({n - 1} more rejected messages not logged)" if n > 1 else "")
                 continue
             try:
-                self._handle_data(None, header.msg_id, msg, buffers)
+                if type(msg) is m.Piece and msg.error is None:
+                    self._piece_in(None, header.msg_id, msg, buffers)
+                else:
+                    self._handle_data(None, header.msg_id, msg, buffers)
             except Exception:
                 log.exception("error handling %s", type(msg).__name__)
 
@@ -640,10 +643,12 @@ class Worker:
                 self.post_peer(msg.dst_host, m.ShmPiece(msg.piece_id, aval, name, offset, view.nbytes,
                                                         drop))
                 return
-        data = view if view.flags.c_contiguous else view.copy(order="C")
-        self._count("dcn" if dcn else "ici_tcp", data.nbytes)
-        self.sent.append(m.SentPiece(msg.piece_id, began, "DCN" if dcn else "ICI-tcp", data.nbytes, msg.dst_host))
+        data = _frame(view)
         self._post_piece(msg.dst_host, m.Piece(msg.piece_id, aval, None), [data], dcn, direct, self._dgram(msg))
+        # the bookkeeping after the send: not on the piece's path
+        nbytes = view.nbytes
+        self._count("dcn" if dcn else "ici_tcp", nbytes)
+        self.sent.append(m.SentPiece(msg.piece_id, began, "DCN" if dcn else "ICI-tcp", nbytes, msg.dst_host))
 
     def _dgram(self, msg: "m.SendPiece | m.SendPieces") -> bytes | None:
         """The datagram socket of the piece's receiver if it is an ICI peer on
@@ -665,7 +670,8 @@ class Worker:
             ep = self.ep
             try:
                 frames = codec.encode(ep.sign_key, msg, msg_id=ep.next_id(), sender=ep.sender,
-                                      buffers=[raw(b) for b in buffers], signer=ep.signer)
+                                      buffers=[b if type(b) is memoryview else raw(b) for b in buffers],
+                                      signer=ep.signer)
             except Exception:       # the ZeroMQ path below reports it, in the same way as ever
                 frames = None
             if frames is not None and self.dgram_out.send(dgram, frames):
@@ -741,29 +747,25 @@ class Worker:
                 # freed before it came (the Free took the other connection; e.g.
                 # the controller rejected its call): keeping it would keep it for good
                 log.debug("buffer %d was freed before its Put came: dropped", msg.buffer)
-            case m.Put() | m.Piece() if not getattr(msg, "error", None):
-                key = shard_key(msg.buffer, msg.device, msg.region) if isinstance(msg, m.Put) \
-                    else PieceKey(msg.piece_id)
+            case m.Piece() if msg.error is None:
+                self._piece_in(ident, msg_id, msg, buffers)
+            case m.Put():
+                key = shard_key(msg.buffer, msg.device, msg.region)
                 try:
                     arr = _array(msg.aval, buffers)
-                    if isinstance(msg, m.Put):
-                        if self.executor is None or msg.device not in self.executor.devices:
-                            raise ValueError(f"device {msg.device} is not on host {self.rank}")
-                        shape = sharding.region_shape(sharding.from_wire(msg.region))
-                        if arr.shape != shape:
-                            raise ValueError(f"shard shape {arr.shape} does not match region {shape}")
-                        arr = self.jax.device_put(arr, self.executor.devices[msg.device])
+                    if self.executor is None or msg.device not in self.executor.devices:
+                        raise ValueError(f"device {msg.device} is not on host {self.rank}")
+                    shape = sharding.region_shape(sharding.from_wire(msg.region))
+                    if arr.shape != shape:
+                        raise ValueError(f"shard shape {arr.shape} does not match region {shape}")
+                    arr = self.jax.device_put(arr, self.executor.devices[msg.device])
                 except (ValueError, TypeError) as e:
                     # Reject it, and fail whatever waits on it rather than let it wait.
                     self.post_data(ident, m.Error(ErrorKind.BAD_REQUEST, str(e)), parent=msg_id)
-                    self.store.set(key, error=m.ErrorInfo(ErrorKind.REMOTE_ERROR, f"bad {type(msg).__name__}: {e}",
+                    self.store.set(key, error=m.ErrorInfo(ErrorKind.REMOTE_ERROR, f"bad Put: {e}",
                                                           self.rank, "", ""))
                     return
-                if isinstance(msg, m.Piece):
-                    self.stats["recv_tcp"] += 1
-                    self.received_at.append([msg.piece_id, time.time()])
-                    self.store.set(key, arr)
-                elif not self.store.set(key, arr, unless_freed=msg.buffer):
+                if not self.store.set(key, arr, unless_freed=msg.buffer):
                     log.debug("buffer %d was freed while its Put came in: dropped", msg.buffer)
             case m.Piece():
                 self.store.set(PieceKey(msg.piece_id), error=msg.error)
@@ -865,6 +867,22 @@ class Worker:
             case _:
                 self.post_data(ident, m.Error(ErrorKind.BAD_REQUEST, f"{type(msg).__name__} is not "
                                               "accepted on the data port"), parent=msg_id)
+
+    def _piece_in(self, ident: bytes | None, msg_id: int, msg: m.Piece, buffers: list) -> None:
+        """A piece's bytes (a Piece without an error, by ZeroMQ or as a
+        datagram): stored as an array for what reads it; a bad one fails it.
+        Counters after the store: what waits for the piece wakes first."""
+        key = PieceKey(msg.piece_id)
+        try:
+            arr = _array(msg.aval, buffers)
+        except (ValueError, TypeError) as e:
+            # Reject it, and fail whatever waits on it rather than let it wait.
+            self.post_data(ident, m.Error(ErrorKind.BAD_REQUEST, str(e)), parent=msg_id)
+            self.store.set(key, error=m.ErrorInfo(ErrorKind.REMOTE_ERROR, f"bad Piece: {e}", self.rank, "", ""))
+            return
+        self.received_at.append([msg.piece_id, time.time()])
+        self.store.set(key, arr)
+        self.stats["recv_tcp"] += 1
 
     # ---- relays (relay.py) ------------------------------------------------------
     def _relay(self, msg: m.Relay, buffers: list) -> None:
@@ -997,9 +1015,22 @@ def _array(aval: m.Aval, buffers: list) -> np.ndarray:
         if len(_DTYPES) < 64:
             _DTYPES[aval.dtype] = dtype
     shape = tuple(aval.shape)
-    if any(s < 0 for s in shape) or buffers[0].nbytes != dtype.itemsize * math.prod(shape):
+    if buffers[0].nbytes != dtype.itemsize * math.prod(shape) or min(shape, default=0) < 0:
         raise ValueError(f"{buffers[0].nbytes} bytes do not make a {aval.dtype}{list(shape)}")
-    return np.frombuffer(buffers[0], dtype=dtype).reshape(shape)
+    # one call (not frombuffer, then reshape): numpy calls are what a small
+    # piece's path costs most on a CPU that was idle (docs/benchmarks.md, transfer.py)
+    return np.ndarray(shape, dtype, buffer=buffers[0])
+
+
+def _frame(view: np.ndarray) -> Any:
+    """A piece's bytes as one frame: a flat byte memoryview of a C-contiguous
+    array (no copy, and one call where numpy's flags, reshape and view are
+    three); a C-ordered uint8 copy of a strided view or of a dtype that has no
+    buffer format (bfloat16)."""
+    try:
+        return memoryview(view).cast("B")
+    except (TypeError, ValueError, BufferError):
+        return raw(np.ascontiguousarray(view))
 
 
 def _bind_address(bind_host: str, coordinator: str) -> str:
