@@ -11,6 +11,7 @@ import pytest
 
 from zpath.controller import templates
 from zpath.net import messages as m
+from zpath.net.codec import PROTOCOL_VERSION
 from tests.test_controller_tenancy import _fill_window, make_rig  # noqa: F401  (fixture)
 
 pytestmark = pytest.mark.timeout(60)
@@ -148,6 +149,115 @@ def test_a_program_that_moves_data_between_hosts_is_never_fused(make_rig):
         assert not sent(rig, n0, m.RunFused)
         rig.drain()
     assert rig.c.templates[(rig.c.peers[a].id, 1)].fuse_tries == templates.FUSE_TRIES
+
+
+def spmd_rig(make_rig, n, **config):
+    """``n`` hosts of 2 devices each, one island runtime (SPMD over all)."""
+    rig = make_rig(hosts=(), **config)
+    for h in range(n):
+        rig.handle(f"w{h}".encode(), m.RegisterWorker(f"h{h}", 0, f"tcp://x:{h}", 1, "cpu", 2, PROTOCOL_VERSION,
+                                                      [0, 1], "rt", h, n, f"machine{h}", "", ""))
+    return rig
+
+
+def spmd_define(rig, ident, template, nodes, k):
+    """Define (and run) template ``template``: node j an SPMD call over the
+    devices ``nodes[j]`` reading float32[8, 4] split by rows, node 0 a value
+    put, node j > 0 node j-1's output where its devices are node j-1's, else
+    a value put of its own. Returns the values put and the result."""
+    av, spec = m.Aval([8, 4], "float32"), ["i", None]
+    first = block(rig, ident, k)
+    calls, puts, release, prev = [], [], [], None
+    for j, devs in enumerate(nodes):
+        if prev is not None and nodes[j - 1] == devs:
+            inp = m.CallInput(prev, av, spec, False)
+            release.append(prev)
+        else:
+            puts.append(block(rig, ident, 1000 + 10 * k + j))
+            inp = m.CallInput(puts[-1], av, spec, True)
+        calls.append(m.Call(7, rig.programs["f"][0], [len(devs)], ["i"], devs, [inp],
+                            [m.CallOutput(first + j, av, spec)]))
+        prev = first + j
+    release += puts
+    rig.handle(ident, m.DefineProgram(template, puts, first, len(nodes),
+                                      m.Program(k, "spmd", "parallel", calls, release)))
+    return puts, first + len(nodes) - 1
+
+
+def spmd_run(rig, ident, template, puts, n, k):
+    first = block(rig, ident, k)
+    xs = [block(rig, ident, 1000 + 10 * k + j) for j in range(len(puts))]
+    rig.handle(ident, m.RunProgram(k, template, xs, first, [first + n - 1]))
+    return xs, first + n - 1
+
+
+def test_the_hosts_of_an_spmd_fused_program_share_one_definition(make_rig):
+    """Where every input is in place, each host's part of a fused program is
+    alike: one DefineFused object for all of them (encoded once, through
+    relays from relay_min_hosts hosts on), its shards left to the workers,
+    as an op-by-op Execute's; the value put's layout still covers every
+    device."""
+    rig = spmd_rig(make_rig, 2)
+    a, _ = rig.client("a")
+    devs = [0, 1, 2, 3]
+    puts, _ = spmd_define(rig, a, 1, [devs, devs, devs], 0)
+    rig.drain()
+    n0 = len(rig.log)
+    xs, out = spmd_run(rig, a, 1, puts, 3, 1)
+    assert len(sent(rig, n0, m.RunFused)) == 2
+    (i0, d0), (i1, d1) = sent(rig, n0, m.DefineFused)
+    assert {i0, i1} == {rig.c.worker_ident[0], rig.c.worker_ident[1]}
+    assert d0 is d1 and len(d0.executes) == 3
+    assert all(not i.shards for ex in d0.executes for i in ex.inputs)
+    fused = rig.c.templates[(rig.c.peers[a].id, 1)].fused
+    assert [(s, lay) for s, _, lay, _ in fused.puts] == [
+        (0, {((2 * r, 2 * r + 2), (0, 4)): [r] for r in range(4)})]
+    assert rig.c.directory.buffers[out].layouts == [{((2 * r, 2 * r + 2), (0, 4)): [r] for r in range(4)}]
+    rig.drain()
+    n0 = len(rig.log)
+    spmd_run(rig, a, 1, puts, 3, 2)                 # defined on both hosts already
+    assert len(sent(rig, n0, m.RunFused)) == 2 and not sent(rig, n0, m.DefineFused)
+    rig.drain()
+
+
+def test_a_fused_definition_many_hosts_share_goes_through_relays(make_rig):
+    """From relay_min_hosts hosts on, the one DefineFused goes as one Relay
+    per group (encoded once), not to each host."""
+    rig = spmd_rig(make_rig, 4, relay_min_hosts=4, relay_group=2)
+    a, _ = rig.client("a")
+    devs = list(range(8))
+    puts, _ = spmd_define(rig, a, 1, [devs, devs], 0)
+    rig.drain()
+    n0, e0 = len(rig.log), len(rig.effects)
+    spmd_run(rig, a, 1, puts, 2, 1)
+    assert not sent(rig, n0, m.DefineFused)
+    carried = [e.buffers.msg for e in rig.effects[e0:] if type(e.msg) is m.Relay
+               and type(e.buffers.msg) is m.DefineFused]
+    assert len(carried) == 2 and carried[0] is carried[1]
+    assert sorted(h for e in rig.effects[e0:] if type(e.msg) is m.Relay
+                  and e.buffers.msg is carried[0] for h in e.msg.hosts) == [0, 1, 2, 3]
+    assert rig.c.host_fused == {h: {carried[0].fused} for h in range(4)}
+    rig.drain()
+
+
+def test_hosts_with_other_parts_of_a_fused_program_get_their_own(make_rig):
+    """Host 0 runs a node host 1 does not: each gets its own DefineFused,
+    sharing the fused Execute of the node both run."""
+    rig = spmd_rig(make_rig, 2)
+    a, _ = rig.client("a")
+    puts, _ = spmd_define(rig, a, 1, [[0, 1, 2, 3], [0, 1]], 0)
+    rig.drain()
+    n0 = len(rig.log)
+    spmd_run(rig, a, 1, puts, 2, 1)
+    defines = dict(sent(rig, n0, m.DefineFused))
+    d0, d1 = defines[rig.c.worker_ident[0]], defines[rig.c.worker_ident[1]]
+    assert d0 is not d1 and len(d0.executes) == 2 and len(d1.executes) == 1
+    assert d0.executes[0] is d1.executes[0] and d0.executes[1].devices == [0, 1]
+    fused = rig.c.templates[(rig.c.peers[a].id, 1)].fused
+    assert [(s, lay) for s, _, lay, _ in fused.puts] == [
+        (0, {((2 * r, 2 * r + 2), (0, 4)): [r] for r in range(4)}),
+        (1, {((0, 4), (0, 4)): [0], ((4, 8), (0, 4)): [1]})]
+    rig.drain()
 
 
 def test_a_fused_run_under_a_memory_limit_counts_its_intermediates_while_it_runs(make_rig):

@@ -89,6 +89,29 @@ def test_fused_programs_are_defined_run_and_dropped():
     assert s.run_fused(m.RunFused(104, 9, 9, [1, 2], 100)).plan is not run.plan
 
 
+def test_a_fused_program_whose_shards_were_left_empty_names_this_host_s():
+    """The controller sends hosts whose parts are alike one DefineFused with
+    the in-place inputs' shards empty: each host names its own devices' (as
+    for an Execute), inputs it names itself kept as they are."""
+    s = checked(WorkerState(15.0, 0.0))
+    av = m.Aval([4], "float32")
+    named = [m.ShardInput(2, [[2, 3]], [m.PieceSource(0, 3, [[3, 4]], [[0, 1]])])]
+    ex = m.Execute(0, 0, "p" * 64, "f", [4], ["i"], [0, 1, 2, 3], [0, 1, 2, 3],
+                   [m.ExecInput(-1, av, ["i"], []), m.ExecInput(-2, av, ["i"], named)],
+                   [m.ExecOutput(0, av, ["i"])])
+    ex2 = m.Execute(0, 0, "p" * 64, "g", [4], ["i"], [0, 1, 2, 3], [0, 1, 2, 3],
+                    [m.ExecInput(0, av, ["i"], [])], [m.ExecOutput(1, av, ["i"])])
+    define = m.DefineFused(9, [ex, ex2], [0])
+    s.define_fused(define, LocalShards({2: "cpu:2", 3: "cpu:3"}))
+    p = s.fused[9]
+    assert p.devices == [0, 1, 2, 3] and p.reads == 2
+    mine = [m.ShardInput(2, [[2, 3]], []), m.ShardInput(3, [[3, 4]], [])]
+    assert [[i.shards for i in x.inputs] for x in p.definition.executes] == [[mine, named], [mine]]
+    assert define.executes[0].inputs[0].shards == []         # the message itself is left as it was
+    run = s.run_fused(m.RunFused(100, 5, 9, [buffer_id(1, 1), buffer_id(1, 2)], buffer_id(1, 10)))
+    assert isinstance(run, FusedRun) and run.executes is p.definition.executes
+
+
 def test_puts_of_departed_clients_are_dropped():
     s = checked(WorkerState(15.0, 0.0))
     for c in (5, 3, 4, 9):

@@ -134,14 +134,19 @@ class Dispatch:
                 for rank in need:
                     known[rank].add(digest)
         if plan.setup is not None:
+            # the hosts without the fused program get it, those whose parts are
+            # alike one message (through relays: relays.py)
+            alike: dict[int, tuple[m.DefineFused, list[int]]] = {}
             for rank in plan.executes:
                 define = plan.setup[rank]
                 if define.fused not in self.host_fused.setdefault(rank, set()):
-                    self.to_host(rank, define)
+                    alike.setdefault(id(define), (define, []))[1].append(rank)
                     if define.fused in self.fused_live:
                         self.host_fused[rank].add(define.fused)
                     else:                 # dropped while this run waited: forgotten after it
                         drop_after.append((rank, m.DropFused([define.fused])))
+            for define, ranks in alike.values():
+                self.to_hosts_alike(ranks, define)
         sends = plan.sends
         if sends:
             self.to_hosts(self._send_orders(sends))

@@ -187,6 +187,9 @@ class ProgramTemplate:
             if buf is None or buf.error is not None:
                 return None
             results.append((c, *self._output(c), copy.deepcopy(buf.layouts), footprint(buf)))
+        # one fused Execute per distinct plan Execute (the plan sends hosts one alike
+        # where every input is in place), its shards as the plan has them (empty:
+        # each worker names its own, as for an Execute)
         per_host: dict[int, list[m.Execute]] = {}
         devices: set[int] = set()
         seen: dict[int, tuple] = {}
@@ -196,22 +199,34 @@ class ProgramTemplate:
             for c, aval, spec in ins:
                 if c < 0 and -c - 1 not in seen:
                     seen[-c - 1] = (-c - 1, aval, spec, self.put[-c - 1])
+            made: dict[int, m.Execute] = {}       # id of the plan's Execute -> the fused one
             for h, ex in plan.executes.items():
-                shards = [host_shards(ex, i, h, host_of.__getitem__) for i in ex.inputs]
-                per_host.setdefault(h, []).append(m.Execute(
-                    0, 0, ex.program, ex.name, ex.mesh_shape, ex.axis_names, ex.devices, ex.jax_ids,
-                    [m.ExecInput(c, i.aval, i.spec, sh) for (c, _, _), i, sh in zip(ins, ex.inputs, shards, strict=True)],
-                    [m.ExecOutput(c, o.aval, o.spec) for (c, _, _), o in zip(outs, ex.outputs, strict=True)]))
-                for (c, _, _), i, shs in zip(ins, ex.inputs, shards, strict=True):
-                    if c < 0 and self.put[-c - 1]:
-                        lay = layouts.setdefault(-c - 1, {})
-                        for sh in shs:
-                            lay.setdefault(sharding.from_wire(sh.region), []).append(sh.device)
+                fx = made.get(id(ex))
+                first_host = fx is None
+                if first_host:
+                    fx = made[id(ex)] = m.Execute(
+                        0, 0, ex.program, ex.name, ex.mesh_shape, ex.axis_names, ex.devices, ex.jax_ids,
+                        [m.ExecInput(c, i.aval, i.spec, i.shards) for (c, _, _), i in zip(ins, ex.inputs, strict=True)],
+                        [m.ExecOutput(c, o.aval, o.spec) for (c, _, _), o in zip(outs, ex.outputs, strict=True)])
+                per_host.setdefault(h, []).append(fx)
+                for (c, _, _), i in zip(ins, ex.inputs, strict=True):
+                    # a put slot's layout: the shards each host names, or (left to the
+                    # workers) every device's region, once per Execute
+                    if c < 0 and self.put[-c - 1] and (i.shards or first_host):
+                        _put_layout(layouts.setdefault(-c - 1, {}), ex, i, h, host_of)
         puts = [(s, aval, layouts[s], footprint_of([layouts[s]], aval.dtype))
                 for s, aval, _, put in seen.values() if put]
         transient = _transient(self.calls, plans, {c for c in self.release if c >= 0})
         release = [c for c in self.release if c >= 0]      # the values put are freed as buffers
-        defines = {h: m.DefineFused(fused_id, exs, release) for h, exs in sorted(per_host.items())}
+        # hosts whose node lists are the same get one DefineFused (encoded once, relayed)
+        alike: dict[tuple[int, ...], m.DefineFused] = {}
+        defines = {}
+        for h, exs in sorted(per_host.items()):
+            key = tuple(map(id, exs))
+            d = alike.get(key)
+            if d is None:
+                d = alike[key] = m.DefineFused(fused_id, exs, release)
+            defines[h] = d
         return Fused(fused_id, version, islands.pop(), sorted(per_host), defines,
                      sorted({c[0] for c in self.calls}), sorted(devices), len(self.calls), before,
                      list(seen.values()), results, puts, transient)
@@ -222,6 +237,19 @@ class ProgramTemplate:
                 if c == code:
                     return aval, spec
         raise KeyError(code)
+
+
+def _put_layout(layout: dict, ex: m.Execute, inp: m.ExecInput, host: int, host_of: dict[int, int]) -> None:
+    """Add to a put slot's layout (region -> devices) the shards of ``inp``
+    that ``ex`` reads: those it names (one host's), or, where it leaves them
+    to the workers, every device's region its spec gives (all its hosts')."""
+    if inp.shards:
+        for sh in host_shards(ex, inp, host, host_of.__getitem__):
+            layout.setdefault(sharding.from_wire(sh.region), []).append(sh.device)
+        return
+    regs = sharding.regions_of(inp.aval.shape, ex.mesh_shape, ex.axis_names, inp.spec)
+    for p, d in enumerate(ex.devices):
+        layout.setdefault(regs[p], []).append(d)
 
 
 def _transient(calls: list[tuple], plans: list[Plan], intermediates: set[int]) -> dict[int, int]:

@@ -509,7 +509,7 @@ class Worker:
             case m.RunFused():
                 self._run_fused(msg)
             case m.DefineFused():
-                self.state.define_fused(msg)
+                self.state.define_fused(msg, self.local_shards)
             case m.DropFused():
                 self.state.drop_fused(msg)
             case m.SendPiece():

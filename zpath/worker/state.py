@@ -231,7 +231,12 @@ class FusedProgram:
     plan: list
 
     @classmethod
-    def of(cls, msg: m.DefineFused) -> "FusedProgram":
+    def of(cls, msg: m.DefineFused, local: LocalShards | None = None) -> "FusedProgram":
+        """``msg``'s program; with ``local``, its Executes get the shards of
+        this host's devices named where the controller left them empty (the
+        hosts' parts alike, as for an Execute: LocalShards)."""
+        if local is not None and any(not i.shards for ex in msg.executes for i in ex.inputs):
+            msg = codec.replace(msg, executes=[local(ex) for ex in msg.executes])
         codes = [c for ex in msg.executes for c in
                  [*(i.buffer for i in ex.inputs), *(o.buffer for o in ex.outputs)]] + msg.release
         devices = sorted({d for ex in msg.executes for d in ex.devices})
@@ -301,8 +306,9 @@ class WorkerState:
         return now - self.last_controller > self.controller_timeout_s
 
     # ---- fused programs ------------------------------------------------------
-    def define_fused(self, msg: m.DefineFused) -> None:
-        self.fused[msg.fused] = FusedProgram.of(msg)
+    def define_fused(self, msg: m.DefineFused, local: LocalShards | None = None) -> None:
+        """Keep a fused program (``local``: see ``FusedProgram.of``)."""
+        self.fused[msg.fused] = FusedProgram.of(msg, local)
 
     def drop_fused(self, msg: m.DropFused) -> None:
         for f in msg.fused:
