@@ -89,8 +89,9 @@ class Fusion:
         assert sub.record is not None
         t.fuse_tries += 1
         island_of = {h: self.rm.hosts[h].island for p in sub.record for h in p.executes}
-        host_of = {d: self.rm.devices[d].host for p in sub.record for ex in p.executes.values()
-                   for d in ex.devices}
+        devices = self.rm.devices
+        executes = {id(ex): ex for p in sub.record for ex in p.executes.values()}    # (one for many hosts)
+        host_of = {d: devices[d].host for ex in executes.values() for d in ex.devices}
         t.fused = t.fuse(next(self._fused_ids), self.rm.version, sub.record, island_of, host_of, before,
                          self.directory.buffers, inputs, first)
         if t.fused is not None:

@@ -173,8 +173,15 @@ class ProgramTemplate:
             return None
         local: dict[int, set[frozenset[int]]] = {}
         for p in plans:
+            mine: dict[int, dict[int, frozenset[int]]] = {}     # id of an Execute -> host -> its devices
             for h, ex in p.executes.items():
-                local.setdefault(h, set()).add(frozenset(d for d in ex.devices if host_of[d] == h))
+                by_host = mine.get(id(ex))
+                if by_host is None:          # (hosts sent one Execute alike: worked out once)
+                    sets: dict[int, list[int]] = {}
+                    for d in ex.devices:
+                        sets.setdefault(host_of[d], []).append(d)
+                    by_host = mine[id(ex)] = {k: frozenset(v) for k, v in sets.items()}
+                local.setdefault(h, set()).add(by_host.get(h, frozenset()))
         if any(len(sets) > 1 for sets in local.values()):
             return None
         after = self.slot_keys(buffers, inputs)
@@ -261,9 +268,13 @@ def _transient(calls: list[tuple], plans: list[Plan], intermediates: set[int]) -
     made: dict[int, tuple] = {}           # intermediate -> (devices, mesh, spec) it was made with
 
     def add(aval: m.Aval, spec: m.Spec, ex: m.Execute) -> None:
-        regions = sharding.regions(tuple(aval.shape), ex.mesh_shape, ex.axis_names, spec)
+        regions = sharding.regions_of(aval.shape, ex.mesh_shape, ex.axis_names, spec)
+        size: dict[tuple, int] = {}           # (shards of one shape: most are)
         for d, r in zip(ex.devices, regions, strict=True):     # one shard per device
-            out[d] = out.get(d, 0) + sharding.nbytes(r, aval.dtype)
+            n = size.get(r)
+            if n is None:
+                n = size[r] = sharding.nbytes(r, aval.dtype)
+            out[d] = out.get(d, 0) + n
 
     for (_, _, _, _, ins, outs), plan in zip(calls, plans, strict=True):
         ex = next(iter(plan.executes.values()))
