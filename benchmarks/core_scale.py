@@ -13,7 +13,13 @@ controller's decisions cost as hosts grow. The core's API is stable, so the
 script runs against an older checkout too (``PYTHONPATH=OLD python
 benchmarks/core_scale.py``) for side-by-side figures.
 
-    python benchmarks/core_scale.py [--hosts 64 256 512] [--nodes 30] [--repeats 5] [--in-flight K] [--json]
+``--fused NODES`` also measures a template of NODES SPMD nodes: the largest
+turn of its first run (which fuses it) and, for its first fused run, the
+core's CPU, the encoding and signing of what it sends (each message many
+peers get alike once), the bytes, and the workers' decoding.
+
+    python benchmarks/core_scale.py [--hosts 64 256 512] [--nodes 30] [--repeats 5] [--in-flight K]
+        [--fused NODES] [--json]
 """
 from __future__ import annotations
 
@@ -28,6 +34,7 @@ from typing import Any
 
 from zpath.config import ControllerConfig
 from zpath.controller.core import ControllerCore, Send
+from zpath.net import codec
 from zpath.net import messages as m
 from zpath.net.codec import PROTOCOL_VERSION
 
@@ -126,6 +133,96 @@ def measure(hosts: int, devices: int, nodes: int, repeats: int, relay_min_hosts:
             "runs_total_us": [sum(r) * 1e6 for r in runs]}
 
 
+def measure_fused(hosts: int, devices: int, nodes: int, relay_min_hosts: int | None = None) -> dict:
+    """A template of ``nodes`` SPMD nodes over every device (a chain, the first
+    reading a value put): its first run (plain calls, fused at its end: the
+    core's largest turn, in ms), then its first fused run, which sends each
+    host the fused program (``DefineFused``) and the ``RunFused``: the core's
+    CPU for it, the loop's encoding and signing of what it sends (a message
+    many peers get alike once, a Relay's message once), the bytes sent, how
+    many distinct ``DefineFused`` there are, and the workers' decoding of what
+    they get, summed over the hosts."""
+    chain = Chain(hosts, devices, relay_min_hosts)
+    c, now, devs = chain.c, chain.now, chain.devices
+    av = m.Aval([len(devs)], "float32")
+    key = b"k" * 32
+    turns: list[float] = []
+
+    def timed(ident: bytes, msg: Any) -> list[Any]:
+        t0 = time.process_time()
+        effects = c.handle(now, ident, 1, msg, [])
+        while c.busy:
+            effects += c.resume(now)
+        turns.append(time.process_time() - t0)
+        return effects
+
+    def block(k: int) -> int:
+        return chain.client << 32 | (k + 1) << 16
+
+    first, x = block(0), block(1000)
+    calls, prev, put = [], x, True
+    for k in range(nodes):
+        calls.append(m.Call(7, chain.digest, [len(devs)], ["x"], devs, [m.CallInput(prev, av, ["x"], put)],
+                            [m.CallOutput(first + k, av, ["x"])]))
+        prev, put = first + k, False
+    timed(b"client", m.DefineProgram(1, [x], first, nodes, m.Program(
+        1, "chain", "parallel", calls, [first + k for k in range(nodes - 1)] + [x])))
+    while c.in_flight:
+        exec_id = next(iter(c.in_flight))
+        for h in list(c.in_flight[exec_id].hosts):
+            timed(c.worker_ident[h], m.ExecDone(exec_id, None, now, now + 0.001))
+    first_run_ms = max(turns) * 1e3
+    template = c.templates[(chain.client, 1)]
+    if template.fused is None:
+        raise RuntimeError("the template was not fused")
+    first, x = block(1), block(1001)
+    turns.clear()
+    effects = timed(b"client", m.RunProgram(2, 1, [x], first, [first + nodes - 1]))
+    core_s = turns[0]
+    t0 = time.process_time()
+    bodies: dict[int, bytes] = {}
+    inner: dict[int, list[Any]] = {}
+    per_peer: dict[bytes, list[tuple[Any, bytes]]] = {}
+    received: list[tuple[int, list[Any]]] = []       # (hosts that decode them, frames)
+    sent_bytes = 0
+    for e in effects:
+        if not isinstance(e, Send):
+            continue
+        if type(e.msg) is RELAY:                # the message it carries: encoded once for all relays
+            msg = e.buffers.msg
+            frames = inner.get(id(msg))
+            if frames is None:
+                frames = inner[id(msg)] = codec.encode(key, msg, msg_id=1, sender="c", buffers=e.buffers.buffers)
+            sent_bytes += sum(len(f) for f in codec.encode(key, e.msg, msg_id=2, sender="c", buffers=frames))
+            received.append((len(e.msg.hosts), frames))
+            continue
+        body = bodies.get(id(e.msg))
+        if body is None:
+            body = bodies[id(e.msg)] = codec.pack_body(e.msg)
+        per_peer.setdefault(e.ident, []).append((e.msg, body))
+    signed: dict[tuple[int, ...], list[list[Any]]] = {}
+    for ident, msgs in per_peer.items():        # peers that get the very same messages: signed once
+        k = tuple(id(msg) for msg, _ in msgs)
+        frames_list = signed.get(k)
+        if frames_list is None:
+            frames_list = signed[k] = [codec.encode(key, msg, msg_id=3, sender="c", body=b) for msg, b in msgs]
+        sent_bytes += sum(len(f) for frames in frames_list for f in frames)
+        if ident != b"client":
+            received += [(1, frames) for frames in frames_list]
+    encode_s = time.process_time() - t0
+    t0 = time.process_time()
+    for n, frames in received:
+        for _ in range(n):
+            codec.decode(key, frames)
+    decode_s = time.process_time() - t0
+    return {"hosts": hosts, "devices": hosts * devices, "fused_nodes": nodes,
+            "first_run_largest_turn_ms": first_run_ms,
+            "distinct_define_fused": len({id(d) for d in template.fused.defines.values()}),
+            "fused_run_core_ms": core_s * 1e3, "fused_run_encode_ms": encode_s * 1e3,
+            "fused_run_turn_ms": (core_s + encode_s) * 1e3, "fused_run_sent_mb": sent_bytes / 1e6,
+            "workers_decode_ms": decode_s * 1e3}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--hosts", type=int, nargs="+", default=[64, 256, 512])
@@ -138,8 +235,20 @@ def main(argv: list[str] | None = None) -> int:
                    "default: the controller's; relayed reports come as one batch per relay)")
     p.add_argument("--in-flight", type=int, default=1, help="nodes in flight together, their rows interleaved "
                    "in each relay's batch (as op by op, back to back)")
+    p.add_argument("--fused", type=int, metavar="NODES",
+                   help="also a template of NODES SPMD nodes: its first run and its first fused run")
     args = p.parse_args(argv)
     for n in args.hosts:
+        if args.fused:
+            r = measure_fused(n, args.devices, args.fused, args.relay_min_hosts)
+            if args.json is not None:
+                print(json.dumps(r), flush=True)
+            else:
+                print(f"hosts {n:4d}: a fused template of {args.fused} nodes: first run's largest turn "
+                      f"{r['first_run_largest_turn_ms']:.0f} ms; first fused run: {r['distinct_define_fused']} "
+                      f"distinct DefineFused, core {r['fused_run_core_ms']:.0f} ms + encoding "
+                      f"{r['fused_run_encode_ms']:.0f} ms, {r['fused_run_sent_mb']:.2f} MB sent, workers' "
+                      f"decoding {r['workers_decode_ms']:.0f} ms in all", flush=True)
         r = measure(n, args.devices, args.nodes, args.repeats, args.relay_min_hosts, args.in_flight)
         if args.json is not None:
             print(json.dumps(r), flush=True)

@@ -28,11 +28,18 @@ def test_worker_loop_benchmark_runs_every_variant(tmp_path):
 
 def test_core_scale_benchmark_times_the_core_per_node():
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "core_scale.py"
-    p = run_script([str(script), "--hosts", "2", "8", "--nodes", "3", "--repeats", "1", "--json"], timeout=120)
+    p = run_script([str(script), "--hosts", "2", "8", "--nodes", "3", "--repeats", "1", "--json",
+                    "--fused", "3", "--relay-min-hosts", "8"], timeout=120)
     assert p.returncode == 0, p.stdout + p.stderr[-3000:]
     rows = [json.loads(line) for line in p.stdout.splitlines()]
+    fused = [r for r in rows if "fused_nodes" in r]
+    rows = [r for r in rows if "fused_nodes" not in r]
     assert [r["hosts"] for r in rows] == [2, 8] and [r["devices"] for r in rows] == [8, 32]
     assert all(r["call_us"] > 0 and r["exec_done_us"] > 0 and r["release_us"] > 0 for r in rows)
+    # a fused template: its hosts' parts alike, one DefineFused (through relays at 8 hosts)
+    assert [(r["hosts"], r["fused_nodes"], r["distinct_define_fused"]) for r in fused] == [(2, 3, 1), (8, 3, 1)]
+    assert all(r["fused_run_core_ms"] > 0 and r["fused_run_sent_mb"] > 0 and r["workers_decode_ms"] > 0
+               for r in fused)
 
 
 @pytest.mark.parametrize("hold", [False, True])
