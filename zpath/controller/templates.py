@@ -268,12 +268,10 @@ def _transient(calls: list[tuple], plans: list[Plan], intermediates: set[int]) -
     made: dict[int, tuple] = {}           # intermediate -> (devices, mesh, spec) it was made with
 
     def add(aval: m.Aval, spec: m.Spec, ex: m.Execute) -> None:
+        # one shard per device, all of one size (a spec splits a dimension evenly)
         regions = sharding.regions_of(aval.shape, ex.mesh_shape, ex.axis_names, spec)
-        size: dict[tuple, int] = {}           # (shards of one shape: most are)
-        for d, r in zip(ex.devices, regions, strict=True):     # one shard per device
-            n = size.get(r)
-            if n is None:
-                n = size[r] = sharding.nbytes(r, aval.dtype)
+        n = sharding.nbytes(regions[0], aval.dtype)
+        for d in ex.devices:
             out[d] = out.get(d, 0) + n
 
     for (_, _, _, _, ins, outs), plan in zip(calls, plans, strict=True):
