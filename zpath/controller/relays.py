@@ -8,8 +8,9 @@ a group's relay is its first live host. Each message of a relayable kind
 (``RELAYABLE``) that ``to_hosts`` sends to at least ``relay_min_hosts``
 workers goes instead as one ``Relay`` per group it reaches, to the group's
 relay (the message's own frames are encoded and signed once by the loop, see
-``Inner``); so does a message with buffers that many hosts get alike
-(``to_hosts_alike``: a new program's ``RegisterProgram``). Every other message to a worker goes directly, and the worker is told where each stands in the other path:
+``Inner``); so does another message that many hosts get alike
+(``to_hosts_alike``: a new program's ``RegisterProgram`` with its bytes, a fused
+program's ``DefineFused``). Every other message to a worker goes directly, and the worker is told where each stands in the other path:
 a ``Relay`` says, per host, how many direct messages the controller had
 sent it before (``after``), and a direct message that follows messages a
 relay forwarded to that host goes after an ``Await`` naming how many.
@@ -176,8 +177,8 @@ class Relays:
         return [(rank, msg) for rank, msg in messages if id(msg) not in relayed]
 
     def to_hosts_alike(self, ranks: list[int], msg: Any, buffers: Sequence[Any] = ()) -> None:
-        """Send hosts ``ranks`` (each once) the same message with buffers (a
-        program's ``RegisterProgram``): one ``Relay`` per group, carrying it
+        """Send hosts ``ranks`` (each once) the same message, with its buffers (a
+        program's ``RegisterProgram``; a ``DefineFused``): one ``Relay`` per group, carrying it
         encoded and signed once, from ``relay_min_hosts`` hosts on; else (or
         a host has no relay) to each host directly."""
         if not (self.relay_min and len(ranks) >= self.relay_min and len(buffers) <= m.RELAY_BUFFERS
