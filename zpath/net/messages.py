@@ -316,14 +316,6 @@ class Execute(Record):
     hold: bool = False
 
 
-
-
-
-
-
-
-
-
 @message(34)
 class ExecDone(Record):
     """Worker -> controller: a computation finished (error is None) or failed;
