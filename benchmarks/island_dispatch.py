@@ -40,7 +40,12 @@ CPU use, in bursts of that size, costs a multi-controller run; the cost depends
 on the burst size as well as the share, so it is a model of the control plane,
 not a replay of it. The table also shows the share the load really took.
 
-    python benchmarks/island_dispatch.py [--calls-o 500] [--calls-f 20] [--repeats 5] [--mc-load] [--json out.json]
+    python benchmarks/island_dispatch.py [--calls-o 500] [--calls-f 20] [--repeats 5] [--mc-load] [--threads] [--json out.json]
+
+``--threads`` also prints, for -F, each process's CPU and context switches per
+thread and computation (read from Linux /proc before and after each timed run,
+grouped by thread name): which threads of a worker spend what a
+multi-controller process does not.
 
 ``--png PATH`` also draws computations per second of both per variant, with
 zpath/MC and its interval (matplotlib, benchmarks/plots.py).
@@ -140,6 +145,80 @@ def control_cpu(procs: dict[str, Any]) -> float:
                 if th.id == p.pid:       # the main thread runs the I/O loop
                     total += th.user_time + th.system_time
     return total
+
+
+def thread_stats(pid: int) -> dict[int, tuple[str, float, int, int]]:
+    """Every thread of process ``pid`` (Linux /proc): tid -> (name, CPU seconds
+    (schedstat's time on a CPU, in ns), voluntary and involuntary context switches so far). The
+    main thread is named "main"; empty where /proc is missing."""
+    out: dict[int, tuple[str, float, int, int]] = {}
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return out
+    for t in tids:
+        try:
+            with open(f"/proc/{pid}/task/{t}/stat") as f:
+                stat = f.read()
+            with open(f"/proc/{pid}/task/{t}/status") as f:
+                status = f.read()
+            with open(f"/proc/{pid}/task/{t}/schedstat") as f:
+                on_cpu_ns = int(f.read().split()[0])
+        except (OSError, ValueError, IndexError):          # the thread ended
+            continue
+        name = "main" if int(t) == pid else stat[stat.index("(") + 1:stat.rindex(")")]
+        cpu = on_cpu_ns / 1e9
+        sw = {k: int(v) for k, v in (ln.split(":\t") for ln in status.splitlines()
+                                       if ln.endswith(tuple("0123456789")) and "ctxt_switches" in ln)}
+        out[int(t)] = (name, cpu, sw.get("voluntary_ctxt_switches", 0),
+                       sw.get("nonvoluntary_ctxt_switches", 0))
+    return out
+
+
+class ThreadMeter:
+    """Per-thread CPU and wake-ups of some processes, summed over the intervals
+    between ``start`` and ``stop``; reported grouped by thread name (threads of
+    one name, e.g. a thread pool's, are added up), the busiest thread of a group
+    of several shown on its own (marked "*": in these processes, gloo's network
+    thread, which has no name of its own, is the busiest of the "python" ones)."""
+
+    def __init__(self, pids: dict[str, int]) -> None:
+        self.pids = pids
+        self.total: dict[str, dict[int, list[Any]]] = {k: {} for k in pids}   # tid -> [name, cpu, vol, inv]
+        self._t0: dict[str, dict[int, tuple[str, float, int, int]]] = {}
+
+    def start(self) -> None:
+        self._t0 = {k: thread_stats(pid) for k, pid in self.pids.items()}
+
+    def stop(self) -> None:
+        for k, pid in self.pids.items():
+            before = self._t0.get(k, {})
+            for tid, (name, cpu, vol, inv) in thread_stats(pid).items():
+                _, c0, v0, i0 = before.get(tid, (name, 0.0, 0, 0))
+                acc = self.total[k].setdefault(tid, [name, 0.0, 0, 0])
+                acc[1] += cpu - c0
+                acc[2] += vol - v0
+                acc[3] += inv - i0
+
+    def per_comp(self, comps: int) -> dict[str, list[dict[str, Any]]]:
+        """Per process, its thread groups by CPU: threads, CPU us, voluntary and
+        involuntary context switches, each per computation."""
+        out: dict[str, list[dict[str, Any]]] = {}
+        for k, tids in self.total.items():
+            groups: dict[str, list[list[Any]]] = {}
+            for acc in tids.values():
+                groups.setdefault(acc[0], []).append(acc)
+            rows = []
+            for name, accs in groups.items():
+                accs.sort(key=lambda a: -a[1])
+                parts = [(name + "*", accs[:1]), (name, accs[1:])] if len(accs) > 1 else [(name, accs)]
+                for label, members in parts:
+                    rows.append({"name": label, "threads": len(members),
+                                 "cpu_us": sum(a[1] for a in members) / comps * 1e6,
+                                 "voluntary": sum(a[2] for a in members) / comps,
+                                 "involuntary": sum(a[3] for a in members) / comps})
+            out[k] = sorted(rows, key=lambda r: -r["cpu_us"])
+        return out
 
 
 def _timeline_stats(cluster: Any, name: str, calls: int) -> dict[str, Any]:
@@ -534,20 +613,41 @@ def _load_table(load: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def measure(z: ZpathBench, mc: McBench, calls: dict[str, int], repeats: int) -> tuple[dict, dict]:
+def _metered(meter: ThreadMeter | None, run: Callable[[], float]) -> float:
+    if meter is None:
+        return run()
+    meter.start()
+    try:
+        return run()
+    finally:
+        meter.stop()
+
+
+def measure(z: ZpathBench, mc: McBench, calls: dict[str, int], repeats: int,
+            threads: bool = False) -> tuple[dict, dict]:
     """Alternate zpath and multi-controller runs (which goes first alternates
-    too), so both see the same machine; return their summaries."""
+    too), so both see the same machine; return their summaries. With
+    ``threads``, also each process's CPU and context switches per thread (name)
+    and computation in the -F runs."""
     zres: dict[str, Any] = {}
     mres: dict[str, Any] = {"sync": mc.sync}
     for v in ("O", "F"):
         zt, mt = [], []
+        zm = mm = None
+        if threads and v == "F":
+            zm = ThreadMeter({k: p.pid for k, p in z.procs.items()})
+            mm = ThreadMeter({f"process{i}": p.pid for i, p in enumerate(mc.procs)})
         for r in range(repeats):
             if r % 2 == 0:
-                zt.append(z.run(v, calls[v]))
-                mt.append(mc.run(v))
+                zt.append(_metered(zm, lambda: z.run(v, calls[v])))
+                mt.append(_metered(mm, lambda: mc.run(v)))
             else:
-                mt.append(mc.run(v))
-                zt.append(z.run(v, calls[v]))
+                mt.append(_metered(mm, lambda: mc.run(v)))
+                zt.append(_metered(zm, lambda: z.run(v, calls[v])))
+        if zm is not None and mm is not None:
+            comps = calls[v] * LOOP * repeats
+            zres[v + "_threads"] = zm.per_comp(comps)
+            mres[v + "_threads"] = mm.per_comp(comps)
         comps = calls[v] * (LOOP if v == "F" else 1)
         zres[v] = _summary(zt, comps)
         zres[v]["cpu_us_per_comp"] = {k: t / (comps * repeats) * 1e6 for k, t in z.cpu[v].items()}
@@ -598,6 +698,29 @@ def _breakdown(z: dict[str, Any], mc: dict[str, Any]) -> str:
     return "\n".join(out)
 
 
+def threads_table(z: dict[str, Any], mc: dict[str, Any], min_us: float = 0.5) -> str:
+    """The -F per-thread table: per process, each thread name's CPU (us) and
+    context switches (voluntary = the thread slept and was woken; involuntary =
+    preempted) per computation; groups under ``min_us`` and without a switch are
+    summed into "rest". The MC figures include the one-computation barrier
+    before each run."""
+    out = [f"  {'process':<12} {'thread':<22} {'n':>3} {'CPU us/comp':>12} {'vol/comp':>9} {'invol/comp':>11}"]
+    for side in (z.get("F_threads", {}), mc.get("F_threads", {})):
+        for proc, rows in side.items():
+            rest = [0, 0.0, 0.0, 0.0]
+            for r in rows:
+                if r["cpu_us"] < min_us and r["voluntary"] < 0.05:
+                    rest = [rest[0] + r["threads"], rest[1] + r["cpu_us"], rest[2] + r["voluntary"],
+                            rest[3] + r["involuntary"]]
+                    continue
+                out.append(f"  {proc:<12} {r['name']:<22} {r['threads']:>3} {r['cpu_us']:>12,.1f} "
+                           f"{r['voluntary']:>9.3f} {r['involuntary']:>11.3f}")
+            total = sum(r["cpu_us"] for r in rows)
+            out.append(f"  {proc:<12} {'rest':<22} {rest[0]:>3} {rest[1]:>12,.1f} {rest[2]:>9.3f} "
+                       f"{rest[3]:>11.3f}   (process total {total:,.1f})")
+    return "\n".join(out)
+
+
 def _spread(z: dict[str, Any], mc: dict[str, Any]) -> str:
     out = []
     for name, r in (("zpath", z), ("MC", mc)):
@@ -626,6 +749,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="then run MC again with and without a load process that uses as much CPU "
                         "as zpath's controller and workers' I/O threads did: how much of the gap "
                         "sharing the cores with a control plane explains")
+    p.add_argument("--threads", action="store_true",
+                   help="also print, for -F, each process's CPU and context switches per thread "
+                        "and computation (Linux /proc)")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON here")
     p.add_argument("--png", metavar="PATH", help="also draw the figures here (matplotlib)")
     args = p.parse_args(argv)
@@ -650,7 +776,7 @@ def main(argv: list[str] | None = None) -> int:
         for sync in syncs:
             mb = McBench(args.calls_o, args.calls_f, warm_o, warm_f, sync, args.mc_timeout)
             try:
-                z, mc = measure(zb, mb, calls, args.repeats)
+                z, mc = measure(zb, mb, calls, args.repeats, args.threads)
                 load = measure_load(zb, mb, calls, args.repeats) if args.mc_load else None
                 break
             except TimeoutError as e:
@@ -684,6 +810,10 @@ def main(argv: list[str] | None = None) -> int:
     print(_breakdown(z, mc))
     print()
     print(_spread(z, mc))
+    if args.threads:
+        print()
+        print("-F per thread (CPU and context switches per computation, all timed -F runs):")
+        print(threads_table(z, mc))
     if load is not None:
         print()
         print(LOAD_TITLE)

@@ -31,3 +31,51 @@ def test_ratio_interval_with_one_run_is_the_ratio():
 def test_ratio_interval_is_reproducible():
     mine, theirs = [1.0, 1.4, 1.1, 1.3], [1.2, 1.0, 1.1, 0.9]
     assert bench.ratio_ci(mine, theirs) == bench.ratio_ci(mine, theirs)
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="needs Linux /proc")
+def test_thread_meter_attributes_cpu_to_the_thread_that_spent_it():
+    """A thread that burns CPU between start and stop shows up under its name
+    (the busiest of a group of threads of one name on its own, marked "*"),
+    with about the CPU it spent, per computation; a thread that slept on an
+    event counts a voluntary context switch."""
+    import os
+    import threading
+    import time
+
+    go, done, woke, finish = (threading.Event() for _ in range(4))
+
+    def burn() -> None:
+        go.wait()
+        t0 = time.thread_time()
+        while time.thread_time() - t0 < 0.2:
+            pass
+        done.set()
+        finish.wait(20)       # alive until measured: the meter reads live threads
+
+    def sleeper() -> None:
+        go.wait()
+        woke.set()
+        finish.wait(20)
+
+    threads = [threading.Thread(target=burn), threading.Thread(target=sleeper)]
+    for t in threads:
+        t.start()
+    meter = bench.ThreadMeter({"me": os.getpid()})
+    meter.start()
+    go.set()
+    assert done.wait(20) and woke.wait(20)
+    meter.stop()
+    finish.set()
+    for t in threads:
+        t.join(20)
+    rows = meter.per_comp(2)["me"]
+    names = [r["name"] for r in rows]
+    assert rows[0]["name"].endswith("*"), names        # the burner, apart from the sleeper
+    assert 0.09 * 1e6 <= rows[0]["cpu_us"] <= 0.5 * 1e6       # 0.2 s over 2 computations
+    assert rows[0]["threads"] == 1
+    assert any(r["name"] == "main" for r in rows)
+    assert sum(r["voluntary"] for r in rows) >= 0.5          # the sleeper woke once: 1 / 2
+    assert any(r["name"] + "*" == rows[0]["name"] for r in rows), names     # the others of its name
+    assert "rest" in bench.threads_table({"F_threads": {"me": rows}}, {})
