@@ -10,6 +10,7 @@ import dataclasses
 import pytest
 
 from zpath.controller import templates
+from zpath.controller.directory import Plan
 from zpath.net import messages as m
 from zpath.net.codec import PROTOCOL_VERSION
 from tests.test_controller_tenancy import _fill_window, make_rig  # noqa: F401  (fixture)
@@ -883,3 +884,15 @@ def test_a_fused_run_that_would_read_a_copy_not_made_yet_runs_as_plain_calls(mak
     assert dev == 0 and [d for _, d in pieces] == [1]
     rig.drain()
     assert rig.idle() and not rig.failed(a)
+
+
+def test_hosts_are_grouped_by_the_executes_they_run():
+    """SPMD nodes (one Execute for the same hosts) make one group without
+    per-host work; otherwise hosts with the same node list share a group."""
+    a, b, c = (m.Execute(0, 0, name, name, [1], ["x"], [0], [0], [], []) for name in "abc")
+    spmd = [Plan(dict.fromkeys([2, 0, 1], a), []), Plan(dict.fromkeys([2, 0, 1], b), [])]
+    assert templates._host_groups(spmd) == [([0, 1, 2], [(0, a), (1, b)])]
+    mixed = [Plan({0: a, 1: a, 2: c, 3: c}, []), Plan({0: b, 2: b, 3: b}, [])]
+    assert templates._host_groups(mixed) == [
+        ([0], [(0, a), (1, b)]), ([1], [(0, a)]), ([2, 3], [(0, c), (1, b)])]
+    assert templates._host_groups([]) == []

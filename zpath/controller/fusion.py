@@ -88,10 +88,10 @@ class Fusion:
         """Fuse a template from the plans of a run of its plain calls."""
         assert sub.record is not None
         t.fuse_tries += 1
-        island_of = {h: self.rm.hosts[h].island for p in sub.record for h in p.executes}
+        island_of = {h: self.rm.hosts[h].island for h in set().union(*(p.executes for p in sub.record))}
         devices = self.rm.devices
         executes = {id(ex): ex for p in sub.record for ex in p.executes.values()}    # (one for many hosts)
-        host_of = {d: devices[d].host for ex in executes.values() for d in ex.devices}
+        host_of = {d: devices[d].host for devs in {tuple(ex.devices) for ex in executes.values()} for d in devs}
         t.fused = t.fuse(next(self._fused_ids), self.rm.version, sub.record, island_of, host_of, before,
                          self.directory.buffers, inputs, first)
         if t.fused is not None:

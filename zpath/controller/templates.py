@@ -16,7 +16,6 @@ never reach the directory: each host frees them once the run has finished.
 Pure state: no sockets."""
 from __future__ import annotations
 
-import copy
 import dataclasses
 
 from zpath import sharding
@@ -168,22 +167,26 @@ class ProgramTemplate:
         other devices would run one after the other)."""
         if len(plans) != len(self.calls) or any(p.sends for p in plans):
             return None
-        islands = {island_of[h] for p in plans for h in p.executes}
+        groups = _host_groups(plans)
+        islands = {island_of[h] for hosts, _ in groups for h in hosts}
         if len(islands) != 1:
             return None
-        local: dict[int, set[frozenset[int]]] = {}
-        for p in plans:
-            mine: dict[int, dict[int, frozenset[int]]] = {}     # id of an Execute -> host -> its devices
-            for h, ex in p.executes.items():
-                by_host = mine.get(id(ex))
-                if by_host is None:          # (hosts sent one Execute alike: worked out once)
-                    sets: dict[int, list[int]] = {}
-                    for d in ex.devices:
-                        sets.setdefault(host_of[d], []).append(d)
-                    by_host = mine[id(ex)] = {k: frozenset(v) for k, v in sets.items()}
-                local.setdefault(h, set()).add(by_host.get(h, frozenset()))
-        if any(len(sets) > 1 for sets in local.values()):
-            return None
+        mine: dict[int, dict[int, frozenset[int]]] = {}     # id of an Execute -> host -> its devices
+        for hosts, runs in groups:
+            if len({tuple(ex.devices) for _, ex in runs}) <= 1:
+                continue                # every node on the same devices: each host uses one set
+            for h in hosts:
+                local: set[frozenset[int]] = set()
+                for _, ex in runs:
+                    by_host = mine.get(id(ex))
+                    if by_host is None:          # (hosts sent one Execute alike: worked out once)
+                        sets: dict[int, list[int]] = {}
+                        for d in ex.devices:
+                            sets.setdefault(host_of[d], []).append(d)
+                        by_host = mine[id(ex)] = {k: frozenset(v) for k, v in sets.items()}
+                    local.add(by_host.get(h, frozenset()))
+                if len(local) > 1:
+                    return None
         after = self.slot_keys(buffers, inputs)
         if any(k is None for k in before) or \
                 any(not put and a != b for put, a, b in zip(self.put, after, before, strict=True)):
@@ -193,11 +196,11 @@ class ProgramTemplate:
             buf = buffers.get(first + c)
             if buf is None or buf.error is not None:
                 return None
-            results.append((c, *self._output(c), copy.deepcopy(buf.layouts), footprint(buf)))
+            copied = [{r: list(devs) for r, devs in lay.items()} for lay in buf.layouts]
+            results.append((c, *self._output(c), copied, footprint(buf)))
         # one fused Execute per distinct plan Execute (the plan sends hosts one alike
         # where every input is in place), its shards as the plan has them (empty:
         # each worker names its own, as for an Execute)
-        per_host: dict[int, list[m.Execute]] = {}
         devices: set[int] = set()
         seen: dict[int, tuple] = {}
         layouts: dict[int, dict] = {}        # put slot -> its layout
@@ -206,35 +209,41 @@ class ProgramTemplate:
             for c, aval, spec in ins:
                 if c < 0 and -c - 1 not in seen:
                     seen[-c - 1] = (-c - 1, aval, spec, self.put[-c - 1])
-            made: dict[int, m.Execute] = {}       # id of the plan's Execute -> the fused one
+            put = [(j, c) for j, (c, _, _) in enumerate(ins) if c < 0 and self.put[-c - 1]]
+            if not put:
+                continue
+            done: set[int] = set()
             for h, ex in plan.executes.items():
-                fx = made.get(id(ex))
-                first_host = fx is None
-                if first_host:
-                    fx = made[id(ex)] = m.Execute(
-                        0, 0, ex.program, ex.name, ex.mesh_shape, ex.axis_names, ex.devices, ex.jax_ids,
-                        [m.ExecInput(c, i.aval, i.spec, i.shards) for (c, _, _), i in zip(ins, ex.inputs, strict=True)],
-                        [m.ExecOutput(c, o.aval, o.spec) for (c, _, _), o in zip(outs, ex.outputs, strict=True)])
-                per_host.setdefault(h, []).append(fx)
-                for (c, _, _), i in zip(ins, ex.inputs, strict=True):
+                first_host = id(ex) not in done
+                done.add(id(ex))
+                for j, c in put:
                     # a put slot's layout: the shards each host names, or (left to the
                     # workers) every device's region, once per Execute
-                    if c < 0 and self.put[-c - 1] and (i.shards or first_host):
+                    i = ex.inputs[j]
+                    if i.shards or first_host:
                         _put_layout(layouts.setdefault(-c - 1, {}), ex, i, h, host_of)
         puts = [(s, aval, layouts[s], footprint_of([layouts[s]], aval.dtype))
                 for s, aval, _, put in seen.values() if put]
         transient = _transient(self.calls, plans, {c for c in self.release if c >= 0})
         release = [c for c in self.release if c >= 0]      # the values put are freed as buffers
         # hosts whose node lists are the same get one DefineFused (encoded once, relayed)
-        alike: dict[tuple[int, ...], m.DefineFused] = {}
-        defines = {}
-        for h, exs in sorted(per_host.items()):
-            key = tuple(map(id, exs))
-            d = alike.get(key)
-            if d is None:
-                d = alike[key] = m.DefineFused(fused_id, exs, release)
-            defines[h] = d
-        return Fused(fused_id, version, islands.pop(), sorted(per_host), defines,
+        made: dict[int, m.Execute] = {}       # id of a plan's Execute -> the fused one
+        by_host: dict[int, m.DefineFused] = {}
+        for hosts, runs in groups:
+            exs = []
+            for k, ex in runs:
+                fx = made.get(id(ex))
+                if fx is None:
+                    ins, outs = self.calls[k][4], self.calls[k][5]
+                    fx = made[id(ex)] = m.Execute(
+                        0, 0, ex.program, ex.name, ex.mesh_shape, ex.axis_names, ex.devices, ex.jax_ids,
+                        [m.ExecInput(c, i.aval, i.spec, i.shards) for (c, _, _), i in zip(ins, ex.inputs, strict=True)],
+                        [m.ExecOutput(c, o.aval, o.spec) for (c, _, _), o in zip(outs, ex.outputs, strict=True)])
+                exs.append(fx)
+            by_host.update(dict.fromkeys(hosts, m.DefineFused(fused_id, exs, release)))
+        all_hosts = sorted(by_host)
+        defines = {h: by_host[h] for h in all_hosts}
+        return Fused(fused_id, version, islands.pop(), all_hosts, defines,
                      sorted({c[0] for c in self.calls}), sorted(devices), len(self.calls), before,
                      list(seen.values()), results, puts, transient)
 
@@ -244,6 +253,32 @@ class ProgramTemplate:
                 if c == code:
                     return aval, spec
         raise KeyError(code)
+
+
+def _host_groups(plans: list[Plan]) -> list[tuple[list[int], list[tuple[int, m.Execute]]]]:
+    """Hosts whose node lists are the same, each group with the plan Executes
+    they run (call index, Execute), in call order: one group where every node
+    sends all the same hosts one Execute (SPMD), else worked out per host."""
+    if not plans:
+        return []
+    hosts = plans[0].executes.keys()
+    runs = []
+    for k, p in enumerate(plans):
+        exs = p.executes.values()
+        if p.executes.keys() != hosts or len(set(map(id, exs))) != 1:
+            break
+        runs.append((k, next(iter(exs))))
+    else:
+        return [(sorted(hosts), runs)]
+    per_host: dict[int, list[tuple[int, m.Execute]]] = {}
+    for k, p in enumerate(plans):
+        for h, ex in p.executes.items():
+            per_host.setdefault(h, []).append((k, ex))
+    groups: dict[tuple[int, ...], tuple[list[int], list[tuple[int, m.Execute]]]] = {}
+    for h in sorted(per_host):
+        mine = per_host[h]
+        groups.setdefault(tuple(id(ex) for _, ex in mine), ([], mine))[0].append(h)
+    return list(groups.values())
 
 
 def _put_layout(layout: dict, ex: m.Execute, inp: m.ExecInput, host: int, host_of: dict[int, int]) -> None:
@@ -264,15 +299,14 @@ def _transient(calls: list[tuple], plans: list[Plan], intermediates: set[int]) -
     worker keeps them all until the run ends): each intermediate's shards as
     made, and, where a node reads one with other devices or another spec, the
     shards assembled for that node too."""
-    out: dict[int, int] = {}
+    per: dict[tuple[int, ...], int] = {}      # devices -> bytes on each
     made: dict[int, tuple] = {}           # intermediate -> (devices, mesh, spec) it was made with
 
     def add(aval: m.Aval, spec: m.Spec, ex: m.Execute) -> None:
         # one shard per device, all of one size (a spec splits a dimension evenly)
         regions = sharding.regions_of(aval.shape, ex.mesh_shape, ex.axis_names, spec)
-        n = sharding.nbytes(regions[0], aval.dtype)
-        for d in ex.devices:
-            out[d] = out.get(d, 0) + n
+        devs = tuple(ex.devices)
+        per[devs] = per.get(devs, 0) + sharding.nbytes(regions[0], aval.dtype)
 
     for (_, _, _, _, ins, outs), plan in zip(calls, plans, strict=True):
         ex = next(iter(plan.executes.values()))
@@ -284,6 +318,10 @@ def _transient(calls: list[tuple], plans: list[Plan], intermediates: set[int]) -
             if c in intermediates:
                 made[c] = (where, spec_key(spec))
                 add(aval, spec, ex)
+    out: dict[int, int] = {}
+    for devs, n in per.items():          # (nodes on the same devices: added once)
+        for d in devs:
+            out[d] = out.get(d, 0) + n
     return out
 
 
