@@ -318,7 +318,7 @@ class ControllerCore(Peers, FastCalls, Admission, Dispatch, Fusion, Failures, Re
         peer = self.peers.get(ident)
         if peer is not None:
             peer.last_seen = self.now
-            # a client's most frequent messages, before the match tries its cases in turn
+            # a client's most frequent messages (Call, Release): here, not in the match
             kind = type(msg)
             if kind is m.Call and peer.role == "client":
                 self._call(ident, peer, msg)
@@ -346,8 +346,6 @@ class ControllerCore(Peers, FastCalls, Admission, Dispatch, Fusion, Failures, Re
                 self._alloc_slice(ident, parent, msg)
             case m.RegisterProgram() if peer.role == "client":
                 self._register_program(ident, parent, msg, buffers)
-            case m.Call() if peer.role == "client":
-                self._call(ident, peer, msg)
             case m.Program() if peer.role == "client":
                 self._program(ident, peer, msg)
             case m.DefineProgram() if peer.role == "client":
@@ -367,8 +365,6 @@ class ControllerCore(Peers, FastCalls, Admission, Dispatch, Fusion, Failures, Re
             case m.TimelineRequest():
                 self.send(ident, m.Timeline(self.timeline_records(msg.limit), self.event_records(msg.limit),
                                             self.now + self.wall_offset), parent)
-            case m.Release() if peer.role == "client":
-                self._release(msg.buffers, peer.id)
             case m.Goodbye() if peer.role == "client":
                 log.info("client %d (%s) disconnected: %s", peer.id, peer.name, msg.reason)
                 self._client_left(peer)

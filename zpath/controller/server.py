@@ -324,19 +324,15 @@ class Controller:
                 now = time.monotonic()
                 for header, msg, buffers in msgs:
                     kind = type(msg)
-                    if ident not in peers:
-                        if isinstance(msg, ProtocolError):      # one bad item of a batch
-                            self._emit(core.reject(now, ident, header.msg_id, str(BadMessage(
-                                str(msg), ident, header))))
-                            continue
+                    if issubclass(kind, ProtocolError):         # one bad item of a batch
+                        self._emit(core.reject(now, ident, header.msg_id, str(BadMessage(
+                            str(msg), ident, header))))
+                        continue
+                    if ident not in peers:       # (a known peer passed these checks when it registered)
                         why = core.refuses(ident, header.signer, msg)
                         if why:
                             self._emit(core.reject(now, ident, header.msg_id, why))
                             continue
-                    elif issubclass(kind, ProtocolError):       # one bad item of a batch
-                        self._emit(core.reject(now, ident, header.msg_id, str(BadMessage(
-                            str(msg), ident, header))))
-                        continue
                     if kind is not m.Call and kind not in _FLUSH_AFTER:
                         self._emit(core.handle(now, ident, header.msg_id, msg, buffers))
                         continue
@@ -344,17 +340,13 @@ class Controller:
                     t0 = time.time()
                     self._emit(core.handle(now, ident, header.msg_id, msg, buffers))
                     t1 = time.time()
+                    self._plan_event(ident, msg, t0, t1)
                     if kind is m.Call:        # sent, or held while more waits (see above)
-                        peer = peers.get(ident)
-                        prog = core.programs.get(msg.program)
-                        core.events.append(("plan", peer.id if peer else -1, prog[0] if prog else "", t0, t1))
                         if not held:
                             since = t0
                         held += 1
                         if held < COALESCE_CALLS and t1 - since < COALESCE_S:
                             continue
-                    else:
-                        self._plan_event(ident, msg, t0, t1)
                     self._flush_out()
                     held = 0
                 more = readable(self.sock)
