@@ -61,6 +61,26 @@ def _readable(box: Outbox) -> bool:
     return bool(select.select([box.fd], [], [], 0)[0])
 
 
+def test_outbox_drain_empties_a_pipe_of_many_wake_bytes() -> None:
+    """Wakes from finalizers and signal handlers write a byte each, armed or
+    not: one drain takes them all (it reads until a short read), so the next
+    poll sleeps instead of waking at once."""
+    box = Outbox()
+    try:
+        for _ in range(3 * 4096 + 5):
+            box.wake()
+        box.put("item")
+        assert _readable(box)
+        assert box.drain() == [("item",)]
+        assert not _readable(box)
+        box.put("next")      # still armed afresh by the next put
+        assert _readable(box)
+        assert box.drain() == [("next",)]
+        assert not _readable(box)
+    finally:
+        box.close()
+
+
 @pytest.fixture
 def clocked_box(monkeypatch):
     """An Outbox on a clock the test moves (``clock[0]``, seconds)."""

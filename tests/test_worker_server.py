@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import select
 import threading
+import time
 
 import jax
 import numpy as np
@@ -15,8 +16,10 @@ from zpath.config import CommonConfig, WorkerConfig
 from zpath.ids import buffer_id
 from zpath.net import channels, codec
 from zpath.net import messages as m
+from zpath.worker import relay as relays
 from zpath.worker.executor import Executor
 from zpath.worker.server import Worker, _frame, _lower_priority
+from zpath.worker.state import IDLE_WAIT_S, ShapedLink
 from zpath.worker.store import PieceKey, shard_key
 
 pytestmark = pytest.mark.timeout(60)
@@ -65,6 +68,34 @@ def test_a_fetch_not_ready_by_its_deadline_gets_deadline_exceeded_and_leaves_not
     assert reply.request == 2 and reply.error.kind == "DeadlineExceeded"
     assert worker.store.stats([0]) == (0, 0, [0]) and worker.store.buffers_of(1) == []
     worker.state.validate_state()
+
+
+def test_the_loop_does_what_is_due_and_sleeps_idle_with_nothing_pending(worker):
+    """``_due``, run on every wake-up of the I/O loop: with nothing pending it
+    returns the idle wait and sends nothing; a pending fetch, a shaped DCN
+    message or a forwarded message that waited past its time each shorten the
+    wait or are carried out."""
+    assert worker._due() == IDLE_WAIT_S
+    assert not select.select([worker.outbox.fd], [], [], 0)[0]
+    # a fetch due in 0.2 s: the wait ends by then; one past its deadline is answered
+    worker._handle_data(CLIENT, 7, m.Fetch(3, buffer_id(1, 3), 0, [[0, 4]], 0.2), [])
+    assert 0 < worker._due() <= 0.2
+    worker.state.fetches[0] = (0.0, *worker.state.fetches[0][1:])
+    assert worker._due() == IDLE_WAIT_S
+    [(_, _, reply)] = sent(worker)
+    assert reply.request == 3 and reply.error.kind == "DeadlineExceeded"
+    # a DCN message the link delivers in 50 ms: the wait ends by then
+    worker.shaped = ShapedLink(channels.Shaper(50.0, 0.0))
+    worker.shaped.send(1, m.Ping(1), [], time.monotonic())
+    assert 0 < worker._due() <= 0.05
+    worker.shaped = ShapedLink(channels.Shaper(0.0, 0.0))
+    # a forwarded message waiting for a direct one that never came: handled once past its time
+    assert worker.relay.forwarded(1, "tcp://127.0.0.1:9", 5, [], m.Ping(9), [],
+                                  time.monotonic() - 2 * relays.ORDER_WAIT_S) == []
+    worker._due()
+    [(kind, _, pong)] = sent(worker)
+    assert kind == "ctl" and pong.seq == 9
+    assert worker._due() == IDLE_WAIT_S
 
 
 def test_puts_of_a_departed_client_are_dropped(worker):

@@ -330,7 +330,9 @@ class Outbox:
         self._r, self._w = os.pipe()
         os.set_blocking(self._r, False)
         os.set_blocking(self._w, False)
-        self._armed = threading.Event()
+        # a byte is in the pipe (or about to be): set by put, cleared by drain
+        # (a plain flag: under the GIL a race costs at most one extra byte)
+        self._armed = False
         self._closed = False
         self._hold_lock = threading.Lock()
         self._held: list[tuple] = []
@@ -346,8 +348,8 @@ class Outbox:
 
     def put(self, *item: Any) -> None:
         self._items.append(item)
-        if not self._armed.is_set():
-            self._armed.set()
+        if not self._armed:
+            self._armed = True
             try:
                 os.write(self._w, b"x")
             except BlockingIOError:
@@ -400,12 +402,12 @@ class Outbox:
         # Order matters: empty the pipe, then disarm, then take the items. An
         # item put after the disarm finds it clear and writes a new byte, which
         # stays in the pipe for the next poll; one put before it is taken now.
-        try:
-            while os.read(self._r, 4096):
+        try:       # (a short read empties a pipe: no second read to fail)
+            while len(os.read(self._r, 4096)) == 4096:
                 pass
         except BlockingIOError:
             pass
-        self._armed.clear()
+        self._armed = False
         out = []
         if self._held_due is not None and self._held_due - DUE_SLACK_S <= time.monotonic():
             with self._hold_lock:

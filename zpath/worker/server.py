@@ -50,8 +50,8 @@ from zpath.net.transport import (LOG_BURST, LOG_RATE, REPLY_BURST, REPLY_RATE, B
 from zpath.worker import compile_cache
 from zpath.worker import relay as relays
 from zpath.worker.executor import Executor, name_thread
-from zpath.worker.state import (Chunks, FusedRun, LocalShards, PendingFetch, ShapedLink, WorkerState,
-                                refused_on_data)
+from zpath.worker.state import (IDLE_WAIT_S, Chunks, FusedRun, LocalShards, PendingFetch, ShapedLink,
+                                WorkerState, refused_on_data)
 from zpath.worker.store import Entry, PieceKey, Store, shard_key
 
 try:       # internal APIs of JAX, to bind gloo (see _gloo_listens_on)
@@ -259,8 +259,10 @@ class Worker:
         if self.dgram_in is not None:
             poller.register(dgram, zmq.POLLIN)
         self.state.heard_from_controller(time.monotonic())
+        outbox = self.outbox
+        outbox_fd = outbox.fd
         while self.running:
-            ms = self._poll_ms(min(self._expire_fetches(), self._send_shaped(), self._relay_due()))
+            ms = self._poll_ms(self._due())
             events = dict(poller.poll(timeout=ms))
             # data first: a piece or Put that came with the Execute that reads
             # it is then in the store before the executor looks for it
@@ -272,7 +274,7 @@ class Worker:
                 self._drain(self.ctl, router=False)
             if self.dcn is not None and self.dcn in events:
                 self._drain(self.dcn, router=True)
-            if self.outbox.fd in events or self.outbox.held_timeout() == 0.0:
+            if outbox_fd in events or outbox.held_timeout() == 0.0:
                 self._flush()
             if not self.freed_segments.empty():
                 self._ack_freed()
@@ -288,6 +290,17 @@ class Worker:
         except Exception as e:
             log.warning("could not send the last messages: %s", e)
         self.close()
+
+    def _due(self) -> float:
+        """Do what is due by now (fetches past their deadline, shaped DCN
+        messages, relays' rows and what waited past its time); returns seconds
+        until the next is due. With none of them pending (the usual case) it
+        reads no clock and calls nothing: this runs on every wake-up."""
+        relay = self.relay
+        if self.state.fetches or self.shaped.queue or relay.rows or relay.waiting or relay.held \
+                or relay.blocked is not None:
+            return min(self._expire_fetches(), self._send_shaped(), self._relay_due())
+        return IDLE_WAIT_S
 
     def _poll_ms(self, wait: float) -> int:
         """Milliseconds the loop may wait for its sockets: ``wait`` (seconds,
