@@ -324,10 +324,10 @@ _SCRIPT = textwrap.dedent("""
     # storing a computation's outputs fails (a bug): its outputs fail with the
     # error and its report carries it; nothing waits for ever
     output_shards = executor_module._Prepared.output_shards
-    def failing_output_shards(self, k, o, out):
+    def failing_output_shards(self, k, o, out, lazy=False):
         if o.buffer == 6001:
             raise RuntimeError("injected")
-        return output_shards(self, k, o, out)
+        return output_shards(self, k, o, out, lazy)
     executor_module._Prepared.output_shards = failing_output_shards
     for k in range(3):
         ex.submit(numbered(70 + k, node(digest, 6000 + k, 6001 + k)))
@@ -353,10 +353,10 @@ _SCRIPT = textwrap.dedent("""
         time.sleep(0.01)
         raise RuntimeError("injected")
     prepared_g.fn = boom_later
-    def slow_output_shards(self, k, o, out):
+    def slow_output_shards(self, k, o, out, lazy=False):
         if o.buffer == 7001:
             time.sleep(0.03)
-        return output_shards(self, k, o, out)
+        return output_shards(self, k, o, out, lazy)
     executor_module._Prepared.output_shards = slow_output_shards
     slow.add(82)
     ex.submit(numbered(80, node(digest, 7100, 7001)))

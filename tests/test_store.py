@@ -125,3 +125,33 @@ def test_id_ranges_merge_runs_and_answer_membership():
         big.add(n)
     big.validate_state()
     assert len(big) == 1 and 100_000 in big and 100_001 not in big
+
+
+def test_an_unsplit_shard_is_split_when_read_and_before_a_donation():
+    """A plain computation's output is stored Unsplit (the array and the
+    shard's index); reading it gives that shard as a single-device array, once.
+    ``split`` does that before the array is donated, so the store then holds
+    the shard as it would have been had it been split at once (an array that
+    says it was deleted), not an array it can no longer split."""
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    devs = jax.devices()[:2]
+    sh = NamedSharding(Mesh(np.array(devs), ("i",)), P("i"))
+    s = st.Store()
+    out = jax.jit(lambda x: x + 1, out_shardings=sh)(np.arange(2.0 * len(devs)))
+    keys = [st.shard_key(5, d.id, [[2 * i, 2 * i + 2]]) for i, d in enumerate(devs)]
+    for i, k in enumerate(keys):
+        s.set(k, st.Unsplit(out, i))
+    first = s.entry(keys[0]).value
+    assert first.sharding.device_set == {devs[0]} and np.asarray(first).tolist() == [1.0, 2.0]
+    assert s.entry(keys[0]).value is first                  # split once
+    assert s.stats()[:2] == (len(devs), out.nbytes)
+    other = jax.jit(lambda x: x * 2, out_shardings=sh)(np.arange(2.0 * len(devs)))
+    key = st.shard_key(6, devs[0].id, [[0, 2]])
+    s.set(key, st.Unsplit(other, 0))
+    s.split([6, 7])           # (7: nothing stored)
+    assert type(s._entries[key]._value) is not st.Unsplit
+    jax.jit(lambda x: x - 1, donate_argnums=0)(other)
+    assert other.is_deleted() and s.entry(key).value.is_deleted()

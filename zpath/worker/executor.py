@@ -32,7 +32,7 @@ from zpath.config import DEEP_QUEUE, HOLD_DEEP_S, HOLD_SHORT_S, SHORT_COMPUTATIO
 from zpath.net import channels
 from zpath.net import messages as m
 from zpath.worker.state import FreeOrder, FusedRun
-from zpath.worker.store import PieceKey, ShardKey, Store, shard_key
+from zpath.worker.store import PieceKey, ShardKey, Store, Unsplit, shard_key
 
 try:       # JAX's array class, whose constructor can skip the checks that
     # make_array_from_single_device_arrays does (an internal name: None if gone)
@@ -301,7 +301,7 @@ class Executor:
         error = None
         try:
             for k, (o, out) in enumerate(zip(ex.outputs, outs, strict=True)):
-                self._store_output(prepared, k, o, o.buffer, out)
+                self._store_output(prepared, k, o, o.buffer, out, lazy=True)
         except Exception as e:
             error = self._failed(ex, ex.exec_id, _as_is, e, None)
         finally:
@@ -309,10 +309,12 @@ class Executor:
                 self._free(self._order.finish(index))
         return error
 
-    def _store_output(self, prepared: "_Prepared", k: int, o: m.ExecOutput, buffer: int, out: Any) -> None:
-        """Store output ``k`` of a computation (``out``, as ``buffer``), shard by shard."""
+    def _store_output(self, prepared: "_Prepared", k: int, o: m.ExecOutput, buffer: int, out: Any,
+                      lazy: bool = False) -> None:
+        """Store output ``k`` of a computation (``out``, as ``buffer``), shard by
+        shard (``lazy``: see ``_Prepared.output_shards``)."""
         store_set = self.store.set
-        for gid, region, data in prepared.output_shards(k, o, out):
+        for gid, region, data in prepared.output_shards(k, o, out, lazy):
             store_set(ShardKey(buffer, gid, region), data)
 
     def _short(self, ex: "m.Execute | FusedRun") -> bool:
@@ -529,8 +531,11 @@ class Executor:
         prepared = self._prepare(ex)
         if prepared.donates:
             # what the computation before left to the settler is stored first:
-            # the buffers this one donates may be its outputs
+            # the buffers this one donates may be its outputs (split out of
+            # the arrays this one is then passed)
             self._drain_settles()
+            if chain:
+                self.store.split(chain)
         args, first_error = [], None
         for k, inp in enumerate(ex.inputs):
             shards = []
@@ -748,8 +753,9 @@ class _Prepared:
         # per input: (shape, dtype, shard shape, device set of each shard in
         # order, global aval) once seen, to build the array without re-checking
         self.in_fast: list[tuple | None] = [None] * len(in_shardings)
-        # per output: (shape, [(global device id, region, empty shard's shape or None)])
-        # in the order of the array's addressable shards
+        # per output: (shape, [(global device id, region, empty shard's shape or None)]
+        # in the order of the array's addressable shards, whether any is empty, the
+        # output's sharding: jit gives each call's output the same object)
         self.out_fast: list[tuple | None] = [None] * n_outputs
 
     def matches(self, ex: m.Execute) -> bool:
@@ -783,20 +789,26 @@ class _Prepared:
                 self.in_fast[k] = (shape, arr.dtype, shards[0].shape, device_sets, arr.aval)
         return arr
 
-    def output_shards(self, k: int, o: m.ExecOutput, out: Any) -> list[tuple[int, tuple, Any]]:
+    def output_shards(self, k: int, o: m.ExecOutput, out: Any, lazy: bool = False
+                      ) -> list[tuple[int, tuple, Any]]:
         """(global device id, region, shard data) of every local shard of output
         ``k``. ValueError if the computation made another shape or dtype than the
         call declared (the declared one is what the controller counts and plans
-        with): the computation fails, alone."""
+        with): the computation fails, alone. With ``lazy``, once the layout is
+        known, the data are Unsplit (see store.Unsplit): for a plain
+        computation's outputs, which only ``Executor._execute``'s chain passes on
+        whole (and splits before a donation); a fused run passes its arrays on
+        as they are to computations that may donate them, so it splits them now."""
         shape = tuple(o.aval.shape)
         if out.shape != shape or channels.dtype_name(out.dtype) != o.aval.dtype:
             raise ValueError(f"output {k} is {out.dtype.name}{list(out.shape)}, but the call declared "
                              f"{o.aval.dtype}{o.aval.shape}")
         fast = self.out_fast[k]
+        if lazy and fast is not None and fast[0] == shape and not fast[2] and out.sharding is fast[3]:
+            # the same layout as last time: the shards go to the store unsplit
+            return [(gid, region, Unsplit(out, i)) for i, (gid, region, _) in enumerate(fast[1])]
         arrays = getattr(out, "_arrays", None)
         if fast is not None and fast[0] == shape and arrays is not None and len(arrays) == len(fast[1]):
-            if not fast[2]:
-                return [(gid, region, a) for (gid, region, _), a in zip(fast[1], arrays, strict=True)]
             return [(gid, region, a if empty is None else self._empty(empty, out.dtype, gid))
                     for (gid, region, empty), a in zip(fast[1], arrays, strict=True)]
         gid = self.executor.gid
@@ -811,7 +823,7 @@ class _Prepared:
             result.append((gid[sh.device], region, data))
         if arrays is not None and len(arrays) == len(plan) and \
                 all(a is sh.data for a, sh in zip(arrays, out.addressable_shards, strict=True)):
-            self.out_fast[k] = (shape, plan, any(e is not None for _, _, e in plan))
+            self.out_fast[k] = (shape, plan, any(e is not None for _, _, e in plan), out.sharding)
         return result
 
     def _empty(self, shape: tuple, dtype: Any, gid: int) -> Any:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import collections
 import threading
 import time
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, Iterable, NamedTuple
 
 from zpath.ids import client_of
 from zpath.net import messages as m
@@ -35,15 +35,42 @@ def shard_key(buffer: int, device: int, region: Any) -> ShardKey:
     return ShardKey(buffer, device, tuple(tuple(x) for x in region))
 
 
+class Unsplit:
+    """A shard stored as its computation's output and its index among the
+    output's local shards, split out (``array._arrays[index]``: a new jax
+    Array, 15-30 us each) only when something reads it. The outputs of a chain
+    of computations are passed on whole and freed unread, so most are never
+    split."""
+
+    __slots__ = ("array", "index")
+
+    def __init__(self, array: Any, index: int) -> None:
+        self.array = array
+        self.index = index
+
+
 class Entry:
-    __slots__ = ("value", "error", "done", "event", "callbacks")
+    __slots__ = ("_value", "error", "done", "event", "callbacks")
 
     def __init__(self) -> None:
-        self.value: Any = None
+        self._value: Any = None
         self.error: m.ErrorInfo | None = None
         self.done = False                          # has a value or an error
         self.event: threading.Event | None = None  # made for the first waiter only
         self.callbacks: list[Callable[["Entry"], None]] = []
+
+    @property
+    def value(self) -> Any:
+        """The shard's data (an Unsplit one is split now, once: two threads
+        that split it at once get the same shard, which jax keeps)."""
+        v = self._value
+        if type(v) is Unsplit:
+            v = self._value = v.array._arrays[v.index]
+        return v
+
+    @value.setter
+    def value(self, value: Any) -> None:
+        self._value = value
 
 
 # How long a freed buffer id is remembered, so that a client's Put that comes in
@@ -82,6 +109,15 @@ class Store:
                 if self._failed and b in self._failed:
                     e.error, e.done = self._failed[b], True
         return e
+
+    def split(self, buffers: Iterable[int]) -> None:
+        """Split now these buffers' shards that were stored Unsplit: before a
+        computation donates the array they are in, which then cannot be split
+        (the shards, as arrays, are deleted with it, as if split at once)."""
+        with self._lock:
+            entries = [self._entries[k] for b in buffers for k in self._by_buffer.get(b, ())]
+        for e in entries:
+            e.value         # (splits it)
 
     def fail_buffers(self, buffers: list[int], error: m.ErrorInfo) -> None:
         """These buffers will never come: their shards that are not done fail
