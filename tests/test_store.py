@@ -2,6 +2,8 @@
 client's Put that comes after the Free is dropped rather than kept for good."""
 import threading
 
+import pytest
+
 from zpath.ids import buffer_id
 from zpath.net import messages as m
 from zpath.worker import store as st
@@ -155,3 +157,9 @@ def test_an_unsplit_shard_is_split_when_read_and_before_a_donation():
     assert type(s._entries[key]._value) is not st.Unsplit
     jax.jit(lambda x: x - 1, donate_argnums=0)(other)
     assert other.is_deleted() and s.entry(key).value.is_deleted()
+    # not split first: reading it says why it cannot
+    third = jax.jit(lambda x: x * 3, out_shardings=sh)(np.arange(2.0 * len(devs)))
+    s.set(st.shard_key(8, devs[0].id, [[0, 2]]), st.Unsplit(third, 0))
+    jax.jit(lambda x: x - 1, donate_argnums=0)(third)
+    with pytest.raises(RuntimeError, match="deleted"):
+        s.entry(st.shard_key(8, devs[0].id, [[0, 2]])).value

@@ -65,7 +65,11 @@ class Entry:
         that split it at once get the same shard, which jax keeps)."""
         v = self._value
         if type(v) is Unsplit:
-            v = self._value = v.array._arrays[v.index]
+            arrays = v.array._arrays
+            if arrays is None:      # (jax's answer for a deleted array: Store.split comes first)
+                raise RuntimeError(f"the array of this shard was deleted (donated) before it was "
+                                   f"split: {v.array.shape} shard {v.index}")
+            v = self._value = arrays[v.index]
         return v
 
     @value.setter
