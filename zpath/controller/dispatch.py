@@ -270,14 +270,19 @@ class Dispatch:
         lost while it waited)."""
         node = ready.item
         run = node.run
+        # (a call the fast path planned: its Execute is sent as it was made, fastcall.py)
+        fast = self.fast_parked.pop(node.exec_id, None) if self.fast_parked else None
         err = self._unsendable(node)
         if err is None and (self.copies_dropped or self.unsent_copies):
             err = self._repair(node)
+            fast = None                   # (the plan may have changed)
         if err is not None:
             self._abandon(node, was_parked, err)
             return
         hold = may_hold(self.tenants, node.island, run.peer.id, run.sequential, self.memory_limit)
-        exec_id = self._dispatch(run.peer, node.call, *node.planned, hold=hold, devices=ready.devices)
+        exec_id = None if fast is None else self._fast_dispatch(fast, node, hold)
+        if exec_id is None:
+            exec_id = self._dispatch(run.peer, node.call, *node.planned, hold=hold, devices=ready.devices)
         self.send_budget -= SEND_COST + len(node.planned[0].executes)
         self.tenants.sent(exec_id, ready)
         run.sent += 1
@@ -335,6 +340,7 @@ class Dispatch:
         """A node that will never be sent: its client left, or it cannot run
         (``err``: its outputs fail with it, so their consumers fail too)."""
         run = node.run
+        self.fast_parked.pop(node.exec_id, None)
         self._release_transient(node.planned[0].transient)
         # its plan recorded copies of its inputs it will never make: forget them
         # (an input left with no copy fails)
