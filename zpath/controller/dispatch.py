@@ -244,9 +244,13 @@ class Dispatch:
         if node.run.peer.gone:            # its client left meanwhile
             self._abandon(node, was_parked)
             return
-        call = node.call
-        devices = tuple(call.devices)
-        ready = Ready(node.run.peer.id, node.island, devices, (call.program, devices), node)
+        fast = self.fast_parked.get(node.exec_id) if self.fast_parked else None
+        if fast is not None:              # (planned by the fast path: its call's devices and cost key)
+            ready = Ready(node.run.peer.id, node.island, fast.ready.devices, fast.ready.cost_key, node)
+        else:
+            call = node.call
+            devices = tuple(call.devices)
+            ready = Ready(node.run.peer.id, node.island, devices, (call.program, devices), node)
         if self.tenants.can_send_now(ready):
             self._send(ready, was_parked)
             return
@@ -329,8 +333,9 @@ class Dispatch:
             if buf is not None and buf.error is not None:
                 return buf.error
         plan = node.planned[0]
-        for h in [*plan.executes, *(src for src, _ in plan.sends)]:
-            host = self.rm.hosts[h]
+        hosts = self.rm.hosts
+        for h in [*plan.executes, *(src for src, _ in plan.sends)] if plan.sends else plan.executes:
+            host = hosts[h]
             if not host.alive:
                 return m.ErrorInfo(ErrorKind.HOST_LOST, f"host {h} ({host.name}, island {host.island}) was lost "
                                    "before this computation could run", h, node.planned[1], "")
