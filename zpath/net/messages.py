@@ -373,7 +373,7 @@ class ExecRecord(Record):
     host: int
     client: int
     name: str
-    devices: list[int]
+    devices: IntRuns         # (as runs: a fused run's record names every device it spans)
     start: float
     end: float
     ok: bool
@@ -454,8 +454,8 @@ class NodePlan(Record):
     call_id: int
     name: str
     island: int
-    hosts: list[int]
-    devices: list[int]
+    hosts: IntRuns
+    devices: IntRuns
     transfers: list[TransferInfo]
 
 
