@@ -52,11 +52,12 @@ run timed until the first and the last host hold their shard of its result):
 at its end), ``fused_define_run_ms`` its first fused run (each host gets the
 fused program, ``DefineFused``, and the run, ``RunFused``), with
 ``fused_sim_cpu_ms_define`` the simulated hosts' CPU for that run (decoding and
-keeping the definition: all hosts, one process), and ``fused_run_ms`` the median
-of ``--fused-runs`` (5) later fused runs, ``fused_ctl_cpu_us_per_node`` the
-controller's CPU per node over those runs (``fused_sim_cpu_ms_per_run``: the
-simulated hosts', per run), ``fused_max_stall_ms`` the longest
-round trip of a second client's pings (every 5 ms) through all of it, and
+keeping the definition: all hosts, one process); ``fused_max_stall_ms`` the
+longest round trip of a second client's pings (every 5 ms) through these and
+``--fused-runs`` (5) more; then, without the pings, ``fused_run_ms`` the median
+of ``--fused-runs`` fused runs, ``fused_ctl_cpu_us_per_node`` the controller's
+CPU per node over them (``fused_sim_cpu_ms_per_run``: the simulated hosts',
+per run), and
 ``fused_timeline_names`` the names the controller's timeline gives the last
 computations (the fused runs: the template's name, "fused").
 
@@ -527,38 +528,41 @@ def fused(cluster: SimulatedCluster, d: Driver, ctl: psutil.Process, sim: psutil
                     [] if k == 0 else [m.CallInput(first + k - 1, aval, ["x"], False)],
                     [m.CallOutput(first + k, aval, ["x"])]) for k in range(nodes)]
     program = m.Program(next(d._calls), "scale_fused", "parallel", calls, [first + k for k in range(nodes - 1)])
+    def run() -> tuple[float, float, float]:
+        """One fused run: (wall, controller CPU, simulated hosts' CPU) seconds."""
+        first = block()
+        c0, s0 = cpu_s(ctl), cpu_s(sim)
+        wall = timed_all(lambda: d.ep.send(d.sock, m.RunProgram(
+            next(d._calls), template, [], first, [first + nodes - 1])), first + nodes - 1)
+        c1, s1 = cpu_s(ctl), cpu_s(sim)
+        d.release([first + nodes - 1])
+        return wall, c1 - c0, s1 - s0
+
+    # with a second client's pings (for the stall): the first run, the one that
+    # defines it, and ``runs`` more; then ``runs`` without them (CPU and times)
     prober = Prober(cluster.address, cluster.key)
     try:
         first_run = timed_all(lambda: d.ep.send(d.sock, m.DefineProgram(template, [], first, nodes, program)),
                               first + nodes - 1)
         d.release([first + nodes - 1])
-        walls, cpu, sim_cpu = [], 0.0, 0.0
-        for i in range(runs + 1):
-            first = block()
-            c0, s0 = cpu_s(ctl), cpu_s(sim)
-            walls.append(timed_all(lambda: d.ep.send(d.sock, m.RunProgram(
-                next(d._calls), template, [], first, [first + nodes - 1])), first + nodes - 1))
-            c1, s1 = cpu_s(ctl), cpu_s(sim)
-            d.release([first + nodes - 1])
-            if i == 0:
-                sim_define = s1 - s0
-            else:
-                cpu += c1 - c0
-                sim_cpu += s1 - s0
+        define = run()
+        for _ in range(runs):
+            run()
     finally:
         prober.stop()
+    quiet = [run() for _ in range(runs)]
     # the runs as the controller's timeline has them: one fused computation each
     d.ep.send(d.sock, m.TimelineRequest(runs + 1))
     timeline = d._wait(lambda msg: isinstance(msg, m.Timeline), 30.0)
     d.ep.send(d.sock, m.DropTemplates([template]))
     d.drain()
-    return {"fused_nodes": nodes,
-            "fused_timeline_names": sorted({r.name for r in timeline.records}), "fused_first_run_ms": first_run * 1e3, "fused_define_run_ms": walls[0] * 1e3,
-            "fused_sim_cpu_ms_define": sim_define * 1e3,
-            "fused_run_ms": statistics.median(walls[1:]) * 1e3 if runs else None,
-            "fused_runs_ms": [round(w * 1e3, 2) for w in walls[1:]],
-            "fused_ctl_cpu_us_per_node": cpu / (runs * nodes) * 1e6 if runs else None,
-            "fused_sim_cpu_ms_per_run": sim_cpu / runs * 1e3 if runs else None,
+    return {"fused_nodes": nodes, "fused_timeline_names": sorted({r.name for r in timeline.records}),
+            "fused_first_run_ms": first_run * 1e3, "fused_define_run_ms": define[0] * 1e3,
+            "fused_sim_cpu_ms_define": define[2] * 1e3,
+            "fused_run_ms": statistics.median(w for w, _, _ in quiet) * 1e3 if runs else None,
+            "fused_runs_ms": [round(w * 1e3, 2) for w, _, _ in quiet],
+            "fused_ctl_cpu_us_per_node": sum(c for _, c, _ in quiet) / (runs * nodes) * 1e6 if runs else None,
+            "fused_sim_cpu_ms_per_run": sum(s for _, _, s in quiet) / runs * 1e3 if runs else None,
             "fused_max_stall_ms": max(prober.rtts) * 1e3 if prober.rtts else None}
 
 
