@@ -417,15 +417,15 @@ def _execute(devices: list[int], jax_ids: list[int] | None = None) -> m.Execute:
     ([], []),
     ([7], [7]),
     ([3, 1, 2], [3, 1, 2]),
-    (list(range(7)), list(range(7))),                     # shorter than RUNS_FROM: plain
+    (list(range(15)), list(range(15))),                   # shorter than RUNS_FROM: plain
     (list(range(2048)), [[0, 2048, 1]]),
     (list(range(2047, -1, -1)), [[2047, -1, -1]]),         # descending
     (list(range(4, 4 * 512, 4)), [[4, 2048, 4]]),          # strided
-    ([0, 1, 2, 3, 10, 11, 12, 13, 7, 9, 100], [[0, 4, 1], [10, 14, 1], 7, 9, 100]),
-    ([5, 9, 1, 8, 2, 7, 3, 6], [5, 9, 1, 8, 2, 7, 3, 6]),  # no run: as plain ints
-    ([1, 1, 1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1, 1, 1]),  # step 0 is no run
-    ([0, 1, 2, 3, 2, 1, 0, -1], [[0, 4, 1], [2, -2, -1]]),
-    ([2**64 - 1] + list(range(2**63 - 3, 2**63 + 4)), [2**64 - 1] + list(range(2**63 - 3, 2**63 + 4))),
+    ([0, 1, 2, 3, 10, 11, 12, 13, 7, 9, 100, 20, 30, 40, 50, 60], [[0, 4, 1], [10, 14, 1], 7, 9, 100, [20, 70, 10]]),
+    ([5, 9, 1, 8, 2, 7, 3, 6] * 2, [5, 9, 1, 8, 2, 7, 3, 6] * 2),  # no run: as plain ints
+    ([1] * 16, [1] * 16),                                  # step 0 is no run
+    ([0, 1, 2, 3, 2, 1, 0, -1, -2, -3, -4, -5, -6, -7, -8, 5], [[0, 4, 1], [2, -9, -1], 5]),
+    ([2**64 - 1] + list(range(2**63 - 8, 2**63 + 8)), [2**64 - 1] + list(range(2**63 - 8, 2**63 + 8))),
 ])
 def test_device_lists_travel_as_runs(devices: list[int], wire: list[Any]) -> None:
     frames = enc(_execute(devices))
@@ -658,11 +658,11 @@ I64 = range(-(2**63), 2**63)
 
 
 def ref_runs(v: list[int]) -> list[Any]:
-    """docs/protocol.md's IntRuns as a sender writes it: fewer than 8 values as
+    """docs/protocol.md's IntRuns as a sender writes it: fewer than 16 values as
     they are; else, from the left, each stretch of at least 3 equally spaced
     values (step and stop within int64) as [start, stop, step], the others as
     themselves."""
-    if len(v) < 8:
+    if len(v) < 16:
         return list(v)
     out: list[Any] = []
     i = 0

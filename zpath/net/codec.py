@@ -134,7 +134,8 @@ class _Runs:
 
 RUNS = _Runs()
 IntRuns = typing.Annotated[list[int], RUNS]
-RUNS_FROM = 8                   # a list shorter than this goes as plain ints
+RUNS_FROM = 16                  # a list shorter than this goes as plain ints (a 2-host mesh's 8
+                                # devices are read as fast plain, and a run costs the sender a comparison)
 MAX_RUN_INTS = 1 << 20          # values in one decoded IntRuns list
 _RUN_MIN = 3                    # a run shorter than this goes as its values
 _INT_MIN, _INT_MAX = -(1 << 63), (1 << 63) - 1     # runs' ends kept where msgpack packs them
@@ -185,17 +186,17 @@ def unpack_runs(v: Any) -> list[int]:
     if it is not one."""
     if type(v) is not list:
         raise ProtocolError(f"expected list, got {type(v).__name__}")
-    plain = True
-    for i, x in enumerate(v):
+    for x in v:
         if type(x) is not int:
-            if type(x) is not list or len(x) != 3 or type(x[0]) is not int or type(x[1]) is not int \
-                    or type(x[2]) is not int:
-                raise ProtocolError(f"[{i}]: expected int or [start, stop, step], got {x!r:.40}")
-            plain = False
-    if plain:
+            break
+    else:                                    # plain ints (a fresh list: msgpack made it)
         if len(v) > MAX_RUN_INTS:
             raise ProtocolError(f"more than {MAX_RUN_INTS} values")
-        return v                             # plain ints (a fresh list: msgpack made it)
+        return v
+    for i, x in enumerate(v):
+        if type(x) is not int and (type(x) is not list or len(x) != 3 or type(x[0]) is not int
+                                   or type(x[1]) is not int or type(x[2]) is not int):
+            raise ProtocolError(f"[{i}]: expected int or [start, stop, step], got {x!r:.40}")
     key = tuple(tuple(x) if type(x) is list else x for x in v)
     got = _RUNS_SEEN.get(key)
     if got is not None:
