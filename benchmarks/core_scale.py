@@ -16,7 +16,9 @@ benchmarks/core_scale.py``) for side-by-side figures.
 ``--fused NODES`` also measures a template of NODES SPMD nodes: the largest
 turn of its first run (which fuses it) and, for its first fused run, the
 core's CPU, the encoding and signing of what it sends (each message many
-peers get alike once), the bytes, and the workers' decoding.
+peers get alike once), the bytes, the workers' decoding, and one worker's
+handling of its ``DefineFused`` (decoded and kept, as a worker process first
+meets it).
 
     python benchmarks/core_scale.py [--hosts 64 256 512] [--nodes 30] [--repeats 5] [--in-flight K]
         [--fused NODES] [--json]
@@ -37,6 +39,7 @@ from zpath.controller.core import ControllerCore, Send
 from zpath.net import codec
 from zpath.net import messages as m
 from zpath.net.codec import PROTOCOL_VERSION
+from zpath.worker.state import LocalShards, WorkerState
 
 RELAY = getattr(m, "Relay", None)       # (protocol 4; an older checkout has none)
 
@@ -140,8 +143,9 @@ def measure_fused(hosts: int, devices: int, nodes: int, relay_min_hosts: int | N
     host the fused program (``DefineFused``) and the ``RunFused``: the core's
     CPU for it, the loop's encoding and signing of what it sends (a message
     many peers get alike once, a Relay's message once), the bytes sent, how
-    many distinct ``DefineFused`` there are, and the workers' decoding of what
-    they get, summed over the hosts."""
+    many distinct ``DefineFused`` there are, the workers' decoding of what
+    they get, summed over the hosts, and one worker's decoding and keeping of
+    its ``DefineFused`` (its bytes; the median of 5, CPU)."""
     chain = Chain(hosts, devices, relay_min_hosts)
     c, now, devs = chain.c, chain.now, chain.devices
     av = m.Aval([len(devs)], "float32")
@@ -215,12 +219,24 @@ def measure_fused(hosts: int, devices: int, nodes: int, relay_min_hosts: int | N
         for _ in range(n):
             codec.decode(key, frames)
     decode_s = time.process_time() - t0
+    # one worker's handling of its DefineFused, as a worker process meets it the
+    # first time: decoding it and keeping it, its shards named from its own devices
+    define = next(frames for _, frames in received if codec.decode(key, frames)[1].TYPE == m.DefineFused.TYPE)
+    runs_seen = getattr(codec, "_RUNS_SEEN", {})       # (what the codec keeps of lists sent as runs)
+    worker_s = []
+    for _ in range(5):
+        runs_seen.clear()
+        state = WorkerState(60.0, now)
+        t0 = time.process_time()
+        state.define_fused(codec.decode(key, define)[1], LocalShards(set(range(devices))))
+        worker_s.append(time.process_time() - t0)
     return {"hosts": hosts, "devices": hosts * devices, "fused_nodes": nodes,
             "first_run_largest_turn_ms": first_run_ms,
             "distinct_define_fused": len({id(d) for d in template.fused.defines.values()}),
             "fused_run_core_ms": core_s * 1e3, "fused_run_encode_ms": encode_s * 1e3,
             "fused_run_turn_ms": (core_s + encode_s) * 1e3, "fused_run_sent_mb": sent_bytes / 1e6,
-            "workers_decode_ms": decode_s * 1e3}
+            "workers_decode_ms": decode_s * 1e3, "define_fused_bytes": sum(len(f) for f in define),
+            "worker_define_ms": statistics.median(worker_s) * 1e3}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -248,7 +264,9 @@ def main(argv: list[str] | None = None) -> int:
                       f"{r['first_run_largest_turn_ms']:.0f} ms; first fused run: {r['distinct_define_fused']} "
                       f"distinct DefineFused, core {r['fused_run_core_ms']:.0f} ms + encoding "
                       f"{r['fused_run_encode_ms']:.0f} ms, {r['fused_run_sent_mb']:.2f} MB sent, workers' "
-                      f"decoding {r['workers_decode_ms']:.0f} ms in all", flush=True)
+                      f"decoding {r['workers_decode_ms']:.0f} ms in all; one worker's DefineFused "
+                      f"({r['define_fused_bytes'] / 1e3:.1f} kB) decoded and kept in "
+                      f"{r['worker_define_ms']:.2f} ms", flush=True)
         r = measure(n, args.devices, args.nodes, args.repeats, args.relay_min_hosts, args.in_flight)
         if args.json is not None:
             print(json.dumps(r), flush=True)

@@ -45,6 +45,22 @@ controller's, not a tracing client's) and prints per N:
   ratio, ``pipeline_ratio_range`` the smallest and largest pair, and
   ``pipeline_ms`` every run's time.
 
+``fused_*`` -- a template (``DefineProgram``) of ``--fused-nodes`` (32) SPMD
+nodes over every device of every host, a chain that takes no device time (each
+run timed until the first and the last host hold their shard of its result):
+``fused_first_run_ms`` its first run (its plain calls; the controller fuses it
+at its end), ``fused_define_run_ms`` its first fused run (each host gets the
+fused program, ``DefineFused``, and the run, ``RunFused``), with
+``fused_sim_cpu_ms_define`` the simulated hosts' CPU for that run (decoding and
+keeping the definition: all hosts, one process); ``fused_max_stall_ms`` the
+longest round trip of a second client's pings (every 5 ms) through these and
+``--fused-runs`` (5) more; then, without the pings, ``fused_run_ms`` the median
+of ``--fused-runs`` fused runs, ``fused_ctl_cpu_us_per_node`` the controller's
+CPU per node over them (``fused_sim_cpu_ms_per_run``: the simulated hosts',
+per run), and
+``fused_timeline_names`` the names the controller's timeline gives the last
+computations (the fused runs: the template's name, "fused").
+
 ``relayed_messages`` counts the ``Relay`` messages the controller sent
 (``Status.relayed``): a message for at least ``--relay-min-hosts`` hosts goes
 once per group of ``--relay-group`` hosts (the controller's
@@ -58,7 +74,8 @@ stages) with matplotlib (benchmarks/plots.py, the ``bench`` extra). This is a be
 that prints figures, not a test.
 
     python benchmarks/scale.py [--hosts 1 8 64 256 512] [--devices 4] [--quick] [--json [PATH]] [--png docs/scale.png]
-                               [--relay-min-hosts N] [--relay-group K]
+                               [--relay-min-hosts N] [--relay-group K] [--fused-nodes F] [--fused-runs R]
+                               [--fused-only]
 """
 from __future__ import annotations
 
@@ -97,9 +114,9 @@ except ImportError:          # the figures are still printed
 HOSTS = (1, 8, 64, 256, 512)
 LADDER_MS = (0.5, 1.0, 2.3, 5.0, 10.0, 20.0, 35.0, 50.0, 100.0, 200.0)
 BUSY = 0.95
-# host reports asked for per rung (--timeline): each names all of its node's
-# devices, so this many over 2,048 devices stay under the largest message body
-TIMELINE_RECORDS = 2400
+# host reports asked for per rung (--timeline): a rung's at 512 hosts (each
+# names its node's devices as runs, a few bytes for all 2,048)
+TIMELINE_RECORDS = 40_000
 F_COMPUTATIONS = 128
 HEARTBEAT_S = 2.0            # the driver's heartbeat while it waits (see Driver.wait_for)
 
@@ -310,6 +327,7 @@ def timed(d: Driver, send: Any, last: int, device: int, length: int) -> float:
 
 def measure(hosts: int, devices: int, quick: bool, big_nodes: int, repeats: int,
             relay_min_hosts: int | None = None, relay_group: int | None = None,
+            fused_nodes: int = 32, fused_runs: int = 5, fused_only: bool = False,
             timelines: list[dict] | None = None) -> dict:
     started = time.perf_counter()
     # (a simulated host's Pong may wait behind thousands of queued messages on
@@ -324,14 +342,24 @@ def measure(hosts: int, devices: int, quick: bool, big_nodes: int, repeats: int,
         sim = psutil.Process(cluster.procs[1][1].pid)
         d = Driver(cluster.address, cluster.key)
         try:
-            return _measure(cluster, d, ctl, sim, hosts, devices, quick, big_nodes, repeats, started, timelines)
+            if fused_only:
+                # (as the full run: the program known to every host, its plan cached)
+                calls, outs = chain(d, d.program(0.0), d.devices, 4)
+                timed(d, lambda: d.send_calls(calls), outs[-1], d.devices[0], len(d.devices))
+                d.release(outs)
+                out = {"hosts": hosts, "devices": len(d.devices),
+                       **fused(cluster, d, ctl, sim, fused_nodes, fused_runs)}
+                return {**out, "ctl_rss_mib": ctl.memory_info().rss / 2**20,
+                        "seconds": time.perf_counter() - started}
+            return _measure(cluster, d, ctl, sim, hosts, devices, quick, big_nodes, repeats, started,
+                            fused_nodes, fused_runs, timelines)
         finally:
             d.close()
 
 
 def _measure(cluster: SimulatedCluster, d: Driver, ctl: psutil.Process, sim: psutil.Process,
              hosts: int, devices: int, quick: bool, big_nodes: int, repeats: int, started: float,
-             timelines: list[dict] | None = None) -> dict:
+             fused_nodes: int = 32, fused_runs: int = 5, timelines: list[dict] | None = None) -> dict:
     devs = d.devices
     total = len(devs)
     zero = d.program(0.0)
@@ -436,6 +464,8 @@ def _measure(cluster: SimulatedCluster, d: Driver, ctl: psutil.Process, sim: psu
 
     # a pipeline of one 1 ms stage per host, parallel against sequential dispatch
     out.update(pipeline(d, min(hosts, 64), repeats))
+    if fused_nodes:
+        out.update(fused(cluster, d, ctl, sim, fused_nodes, fused_runs))
     d.drain()
     out["relayed_messages"] = d.relayed()
     out["ctl_rss_mib"] = ctl.memory_info().rss / 2**20
@@ -518,6 +548,75 @@ def pipeline(d: Driver, stages: int, repeats: int) -> dict:
             "pipeline_ms": {mode: [round(w * 1e3, 2) for w in ws] for mode, ws in walls.items()}}
 
 
+def fused(cluster: SimulatedCluster, d: Driver, ctl: psutil.Process, sim: psutil.Process,
+          nodes: int, runs: int) -> dict:
+    """A template of ``nodes`` SPMD nodes over every device (a chain, the first
+    reading nothing): its first run (plain calls, fused at its end), its first
+    fused run (the definition to every host), then ``runs`` fused runs; a
+    second client pings the controller all along (see the module's docstring)."""
+    devs, zero = d.devices, d.program(0.0)
+    total = len(devs)
+    template = next(d._calls)
+
+    def block() -> int:           # the first of ``nodes`` new buffer ids in a row
+        first = d.buffer()
+        for _ in range(nodes - 1):
+            d.buffer()
+        return first
+
+    def timed_all(send: Any, last: int) -> float:
+        # (until the first and the last host hold their shard of the result: the
+        # simulated hosts run in one process, the last one after the others)
+        t0 = time.perf_counter()
+        send()
+        d.wait_for(last, devs[0], total)
+        d.wait_for(last, devs[-1], total)
+        return time.perf_counter() - t0
+
+    first = block()
+    aval = m.Aval([total], "float32")
+    calls = [m.Call(next(d._calls), zero, [total], ["x"], devs,
+                    [] if k == 0 else [m.CallInput(first + k - 1, aval, ["x"], False)],
+                    [m.CallOutput(first + k, aval, ["x"])]) for k in range(nodes)]
+    program = m.Program(next(d._calls), "scale_fused", "parallel", calls, [first + k for k in range(nodes - 1)])
+    def run() -> tuple[float, float, float]:
+        """One fused run: (wall, controller CPU, simulated hosts' CPU) seconds."""
+        first = block()
+        c0, s0 = cpu_s(ctl), cpu_s(sim)
+        wall = timed_all(lambda: d.ep.send(d.sock, m.RunProgram(
+            next(d._calls), template, [], first, [first + nodes - 1])), first + nodes - 1)
+        c1, s1 = cpu_s(ctl), cpu_s(sim)
+        d.release([first + nodes - 1])
+        return wall, c1 - c0, s1 - s0
+
+    # with a second client's pings (for the stall): the first run, the one that
+    # defines it, and ``runs`` more; then ``runs`` without them (CPU and times)
+    prober = Prober(cluster.address, cluster.key)
+    try:
+        first_run = timed_all(lambda: d.ep.send(d.sock, m.DefineProgram(template, [], first, nodes, program)),
+                              first + nodes - 1)
+        d.release([first + nodes - 1])
+        define = run()
+        for _ in range(runs):
+            run()
+    finally:
+        prober.stop()
+    quiet = [run() for _ in range(runs)]
+    # the runs as the controller's timeline has them: one fused computation each
+    d.ep.send(d.sock, m.TimelineRequest(runs + 1))
+    timeline = d._wait(lambda msg: isinstance(msg, m.Timeline), 30.0)
+    d.ep.send(d.sock, m.DropTemplates([template]))
+    d.drain()
+    return {"fused_nodes": nodes, "fused_timeline_names": sorted({r.name for r in timeline.records}),
+            "fused_first_run_ms": first_run * 1e3, "fused_define_run_ms": define[0] * 1e3,
+            "fused_sim_cpu_ms_define": define[2] * 1e3,
+            "fused_run_ms": statistics.median(w for w, _, _ in quiet) * 1e3 if runs else None,
+            "fused_runs_ms": [round(w * 1e3, 2) for w, _, _ in quiet],
+            "fused_ctl_cpu_us_per_node": sum(c for _, c, _ in quiet) / (runs * nodes) * 1e6 if runs else None,
+            "fused_sim_cpu_ms_per_run": sum(s for _, _, s in quiet) / runs * 1e3 if runs else None,
+            "fused_max_stall_ms": max(prober.rtts) * 1e3 if prober.rtts else None}
+
+
 def plot(results: list[dict], path: str) -> None:
     if plots is None:
         print("matplotlib is not installed (pip install 'zpath[bench]'): no figure drawn", file=sys.stderr)
@@ -547,6 +646,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--relay-min-hosts", type=int, help="ZPATH_RELAY_MIN_HOSTS of the controller "
                    "(messages for this many hosts go through relays; 0: none; default: the controller's)")
     p.add_argument("--relay-group", type=int, help="ZPATH_RELAY_GROUP: hosts per relay (default: the controller's)")
+    p.add_argument("--fused-nodes", type=int, default=32, help="nodes of the fused template (0: none)")
+    p.add_argument("--fused-runs", type=int, default=5, help="fused runs measured after the one that defines it")
+    p.add_argument("--fused-only", action="store_true", help="measure the fused template alone")
     p.add_argument("--timeline", metavar="PATH", help="write each busy rung's first run as the controller "
                    "saw it (host reports, planning slices; where its time beyond device time went) to PATH, "
                    "as JSON")
@@ -559,14 +661,14 @@ def main(argv: list[str] | None = None) -> int:
     for n in args.hosts:
         timelines: list[dict] | None = [] if args.timeline else None
         r = measure(n, args.devices, args.quick, args.big_nodes, args.repeats, args.relay_min_hosts,
-                    args.relay_group, timelines)
+                    args.relay_group, args.fused_nodes, args.fused_runs, args.fused_only, timelines)
         results.append(r)
         if args.timeline:
             with open(args.timeline, "w") as f:
                 json.dump({"hosts": n, "rungs": timelines}, f)
         if args.json is not None:
             print_json(r, args.json)
-        else:
+        elif not args.fused_only:
             print(f"hosts {n:4d}: {r['spmd_nodes_per_s']:8.1f} SPMD nodes/s op by op, "
                   f"{r['traced_nodes_per_s']:8.1f} traced, {r['sequential_nodes_per_s']:8.1f} sequential; "
                   f"controller {r['ctl_cpu_us_per_spmd_node']:9.1f} us CPU per node, "
@@ -577,7 +679,13 @@ def main(argv: list[str] | None = None) -> int:
                   f"{r['min_busy_warm_computation_ms']} ms); pipeline of {r['pipeline_stages']} "
                   f"parallel/sequential {r['pipeline_parallel_over_sequential']:.2f} "
                   f"({r['pipeline_ratio_range'][0]:.2f}-{r['pipeline_ratio_range'][1]:.2f})", flush=True)
-    if args.png:
+        if args.json is None and args.fused_nodes and args.fused_runs:
+            print(f"hosts {n:4d}: a fused template of {r['fused_nodes']} nodes: first run "
+                  f"{r['fused_first_run_ms']:.0f} ms, first fused run {r['fused_define_run_ms']:.0f} ms "
+                  f"(hosts' CPU {r['fused_sim_cpu_ms_define']:.0f} ms), fused runs {r['fused_run_ms']:.1f} ms; "
+                  f"controller {r['fused_ctl_cpu_us_per_node']:.0f} us CPU per node; stall max "
+                  f"{r['fused_max_stall_ms']:.1f} ms", flush=True)
+    if args.png and not args.fused_only:
         plot(results, args.png)
     return 0
 

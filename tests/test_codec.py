@@ -406,6 +406,91 @@ def test_good_samples_of_the_field_type_tests_decode():
     assert c.inputs[0].put is True and c.outputs[0].spec == [None]
 
 
+# ---- IntRuns: device lists as runs --------------------------------------------------
+
+def _execute(devices: list[int], jax_ids: list[int] | None = None) -> m.Execute:
+    return m.Execute(1, 2, "p", "n", [len(devices)], ["x"], devices,
+                     list(devices) if jax_ids is None else jax_ids, [], [])
+
+
+@pytest.mark.parametrize("devices,wire", [
+    ([], []),
+    ([7], [7]),
+    ([3, 1, 2], [3, 1, 2]),
+    (list(range(15)), list(range(15))),                   # shorter than RUNS_FROM: plain
+    (list(range(2048)), [[0, 2048, 1]]),
+    (list(range(2047, -1, -1)), [[2047, -1, -1]]),         # descending
+    (list(range(4, 4 * 512, 4)), [[4, 2048, 4]]),          # strided
+    ([0, 1, 2, 3, 10, 11, 12, 13, 7, 9, 100, 20, 30, 40, 50, 60], [[0, 4, 1], [10, 14, 1], 7, 9, 100, [20, 70, 10]]),
+    ([5, 9, 1, 8, 2, 7, 3, 6] * 2, [5, 9, 1, 8, 2, 7, 3, 6] * 2),  # no run: as plain ints
+    ([1] * 16, [1] * 16),                                  # step 0 is no run
+    ([0, 1, 2, 3, 2, 1, 0, -1, -2, -3, -4, -5, -6, -7, -8, 5], [[0, 4, 1], [2, -9, -1], 5]),
+    ([2**64 - 1] + list(range(2**63 - 8, 2**63 + 8)), [2**64 - 1] + list(range(2**63 - 8, 2**63 + 8))),
+])
+def test_device_lists_travel_as_runs(devices: list[int], wire: list[Any]) -> None:
+    frames = enc(_execute(devices))
+    body_v = msgpack.unpackb(frames[2], raw=False)
+    assert body_v[6] == wire and body_v[7] == wire
+    _, out, _ = codec.decode(KEY, frames)
+    assert out == _execute(devices) and type(out.devices) is list
+    assert codec.unpack_runs(codec.pack_runs(devices)) == devices
+
+
+def test_random_device_lists_round_trip_through_runs():
+    rng = random.Random(20)
+    for _ in range(300):
+        v = rand_runs(rng)
+        if rng.random() < 0.3:
+            rng.shuffle(v)
+        wire = codec.pack_runs(v)
+        assert wire == ref_runs(v)
+        assert codec.unpack_runs(msgpack.unpackb(msgpack.packb(wire), raw=False)) == v
+        _, out, _ = codec.decode(KEY, enc(m.DefineFused(3, [_execute(v, v[::-1])], [])))
+        assert out.executes[0].devices == v and out.executes[0].jax_ids == v[::-1]
+
+
+def test_a_defined_fused_program_over_512_hosts_is_small():
+    """A fused program of 8 nodes over 2,048 devices: two runs a node, not 4,096 ints."""
+    devices = list(range(2048))
+    frames = enc(m.DefineFused(1, [_execute(devices) for _ in range(8)], []))
+    assert len(frames[2]) < 400
+    _, out, _ = codec.decode(KEY, frames)
+    assert all(ex.devices == devices for ex in out.executes)
+
+
+def _runs_body(devices: Any) -> list[Any]:
+    return [1, [_execute([0]).to_wire()[:6] + [devices, [0], [], [], False]], []]
+
+
+@pytest.mark.parametrize("devices,pattern", [
+    ([[0, 8, 0]], "DefineFused.executes[0].devices[0]: a run's step is 0"),
+    ([5, [8, 0, 1]], "DefineFused.executes[0].devices[1]: an empty run [8, 0, 1]"),
+    ([[0, 8]], "DefineFused.executes[0].devices[0]: expected int or [start, stop, step], got [0, 8]"),
+    ([[0, 8, 1, 1]], "DefineFused.executes[0].devices[0]: expected int or [start, stop, step]"),
+    ([[0, 8.0, 1]], "DefineFused.executes[0].devices[0]: expected int or [start, stop, step]"),
+    ([[0, True, 1]], "DefineFused.executes[0].devices[0]: expected int or [start, stop, step]"),
+    ([0, "1"], "DefineFused.executes[0].devices[1]: expected int or [start, stop, step], got '1'"),
+    ([[[0, 1, 1]]], "DefineFused.executes[0].devices[0]: expected int or [start, stop, step]"),
+    ("0-8", "DefineFused.executes[0].devices: expected list, got str"),
+    ([[0, 1 << 21, 1]], f"DefineFused.executes[0].devices: more than {1 << 20} values"),
+    ([[0, 1 << 20, 1], 5], f"DefineFused.executes[0].devices: more than {1 << 20} values"),
+    ([[-(2**63), 2**64 - 1, 1]], f"DefineFused.executes[0].devices: more than {1 << 20} values"),
+])
+def test_malformed_runs_are_refused_with_their_place(devices: Any, pattern: str) -> None:
+    rejects(signed(hdr(PROTOCOL_VERSION, m.DefineFused.TYPE, 1, 0, "s", 0), body(_runs_body(devices))),
+            "^" + re.escape(pattern))
+
+
+def test_decoded_runs_are_shared_and_refused_values_are_not_kept():
+    a = codec.decode(KEY, enc(_execute(list(range(64)))))[1]
+    b = codec.decode(KEY, enc(_execute(list(range(64)))))[1]
+    assert a.devices is b.devices                 # one list per distinct run form, read only
+    kept = len(codec._RUNS_SEEN)
+    with pytest.raises(ProtocolError):
+        codec.unpack_runs([[0, 8, 1], [3, 3, 1]])
+    assert len(codec._RUNS_SEEN) == kept
+
+
 def test_oversized_body():
     big = b"\0" * (codec.MAX_BODY_BYTES + 1)
     rejects(signed(hdr(PROTOCOL_VERSION, m.Ping.TYPE, 1, 0, "s", 0), big), f"body too large \\({codec.MAX_BODY_BYTES + 1} bytes\\)")
@@ -569,9 +654,41 @@ def test_protocol_doc_lists_every_message_and_the_version():
 # them to a straightforward implementation of docs/protocol.md written here,
 # and to bytes recorded from the implementation before those fast paths.
 
+I64 = range(-(2**63), 2**63)
+
+
+def ref_runs(v: list[int]) -> list[Any]:
+    """docs/protocol.md's IntRuns as a sender writes it: fewer than 16 values as
+    they are; else, from the left, each stretch of at least 3 equally spaced
+    values (step and stop within int64) as [start, stop, step], the others as
+    themselves."""
+    if len(v) < 16:
+        return list(v)
+    out: list[Any] = []
+    i = 0
+    while i < len(v):
+        j = i + 1
+        step = v[j] - v[i] if j < len(v) else 0
+        while step != 0 and j < len(v) and v[j] - v[j - 1] == step:
+            j += 1
+        if j - i >= 3 and step in I64 and v[i] + step * (j - i) in I64:
+            out.append([v[i], v[i] + step * (j - i), step])
+            i = j
+        else:
+            out.append(v[i])
+            i += 1
+    return out
+
+
+def _is_runs(tp: Any) -> bool:
+    return typing.get_origin(tp) is typing.Annotated and codec.RUNS in tp.__metadata__
+
+
 def ref_to_wire(v: Any) -> Any:
     if isinstance(v, codec.Record):
-        return [ref_to_wire(getattr(v, f.name)) for f in dataclasses.fields(v)]
+        hints = typing.get_type_hints(type(v), include_extras=True)
+        return [ref_runs(getattr(v, f.name)) if _is_runs(hints[f.name]) else ref_to_wire(getattr(v, f.name))
+                for f in dataclasses.fields(v)]
     if isinstance(v, (list, tuple)):
         return [ref_to_wire(x) for x in v]
     if isinstance(v, dict):
@@ -627,8 +744,23 @@ def ref_check(tp: Any, v: Any) -> Any:
         fields = dataclasses.fields(tp)
         if type(v) is not list or len(v) != len(fields):
             raise Refused
-        hints = typing.get_type_hints(tp)
+        hints = typing.get_type_hints(tp, include_extras=True)
         return tp(*[ref_check(hints[f.name], x) for f, x in zip(fields, v)])
+    if _is_runs(tp):
+        if type(v) is not list:
+            raise Refused
+        out = []
+        for x in v:
+            if type(x) is int:
+                out.append(x)
+            elif type(x) is list and len(x) == 3 and all(type(y) is int for y in x) and x[2] != 0 \
+                    and range(*x):
+                out.extend(range(*x))
+            else:
+                raise Refused
+        if len(out) > codec.MAX_RUN_INTS:
+            raise Refused
+        return out
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if origin in (typing.Union, types.UnionType):
         if v is None and type(None) in args:
@@ -679,8 +811,10 @@ def rand_value(tp: Any, rng: random.Random, depth: int = 0) -> Any:
     if tp is bytes:
         return rng.randbytes(rng.choice([0, 1, 40, 300]))
     if isinstance(tp, type) and issubclass(tp, codec.Record):
-        hints = typing.get_type_hints(tp)
+        hints = typing.get_type_hints(tp, include_extras=True)
         return tp(*[rand_value(hints[f.name], rng, depth + 1) for f in dataclasses.fields(tp)])
+    if _is_runs(tp):
+        return rand_runs(rng)
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if origin in (typing.Union, types.UnionType):
         return rand_value(rng.choice(args), rng, depth + 1)
@@ -693,6 +827,27 @@ def rand_value(tp: Any, rng: random.Random, depth: int = 0) -> Any:
         return {rand_value(args[0], rng, depth + 1): rand_value(args[1], rng, depth + 1)
                 for _ in range(rng.randrange(3))}
     raise AssertionError(f"no random value for {tp!r}")
+
+
+def rand_runs(rng: random.Random) -> list[int]:
+    """A random IntRuns value: short lists of any ints, or longer ones made of
+    runs (ascending, descending, strided, at int64's ends) and single values."""
+    if rng.random() < 0.3:
+        return list(rand_value(list[int], rng, 5))
+    out: list[int] = []
+    for _ in range(rng.randrange(1, 6)):
+        kind = rng.randrange(4)
+        if kind == 0:
+            start, step = rng.randrange(-5000, 5000), rng.choice([1, 1, 1, 2, 3, -1, -4, 1000])
+            out += range(start, start + step * rng.randrange(1, 40), step)
+        elif kind == 1:
+            out += [rng.randrange(-(2**63), 2**64) for _ in range(rng.randrange(1, 5))]
+        elif kind == 2:
+            out += rng.choice([range(2**63 - 5, 2**63 + 5), range(-(2**63), -(2**63) + 9),
+                               range(2**64 - 1, 2**64 - 12, -1), range(2**63 - 3, 2**63 + 2**62, 2**62)])
+        else:
+            out += [rng.randrange(10)] * rng.randrange(1, 6)
+    return out
 
 
 @pytest.mark.parametrize("tid,cls", MESSAGES, ids=[c.__name__ for _, c in MESSAGES])
@@ -737,13 +892,14 @@ def _golden_messages() -> dict[str, tuple[codec.Record, tuple]]:
 # frames of codec.encode(b"k" * 32, msg, msg_id=..., sender="worker:golden", parent=7,
 # buffers=...) for the messages above, recorded (hex) from the codec before its
 # fast paths (commit a5173e3); signatures and headers re-recorded for protocol 3
-# (the header's signer) and for protocols 4 (relays), 5 (DeviceInfo.platform) and 6 (a
-# relayed message's own buffers): the version byte; bodies unchanged
+# (the header's signer) and for protocols 4 (relays), 5 (DeviceInfo.platform), 6 (a
+# relayed message's own buffers) and 7 (IntRuns: a list this short stays plain ints):
+# the version byte; bodies unchanged
 GOLDEN = [
     ("Execute", 1000, [      # (re-recorded when Execute.hold was appended: the same
         # body with 11 fields instead of 10 and a trailing false)
-        "f055ca2784f214beb660d91c7612d2a770809015a267c12e9b065c97da843e53",
-        "960621cd03e807ad776f726b65723a676f6c64656e00",
+        "314ce30f21b0620d9bb396a08222b6139764e6c31e9b5811cac52b832328b9ac",
+        "960721cd03e807ad776f726b65723a676f6c64656e00",
         "9bce0001e240cd2694d94061626162616261626162616261626162616261626162616261626162616261626162616261"
         "626162616261626162616261626162616261626162616261626162ac6a69745f5f6c616d6264615f910291a169920001"
         "9200019294cf000000010000001192920804a7666c6f6174333292a169c0919300929200049200049094cf0000000100"
@@ -751,35 +907,35 @@ GOLDEN = [
         "cf000000010000001392920804a7666c6f6174333292a169c0c2",
     ]),
     ("ExecDone", 1001, [
-        "005e767aef0707cc6f062419d6d235ac028fcebd64eb46fa06d5a07bb7a71cfb",
-        "960622cd03e907ad776f726b65723a676f6c64656e00",
+        "79140768a2ff40ac7760b3960634df059fb475df018be8d5c7d40e1474b942bb",
+        "960722cd03e907ad776f726b65723a676f6c64656e00",
         "95ce0001e240c0cb41d999a660080000cb41d999a660100000cb0000000000000000",
     ]),
     ("Call", 1002, [
-        "e16cbeec25a33e7ce5b06a849fe28c061a15e16b49d723055da781472e027377",
-        "96061fcd03ea07ad776f726b65723a676f6c64656e00",
+        "3f52b42536dc048163f9985641ad683554b988c1a50722af3a82bb756bc3dd18",
+        "96071fcd03ea07ad776f726b65723a676f6c64656e00",
         "97cd1092d94063646364636463646364636463646364636463646364636463646364636463646364636463646364636463"
         "646364636463646364636463646364636463646364910291a1699200019194cf000000010000001192920804a7666c6f"
         "6174333292a169c0c39193cf000000010000001392920804a7666c6f6174333292a169c0",
     ]),
     ("Ping", 1003, [
-        "749ed01f30c7d4dc13adaddcd72a0bdf2c614bc230389324556fd05377d1cb20",
-        "960607cd03eb07ad776f726b65723a676f6c64656e00",
+        "30627b33a68847501e0ddefa40131563d7640d4f3334b064d385c171dac64fe2",
+        "960707cd03eb07ad776f726b65723a676f6c64656e00",
         "911f",
     ]),
     ("Pong", 1004, [
-        "3c45e4f3a9bd5b4501b263b999ff64b7ad4db3fe26cef6e23b75b44b8614427c",
-        "960608cd03ec07ad776f726b65723a676f6c64656e00",
+        "5ec60a81af3124aabcf881590d1545b5fd8860ebe4a83fe49ad61cdca915759e",
+        "960708cd03ec07ad776f726b65723a676f6c64656e00",
         "941f0ccd100092cd0800cd0800",
     ]),
     ("ExecDoneErr", 1005, [
-        "197f9b039cc91319836844aea5aaa4594cebda3f8f91b272cb5c83d6125b5244",
-        "960622cd03ed07ad776f726b65723a676f6c64656e00",
+        "4b7e6872cf6772b1da09fc7a2cbb5c5cd5532417e5e33c5ba08186809d0f28b4",
+        "960722cd03ed07ad776f726b65723a676f6c64656e00",
         "950595ab52656d6f74654572726f72a8626f6f6d20e29c93c0a166a27462cb3ff0000000000000cb4004000000000000cb0000000000000000",
     ]),
     ("Put", 1006, [
-        "ca27c3dec338b80a1d642b0266e8ee32e8ece7ede4c45b2e82ff484c34180a21",
-        "960632cd03ee07ad776f726b65723a676f6c64656e00",
+        "adfae9fcf87a3b2547480aad5bc9bb6a70c28d4b5b48ee571fb368ee7605d743",
+        "960732cd03ee07ad776f726b65723a676f6c64656e00",
         "94cf0000000100000003029292000492000692920406a7666c6f61743332",
         "010203",
         "",

@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import msgpack
 import numpy as np
 import pytest
 import zmq
@@ -352,7 +353,8 @@ def test_a_program_comes_through_a_relay_with_its_bytes_and_a_malformed_relay_is
     buffer) reaches both hosts: their computation runs for the program's
     declared 30 ms, not the process's default 5 ms. A ``Relay`` with too many
     buffers, or whose message's bytes were changed, is dropped with a log
-    line, and the hosts go on."""
+    line, and the hosts go on. So is a ``DefineFused`` with a bad run in a
+    device list, and one with good runs is run."""
     ctl, proc, idents, data = sim
     h0, h1 = idents[0], idents[1]
     blob = sim_program(30.0)
@@ -360,8 +362,9 @@ def test_a_program_comes_through_a_relay_with_its_bytes_and_a_malformed_relay_is
     ids = iter(range(100, 200))
     sent = [0]                   # direct messages to host 0 (its Relays): each host's `after`
 
-    def relay(msg: m.Record, collect: list[int], buffers: list = (), extra: list = (), spoil: bool = False) -> None:
-        frames = codec.encode(KEY, msg, msg_id=next(ids), sender="controller", buffers=buffers)
+    def relay(msg: m.Record, collect: list[int], buffers: list = (), extra: list = (), spoil: bool = False,
+              body: bytes | None = None) -> None:
+        frames = codec.encode(KEY, msg, msg_id=next(ids), sender="controller", buffers=buffers, body=body)
         if spoil:
             frames[-1] = bytes(frames[-1])[:-1] + b"?"
         sent[0] += 1
@@ -378,6 +381,23 @@ def test_a_program_comes_through_a_relay_with_its_bytes_and_a_malformed_relay_is
         relay(m.RegisterProgram(digest, "f"), [], [blob])
         relay(_execute(1, 0, digest, [], 1 << 32 | 1), [1])
         _, batch = ctl.expect(m.ExecDoneBatch, where=lambda b: 1 in b.exec_ids)
+    assert sorted(batch.hosts) == [0, 1] and not batch.errors
+    assert all(e - s == pytest.approx(0.030, abs=1e-6) for s, e in zip(batch.starts, batch.ends, strict=True))
+    # a fused program whose device lists come as runs (as the controller sends a long
+    # list), relayed; one with a bad run is refused with its place, and the hosts go on
+    inner = m.Execute(0, 0, digest, "f", [4], ["x"], [0, 1, 2, 3], [0, 1, 2, 3], [], [m.ExecOutput(0, AV, ["x"])])
+
+    def define(runs: list) -> bytes:
+        wire = inner.to_wire()
+        return msgpack.packb([7, [wire[:6] + [runs, runs] + wire[8:]], []])
+
+    with caplog.at_level("WARNING", logger="zpath.worker.simulate"):
+        relay(m.DefineFused(7, [], []), [], body=define([[0, 4, 0]]))
+        relay(m.DefineFused(7, [], []), [], body=define([[0, 4, 1]]))
+        relay(m.RunFused(2, 1, 7, [], 1 << 32 | 50), [2])
+        _, batch = ctl.expect(m.ExecDoneBatch, where=lambda b: 2 in b.exec_ids)
+    assert "rejected a message relay 0 forwarded: DefineFused.executes[0].devices[0]: a run's step is 0" \
+        in caplog.text
     assert sorted(batch.hosts) == [0, 1] and not batch.errors
     assert all(e - s == pytest.approx(0.030, abs=1e-6) for s, e in zip(batch.starts, batch.ends, strict=True))
 
@@ -420,7 +440,7 @@ def test_sixteen_simulated_hosts_end_to_end_through_the_scale_benchmark(relays):
     """(With relays: groups of 4, for every message of 4 hosts or more.)"""
     flags = ["--relay-min-hosts", "4", "--relay-group", "4"] if relays else ["--relay-min-hosts", "0"]
     p = run_script([str(ROOT / "benchmarks" / "scale.py"), "--hosts", "16", "--quick", "--big-nodes", "300",
-                    "--repeats", "1", "--json", *flags], timeout=100)
+                    "--repeats", "1", "--fused-nodes", "8", "--fused-runs", "2", "--json", *flags], timeout=100)
     out, err = p.stdout, p.stderr
     assert p.returncode == 0, out + err[-3000:]
     r = json.loads(out.strip().splitlines()[-1])
@@ -433,6 +453,10 @@ def test_sixteen_simulated_hosts_end_to_end_through_the_scale_benchmark(relays):
     assert r["busy_warm"].keys() == r["busy"].keys() == r["busy_fixed_ms"].keys()
     assert all(0 < v <= 1.05 for v in r["busy_warm"].values())
     assert (r["relayed_messages"] > 0) == relays, r["relayed_messages"]
+    # a template of 8 nodes over the 64 devices (device lists as runs): run, fused, run fused
+    assert r["fused_nodes"] == 8 and r["fused_timeline_names"] == ["scale_fused (8 nodes, fused)"], r
+    assert r["fused_first_run_ms"] > 0 and r["fused_define_run_ms"] > 0 and r["fused_max_stall_ms"] > 0
+    assert len(r["fused_runs_ms"]) == 2 and all(v > 0 for v in r["fused_runs_ms"])
 
 
 def test_a_killed_simulated_process_loses_its_hosts_as_real_ones_are():

@@ -3,6 +3,7 @@ what to do out, on a fake clock; ``validate_state()`` after every event."""
 from __future__ import annotations
 
 import math
+import random
 
 import numpy as np
 import pytest
@@ -318,6 +319,25 @@ def test_local_shards_remembered_never_stale():
     got = ls(cases[0])
     assert (got.exec_id, got.seq, got.devices, got.hold, got.outputs) == (7, 7, [0, 1, 2, 3], True, cases[0].outputs)
     assert [i.buffer for i in got.inputs] == [100, 101] and got.inputs[1].spec == [None, "i"]
+
+
+def test_local_shards_of_a_long_device_list_are_those_of_a_short_one():
+    """Over every device of 512 hosts (a list much longer than the host's own,
+    searched in C), in any order, the local shards come out as a scan finds them."""
+    rng = random.Random(5)
+    for local in ({0: 0, 1: 1, 2: 2, 3: 3}, {2044: 0, 2045: 1, 2046: 2, 2047: 3}, {7: 0, 900: 1, 5000: 2}):
+        for order in ("up", "down", "shuffled"):
+            devices = list(range(2048))
+            if order == "down":
+                devices.reverse()
+            elif order == "shuffled":
+                rng.shuffle(devices)
+            for mesh, axes, specs in (([2048], ["i"], [([4096], ["i"]), ([8, 2048], [None, "i"])]),
+                                      ([512, 4], ["h", "d"], [([1024, 8], ["h", "d"]), ([4096], [["h", "d"]])])):
+                ex = _execute(devices, mesh, axes, specs)
+                got = _named(LocalShards(local)(ex))
+                assert got == _expected(ex, set(local))
+                assert [len(x) for x in got] == [len(set(local) & set(devices))] * len(specs)
 
 
 def test_local_shards_keeps_named_shards_and_starts_over_when_full():

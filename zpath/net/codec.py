@@ -46,7 +46,7 @@ import msgpack
 
 from zpath.errors import ProtocolError
 
-PROTOCOL_VERSION = 6
+PROTOCOL_VERSION = 7
 MAX_BODY_BYTES = 16 << 20
 MAX_HEADER_BYTES = 4096
 MAX_BUFFERS = 4096
@@ -72,7 +72,9 @@ class Record:
     _checks: ClassVar[tuple[tuple[str, _Check], ...]] = ()
 
     def to_wire(self) -> list[Any]:
-        return [_to_wire(getattr(self, name)) for name, _ in self._checks]
+        runs = _RUNS_FIELDS.get(type(self), ())
+        return [pack_runs(getattr(self, name)) if name in runs else _to_wire(getattr(self, name))
+                for name, _ in self._checks]
 
     @staticmethod
     def _decode(value: Any) -> "Record":
@@ -113,10 +115,128 @@ def _to_wire(v: Any) -> Any:
     return v
 
 
+# ---- lists of ints sent as runs ------------------------------------------------------
+# A field annotated IntRuns holds a plain list[int] on both sides; on the wire it is
+# an array whose items are each an int (one value) or [start, stop, step] (the values
+# of Python's range(start, stop, step): step != 0, not empty). A device list of a
+# computation over every device (2,048 entries at 512 hosts) is one such triple. A
+# plain array of ints is also a valid value, and lists shorter than RUNS_FROM are sent
+# so (runs would not pay). Decoding expands them (at most MAX_RUN_INTS values per
+# list) and keeps one list per distinct run form recently seen (_RUNS_SEEN): a list
+# decoded from runs may be shared by several decoded messages, so it is read only.
+
+class _Runs:
+    """The marker of an IntRuns annotation."""
+
+    def __repr__(self) -> str:
+        return "RUNS"
+
+
+RUNS = _Runs()
+IntRuns = typing.Annotated[list[int], RUNS]
+RUNS_FROM = 16                  # a list shorter than this goes as plain ints (a 2-host mesh's 8
+                                # devices are read as fast plain, and a run costs the sender a comparison)
+MAX_RUN_INTS = 1 << 20          # values in one decoded IntRuns list
+_RUN_MIN = 3                    # a run shorter than this goes as its values
+_INT_MIN, _INT_MAX = -(1 << 63), (1 << 63) - 1     # runs' ends kept where msgpack packs them
+
+
+def pack_runs(v: Any) -> Any:
+    """The wire form of an IntRuns value: ``v`` itself when short or not a
+    list of ints (then the decoder refuses it as it would a plain list), else
+    its runs of at least three equally spaced values as [start, stop, step]
+    and the values between them as themselves."""
+    n = len(v)
+    if n < RUNS_FROM:
+        return v
+    a, b, z = v[0], v[1], v[-1]
+    if type(a) is int and type(b) is int and type(z) is int and a != b:
+        step = b - a
+        stop = z + step
+        if _INT_MIN <= stop <= _INT_MAX and _INT_MIN <= step <= _INT_MAX and z == a + step * (n - 1) \
+                and v == list(range(a, stop, step)):
+            return [[a, stop, step]]         # (the usual case: one run)
+    out: list[Any] = []
+    i = 0
+    while i < n:
+        a = v[i]
+        if type(a) is not int:
+            return v
+        j = i + 1
+        if j < n and type(v[j]) is int:
+            step = v[j] - a
+            if step != 0 and _INT_MIN <= step <= _INT_MAX:
+                while j < n and type(v[j]) is int and v[j] - v[j - 1] == step:
+                    j += 1
+        if j - i >= _RUN_MIN and _INT_MIN <= a + step * (j - i) <= _INT_MAX:
+            out.append([a, a + step * (j - i), step])
+            i = j
+        else:
+            out.append(a)
+            i += 1
+    return out
+
+
+_RUNS_SEEN: dict[tuple, list[int]] = {}
+_RUNS_KEEP = 256                # distinct run forms kept (then it starts over)
+
+
+def unpack_runs(v: Any) -> list[int]:
+    """An IntRuns value from its wire form; ProtocolError (with the reason)
+    if it is not one."""
+    if type(v) is not list:
+        raise ProtocolError(f"expected list, got {type(v).__name__}")
+    for x in v:
+        if type(x) is not int:
+            break
+    else:                                    # plain ints (a fresh list: msgpack made it)
+        if len(v) > MAX_RUN_INTS:
+            raise ProtocolError(f"more than {MAX_RUN_INTS} values")
+        return v
+    for i, x in enumerate(v):
+        if type(x) is not int and (type(x) is not list or len(x) != 3 or type(x[0]) is not int
+                                   or type(x[1]) is not int or type(x[2]) is not int):
+            raise ProtocolError(f"[{i}]: expected int or [start, stop, step], got {x!r:.40}")
+    key = tuple(tuple(x) if type(x) is list else x for x in v)
+    got = _RUNS_SEEN.get(key)
+    if got is not None:
+        return got
+    out: list[int] = []
+    for i, x in enumerate(v):
+        if type(x) is int:
+            out.append(x)
+        else:
+            start, stop, step = x
+            if step == 0:
+                raise ProtocolError(f"[{i}]: a run's step is 0")
+            r = range(start, stop, step)
+            if not r:
+                raise ProtocolError(f"[{i}]: an empty run {x}")
+            # (its length worked out: len() of a range of more than sys.maxsize values raises)
+            if len(out) + (abs(stop - start) + abs(step) - 1) // abs(step) > MAX_RUN_INTS:
+                raise ProtocolError(f"more than {MAX_RUN_INTS} values")
+            out += r
+        if len(out) > MAX_RUN_INTS:
+            raise ProtocolError(f"more than {MAX_RUN_INTS} values")
+    if len(_RUNS_SEEN) >= _RUNS_KEEP:
+        _RUNS_SEEN.clear()
+    _RUNS_SEEN[key] = out
+    return out
+
+
+def _is_runs(tp: Any) -> bool:
+    return typing.get_origin(tp) is typing.Annotated and RUNS in tp.__metadata__
+
+
 # ---- encoding: records packed by msgpack itself ------------------------------------
 
-# record class -> a function returning its field values in declaration order
+# record class -> a function returning its field values in declaration order, as they
+# are packed (IntRuns fields as runs)
 _FIELDS_OF: dict[type, Callable[[Any], tuple]] = {}
+# record class -> its field values as they are (for replace)
+_VALUES_OF: dict[type, Callable[[Any], tuple]] = {}
+# record class -> its IntRuns fields
+_RUNS_FIELDS: dict[type, frozenset[str]] = {}
 
 
 def _pack_default(obj: Any) -> Any:
@@ -130,7 +250,13 @@ def _pack_default(obj: Any) -> Any:
     raise TypeError(f"can not serialize {type(obj).__name__!r} object")
 
 
-def _field_getter(names: Sequence[str]) -> Callable[[Any], tuple]:
+def _field_getter(names: Sequence[str], runs: frozenset[str] = frozenset()) -> Callable[[Any], tuple]:
+    if runs:
+        src = "def get(o):\n    return (" + "".join(
+            f"_runs(o.{n}), " if n in runs else f"o.{n}, " for n in names) + ")\n"
+        ns: dict[str, Any] = {"_runs": pack_runs}
+        exec(compile(src, "<zpath fields>", "exec"), ns)
+        return ns["get"]
     if len(names) > 1:
         return operator.attrgetter(*names)       # returns a tuple
     if len(names) == 1:
@@ -165,6 +291,8 @@ def _top_types(tp: Any) -> frozenset | None:
     if tp in (_NONE, bool, int, str, bytes):
         return frozenset((tp,))
     if isinstance(tp, type) and issubclass(tp, Record):
+        return frozenset((list,))
+    if _is_runs(tp):
         return frozenset((list,))
     origin = typing.get_origin(tp)
     if origin in (list, tuple):
@@ -259,6 +387,8 @@ class _Gen:
             emit(indent, f"elif type({var}) is int: {out} = float({var})")
             emit(indent, f"else: {_FAIL}")
             return out
+        if _is_runs(tp):
+            return f"{self.bind(unpack_runs, '_runs')}({var})"
         if isinstance(tp, type) and issubclass(tp, Record):
             decode = tp.__dict__.get("_decode")
             fn = decode.__func__ if isinstance(decode, staticmethod) else (
@@ -430,11 +560,11 @@ def replace(msg: Record, **changes: Any) -> Record:
     cls = type(msg)
     made = _REPLACERS.get(cls)
     if made is None:
-        if _slot_setters(cls) is None or cls not in _FIELDS_OF:
+        if _slot_setters(cls) is None or cls not in _VALUES_OF:
             return dataclasses.replace(msg, **changes)
         made = _REPLACERS[cls] = (_fast_init(cls), {f.name: k for k, f in enumerate(dataclasses.fields(cls))})
     init, index = made
-    values = list(_FIELDS_OF[cls](msg))
+    values = list(_VALUES_OF[cls](msg))
     for name, value in changes.items():
         k = index.get(name)
         if k is None:
@@ -479,6 +609,14 @@ def _compile(tp: Any) -> _Check:
         return check_scalar
     if isinstance(tp, type) and issubclass(tp, Record):
         return lambda v, w: tp.from_wire(v, w)
+    if _is_runs(tp):
+        def check_runs(v: Any, w: str | None) -> list[int]:
+            try:
+                return unpack_runs(v)
+            except ProtocolError as e:
+                raise ProtocolError("" if w is None else f"{w}{'' if str(e).startswith('[') else ': '}{e}") \
+                    from None
+        return check_runs
     origin = typing.get_origin(tp)
     args = typing.get_args(tp)
     if origin in (typing.Union, types.UnionType):
@@ -531,10 +669,15 @@ def _finish(cls: type) -> type:
     custom_init = "__init__" in cls.__dict__
     cls = dataclasses.dataclass(frozen=True, slots=True)(cls)
     cls._custom_init = custom_init
-    hints = typing.get_type_hints(cls)
+    hints = typing.get_type_hints(cls, include_extras=True)
     cls._checks = tuple((f.name, _compile(hints[f.name])) for f in dataclasses.fields(cls))
     cls._decode = staticmethod(_gen_decoder(cls, hints))
-    _FIELDS_OF[cls] = _field_getter([f.name for f in dataclasses.fields(cls)])
+    names = [f.name for f in dataclasses.fields(cls)]
+    runs = frozenset(n for n in names if _is_runs(hints[n]))
+    _FIELDS_OF[cls] = _field_getter(names, runs)
+    _VALUES_OF[cls] = _field_getter(names)
+    if runs:
+        _RUNS_FIELDS[cls] = runs
     return cls
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from zpath.net.codec import Record, message, record
+from zpath.net.codec import IntRuns, Record, message, record
 
 Region = list[list[int]]
 Spec = list[None | str | list[str]]
@@ -302,15 +302,17 @@ class Execute(Record):
     (nothing in the controller waits for it at once). An input whose
     ``shards`` is empty has each of this host's devices' shards in place at the
     region its spec gives that device: then every host of the computation gets
-    the same message (encoded and signed once, with one ``msg_id``)."""
+    the same message (encoded and signed once, with one ``msg_id``).
+    ``devices`` and ``jax_ids`` go as runs (IntRuns: a computation over every
+    device is one [start, stop, step] each)."""
     exec_id: int
     seq: int
     program: str
     name: str
     mesh_shape: list[int]
     axis_names: list[str]
-    devices: list[int]
-    jax_ids: list[int]
+    devices: IntRuns
+    jax_ids: IntRuns
     inputs: list[ExecInput]
     outputs: list[ExecOutput]
     hold: bool = False
@@ -371,7 +373,7 @@ class ExecRecord(Record):
     host: int
     client: int
     name: str
-    devices: list[int]
+    devices: IntRuns         # (as runs: a fused run's record names every device it spans)
     start: float
     end: float
     ok: bool
@@ -452,8 +454,8 @@ class NodePlan(Record):
     call_id: int
     name: str
     island: int
-    hosts: list[int]
-    devices: list[int]
+    hosts: IntRuns
+    devices: IntRuns
     transfers: list[TransferInfo]
 
 

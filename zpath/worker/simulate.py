@@ -44,6 +44,7 @@ import collections
 import copy
 import gc
 import heapq
+import itertools
 import json
 import logging
 import math
@@ -1042,6 +1043,12 @@ class SimProcess:
         self._placement: dict[tuple, dict[int, list]] = {}
         self._local: collections.OrderedDict[int, tuple] = collections.OrderedDict()
         self._placed: collections.OrderedDict[int, tuple] = collections.OrderedDict()
+        # a number per distinct device list (a 2,048-entry tuple costs microseconds
+        # to hash at each lookup): by value, and by the list object (decoded runs
+        # are one list for many messages); numbers are never reused
+        self._device_lists: dict[tuple, int] = {}
+        self._device_list_of: collections.OrderedDict[int, tuple] = collections.OrderedDict()
+        self._device_list_numbers = itertools.count()
         self.now = time.monotonic()
         per = hosts // islands
         self.hosts: list[SimHost] = []
@@ -1132,7 +1139,7 @@ class SimProcess:
         hit = self._local.get(id(ex))
         if hit is not None and hit[0] is ex:
             return hit[1]
-        key = tuple(ex.devices)
+        key = self.devices_key(ex.devices)
         got = self._local_of.get(key)
         if got is None:
             got = {}
@@ -1158,7 +1165,8 @@ class SimProcess:
         if hit is not None and hit[0] is value and hit[1] is ex:
             return hit[2]
         spec = tuple(a if a is None or type(a) is str else tuple(a) for a in value.spec)
-        key = (tuple(ex.devices), tuple(value.aval.shape), tuple(ex.mesh_shape), tuple(ex.axis_names), spec)
+        key = (self.devices_key(ex.devices), tuple(value.aval.shape), tuple(ex.mesh_shape), tuple(ex.axis_names),
+               spec)
         got = self._placement.get(key)
         self._placed[id(value)] = (value, ex, got)
         if len(self._placed) > 256:
@@ -1177,6 +1185,21 @@ class SimProcess:
             self._remember(self._placement, key, got)
             self._placed[id(value)] = (value, ex, got)
         return got
+
+    def devices_key(self, devices: list[int]) -> int:
+        """The number of a device list (equal lists, equal numbers)."""
+        hit = self._device_list_of.get(id(devices))
+        if hit is not None and hit[0] is devices:
+            return hit[1]
+        t = tuple(devices)
+        n = self._device_lists.get(t)
+        if n is None:
+            n = next(self._device_list_numbers)
+            self._remember(self._device_lists, t, n)
+        self._device_list_of[id(devices)] = (devices, n)
+        if len(self._device_list_of) > 256:
+            self._device_list_of.popitem(last=False)
+        return n
 
     @staticmethod
     def _remember(cache: dict, key: Any, value: Any) -> None:
@@ -1318,7 +1341,7 @@ class SimProcess:
         if type(msg) is m.Execute:
             if any(inp.shards for inp in msg.inputs):        # pieces to assemble: per host
                 return False
-            key = (msg.program, tuple(msg.devices))
+            key = (msg.program, self.devices_key(msg.devices))
             got = g.fits.get(key) if same else None
             if got is None:
                 fit = self._fits(msg, hs)

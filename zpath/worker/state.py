@@ -51,6 +51,23 @@ IDLE_WAIT_S = 0.5
 _exec_input = codec.constructor(m.ExecInput)
 
 
+def _positions(devices: list[int], local: Any) -> list[int]:
+    """The positions in ``devices`` of those in ``local``, in order; found by
+    ``list.index`` (in C) when the list is much longer than ``local`` (a
+    computation over every device of hundreds of hosts: the controller refuses
+    a mesh that names a device twice)."""
+    if len(devices) <= 8 * len(local):
+        return [p for p, d in enumerate(devices) if d in local]
+    out = []
+    for d in local:
+        try:
+            out.append(devices.index(d))
+        except ValueError:
+            pass
+    out.sort()
+    return out
+
+
 class LocalShards:
     """An Execute with the shards of this host's devices (those in ``local``)
     named for every input whose ``shards`` the controller left empty: the one
@@ -100,8 +117,9 @@ class LocalShards:
                     if len(cache) >= self.max_entries:
                         cache.clear()
                     regs = sharding.regions_of(shape, ex.mesh_shape, ex.axis_names, inp.spec)
-                    shards = cache[key] = [m.ShardInput(d, sharding.to_wire(regs[p]), [])
-                                           for p, d in enumerate(ex.devices) if d in self.local]
+                    devices = ex.devices
+                    shards = cache[key] = [m.ShardInput(devices[p], sharding.to_wire(regs[p]), [])
+                                           for p in _positions(devices, self.local)]
                 self._last = (list(ex.devices), list(ex.mesh_shape), list(ex.axis_names), list(shape),
                               [a if a is None or type(a) is str else list(a) for a in inp.spec], shards)
             new.append(_exec_input(inp.buffer, inp.aval, inp.spec, shards))
@@ -239,7 +257,8 @@ class FusedProgram:
             msg = codec.replace(msg, executes=[local(ex) for ex in msg.executes])
         codes = [c for ex in msg.executes for c in
                  [*(i.buffer for i in ex.inputs), *(o.buffer for o in ex.outputs)]] + msg.release
-        devices = sorted({d for ex in msg.executes for d in ex.devices})
+        lists = {id(ex.devices): ex.devices for ex in msg.executes}     # (decoded runs: often one list)
+        devices = sorted(set().union(*lists.values()))
         return cls(msg, devices, max([0, *(-c for c in codes)]), [None])
 
 
