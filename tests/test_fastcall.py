@@ -120,6 +120,8 @@ def test_a_chain_sent_ahead_of_its_hosts_is_planned_fast_and_waits_as_before(mak
     _same(fast, slow)
     assert fast.c.fast_planned >= 100 and fast.c.fast_sent >= 100
     assert fast.c.fast_planned + fast.c.fast_sent == 300 and slow.c.fast_planned == 0
+    # each parked one went with the Execute made when it was planned
+    assert fast.c.fast_unparked == fast.c.fast_planned and not fast.c.fast_parked
 
 
 def test_what_changed_since_goes_the_general_path_with_its_effects(make_rig):
@@ -241,3 +243,41 @@ def test_parked_repeats_on_devices_in_another_order_fail_as_before_when_a_host_i
         assert prev in rig.failed(a) and rig.idle()
     _same(fast, slow)
     assert fast.c.fast_planned > 0
+
+
+def test_parked_repeats_go_the_general_path_after_a_mapping_change_or_are_forgotten_with_their_client(make_rig):
+    """A call the fast path planned and parked is sent with the Execute made
+    then (``_fast_dispatch``) only while the mapping it was planned at holds:
+    after a host registers meanwhile it goes the general path, with the same
+    effects; a client that leaves takes its parked calls with it."""
+    fast, slow = _rigs(make_rig)
+    for rig in (fast, slow):
+        a, _ = rig.client("a")
+        rig.handle(a, m.Release([_chain(rig, a, 2)]))     # learnt (and the cost measured)
+        rig.drain()
+        prev = None
+        for _ in range(150):
+            call, prev = _spmd(rig, a, prev)
+            rig.handle(a, call)
+        assert rig.c.waiters
+        rig.handle(b"w2", m.RegisterWorker("h2", 1, "tcp://x:2", 1, "cpu", 1, PROTOCOL_VERSION, [0],
+                                           "", 0, 1, "machine", "", "", 2))
+        rig.handle(a, m.Release([prev]))
+        rig.drain()
+        assert rig.idle()
+    _same(fast, slow)
+    assert fast.c.fast_planned > 0 and fast.c.fast_unparked == 0 and not fast.c.fast_parked
+    for rig in (fast, slow):
+        b, _ = rig.client("b")
+        rig.handle(b, m.Release([_chain(rig, b, 2)]))
+        rig.drain()
+        prev = None
+        for _ in range(150):
+            call, prev = _spmd(rig, b, prev)
+            rig.handle(b, call)
+        assert rig.c.waiters
+        rig.handle(b, m.Goodbye("done"))
+        rig.drain()
+        assert rig.idle()
+    _same(fast, slow)
+    assert fast.c.fast_planned > 100 and not fast.c.fast_parked

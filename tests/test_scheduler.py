@@ -391,6 +391,59 @@ def test_a_client_alone_on_an_island_gets_the_solo_window_until_another_comes():
     assert TenantScheduler(window_s=0.02, solo_window_s=0.001).window(0) == 0.02
 
 
+def test_the_remembered_solo_client_of_an_island_never_goes_stale():
+    """``window`` remembers an island's one client (``_sole``) and answers for
+    it without looking at the island's work: after every event of a random
+    mix of clients, times and islands it gives what the island's clients
+    then say (the solo window while at most one client, the asked one
+    included, has work sent or queued there or was seen there less than
+    SOLO_GRACE_S ago)."""
+    rng = random.Random(26)
+    now = [100.0]
+    s = TenantScheduler("share", window_s=0.01, min_window=2, default_cost_s=0.001,
+                        solo_window_s=0.04, clock=lambda: now[0])
+    for c in (1, 2, 3):
+        s.add_client(c, 1)
+    tickets = itertools.count(1)
+    running: list[int] = []
+    hits = 0
+
+    def expected(island: int, client: int | None) -> float:
+        users = {*s._active.get(island, ()), *s._queues.get(island, ())}
+        users |= {c for c, t in s._seen.get(island, {}).items() if now[0] - t < SOLO_GRACE_S}
+        if client is not None:
+            users.add(client)
+        return s.solo_window_s if len(users) <= 1 else s.window_s
+
+    for _ in range(3000):
+        op = rng.random()
+        island = rng.randrange(2)
+        if op < 0.35:
+            # mostly client 1, as one client alone is the case remembered
+            s.add(Ready(rng.choice((1, 1, 1, 2, 3)), island, (island,), "p", None))
+        elif op < 0.65:
+            r = s.pick(island)
+            if r is not None:
+                t = next(tickets)
+                s.sent(t, r)
+                running.append(t)
+        elif op < 0.85 and running:
+            t = running.pop(rng.randrange(len(running)))
+            s.host_done(t, 0.001, 1)
+            s.finished(t)
+        elif op < 0.97:
+            now[0] += rng.choice((0.001, 0.1, SOLO_GRACE_S / 2, SOLO_GRACE_S))
+        else:
+            c = rng.choice((2, 3))
+            s.remove_client(c)
+            s.add_client(c, 1)
+        for isl in (0, 1):
+            for client in (None, 1, 2, 3):
+                hits += isl in s._sole and client in (None, s._sole[isl])
+                assert s.window(isl, client) == expected(isl, client), (isl, client)
+    assert hits > 200           # (the remembered answer was used, and checked)
+
+
 def test_the_tenant_schedulers_per_device_steps_agree_one_by_one_and_as_arrays(monkeypatch):
     """A computation on a few devices updates the per-device load one element
     at a time, a larger one with numpy arrays: the same events give the same

@@ -243,9 +243,13 @@ class Dispatch:
         if node.run.peer.gone:            # its client left meanwhile
             self._abandon(node, was_parked)
             return
-        call = node.call
-        devices = tuple(call.devices)
-        ready = Ready(node.run.peer.id, node.island, devices, (call.program, devices), node)
+        fast = self.fast_parked.get(node.exec_id) if self.fast_parked else None
+        if fast is not None:              # (planned by the fast path: its call's devices and cost key)
+            ready = Ready(node.run.peer.id, node.island, fast.ready.devices, fast.ready.cost_key, node)
+        else:
+            call = node.call
+            devices = tuple(call.devices)
+            ready = Ready(node.run.peer.id, node.island, devices, (call.program, devices), node)
         if self.tenants.can_send_now(ready):
             self._send(ready, was_parked)
             return
@@ -269,14 +273,19 @@ class Dispatch:
         lost while it waited)."""
         node = ready.item
         run = node.run
+        # (a call the fast path planned: its Execute is sent as it was made, fastcall.py)
+        fast = self.fast_parked.pop(node.exec_id, None) if self.fast_parked else None
         err = self._unsendable(node)
         if err is None and (self.copies_dropped or self.unsent_copies):
             err = self._repair(node)
+            fast = None                   # (the plan may have changed)
         if err is not None:
             self._abandon(node, was_parked, err)
             return
         hold = may_hold(self.tenants, node.island, run.peer.id, run.sequential, self.memory_limit)
-        exec_id = self._dispatch(run.peer, node.call, *node.planned, hold=hold, devices=ready.devices)
+        exec_id = None if fast is None else self._fast_dispatch(fast, node, hold)
+        if exec_id is None:
+            exec_id = self._dispatch(run.peer, node.call, *node.planned, hold=hold, devices=ready.devices)
         self.send_budget -= SEND_COST + len(node.planned[0].executes)
         self.tenants.sent(exec_id, ready)
         run.sent += 1
@@ -323,8 +332,9 @@ class Dispatch:
             if buf is not None and buf.error is not None:
                 return buf.error
         plan = node.planned[0]
-        for h in [*plan.executes, *(src for src, _ in plan.sends)]:
-            host = self.rm.hosts[h]
+        hosts = self.rm.hosts
+        for h in [*plan.executes, *(src for src, _ in plan.sends)] if plan.sends else plan.executes:
+            host = hosts[h]
             if not host.alive:
                 return m.ErrorInfo(ErrorKind.HOST_LOST, f"host {h} ({host.name}, island {host.island}) was lost "
                                    "before this computation could run", h, node.planned[1], "")
@@ -334,6 +344,7 @@ class Dispatch:
         """A node that will never be sent: its client left, or it cannot run
         (``err``: its outputs fail with it, so their consumers fail too)."""
         run = node.run
+        self.fast_parked.pop(node.exec_id, None)
         self._release_transient(node.planned[0].transient)
         # its plan recorded copies of its inputs it will never make: forget them
         # (an input left with no copy fails)

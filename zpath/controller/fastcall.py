@@ -48,6 +48,11 @@ FAST_KEYS = 4096       # (client, program) pairs remembered; past it all are for
 FAST_PER_KEY = 4       # calls remembered per pair (the newest)
 
 _execute = codec.constructor(m.Execute)
+# the slots of an Execute's place in the gang order and its hold: a parked
+# call's Execute, made when it is planned and seen by no one else, gets them
+# when it is sent (rather than being made again)
+_set_seq = m.Execute.__dict__["seq"].__set__
+_set_hold = m.Execute.__dict__["hold"].__set__
 _exec_input = codec.constructor(m.ExecInput)
 _exec_output = codec.constructor(m.ExecOutput)
 
@@ -86,9 +91,13 @@ class FastCalls:
 
     def _init_fastcalls(self) -> None:
         self.fast_calls: dict[tuple[int, str], list[FastCall]] = {}
+        # exec id of a call planned here and parked -> what it was planned
+        # from, until it is sent (``_fast_dispatch``) or abandoned
+        self.fast_parked: dict[int, FastCall] = {}
         # calls the fast path sent at once, and those it planned and parked (tests, benchmarks)
         self.fast_sent = 0
         self.fast_planned = 0
+        self.fast_unparked = 0         # of those planned, sent by _fast_dispatch
 
     def _fast_call(self, peer: Peer, call: m.Call) -> bool:
         """Plan a call that repeats one remembered (see the module doc) and
@@ -122,6 +131,7 @@ class FastCalls:
             [_exec_input(i.buffer, i.aval, i.spec, []) for i in call.inputs],
             [_exec_output(o.buffer, o.aval, o.spec) for o in call.outputs], False)), [], copies=[])
         run = ProgramRun(peer, puts, 1)
+        self.fast_parked[exec_id] = e
         self._start(ParkedNode(run, call, (plan, e.name), self._parked_producers(call), exec_id, e.island))
         self._maybe_release(run)
         self.fast_planned += 1
@@ -217,6 +227,33 @@ class FastCalls:
             self._release(puts, owner)
         self.fast_sent += 1
 
+    def _fast_dispatch(self, e: FastCall, node: ParkedNode, hold: bool) -> int | None:
+        """``_dispatch`` of a call planned from ``e`` that was parked, now
+        that it goes: its one Execute (made when it was planned) gets its
+        place in the gang order and ``hold``, and the computation is in flight
+        as ``_fast_send`` records it. None (nothing done) where the general
+        path must send it: the mapping changed, or a host lacks the program."""
+        call = node.call
+        if e.version != self.rm.version:
+            return None
+        host_programs = self.host_programs
+        for h in e.hosts:
+            known = host_programs.get(h)
+            if known is None or call.program not in known:
+                return None
+        island = e.island
+        seq = self.scheduler.take_seq(island)
+        ex = next(iter(node.planned[0].executes.values()))
+        _set_seq(ex, seq)
+        _set_hold(ex, hold)
+        peer = node.run.peer
+        self.in_flight[node.exec_id] = InFlight(peer.id, peer.ident, e.name, island, seq, e.ready.devices,
+                                                set(e.hosts), e.host_devices, [o.buffer for o in call.outputs],
+                                                [], [i.buffer for i in call.inputs if i.put])
+        self.to_hosts(self.scheduler.place_shared(e.hosts, ex))
+        self.fast_unparked += 1
+        return node.exec_id
+
     def _learn_call(self, peer: Peer, call: m.Call, sub: Submission) -> None:
         """The general path planned a one-call submission: if it was sent at
         once with every input in place, remember it for its repeats."""
@@ -285,3 +322,7 @@ class FastCalls:
             assert 0 < len(entries) <= FAST_PER_KEY, f"{len(entries)} fast calls of client {client}"
             for e in entries:
                 assert e.peer.id == client and e.program == program, "a fast call kept under another key"
+        if self.fast_parked:
+            parked = {node.exec_id for node in self.parked_nodes()}
+            for exec_id in self.fast_parked:
+                assert exec_id in parked, f"fast call {exec_id} remembered as parked, but it is not"

@@ -169,6 +169,11 @@ class TenantScheduler:
         # device tuple of at most SMALL_DEVICES -> its distinct devices (indexed one by one)
         self._few: dict[tuple[int, ...], list[int]] = {}
         self._arrivals = 0
+        # island -> the one client that uses it, while it is the only one in its
+        # computations sent, queued and seen there (``window``'s answer for it
+        # without a look at them): forgotten when another client comes
+        # (``_joins``, the only way one comes: add, sent, finished)
+        self._sole: dict[int, int] = {}
 
     # ---- clients ---------------------------------------------------------------
     def add_client(self, client: int, weight: float = 1.0) -> None:
@@ -186,6 +191,7 @@ class TenantScheduler:
             self._vt.pop((island, client), None)
         for seen in self._seen.values():
             seen.pop(client, None)
+        # (a client that leaves makes no island shared: ``_sole`` stays right)
         return dropped
 
     # ---- queueing --------------------------------------------------------------
@@ -213,7 +219,7 @@ class TenantScheduler:
         queues = self._queues.setdefault(ready.island, {})
         ready.arrival = self._arrivals
         self._arrivals += 1
-        self._seen.setdefault(ready.island, {})[ready.client] = self.clock()
+        self._joins(ready.island, ready.client)
         q = queues.get(ready.client)
         if q is None:
             q = queues[ready.client] = collections.deque()
@@ -271,11 +277,35 @@ class TenantScheduler:
         idx = self._idx(devices)
         return bool(((self._count[idx] < self.min_window) | (self._load[idx] <= half)).any())
 
+    def _joins(self, island: int, client: int) -> None:
+        """``client`` has work on ``island`` now (it is seen there): where
+        another client was its only one, the island's ``_sole`` goes."""
+        seen = self._seen.get(island)
+        if seen is None:
+            seen = self._seen[island] = {}
+        seen[client] = self.clock()
+        sole = self._sole.get(island)
+        if sole is not None and sole != client:
+            del self._sole[island]
+
     def window(self, island: int, client: int | None = None) -> float:
         """The window on ``island``'s devices: ``solo_window_s`` while at most
         one client (``client``, when given) uses the island, else ``window_s``."""
         if self.solo_window_s == self.window_s:
             return self.window_s
+        sole = self._sole.get(island)
+        if sole is not None and (client is None or client == sole):
+            return self.solo_window_s      # (the usual case, one client: no look at its work)
+        solo = self._window_of(island, client)
+        if solo:
+            users = {*self._active.get(island, ()), *self._queues.get(island, ()), *self._seen.get(island, ())}
+            if len(users) == 1:
+                self._sole[island] = users.pop()
+        return self.solo_window_s if solo else self.window_s
+
+    def _window_of(self, island: int, client: int | None) -> bool:
+        """``window`` looking at the island's clients: whether it is the solo
+        one."""
         only = client              # the one client seen to use it so far (None: none)
         for using in (self._active.get(island), self._queues.get(island)):
             if using:
@@ -283,14 +313,13 @@ class TenantScheduler:
                     if only is None:
                         only = c
                     elif c != only:
-                        return self.window_s
+                        return False
         seen = self._seen.get(island)
         if seen:
             if len(seen) == 1 and (only is None or only in seen):
-                # (the usual case, one client: it is the only one whether or
-                # not it is stale, so no clock to read; a stale one goes at a
-                # later look)
-                return self.solo_window_s
+                # (one client: it is the only one whether or not it is stale,
+                # so no clock to read; a stale one goes at a later look)
+                return True
             now = self.clock()
             for c, t in list(seen.items()):
                 if now - t >= SOLO_GRACE_S:
@@ -298,8 +327,8 @@ class TenantScheduler:
                 elif only is None:
                     only = c
                 elif c != only:
-                    return self.window_s       # (the stale ones left go at a later look)
-        return self.solo_window_s
+                    return False               # (the stale ones left go at a later look)
+        return True
 
     def _fits(self, ready: Ready) -> bool:
         est = self._cost.get(ready.cost_key)
@@ -379,7 +408,7 @@ class TenantScheduler:
         if active is None:
             active = self._active[ready.island] = collections.Counter()
         active[ready.client] += 1
-        self._seen.setdefault(ready.island, {})[ready.client] = self.clock()
+        self._joins(ready.island, ready.client)
         vt = self._vt.get((ready.island, ready.client), 0.0)
         clk = self._island_clock(ready.island)
         if few is not None:
@@ -443,7 +472,7 @@ class TenantScheduler:
                 self._count[idle] = 0
                 self._load[idle] = 0.0
         if run.client in self.weights:        # (not a client that left)
-            self._seen.setdefault(run.island, {})[run.client] = self.clock()
+            self._joins(run.island, run.client)
         active = self._active[run.island]
         active[run.client] -= 1
         if active[run.client] <= 0:

@@ -360,6 +360,10 @@ class Controller:
 
     def _plan_event(self, ident: bytes, msg: Any, start: float, end: float) -> None:
         peer = self.core.peers.get(ident)
+        if type(msg) is m.Call:           # (the usual one: without the match's class patterns)
+            prog = self.core.programs.get(msg.program)
+            self.core.events.append(("plan", peer.id if peer else -1, prog[0] if prog else "", start, end))
+            return
         match msg:
             case m.Call():
                 name = self.core.program_name(msg.program)

@@ -230,28 +230,43 @@ class Endpoint:
         them): the sender's identity (on a ROUTER) and the envelope's frames.
         Refuses (BadMessage) a message of more frames than any has."""
         flags = 0 if block else _NOBLOCK
-        if type(sock) is zmq.Socket:        # the compiled methods, without pyzmq's conversions
-            recv, more = _RECV.__get__(sock), _GET.__get__(sock)
+        small = 4 if router else 3
+        allowed = small + codec.MAX_BUFFERS        # identity, signature, header, body, buffers
+        # the routing identity, signature, header and body come as bytes, and
+        # buffers as Frames
+        if type(sock) is zmq.Socket:
+            # the compiled recv, every frame a zmq.Frame: its ``more`` is read
+            # without getsockopt(RCVMORE), which converts the option to an enum
+            # each time (the small frames' bytes are then copied out, as recv
+            # would)
+            recv = _RECV.__get__(sock)
+            frame = recv(flags, copy=False)
+            frames = [frame.bytes]
+            while frame.more:
+                if len(frames) >= allowed:
+                    raise _too_many(sock, frames, router, allowed)
+                frame = recv(flags, copy=False)
+                frames.append(frame.bytes if len(frames) < small else frame)
         else:
             recv, more = sock.recv, sock.get
-        # the routing identity, signature, header and body come as bytes (a
-        # copy is cheaper than a zmq.Frame for small frames); buffers as Frames
-        small = 4 if router else 3
-        frames = [recv(flags)]
-        allowed = small + codec.MAX_BUFFERS        # identity, signature, header, body, buffers
-        while more(_RCVMORE):
-            if len(frames) >= allowed:
-                # more frames than any message has: drop the rest unread into
-                # objects, then refuse it (cheaply, whatever its sender)
-                n = _discard_rest(sock)
-                ident = frames[0] if router else None
-                got, most = len(frames) + n - router, allowed - router
-                raise BadMessage(f"too many frames ({got}; at most {most})", ident,
-                                 codec.decode_header(frames[1:] if router else frames))
-            frames.append(recv(flags) if len(frames) < small else recv(flags, copy=False))
+            frames = [recv(flags)]
+            while more(_RCVMORE):
+                if len(frames) >= allowed:
+                    raise _too_many(sock, frames, router, allowed)
+                frames.append(recv(flags) if len(frames) < small else recv(flags, copy=False))
         if router:
             return frames[0], frames[1:]
         return None, frames
+
+
+def _too_many(sock: zmq.Socket, frames: list[Any], router: bool, allowed: int) -> BadMessage:
+    """More frames than any message has: the rest is dropped unread into
+    objects, and the message refused (cheaply, whatever its sender)."""
+    n = _discard_rest(sock)
+    ident = frames[0] if router else None
+    got, most = len(frames) + n - router, allowed - router
+    return BadMessage(f"too many frames ({got}; at most {most})", ident,
+                      codec.decode_header(frames[1:] if router else frames))
 
 
 def _discard_rest(sock: zmq.Socket) -> int:
