@@ -11,8 +11,10 @@ host; the Directory is wired as in the controller):
 * ``reshard``: a ``[64, 64]`` float32 array, row-sharded over the 4 devices of
   one host, read column-sharded by the next call on the other host's 4
   devices (16 pieces cross hosts per call), alternating hosts.
-* ``pmap-miss``: ``pmap`` with the cache on but a new computation name per call,
-  so every call misses (the cost of looking up and filling the cache).
+* ``pmap-miss``: ``pmap`` with the cache on but a new shape per call (call k
+  reads ``[2 (k + 1)]`` and makes ``[2 (k + 2)]``), so every call misses (the
+  cost of looking up and filling the cache; a new program or computation name
+  alone is not a new key: plans do not depend on them).
 
 Each repeat plans the whole chain with a fresh Directory; cache-on and cache-off
 runs alternate (which goes first alternates too). Prints the median microseconds
@@ -54,13 +56,14 @@ def directory(rm: ResourceManager, cache: bool) -> Directory:
                      plan_cache_size=4096 if cache else 0)
 
 
-def pmap_chain(n: int, fresh_names: bool = False) -> list[tuple[m.Call, str]]:
-    av = m.Aval([2], "float64")
+def pmap_chain(n: int, fresh_shapes: bool = False) -> list[tuple[m.Call, str]]:
     calls = []
     for k in range(n):
+        av_in = m.Aval([2 * (k + 1) if fresh_shapes else 2], "float64")
+        av_out = m.Aval([2 * (k + 2) if fresh_shapes else 2], "float64")
         buf_in, buf_out = OWNER << 32 | k + 1, OWNER << 32 | k + 2
-        calls.append((m.Call(k + 1, PROGRAM, [2], ["i"], [0, 4], [m.CallInput(buf_in, av, ["i"], k == 0)],
-                             [m.CallOutput(buf_out, av, ["i"])]), f"f{k}" if fresh_names else "f"))
+        calls.append((m.Call(k + 1, PROGRAM, [2], ["i"], [0, 4], [m.CallInput(buf_in, av_in, ["i"], k == 0)],
+                             [m.CallOutput(buf_out, av_out, ["i"])]), "f"))
     return calls
 
 
@@ -94,7 +97,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=21)
     args = ap.parse_args()
     workloads = {"pmap": pmap_chain(args.calls), "reshard": reshard_chain(args.calls),
-                 "pmap-miss": pmap_chain(args.calls, fresh_names=True)}
+                 "pmap-miss": pmap_chain(args.calls, fresh_shapes=True)}
     print(f"# Directory.plan, {args.calls} chained calls per repeat, {args.repeats} repeats; "
           f"python {platform.python_version()} on {platform.machine()}")
     print(f"{'workload':<10} {'off us/plan':>12} {'on us/plan':>11} {'off/on':>7}  "

@@ -80,6 +80,7 @@ that prints figures, not a test.
 from __future__ import annotations
 
 import argparse
+import gc
 import hashlib
 import itertools
 import json
@@ -113,6 +114,9 @@ except ImportError:          # the figures are still printed
 HOSTS = (1, 8, 64, 256, 512)
 LADDER_MS = (0.5, 1.0, 2.3, 5.0, 10.0, 20.0, 35.0, 50.0, 100.0, 200.0)
 BUSY = 0.95
+# host reports asked for per rung (--timeline): a rung's at 512 hosts (each
+# names its node's devices as runs, a few bytes for all 2,048)
+TIMELINE_RECORDS = 40_000
 F_COMPUTATIONS = 128
 HEARTBEAT_S = 2.0            # the driver's heartbeat while it waits (see Driver.wait_for)
 
@@ -170,6 +174,11 @@ class Driver:
         """Messages the controller has sent through relays (``Status.relayed``)."""
         self.ep.send(self.sock, m.StatusRequest(False))
         return self._wait(lambda msg: isinstance(msg, m.Status), 30.0).relayed
+
+    def timeline(self, limit: int) -> m.Timeline:
+        """The controller's last ``limit`` host reports and its recent events."""
+        self.ep.send(self.sock, m.TimelineRequest(limit))
+        return self._wait(lambda msg: isinstance(msg, m.Timeline), 60.0)
 
     def drain(self) -> None:
         while self.sock.poll(0):
@@ -318,7 +327,8 @@ def timed(d: Driver, send: Any, last: int, device: int, length: int) -> float:
 
 def measure(hosts: int, devices: int, quick: bool, big_nodes: int, repeats: int,
             relay_min_hosts: int | None = None, relay_group: int | None = None,
-            fused_nodes: int = 32, fused_runs: int = 5, fused_only: bool = False) -> dict:
+            fused_nodes: int = 32, fused_runs: int = 5, fused_only: bool = False,
+            timelines: list[dict] | None = None) -> dict:
     started = time.perf_counter()
     # (a simulated host's Pong may wait behind thousands of queued messages on
     # this 2-core machine: a longer silence than by default before it counts as lost)
@@ -342,14 +352,14 @@ def measure(hosts: int, devices: int, quick: bool, big_nodes: int, repeats: int,
                 return {**out, "ctl_rss_mib": ctl.memory_info().rss / 2**20,
                         "seconds": time.perf_counter() - started}
             return _measure(cluster, d, ctl, sim, hosts, devices, quick, big_nodes, repeats, started,
-                            fused_nodes, fused_runs)
+                            fused_nodes, fused_runs, timelines)
         finally:
             d.close()
 
 
 def _measure(cluster: SimulatedCluster, d: Driver, ctl: psutil.Process, sim: psutil.Process,
              hosts: int, devices: int, quick: bool, big_nodes: int, repeats: int, started: float,
-             fused_nodes: int = 32, fused_runs: int = 5) -> dict:
+             fused_nodes: int = 32, fused_runs: int = 5, timelines: list[dict] | None = None) -> dict:
     devs = d.devices
     total = len(devs)
     zero = d.program(0.0)
@@ -407,7 +417,12 @@ def _measure(cluster: SimulatedCluster, d: Driver, ctl: psutil.Process, sim: psu
     out["median_ping_ms"] = statistics.median(prober.rtts) * 1e3 if prober.rtts else None
     d.release([x for x, _ in lasts.values()])
 
-    # the smallest computation that keeps every device busy
+    # the smallest computation that keeps every device busy (this client's own
+    # history, the big program's calls among it, kept out of its collector's
+    # full passes, which took 80-300 ms: a long-running client's gc.freeze(),
+    # docs/design.md)
+    gc.collect()
+    gc.freeze()
     busy: dict[str, float] = {}
     warm: dict[str, float] = {}
     fixed: dict[str, float] = {}
@@ -419,8 +434,11 @@ def _measure(cluster: SimulatedCluster, d: Driver, ctl: psutil.Process, sim: psu
         n = int(min(200, max(6, 20_000 // hosts), max(6, (0.3 if quick else 1.0) / (cost / 1000))))
         calls, outs = chain(d, prog, devs, n)
         c0 = cpu_s(ctl)
+        sent_at = time.time()
         wall = timed(d, lambda: d.send_program(calls), outs[-1], devs[0], total)
         out["ctl_cpu_us_per_busy_node"] = (cpu_s(ctl) - c0) / n * 1e6
+        if timelines is not None:
+            timelines.append(rung_timeline(d, cost, n, hosts, sent_at, wall))
         d.release(outs)
         busy[str(cost)] = round(n * cost / 1000 / wall, 4)
         fixed[str(cost)] = round((wall - n * cost / 1000) * 1e3, 1)
@@ -454,6 +472,39 @@ def _measure(cluster: SimulatedCluster, d: Driver, ctl: psutil.Process, sim: psu
     out["sim_rss_mib"] = sim.memory_info().rss / 2**20
     out["seconds"] = time.perf_counter() - started
     return out
+
+
+def rung_timeline(d: Driver, cost: float, nodes: int, hosts: int, sent_at: float, wall: float) -> dict:
+    """A busy rung's first run as the controller saw it (``--timeline``): every
+    host's report of its ``nodes`` nodes and the controller's planning slices,
+    in ms from when the program was sent, with where the wall time beyond the
+    device time went: ``start_ms`` (until the first node began on its last
+    host), ``gaps_ms`` (per node after the first: the longest a host's devices
+    waited between it and the node before), ``tail_ms`` (from the last node's
+    end on its last host until the client had its value). A report names every
+    device of its node, so at most TIMELINE_RECORDS reports fit in one answer:
+    with more, only the last nodes' are there (``nodes`` says how many; a
+    report still on its way when asked is missing too)."""
+    tl = d.timeline(min(nodes * hosts, TIMELINE_RECORDS))
+    # (this run's: reports of earlier work may still be coming in, and this
+    # run's last ones may not have come yet)
+    recs = sorted((r for r in tl.records if r.start >= sent_at), key=lambda r: r.exec_id)
+    per: dict[int, dict[int, tuple[float, float]]] = {}
+    for r in recs:
+        per.setdefault(r.exec_id, {})[r.host] = ((r.start - sent_at) * 1e3, (r.end - sent_at) * 1e3)
+    execs = sorted(per)
+    gaps = [max(per[x][h][0] - per[p][h][1] for h in per[x] if h in per[p])
+            for p, x in zip(execs, execs[1:]) if set(per[x]) & set(per[p])]
+    first = per[execs[0]] if len(execs) == nodes else {}
+    last_end = max(e for _, e in per[execs[-1]].values()) if execs else 0.0
+    plans = [(round((e.start - sent_at) * 1e3, 2), round((e.end - e.start) * 1e3, 2)) for e in tl.events
+             if e.kind == "plan" and e.end >= sent_at]
+    return {"cost_ms": cost, "sent_at": sent_at, "nodes": len(execs), "wall_ms": round(wall * 1e3, 1),
+            "fixed_ms": round(wall * 1e3 - nodes * cost, 1),
+            "start_ms": round(max(s for s, _ in first.values()), 1) if first else None,
+            "first_start_ms": round(min(s for s, _ in first.values()), 1) if first else None,
+            "gaps_ms": [round(g, 1) for g in gaps], "tail_ms": round(wall * 1e3 - last_end, 1),
+            "plans": plans}
 
 
 def pipeline(d: Driver, stages: int, repeats: int) -> dict:
@@ -598,6 +649,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fused-nodes", type=int, default=32, help="nodes of the fused template (0: none)")
     p.add_argument("--fused-runs", type=int, default=5, help="fused runs measured after the one that defines it")
     p.add_argument("--fused-only", action="store_true", help="measure the fused template alone")
+    p.add_argument("--timeline", metavar="PATH", help="write each busy rung's first run as the controller "
+                   "saw it (host reports, planning slices; where its time beyond device time went) to PATH, "
+                   "as JSON")
     p.add_argument("--probe", nargs=2, metavar=("ADDRESS", "PERIOD"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.probe:
@@ -605,9 +659,13 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     results = []
     for n in args.hosts:
+        timelines: list[dict] | None = [] if args.timeline else None
         r = measure(n, args.devices, args.quick, args.big_nodes, args.repeats, args.relay_min_hosts,
-                    args.relay_group, args.fused_nodes, args.fused_runs, args.fused_only)
+                    args.relay_group, args.fused_nodes, args.fused_runs, args.fused_only, timelines)
         results.append(r)
+        if args.timeline:
+            with open(args.timeline, "w") as f:
+                json.dump({"hosts": n, "rungs": timelines}, f)
         if args.json is not None:
             print_json(r, args.json)
         elif not args.fused_only:

@@ -15,7 +15,7 @@ from zpath.controller.admission import SEND_BUDGET, SEND_COST
 from zpath.controller.core import ControllerCore, RemoveSegments, Send
 from zpath.controller.dispatch import BUCKET_PIECE_BYTES
 from zpath.controller.failures import PEER_ANSWER_S
-from zpath.controller.records import call_buffers
+from zpath.controller.records import Timeline, call_buffers
 from zpath.net import messages as m
 from zpath.net.codec import PROTOCOL_VERSION
 from tests.test_controller_tenancy import _fill_window, make_rig  # noqa: F401  (fixture)
@@ -457,3 +457,35 @@ def test_the_timeline_and_events_keep_nothing_the_collector_must_walk(make_rig):
         [(0, client, "p", [0], True, 0), (1, client, "p", [1], True, 0), (0, client, "p", [0], True, 0)]
     assert [r.seq for r in timeline.records] == [0, 1, 2]
     assert timeline.events == [m.ControllerEvent("plan", client, "f", 5.0, 6.0)]
+
+
+def test_the_timeline_keeps_a_run_of_rows_as_one_block_of_arrays():
+    """A run of a batch's rows (Timeline.add_run) is one entry whose fields
+    per host are packed into bytes: the young passes get one object, not a
+    row per host, and nothing of it once looked at. The rows read back (newest ``limit``,
+    oldest first) are those a row per host would give, and the history keeps
+    at least its last ``max_rows`` rows and not many more."""
+    import gc
+    import random
+
+    rng = random.Random(5)
+    t, rows = Timeline(600), []
+    for x in range(1, 60):
+        if rng.random() < 0.3:
+            row = (x, None, 1.0 * x, 2.0 * x, 0.0, rng.randrange(512), x, 0, 1, "f", (0, 1))
+            t.append(row)
+            rows.append(row)
+            continue
+        hosts = rng.sample(range(512), rng.randrange(0, 40))
+        starts, ends, waited = [x + h / 1e3 for h in hosts], [x + 1 + h / 1e3 for h in hosts], [0.5] * len(hosts)
+        t.add_run(x, starts, ends, waited, hosts, x, 0, 1, "f", (0, 1))
+        rows += [(x, None, s, e, w, h, x, 0, 1, "f", (0, 1))
+                 for s, e, w, h in zip(starts, ends, waited, hosts, strict=True)]
+        assert 600 - 40 < len(t) <= 600 or len(t) == len(rows)
+        for limit in (1, 7, 100, 10_000):
+            assert t.last(limit) == rows[-min(limit, len(t)):]
+    assert len(t) < len(rows)            # (old entries went)
+    blocks = [e for e in t if type(e[5]) is bytes]
+    assert blocks and all(type(e[k]) is bytes for e in blocks for k in (2, 3, 4, 5))
+    gc.collect()
+    assert not any(gc.is_tracked(e) for e in t)

@@ -7,6 +7,7 @@ received pieces) and checks that every input shard ends up holding exactly the
 right part of its global array."""
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 from typing import Any
@@ -24,6 +25,7 @@ DEVICES_PER_HOST = 4
 HOSTS = 3
 HOST_OF = {d: d // DEVICES_PER_HOST for d in range(HOSTS * DEVICES_PER_HOST)}
 PROGRAM = "ab" * 32
+OTHER = "cd" * 32
 
 
 def address(h: int) -> str:
@@ -46,10 +48,11 @@ _call_ids = iter(range(1, 1 << 30))
 
 
 def call(devices: list[int], inputs: list[m.CallInput], outputs: list[m.CallOutput] = (),
-         mesh_shape: list[int] | None = None, axis_names: list[str] | None = None) -> m.Call:
+         mesh_shape: list[int] | None = None, axis_names: list[str] | None = None,
+         program: str = PROGRAM) -> m.Call:
     mesh_shape = mesh_shape or [len(devices)]
     axis_names = axis_names or ["x", "y", "z"][:len(mesh_shape)]
-    return m.Call(next(_call_ids), PROGRAM, mesh_shape, axis_names, devices, list(inputs), list(outputs))
+    return m.Call(next(_call_ids), program, mesh_shape, axis_names, devices, list(inputs), list(outputs))
 
 
 def R(*pairs: tuple[int, int]) -> list[list[int]]:
@@ -654,8 +657,9 @@ def test_cached_plans_equal_uncached_plans_random():
                 live.append((next_buf, [8, 8]))
                 next_buf += 1
         owner = 2 if rng.random() < 0.02 else 1
-        result = lockstep(call(devs, inputs, outputs, mesh, names), plain, cached,
-                          owner=owner, name="g" if rng.random() < 0.1 else "f")
+        # (another program and name now and then: the same template, their own Executes)
+        result = lockstep(call(devs, inputs, outputs, mesh, names, program=rng.choice([PROGRAM, OTHER])),
+                          plain, cached, owner=owner, name="g" if rng.random() < 0.1 else "f")
         ok += result[0] == "ok"
         if result[0] != "ok":           # its new buffers do not exist
             new = {i.buffer for i in inputs if i.put} | {o.buffer for o in outputs}
@@ -692,9 +696,13 @@ def test_a_chain_hits_the_cache():
     assert [next(iter(p.executes.values())).inputs[0].buffer for p in plans] == list(range(1, 33))
     assert len({ex.exec_id for p in plans for ex in p.executes.values()}) == 32
     assert lists(d.buffers[33].layouts) == [{((0, 1),): [0], ((1, 2),): [4]}]
-    # a different computation name is a different plan
-    d.plan(pmap_call(33), 1, "other")
-    assert d.cache_misses == 3
+    # another program (and name) over the same devices and shardings is the
+    # same template, with its own program and name in its Executes
+    c = pmap_call(33)
+    other = d.plan(dataclasses.replace(c, program=OTHER), 1, "other")
+    assert (d.cache_hits, d.cache_misses) == (31, 2)
+    assert {(ex.program, ex.name) for ex in other.executes.values()} == {(OTHER, "other")}
+    assert other.executes[0].inputs[0].buffer == 33 and other.executes[0].outputs[0].buffer == 34
     # with the cache off nothing is counted
     off = Directory(HOST_OF.__getitem__, address, plan_cache_size=0)
     for k in range(1, 5):
@@ -802,21 +810,65 @@ def test_lost_host_invalidates_cached_plans():
     assert (d2.cache_hits, d2.cache_misses) == (1, 2)
 
 
+def test_a_new_program_over_planned_shardings_equals_a_fresh_plan():
+    """A new program's first run over devices and shardings another program was
+    planned over: a cache hit, equal (ids, state and all) to a plan lowered
+    anew, with its own program and name; and once a host is lost, a new
+    program over those shardings is lowered anew (over the devices left)."""
+    from zpath.controller.resources import ResourceManager
+    rm = ResourceManager()
+    for h in range(3):
+        rm.add_host(name=f"h{h}", island=0, data_address=address(h), pid=1, platform="cpu", num_devices=4)
+    args = (lambda x: rm.devices[x].host, lambda h: rm.hosts[h].data_address,
+            lambda x: rm.devices[x].jax_id, rm.route)
+    plain = Directory(*args, mapping_version=lambda: rm.version, plan_cache_size=0)
+    cached = Directory(*args, mapping_version=lambda: rm.version)
+    programs = [f"{k:02x}" * 32 for k in range(4)]
+
+    def chain(program: str, first: int, devices: list[int], n: int = 4) -> list[tuple]:
+        """n calls of a chain over ``devices``: a put, copied to host 2 and read back replicated."""
+        got = []
+        for k in range(n):
+            b = first + k
+            ins = [inp(b, [8], ["x"], put=True)] if k == 0 else [inp(b, [8], ["x"] if k % 2 else [None])]
+            got.append(lockstep(call(devices if k % 2 == 0 else [8, 9], ins, [out(b + 1, [8], ["x"])],
+                                     program=program), plain, cached, name=program[:2]))
+        return got
+    chain(programs[0], 100, [0, 4])
+    misses, hits = cached.cache_misses, cached.cache_hits
+    for k, program in enumerate(programs[1:3], 1):
+        for result in chain(program, 100 * (k + 1), [0, 4]):
+            assert result[0] == "ok"
+            assert {(ex.program, ex.name) for ex in result[1].values()} == {(program, program[:2])}
+    assert cached.cache_misses == misses and cached.cache_hits == hits + 8
+    # host 1 is lost: the mapping changes, and what was cached with it goes
+    rm.lose_host(1)
+    for d in (plain, cached):
+        d.drop_devices(set(rm.hosts[1].devices), m.ErrorInfo("HostLost", "lost", 1, "", ""))
+    results = chain(programs[3], 1000, [0, 1])
+    assert all(r[0] == "ok" for r in results)
+    assert cached.cache_misses == 2 * misses and cached.cache_hits == hits + 8 + 1
+    assert all(h != 1 for r in results for h in r[1]) and all(src != 1 for r in results for src, _ in r[2])
+
+
 def test_plan_cache_is_bounded():
     d = Directory(HOST_OF.__getitem__, address, plan_cache_size=3)
-    names = [f"f{k}" for k in range(10)]
-    for k, name in enumerate(names):
-        d.plan(call([0, 1], [inp(k + 1, [8], ["x"], put=True)]), 1, name)
+
+    def put(buf: int, k: int) -> m.Call:
+        """Key k: a value of 2 (k + 1) elements put over devices 0 and 1."""
+        return call([0, 1], [inp(buf, [2 * (k + 1)], ["x"], put=True)])
+    for k in range(10):
+        d.plan(put(k + 1, k), 1, "f")
     assert d.cache_info()["entries"] == 3 and d.cache_misses == 10
     # the three most recent are kept; using one keeps it longest
-    d.plan(call([0, 1], [inp(100, [8], ["x"], put=True)]), 1, "f7")
+    d.plan(put(100, 7), 1, "f")
     assert d.cache_hits == 1
-    d.plan(call([0, 1], [inp(101, [8], ["x"], put=True)]), 1, "f0")        # evicts f8
+    d.plan(put(101, 0), 1, "f")        # evicts key 8
     assert d.cache_misses == 11
-    d.plan(call([0, 1], [inp(102, [8], ["x"], put=True)]), 1, "f7")
-    d.plan(call([0, 1], [inp(103, [8], ["x"], put=True)]), 1, "f9")
+    d.plan(put(102, 7), 1, "f")
+    d.plan(put(103, 9), 1, "f")
     assert d.cache_hits == 3
-    d.plan(call([0, 1], [inp(104, [8], ["x"], put=True)]), 1, "f8")
+    d.plan(put(104, 8), 1, "f")
     assert d.cache_misses == 12 and d.cache_info()["entries"] == 3
     # and by size: a plan bigger than the whole budget is not kept, smaller ones
     # push older ones out
@@ -824,7 +876,7 @@ def test_plan_cache_is_bounded():
     small.plan(call(list(range(12)), [inp(1, [12], ["x"], put=True)]), 1, "big")
     assert small.cache_info()["entries"] == 0
     for k in range(5):
-        small.plan(call([0, 1], [inp(10 + k, [8], ["x"], put=True)]), 1, f"f{k}")
+        small.plan(put(10 + k, k), 1, "f")
         assert 0 < small.cache_info()["weight"] <= 12
     assert small.cache_info()["entries"] == 2
 

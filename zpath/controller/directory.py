@@ -7,9 +7,11 @@ sharded); each layout maps regions to the devices holding a copy.
 :meth:`Directory.plan` turns one call into actions: for every host it touches an
 ``Execute`` with that host's part, and ``SendPiece`` orders for the shards that
 must move between hosts. It is pure: no sockets. What it lowers a call to
-depends on shapes, devices and where the inputs live, not on buffer ids, so the
-lowered plan is cached per (call shape, input layouts, mapping version) and each
-call only fills in its ids."""
+depends on shapes, devices and where the inputs live, not on buffer ids nor on
+the program, so the lowered plan is cached per (call shape, input layouts,
+mapping version) and each call only fills in its ids and its program: a new
+program over the devices and shardings of one planned before is planned as
+cheaply as a repeat."""
 from __future__ import annotations
 
 import collections
@@ -298,11 +300,12 @@ class Directory:
         for the shards that move. Checks everything before changing any state.
 
         The lowered plan (computations, device assignments, transfers) depends on
-        the call's shapes and on where its inputs live, not on buffer ids: it is
-        lowered once per key (see :meth:`_key`) into a :class:`_Template`, and each
-        call only fills in its ids and applies the state changes. Checks that
-        depend on the buffers' current state run on every call."""
-        key = self._key(call, name) if self._cache_max else None
+        the call's shapes and on where its inputs live, not on buffer ids nor on
+        the program it runs: it is lowered once per key (see :meth:`_key`) into a
+        :class:`_Template`, and each call only fills in its ids and program and
+        applies the state changes. Checks that depend on the buffers' current
+        state run on every call."""
+        key = self._key(call) if self._cache_max else None
         if key is not None:
             t = self._cache.get(key)
             if t is not None:
@@ -321,12 +324,19 @@ class Directory:
 
     # ---- plan cache -------------------------------------------------------------
 
-    def _key(self, call: m.Call, name: str) -> tuple | None:
-        """Everything a plan depends on except buffer ids: program, name, devices,
-        mesh, each input's aval, spec, put flag and (not a put) its buffer's
-        layouts, each output's aval and spec, which slots name the same buffer,
-        and the mapping version. None (not cached) when an input cannot be read:
-        the call fails."""
+    def _key(self, call: m.Call) -> tuple | None:
+        """Everything a plan depends on except buffer ids and the program:
+        devices, mesh, each input's aval, spec, put flag and (not a put) its
+        buffer's layouts, each output's aval and spec, which slots name the
+        same buffer, and the mapping version. None (not cached) when an input
+        cannot be read: the call fails.
+
+        The program (its digest and name) is left out: lowering reads nothing
+        of it (``_lower`` and ``_Template`` hold no program; ``_apply`` puts
+        the call's own in each Execute), since the controller plans from the
+        shapes and shardings the call declares, never from the program's
+        code. So a new program's first run over devices and shardings planned
+        before (another program's, or a warm-up's) is a cache hit."""
         version = self.mapping_version()
         if version != self._cache_version:
             self._cache.clear()
@@ -348,8 +358,8 @@ class Directory:
         # which slots name one buffer: duplicates change the plan (a second read
         # sees the first one's copy; a second create replaces the first)
         aliases = None if len(set(ids)) == len(ids) else tuple(ids.index(b) for b in ids)
-        return (call.program, name, tuple(call.devices), tuple(call.mesh_shape),
-                tuple(call.axis_names), tuple(ins), outs, aliases, version)
+        return (tuple(call.devices), tuple(call.mesh_shape), tuple(call.axis_names), tuple(ins), outs,
+                aliases, version)
 
     def intern(self, key: LayoutsKey) -> LayoutsKey:
         """The one object kept for this layouts key (see ``LayoutsKey``)."""
@@ -364,7 +374,7 @@ class Directory:
         return kept
 
     def _store(self, key: tuple, t: "_Template") -> None:
-        weight = t.weight + sum(len(lay) for k in key[5] if len(k) == 4 for lay in k[3])
+        weight = t.weight + sum(len(lay) for k in key[3] if len(k) == 4 for lay in k[3])
         if weight > self._cache_max_weight:
             return
         self._cache[key] = t

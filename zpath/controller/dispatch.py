@@ -10,7 +10,6 @@ import dataclasses
 import logging
 import operator
 from collections.abc import Iterable
-from itertools import repeat
 from typing import Any
 
 from zpath import sharding
@@ -493,10 +492,8 @@ class Dispatch:
         ``_rows_one_by_one`` would one by one (a last host finishes it)."""
         n = len(hosts)
         usual = n - 1 if len(info.hosts) == n else n
-        self.timeline.extend(zip(repeat(x, usual), repeat(None, usual), starts[:usual], ends[:usual], waited[:usual],
-                                 hosts[:usual], repeat(info.seq, usual), repeat(info.island, usual),
-                                 repeat(info.client, usual), repeat(info.name, usual), repeat(info.devices, usual),
-                                 strict=True))
+        self.timeline.add_run(x, starts[:usual], ends[:usual], waited[:usual], hosts[:usual], info.seq,
+                              info.island, info.client, info.name, info.devices)
         seconds = [end - start if end > start else 0.0 for start, end in zip(starts[:usual], ends[:usual],
                                                                                 strict=True)]
         info.hosts.difference_update(hosts[:usual])
@@ -592,7 +589,7 @@ class Dispatch:
 
     def timeline_records(self, limit: int) -> list[m.ExecRecord]:
         """The last ``limit`` host reports, oldest first."""
-        recent = list(self.timeline)[-limit:] if limit > 0 else []
+        recent = self.timeline.last(limit) if limit > 0 else []
         return [m.ExecRecord(x, seq, island, host, client, name, list(devices), start, end, error is None, waited)
                 for x, error, start, end, waited, host, seq, island, client, name, devices in recent]
 

@@ -7,7 +7,7 @@ import hashlib
 import logging
 
 from zpath import sharding
-from zpath.controller.records import Peer
+from zpath.controller.records import Peer, Timeline
 from zpath.errors import ErrorKind, ResourceError
 from zpath.keys import MAX_CLIENT_ID, seal
 from zpath.net import messages as m
@@ -33,11 +33,12 @@ class Peers:
         self.device_held: dict[int, int] = {}               # device -> bytes its worker holds (Pong)
         # (exec id, error, start, end, waited, host, *InFlight.row) per host
         # report, made into ExecRecords when asked (timeline_records). Plain
-        # tuples of numbers and strings: the collector stops tracking them at
-        # its first look, so the history (up to TIMELINE_RECORDS) costs it
-        # nothing after (a row that held its InFlight kept that and its lists
-        # and set alive, walked by every full pass)
-        self.timeline: collections.deque[tuple] = collections.deque(maxlen=TIMELINE_RECORDS)
+        # tuples of numbers and strings, and runs of rows as blocks of arrays
+        # (see Timeline): the collector stops tracking them at its first look,
+        # so the history (up to TIMELINE_RECORDS) costs it nothing after (a
+        # row that held its InFlight kept that and its lists and set alive,
+        # walked by every full pass)
+        self.timeline = Timeline(TIMELINE_RECORDS)
         # what the controller did and what waited there (plans, waits for
         # memory): (kind, client, name, start, end) as ControllerEvent's fields,
         # made into records when asked (events_records), for the same reason
