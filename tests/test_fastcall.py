@@ -6,6 +6,8 @@ left for whatever changed. Cores are checked with ``validate_state`` after
 every event (the Rig of test_controller_tenancy)."""
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from zpath.errors import ErrorKind
@@ -250,16 +252,21 @@ def test_parked_repeats_go_the_general_path_after_a_mapping_change_or_are_forgot
     then (``_fast_dispatch``) only while the mapping it was planned at holds:
     after a host registers meanwhile it goes the general path, with the same
     effects; a client that leaves takes its parked calls with it."""
-    fast, slow = _rigs(make_rig)
-    for rig in (fast, slow):
-        a, _ = rig.client("a")
-        rig.handle(a, m.Release([_chain(rig, a, 2)]))     # learnt (and the cost measured)
+    def park(rig: Any, name: str) -> tuple[bytes, int]:
+        """A client whose chain of 150 repeats is mostly parked: it and the last."""
+        client, _ = rig.client(name)
+        rig.handle(client, m.Release([_chain(rig, client, 2)]))     # learnt (and the cost measured)
         rig.drain()
         prev = None
         for _ in range(150):
-            call, prev = _spmd(rig, a, prev)
-            rig.handle(a, call)
+            call, prev = _spmd(rig, client, prev)
+            rig.handle(client, call)
         assert rig.c.waiters
+        return client, prev
+
+    fast, slow = _rigs(make_rig)
+    for rig in (fast, slow):
+        a, prev = park(rig, "a")
         rig.handle(b"w2", m.RegisterWorker("h2", 1, "tcp://x:2", 1, "cpu", 1, PROTOCOL_VERSION, [0],
                                            "", 0, 1, "machine", "", "", 2))
         rig.handle(a, m.Release([prev]))
@@ -268,14 +275,7 @@ def test_parked_repeats_go_the_general_path_after_a_mapping_change_or_are_forgot
     _same(fast, slow)
     assert fast.c.fast_planned > 0 and fast.c.fast_unparked == 0 and not fast.c.fast_parked
     for rig in (fast, slow):
-        b, _ = rig.client("b")
-        rig.handle(b, m.Release([_chain(rig, b, 2)]))
-        rig.drain()
-        prev = None
-        for _ in range(150):
-            call, prev = _spmd(rig, b, prev)
-            rig.handle(b, call)
-        assert rig.c.waiters
+        b, _ = park(rig, "b")
         rig.handle(b, m.Goodbye("done"))
         rig.drain()
         assert rig.idle()

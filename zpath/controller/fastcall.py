@@ -182,12 +182,16 @@ class FastCalls:
                 b = i.buffer
                 if b in parked or b in dropped or b in unsent:
                     return False
+        return self._hosts_know(e, call.program) and self.tenants.can_send_now(e.ready)
+
+    def _hosts_know(self, e: FastCall, program: str) -> bool:
+        """Every host of ``e`` has ``program``."""
         host_programs = self.host_programs
         for h in e.hosts:
             known = host_programs.get(h)
-            if known is None or call.program not in known:
+            if known is None or program not in known:
                 return False
-        return self.tenants.can_send_now(e.ready)
+        return True
 
     def _fast_plan(self, e: FastCall, peer: Peer, call: m.Call) -> int:
         """What planning the call changes (Directory._apply): its new buffers
@@ -234,13 +238,8 @@ class FastCalls:
         as ``_fast_send`` records it. None (nothing done) where the general
         path must send it: the mapping changed, or a host lacks the program."""
         call = node.call
-        if e.version != self.rm.version:
+        if e.version != self.rm.version or not self._hosts_know(e, call.program):
             return None
-        host_programs = self.host_programs
-        for h in e.hosts:
-            known = host_programs.get(h)
-            if known is None or call.program not in known:
-                return None
         island = e.island
         seq = self.scheduler.take_seq(island)
         ex = next(iter(node.planned[0].executes.values()))
