@@ -86,6 +86,13 @@ class FastCall:
         return (self.version, self.devices, self.mesh_shape, self.axis_names, self.inputs, self.outputs)
 
 
+def _fast_execute(e: FastCall, call: m.Call, exec_id: int, seq: int, hold: bool) -> m.Execute:
+    """The one Execute of a call planned from ``e`` (its hosts get it alike)."""
+    return _execute(exec_id, seq, call.program, e.name, call.mesh_shape, call.axis_names, call.devices, e.jax_ids,
+                    [_exec_input(i.buffer, i.aval, i.spec, []) for i in call.inputs],
+                    [_exec_output(o.buffer, o.aval, o.spec) for o in call.outputs], hold)
+
+
 class FastCalls:
     """Mixin of ControllerCore: the fast path of a repeated op-by-op call."""
 
@@ -126,10 +133,7 @@ class FastCalls:
         # the rest as the general path does (Admission._advance for one call)
         puts = [i.buffer for i in call.inputs if i.put]
         exec_id = self._fast_plan(e, peer, call)
-        plan = Plan(dict.fromkeys(e.plan_hosts, _execute(
-            exec_id, 0, call.program, e.name, call.mesh_shape, call.axis_names, call.devices, e.jax_ids,
-            [_exec_input(i.buffer, i.aval, i.spec, []) for i in call.inputs],
-            [_exec_output(o.buffer, o.aval, o.spec) for o in call.outputs], False)), [], copies=[])
+        plan = Plan(dict.fromkeys(e.plan_hosts, _fast_execute(e, call, exec_id, 0, False)), [], copies=[])
         run = ProgramRun(peer, puts, 1)
         self.fast_parked[exec_id] = e
         self._start(ParkedNode(run, call, (plan, e.name), self._parked_producers(call), exec_id, e.island))
@@ -214,17 +218,11 @@ class FastCalls:
         the computation in flight and charged, the values put freed."""
         owner = peer.id
         exec_id = self._fast_plan(e, peer, call)
-        ins, outs = call.inputs, call.outputs
         island = e.island
         hold = may_hold(self.tenants, island, owner, False, self.memory_limit)
         seq = self.scheduler.take_seq(island)
-        ex = _execute(exec_id, seq, call.program, e.name, call.mesh_shape, call.axis_names, call.devices,
-                      e.jax_ids, [_exec_input(i.buffer, i.aval, i.spec, []) for i in ins],
-                      [_exec_output(o.buffer, o.aval, o.spec) for o in outs], hold)
-        puts = [i.buffer for i in ins if i.put]
-        self.in_flight[exec_id] = InFlight(owner, peer.ident, e.name, island, seq, e.ready.devices, set(e.hosts),
-                                           e.host_devices, [o.buffer for o in outs], [], puts)
-        self.to_hosts(self.scheduler.place_shared(e.hosts, ex))
+        puts = [i.buffer for i in call.inputs if i.put]
+        self._fast_fly(e, peer, call, exec_id, seq, _fast_execute(e, call, exec_id, seq, hold), puts)
         self.send_budget -= SEND_COST + len(e.hosts)
         self.tenants.sent(exec_id, e.ready)
         if puts:
@@ -245,13 +243,18 @@ class FastCalls:
         ex = next(iter(node.planned[0].executes.values()))
         _set_seq(ex, seq)
         _set_hold(ex, hold)
-        peer = node.run.peer
-        self.in_flight[node.exec_id] = InFlight(peer.id, peer.ident, e.name, island, seq, e.ready.devices,
-                                                set(e.hosts), e.host_devices, [o.buffer for o in call.outputs],
-                                                [], [i.buffer for i in call.inputs if i.put])
-        self.to_hosts(self.scheduler.place_shared(e.hosts, ex))
+        self._fast_fly(e, node.run.peer, call, node.exec_id, seq, ex, [i.buffer for i in call.inputs if i.put])
         self.fast_unparked += 1
         return node.exec_id
+
+    def _fast_fly(self, e: FastCall, peer: Peer, call: m.Call, exec_id: int, seq: int, ex: m.Execute,
+                  puts: list[int]) -> None:
+        """The computation of a call planned from ``e`` in flight, and its one
+        Execute to all its hosts in gang order."""
+        self.in_flight[exec_id] = InFlight(peer.id, peer.ident, e.name, e.island, seq, e.ready.devices,
+                                           set(e.hosts), e.host_devices, [o.buffer for o in call.outputs], [],
+                                           puts)
+        self.to_hosts(self.scheduler.place_shared(e.hosts, ex))
 
     def _learn_call(self, peer: Peer, call: m.Call, sub: Submission) -> None:
         """The general path planned a one-call submission: if it was sent at

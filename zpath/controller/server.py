@@ -360,20 +360,17 @@ class Controller:
 
     def _plan_event(self, ident: bytes, msg: Any, start: float, end: float) -> None:
         peer = self.core.peers.get(ident)
-        if type(msg) is m.Call:           # (the usual one: without the match's class patterns)
-            prog = self.core.programs.get(msg.program)
-            self.core.events.append(("plan", peer.id if peer else -1, prog[0] if prog else "", start, end))
-            return
-        match msg:
-            case m.Call():
-                name = self.core.program_name(msg.program)
-            case m.Program():
-                name = msg.name
-            case m.DefineProgram():
-                name = msg.program.name
-            case _:          # a template's run: its program's name
-                t = self.core.templates.get((peer.id, msg.template)) if peer else None
-                name = t.name if t is not None else f"template {msg.template}"
+        if type(msg) is m.Call:           # (the usual one: before the match's class patterns)
+            name = self.core.program_name(msg.program)
+        else:
+            match msg:
+                case m.Program():
+                    name = msg.name
+                case m.DefineProgram():
+                    name = msg.program.name
+                case _:          # a template's run: its program's name
+                    t = self.core.templates.get((peer.id, msg.template)) if peer else None
+                    name = t.name if t is not None else f"template {msg.template}"
         self.core.events.append(("plan", peer.id if peer else -1, name, start, end))
 
     def stop(self, *_: Any) -> None:

@@ -241,9 +241,8 @@ class ProgramTemplate:
                         [m.ExecOutput(c, o.aval, o.spec) for (c, _, _), o in zip(outs, ex.outputs, strict=True)])
                 exs.append(fx)
             by_host.update(dict.fromkeys(hosts, m.DefineFused(fused_id, exs, release)))
-        all_hosts = sorted(by_host)
-        defines = {h: by_host[h] for h in all_hosts}
-        return Fused(fused_id, version, islands.pop(), all_hosts, defines,
+        defines = dict(sorted(by_host.items()))
+        return Fused(fused_id, version, islands.pop(), list(defines), defines,
                      sorted({c[0] for c in self.calls}), sorted(devices), len(self.calls), before,
                      list(seen.values()), results, puts, transient)
 
