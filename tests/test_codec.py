@@ -168,6 +168,18 @@ def test_float_field_accepts_int_and_returns_float():
     assert out.timeout_s == 5.0 and type(out.timeout_s) is float
 
 
+def test_a_list_of_floats_is_kept_as_decoded_and_ints_in_it_become_floats():
+    floats = [1.5, 2.0]
+    got = m.ExecDoneBatch._decode([[1, 2], [0, 0], floats, [3, 4.5], [0.0, 0], [], -1])
+    assert got.starts is floats               # all floats: the decoded list itself
+    assert got.ends == [3.0, 4.5] and [type(x) for x in got.ends + got.waited] == [float] * 4
+    for bad in (True, "1", None, [1.0]):
+        with pytest.raises(ProtocolError):
+            m.ExecDoneBatch._decode([[1, 2], [0, 0], [1.0, 2.0], [3.0, bad], [0.0, 0.0], [], -1])
+        with pytest.raises(ProtocolError, match=r"ExecDoneBatch\.ends\[1\]: expected float"):
+            m.ExecDoneBatch.from_wire([[1, 2], [0, 0], [1.0, 2.0], [3.0, bad], [0.0, 0.0], [], -1])
+
+
 def test_buffers_round_trip_zero_copy():
     a = np.arange(24, dtype=np.float32).reshape(4, 6)
     b = np.arange(5, dtype=np.int64)

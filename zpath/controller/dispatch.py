@@ -439,6 +439,9 @@ class Dispatch:
                 any(not 0 <= e.row < n for e in msg.errors):
             self._batch_rejected(sender, n, "its columns do not agree")
             return
+        if not msg.errors and hosts.count(sender) == n:
+            self._own_rows(sender, msg)        # (the usual batch: a host's own reports)
+            return
         # computation -> its rows (None: every row of the batch)
         rows_of: dict[int, list[int] | None] = {}
         if n and exec_ids.count(exec_ids[0]) == n:
@@ -480,6 +483,17 @@ class Dispatch:
                                      list(map(msg.ends.__getitem__, rows)), list(map(msg.waited.__getitem__, rows)))
                 continue
             self._rows_one_by_one(x, info, msg, range(n) if rows is None else rows, errors)
+
+    def _own_rows(self, host: int, msg: m.ExecDoneBatch) -> None:
+        """A batch of ``host``'s own reports, none a failure (a worker sends
+        two or more at once so): taken row by row, in order, as the general
+        path takes them (rows of computations no longer in flight, or that
+        ``host`` reported already, are dropped)."""
+        in_flight, fine = self.in_flight, self._host_fine
+        for x, start, end, waited in zip(msg.exec_ids, msg.starts, msg.ends, msg.waited, strict=True):
+            info = in_flight.get(x)
+            if info is not None and host in info.hosts:
+                fine(host, x, start, end, waited, info)
 
     def _batch_rejected(self, sender: int, n: int, why: str) -> None:
         if self.log_limit.allow(None, self.now):
@@ -540,13 +554,7 @@ class Dispatch:
         its report)."""
         error = msg.error
         if error is None:              # (the usual report: what the rest does for it)
-            self.timeline.append((msg.exec_id, None, msg.start, msg.end, msg.waited, host, info.seq, info.island,
-                                  info.client, info.name, info.devices))
-            self.tenants.host_done(msg.exec_id, msg.end - msg.start, info.host_devices[host])
-            hosts = info.hosts
-            hosts.discard(host)
-            if not hosts:
-                self._all_done(msg.exec_id, info)
+            self._host_fine(host, msg.exec_id, msg.start, msg.end, msg.waited, info)
             return
         if info.fused and msg.error is not None and msg.error.kind == ErrorKind.FUSED_UNKNOWN:
             # the host did not run it, so nothing there will ever hold its results
@@ -570,6 +578,17 @@ class Dispatch:
                                     else dataclasses.replace(msg.error, kind=ErrorKind.REMOTE_ERROR))
         if not info.hosts:
             self._all_done(msg.exec_id, info)
+
+    def _host_fine(self, host: int, exec_id: int, start: float, end: float, waited: float,
+                   info: InFlight) -> None:
+        """``_host_done`` of a report that is not a failure."""
+        self.timeline.append((exec_id, None, start, end, waited, host, info.seq, info.island, info.client,
+                              info.name, info.devices))
+        self.tenants.host_done(exec_id, end - start, info.host_devices[host])
+        hosts = info.hosts
+        hosts.discard(host)
+        if not hosts:
+            self._all_done(exec_id, info)
 
     def _all_done(self, exec_id: int, info: InFlight) -> None:
         """Every host reported computation ``exec_id`` (``info``)."""

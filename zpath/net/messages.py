@@ -772,8 +772,9 @@ class RowError(Record):
 @message(65)
 class ExecDoneBatch(Record):
     """Worker -> worker (a group host to its relay, ``relay`` its rank) and
-    worker -> controller (a relay, ``relay`` -1; or a host resending its own
-    rows after its relay was lost): reports of computations, one row per host
+    worker -> controller (``relay`` -1: a relay; a host resending its own rows
+    after its relay was lost; or a host's own reports, two or more at once
+    and none a failure: ``own_batch``): reports of computations, one row per host
     and computation, by column (row ``k``: ``hosts[k]`` finished
     ``exec_ids[k]`` as ``ExecDone`` would say with ``starts[k]``, ``ends[k]``,
     ``waited[k]``, and the error ``errors`` gives for ``k``, if any). See
@@ -792,6 +793,14 @@ def batch_of(rows: list[ExecRow], relay: int = -1) -> ExecDoneBatch:
     return ExecDoneBatch([r.exec_id for r in rows], [r.host for r in rows], [r.start for r in rows],
                          [r.end for r in rows], [r.waited for r in rows],
                          [RowError(k, r.error) for k, r in enumerate(rows) if r.error is not None], relay)
+
+
+def own_batch(rank: int, reports: list[ExecDone]) -> ExecDoneBatch:
+    """Host ``rank``'s own reports, none a failure, as one batch (what a
+    worker sends the controller for two or more at once: read in one step,
+    where a ``Batch`` of ``ExecDone`` is read record by record)."""
+    return ExecDoneBatch([d.exec_id for d in reports], [rank] * len(reports), [d.start for d in reports],
+                         [d.end for d in reports], [d.waited for d in reports], [], -1)
 
 
 def rows_of(batch: ExecDoneBatch) -> list[ExecRow]:

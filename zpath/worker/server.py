@@ -356,6 +356,9 @@ class Worker:
                 log.error("cannot send %s: %s", type(msg).__name__, e)
         if to_ctl and self.relay.report_to:
             to_ctl = self._to_relays(to_ctl)
+        if len(to_ctl) > 1 and all(type(x[0]) is m.ExecDone and x[0].error is None for x in to_ctl):
+            # only reports, none a failure: one ExecDoneBatch (by column) rather than a Batch of them
+            to_ctl = [(m.own_batch(self.rank, [x[0] for x in to_ctl]), 0, 0)]
         if to_ctl:
             try:
                 for msg, _, e in self.ep.send_batch(self.ctl, to_ctl, block=False):
