@@ -10,6 +10,7 @@ import pytest
 from zpath.net import messages as m
 from tests.test_controller_tenancy import make_rig  # noqa: F401  (fixture)
 from tests.test_fastcall import _effects, _rigs, _spmd, _state
+from tests.test_worker_server import worker  # noqa: F401  (fixture)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -73,3 +74,16 @@ def test_own_batch_is_the_rows_of_the_reports():
     assert batch.relay == -1 and not batch.errors
     assert m.rows_of(batch) == [m.ExecRow(3, 7, None, 1.0, 2.0, 0.5), m.ExecRow(3, 9, None, 3.0, 4.0, 0.0)]
     assert type(batch).from_wire(batch.to_wire()) == batch
+
+
+def test_a_worker_sends_its_fine_reports_of_one_flush_as_one_own_batch(worker):  # noqa: F811
+    sent: list[list] = []
+    worker.ep.send_batch = lambda sock, msgs, **kw: sent.append([x[0] for x in msgs]) or []
+    fine = [m.ExecDone(5, None, 1.0, 2.0, 0.5), m.ExecDone(6, None, 2.0, 3.0)]
+    failed = m.ExecDone(7, m.ErrorInfo("RemoteError", "boom", 0, "f", ""), 3.0, 4.0)
+    for reports in (fine, fine[:1], [fine[0], failed], fine + [m.Pong(1, 0, 0, [])]):
+        for r in reports:
+            worker.outbox.put("ctl", None, r, (), 0)
+        worker._flush()
+    assert sent[0] == [m.own_batch(0, fine)]                       # two fine ones: by column
+    assert sent[1:] == [fine[:1], [fine[0], failed], fine + [m.Pong(1, 0, 0, [])]]   # else as they are
