@@ -3,7 +3,8 @@
 A real controller process (``python -m zpath.controller``), a real zpath
 ``Client`` in this process, and two fake workers (one thread here, no JAX) that
 register as the two hosts of one island, "run" each ``Execute`` for
-``--exec-us`` of wall time, one after another per host, and report ``ExecDone``.
+``--exec-us`` of wall time, one after another per host, and report ``ExecDone``
+(two or more at once as one ``ExecDoneBatch`` of their own rows, as workers do).
 The client sends chains of ``--chain`` calls of a 2-device SPMD program
 (``x = f(x)``, each call's input the previous call's output, released as
 ``zp`` releases a dropped future), as ``island_dispatch.py`` -O does, and waits
@@ -102,7 +103,9 @@ class FakeWorkers:
         held_due = [float("inf")] * 2                    # when they go at the latest
 
         def report(n: int) -> None:
-            eps[n].send_batch(socks[n], [(x, 0, 0) for x in held[n]])
+            # as a worker sends them: two or more as one batch of its own rows
+            eps[n].send_batch(socks[n], [(m.own_batch(n, held[n]), 0, 0)] if len(held[n]) > 1 else
+                              [(x, 0, 0) for x in held[n]])
             with self.cv:
                 self.done[n] += len(held[n])
                 self.cv.notify_all()
