@@ -54,9 +54,9 @@ INPUT_TIMEOUT_S = 300.0
 # has run (the report that finds so few behind it goes at once and takes the
 # batch along), so the controller hears once per batch and tops the queue up
 # in one message. The executor releases a batch; HOLD_RELEASED_S, the I/O
-# thread's longest sleep (IDLE_WAIT_S), only bounds a
-# batch whose computation does not end, and a hold that long does not wake
-# the I/O thread to learn its deadline.
+# thread's longest sleep (IDLE_WAIT_S), only bounds a batch whose computation
+# does not end, and a hold that long does not wake the I/O thread to learn
+# its deadline.
 SHORT_S = SHORT_COMPUTATION_S
 LONG_S = 0.004
 LONG_QUEUE = 2
