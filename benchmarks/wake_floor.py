@@ -13,9 +13,14 @@ returns with the bytes; the one-way time is the difference, median and
 quartiles over ``--count`` messages. A gap lets the receiver's core go idle,
 as it does between the pieces of a real program: a message after a gap pays
 the wake-up of an idle core (and, on a virtual machine, of its virtual CPU),
-which back-to-back messages do not.
+which back-to-back messages do not. A third kind, "dgram, polled", is the same
+datagram to a receiver that knows when the next one is due (the sender's last
+stamp plus the gap) and polls its socket without blocking, yielding its core
+between tries, from 50 µs before that time for up to ``--spin-us`` (200), then
+sleeps in ``epoll``: the floor a receiver that polls while a piece is due would
+have (docs/benchmarks.md, transfer.py, has what such a worker measured).
 
-    .venv/bin/python benchmarks/wake_floor.py [--gaps 0.5,2,10] [--count 300] [--json]
+    .venv/bin/python benchmarks/wake_floor.py [--gaps 0.5,2,10] [--count 300] [--spin-us 200] [--json]
 
 It also times, in this one process, the steps zpath adds to a 1 KiB piece's trip
 (the sender makes and signs the ``Piece`` and its datagram and sends it; the
@@ -69,15 +74,24 @@ def _send_all(send, gap_s: float, count: int, size: int) -> None:
 def _receiver(recv, count: int, out: int) -> None:
     """Runs in the child: receives ``count`` messages and writes the one-way times to ``out``."""
     lat = []
+    last = 0.0
     for _ in range(count):
-        msg = recv()
-        lat.append(time.time() - STAMP.unpack_from(msg)[0])
+        msg = recv(last)
+        last = STAMP.unpack_from(msg)[0]
+        lat.append(time.time() - last)
     os.write(out, json.dumps(lat).encode())
     os.close(out)
 
 
-def _run(kind: str, gap_s: float, count: int, size: int, runtime_dir: str) -> dict[str, float]:
-    """One-way times of ``count`` messages of ``kind`` ('dgram' or 'zmq') after ``gap_s`` each."""
+# how long before a polled message is due its receiver starts to poll
+POLL_EARLY_S = 50e-6
+
+
+def _run(kind: str, gap_s: float, count: int, size: int, runtime_dir: str,
+         spin_s: float = 0.0) -> dict[str, float]:
+    """One-way times of ``count`` messages of ``kind`` ('dgram', 'dgram-poll'
+    or 'zmq') after ``gap_s`` each (``spin_s``: how long a 'dgram-poll'
+    receiver polls at most)."""
     r, w = os.pipe()
     addr = os.path.join(runtime_dir, f"floor-{os.getpid()}-{kind}")
     ready_r, ready_w = os.pipe()
@@ -86,20 +100,36 @@ def _run(kind: str, gap_s: float, count: int, size: int, runtime_dir: str) -> di
         try:
             os.close(r)
             os.close(ready_r)
-            if kind == "dgram":
+            if kind in ("dgram", "dgram-poll"):
                 sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
                 sock.bind(addr)
+                sock.setblocking(False)
                 ep = select.epoll()
                 ep.register(sock.fileno(), select.EPOLLIN)
+                polled = kind == "dgram-poll"
 
-                def recv() -> bytes:
+                def recv(last: float) -> bytes:
+                    if polled and last:
+                        # the next one is due at last + gap: sleep until a
+                        # little before, then poll for at most spin_s
+                        start = last + gap_s - POLL_EARLY_S
+                        if start > time.time():
+                            time.sleep(start - time.time())
+                        until = time.monotonic() + spin_s
+                        while time.monotonic() < until:
+                            try:
+                                return sock.recv(size + 64)
+                            except BlockingIOError:
+                                os.sched_yield()
                     ep.poll()
                     return sock.recv(size + 64)
             else:
                 ctx = zmq.Context()
                 sock = ctx.socket(zmq.PULL)
                 sock.bind("ipc://" + addr)
-                recv = sock.recv
+
+                def recv(last: float) -> bytes:
+                    return sock.recv()
             os.write(ready_w, b"x")
             _receiver(recv, count, w)
         finally:
@@ -108,7 +138,7 @@ def _run(kind: str, gap_s: float, count: int, size: int, runtime_dir: str) -> di
     os.close(ready_w)
     try:
         os.read(ready_r, 1)                    # the receiver is bound and waiting
-        if kind == "dgram":
+        if kind in ("dgram", "dgram-poll"):
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
             _send_all(lambda b: sock.sendto(b, addr), gap_s, count, size)
             sock.close()
@@ -132,6 +162,7 @@ def _run(kind: str, gap_s: float, count: int, size: int, runtime_dir: str) -> di
             os.unlink(addr)
 
 
+KINDS = ("dgram", "dgram-poll", "zmq")
 STEPS = ("make and sign", "send and read", "check and decode", "array")
 
 
@@ -174,6 +205,8 @@ def main(argv: list[str] | None = None) -> int:
                         "the sender outruns the receiver and the times measure a queue)")
     p.add_argument("--count", type=int, default=300, help="messages per gap and kind (default 300)")
     p.add_argument("--size", type=int, default=1024, help="bytes per message (default 1024)")
+    p.add_argument("--spin-us", type=float, default=200.0,
+                   help="how long a polling receiver polls at most, µs (default 200)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     args = p.parse_args(argv)
     if args.count < 4 or args.size < STAMP.size:
@@ -184,8 +217,9 @@ def main(argv: list[str] | None = None) -> int:
     runtime_dir = tempfile.gettempdir()
     out: dict = {"size": args.size, "count": args.count, "load": os.getloadavg(), "gaps": {}}
     for g in gaps:
-        out["gaps"][str(g)] = {kind: _run(kind, g / 1000, args.count, args.size, runtime_dir)
-                               for kind in ("dgram", "zmq")}
+        out["gaps"][str(g)] = {kind: _run(kind, g / 1000, args.count, args.size, runtime_dir,
+                                          args.spin_us / 1e6)
+                               for kind in KINDS}
     out["steps"] = {"hot": _steps(0.0, max(args.count, 1000), args.size),
                     **{str(g): _steps(g / 1000, args.count, args.size) for g in gaps}}
     if args.json:
@@ -193,10 +227,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     print(f"one-way time of a {args.size}-byte message to a sleeping receiver "
           f"(median [p25-p75] µs over {args.count}; load {out['load'][0]:.1f})")
-    print(f"{'gap ms':>7}  {'unix datagram':>22}  {'ZeroMQ ipc':>22}")
+    print(f"{'gap ms':>7}  {'unix datagram':>22}  {'datagram, polled':>22}  {'ZeroMQ ipc':>22}")
     for g, row in out["gaps"].items():
-        cells = [f"{r['median_us']:7.0f} [{r['p25_us']:.0f}-{r['p75_us']:.0f}]" for r in (row["dgram"], row["zmq"])]
-        print(f"{g:>7}  {cells[0]:>22}  {cells[1]:>22}")
+        cells = [f"{row[k]['median_us']:7.0f} [{row[k]['p25_us']:.0f}-{row[k]['p75_us']:.0f}]" for k in KINDS]
+        print(f"{g:>7}  " + "  ".join(f"{c:>22}" for c in cells))
     print(f"\nzpath's steps on a {args.size}-byte piece's path, in this process: median µs, "
           "back to back (hot) and after each gap")
     print(f"{'gap ms':>7}  " + "  ".join(f"{name:>16}" for name in STEPS) + f"  {'all':>6}")

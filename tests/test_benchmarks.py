@@ -64,8 +64,9 @@ def test_controller_opbyop_benchmark_runs_calls_through_a_real_controller(tmp_pa
         assert res["core_us"] > 0 and res["core_after_sleep_us"] > 0
 
 
-def test_wake_floor_benchmark_times_both_mechanisms():
-    """Every message of each gap and kind arrives and is timed (the receiver
+def test_wake_floor_benchmark_times_every_mechanism():
+    """Every message of each gap and kind (a datagram to a sleeping and to a
+    polling receiver, ZeroMQ) arrives and is timed (the receiver
     would wait for a missing one, and the script's timeout would fail this)."""
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "wake_floor.py"
     p = run_script([str(script), "--gaps", "0.5,1", "--count", "8", "--json"], timeout=60)
@@ -73,7 +74,7 @@ def test_wake_floor_benchmark_times_both_mechanisms():
     res = json.loads(p.stdout)
     assert set(res["gaps"]) == {"0.5", "1.0"} and res["size"] == 1024
     for row in res["gaps"].values():
-        for kind in ("dgram", "zmq"):
+        for kind in ("dgram", "dgram-poll", "zmq"):
             r = row[kind]
             assert 0 < r["p25_us"] <= r["median_us"] <= r["p75_us"], row
     # zpath's steps on the piece's path, hot and after each gap: each one timed
