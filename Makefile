@@ -21,8 +21,12 @@ run: $(STAMP)
 demo: $(STAMP)
 	$(PY) examples/demo.py
 
+# the tests in TEST_WORKERS processes (pytest-xdist), each taking whole modules, so
+# that a module's cluster starts once; tests/conftest.py orders the slowest first
+TEST_WORKERS ?= 2
+
 test: $(STAMP)
-	$(PY) -m pytest -q --durations=15 tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15 tests
 
 bench: $(STAMP)
 	$(PY) benchmarks/opbyop.py
