@@ -363,8 +363,8 @@ def _measure(cluster: SimulatedCluster, d: Driver, ctl: psutil.Process, sim: psu
     devs = d.devices
     total = len(devs)
     zero = d.program(0.0)
-    # (at least 64 nodes: the CPU time /proc gives steps by 10 ms, 0.16 ms a node)
-    k = max(8 if quick else 64, (400 if quick else 3000) // hosts)
+    # (at least 128 nodes: the CPU time /proc gives steps by 10 ms, 0.08 ms a node)
+    k = max(8 if quick else 128, (400 if quick else 3000) // hosts)
     # warm-up (plans and templates the controller caches)
     calls, outs = chain(d, zero, devs, 4)
     timed(d, lambda: d.send_calls(calls), outs[-1], devs[0], total)

@@ -436,6 +436,16 @@ def test_device_lists_travel_as_runs(devices: list[int], wire: list[Any]) -> Non
     assert codec.unpack_runs(codec.pack_runs(devices)) == devices
 
 
+def test_packed_runs_are_remembered_only_while_the_list_is_unchanged():
+    v = [i % 4 for i in range(2048)]               # a 512-host node's JAX ids
+    first = codec.pack_runs(v)
+    assert first == [[0, 4, 1]] * 512 and codec.pack_runs(v) is first
+    v[5] = 9                                       # changed in place: packed again
+    assert codec.pack_runs(v) == [[0, 4, 1], 0, 9, 2, 3] + [[0, 4, 1]] * 510
+    w = list(v)                                    # an equal list of its own
+    assert codec.pack_runs(w) == codec.pack_runs(v) and codec.pack_runs(w) is not first
+
+
 def test_random_device_lists_round_trip_through_runs():
     rng = random.Random(20)
     for _ in range(300):
