@@ -271,9 +271,28 @@ _SCRIPT = textwrap.dedent("""
         h.store.set(shard_key(base, one[0].id, ((0, 3),)), jax.device_put(np.ones(3), one[0]))
         res[name] += [[r[0], r[2]] for r in take(7)]
         res[name + "_value"] = np.asarray(h.store.entry(shard_key(base + 7, one[0].id, ((0, 3),))).value).tolist()
+    # a batch of long ones that a wait for an input ends (52 reads 1490, which
+    # comes later): released then; a new batch starts after it
+    executor_module.SHORT_S = 0.0
+    clock = [0.0]
+    def perf_counter(clock=clock):
+        clock[0] += 0.004
+        return clock[0]
+    executor_module.time = types.SimpleNamespace(time=real_time.time, perf_counter=perf_counter,
+                                                 monotonic=real_time.monotonic)
+    ex.submit(dataclasses.replace(execute(50, 1400, 1401), hold=True))
+    res["held_batch_wait"] = take(1)
+    for k in range(1, 7):
+        ex.submit(dataclasses.replace(execute(50 + k, 1490 if k == 2 else 1400 + k, 1401 + k), hold=True))
+    h.store.set(shard_key(1400, one[0].id, ((0, 3),)), jax.device_put(np.ones(3), one[0]))
+    res["held_batch_wait"] += [r if r == "release" else [r[0], r[2]] for r in take(3)]
+    h.store.set(shard_key(1490, one[0].id, ((0, 3),)), jax.device_put(np.ones(3), one[0]))
+    res["held_batch_wait"] += [[r[0], r[2]] for r in take(5)]
+    res["held_batch_wait_value"] = np.asarray(h.store.entry(shard_key(1407, one[0].id, ((0, 3),))).value).tolist()
     executor_module.time = real_time
     res["held_deep_nothing_more"] = reports.empty()
     res["hold_s"] = [executor_module.HOLD_SHORT_S, executor_module.HOLD_DEEP_S, executor_module.DEEP_QUEUE]
+    res["hold_long"] = [executor_module.LONG_S, executor_module.LONG_QUEUE, executor_module.HOLD_RELEASED_S]
     ex.stop()
 
     # plain computations queued back to back: the settler thread stores each
@@ -492,14 +511,23 @@ def test_short_computations_run_back_to_back_are_reported_with_hold(results):
 
 def test_computations_the_controller_lets_hold_with_a_deep_queue_are_reported_with_the_long_hold(results):
     short, deep, depth = results["hold_s"]
+    long_s, long_queue, released = results["hold_long"]
     assert depth == 4 and deep == 0.05
-    # 40 waited for its input; then 41-46 were queued behind it. A report is held
-    # while at least 4 computations wait behind the one that starts next: for
-    # half their time by this one's (12 ms each: 5 behind, 30 ms; 4, 24 ms)
+    assert long_s == 0.004 and long_queue == 2 and released == 0.5
+    # 40 waited for its input; then 41-46 were queued behind it. They are long
+    # (12 ms each by the executor's clock): 40, with 5 behind the one that
+    # starts next, starts a batch, held (``released``: the executor lets it go)
+    # until the report that finds at most half of 5 (2) behind it, 43's, which
+    # goes at once and takes it along; after it, too few are left to start one
     got = results["held_deep"]
     assert got[0] == "release" and [r[0] for r in got[1:]] == list(range(40, 47))
-    assert [r[1] for r in got[1:]] == pytest.approx([0.030, 0.024, 0, 0, 0, 0, 0])
+    assert [r[1] for r in got[1:]] == [released] * 3 + [0] * 4
     assert results["held_deep_value"] == [2.0 ** 7] * 3
+    # a batch that a wait for an input ends: released before the wait (52 waits);
+    # 52, with 3 behind, starts a new batch that 54's report (1 behind) ends
+    assert results["held_batch_wait"] == ["release", [50, released], [51, released], "release",
+                                          [52, released], [53, released], [54, 0], [55, 0], [56, 0]]
+    assert results["held_batch_wait_value"] == [32.0] * 3
     # an Execute without ``hold`` (something in the controller waits for its report)
     assert results["held_deep_not_allowed"] == ["release"] + [[40 + k, 0] for k in range(7)]
     assert results["held_deep_not_allowed_value"] == [2.0 ** 7] * 3

@@ -31,7 +31,7 @@ from zpath import sharding
 from zpath.config import DEEP_QUEUE, HOLD_DEEP_S, HOLD_SHORT_S, SHORT_COMPUTATION_S
 from zpath.net import channels
 from zpath.net import messages as m
-from zpath.worker.state import FreeOrder, FusedRun
+from zpath.worker.state import IDLE_WAIT_S, FreeOrder, FusedRun
 from zpath.worker.store import PieceKey, ShardKey, Store, Unsplit, shard_key
 
 try:       # JAX's array class, whose constructor can skip the checks that
@@ -48,8 +48,19 @@ INPUT_TIMEOUT_S = 300.0
 # is reported with a hold of HOLD_SHORT_S; one that the controller let hold
 # (Execute.hold) with at least DEEP_QUEUE computations queued behind it on its
 # devices, with up to HOLD_DEEP_S (both in zpath.config: the controller
-# needs them too).
+# needs them too). A long one (at least LONG_S and SHORT_S) that the
+# controller let hold, with at least LONG_QUEUE queued behind it, starts a
+# batch instead: its report and the next ones wait until half of that queue
+# has run (the report that finds so few behind it goes at once and takes the
+# batch along), so the controller hears once per batch and tops the queue up
+# in one message. The executor releases a batch; HOLD_RELEASED_S, the I/O
+# thread's longest sleep (IDLE_WAIT_S), only bounds a batch whose computation
+# does not end, and a hold that long does not wake the I/O thread to learn
+# its deadline.
 SHORT_S = SHORT_COMPUTATION_S
+LONG_S = 0.004
+LONG_QUEUE = 2
+HOLD_RELEASED_S = IDLE_WAIT_S
 
 
 _SETTLING = object()     # (_run: the settler thread reports this one)
@@ -126,6 +137,9 @@ class Executor:
         self.compiled: dict[tuple, _Prepared] = {}  # (digest, devices, specs) -> prepared
         self._by_program: dict[str, list[_Prepared]] = {}   # digest -> its prepared variants
         self._last_prepared: tuple[Any, _Prepared | None] = (None, None)    # see _prepared
+        # a batch of long computations' reports held (see _report): it goes
+        # once this few wait behind the computation that starts next
+        self._release_at: int | None = None
         self._lock = threading.Lock()
         # per local device, the computations dispatched to it and not yet started,
         # in dispatch order; an entry is (Execute, its local devices)
@@ -223,7 +237,11 @@ class Executor:
         ones, while the devices have work. Else (or if that is under twice
         HOLD_SHORT_S) a short computation (under SHORT_S) that the thread
         follows at once with another short one (under SHORT_S last time) is
-        reported with HOLD_SHORT_S. So a chain of computations wakes the I/O
+        reported with HOLD_SHORT_S. A long one (LONG_S or more) that may
+        hold with at least LONG_QUEUE queued behind it starts a batch instead:
+        its report and the next ones are held, without a deadline of their
+        own, until the report that finds at most half of that many behind it,
+        which takes them along. So a chain of computations wakes the I/O
         thread and the controller once per group instead of once per node. A
         failure is never held."""
         name_thread(f"zpath-{threading.current_thread().name}")
@@ -239,6 +257,7 @@ class Executor:
                 if done is _SETTLING:     # the settler reports it
                     continue
                 if done is None:
+                    self._release_at = None
                     if self.release_held is not None:    # nothing may stay held now
                         self.release_held()
                     continue
@@ -250,15 +269,24 @@ class Executor:
         hold that ``_loop`` describes."""
         exec_id, error, start, end, took, behind, may_hold = done
         hold = 0.0
+        release_at, self._release_at = self._release_at, None
         if nxt is not None and error is None:
-            # (about half the queued work, by this one's time: the
-            # controller hears while half of it is left)
-            deep = min(HOLD_DEEP_S, behind * took / 2) \
-                if may_hold and behind >= DEEP_QUEUE else 0.0
-            if deep >= 2 * HOLD_SHORT_S:
-                hold = deep
-            elif took < SHORT_S and self._short(nxt[0]):
-                hold = HOLD_SHORT_S
+            if may_hold and took >= LONG_S and took >= SHORT_S and \
+                    (release_at is not None or behind >= LONG_QUEUE):
+                # a batch: held until half the queue it started with has run
+                if release_at is None:
+                    release_at = behind // 2
+                if behind > release_at:
+                    hold, self._release_at = HOLD_RELEASED_S, release_at
+            else:
+                # (about half the queued work, by this one's time: the
+                # controller hears while half of it is left)
+                deep = min(HOLD_DEEP_S, behind * took / 2) \
+                    if may_hold and behind >= DEEP_QUEUE else 0.0
+                if deep >= 2 * HOLD_SHORT_S:
+                    hold = deep
+                elif took < SHORT_S and self._short(nxt[0]):
+                    hold = HOLD_SHORT_S
         try:
             self.on_done(exec_id, error, start, end, hold)
         except Exception:     # the next computation must still run
@@ -687,6 +715,7 @@ class Executor:
             # (it may be an output the settler has yet to store; and reports
             # must not stay held while this waits)
             self._drain_settles()
+            self._release_at = None          # held reports go now
             if self.release_held is not None:
                 self.release_held()
             t0 = time.monotonic()
