@@ -23,6 +23,7 @@ demo: $(STAMP)
 
 # the tests in TEST_WORKERS processes (pytest-xdist), each taking whole modules, so
 # that a module's cluster starts once; tests/conftest.py orders the slowest first
+# (`make test TEST_WORKERS=0`: all in one process)
 TEST_WORKERS ?= 2
 
 test: $(STAMP)
