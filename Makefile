@@ -21,8 +21,13 @@ run: $(STAMP)
 demo: $(STAMP)
 	$(PY) examples/demo.py
 
+# the tests in TEST_WORKERS processes (pytest-xdist), each taking whole modules, so
+# that a module's cluster starts once; tests/conftest.py orders the slowest first
+# (`make test TEST_WORKERS=0`: all in one process)
+TEST_WORKERS ?= 2
+
 test: $(STAMP)
-	$(PY) -m pytest -q --durations=15 tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15 tests
 
 bench: $(STAMP)
 	$(PY) benchmarks/opbyop.py

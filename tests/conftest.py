@@ -19,6 +19,20 @@ import pytest
 from zpath.cluster.testing import assert_gone, connected, running_cluster  # noqa: F401  (used by test modules)
 
 
+# `make test` runs the modules in two processes (pytest-xdist, --dist loadfile), each
+# taking the next whole module when it is free: these, the slowest, go first, so that
+# both finish together rather than one waiting on a long module taken last
+SLOW_FIRST = ("test_transformer.py", "test_failures.py", "test_tenancy.py", "test_cluster.py",
+              "test_simulate.py", "test_islands.py", "test_slurm.py", "test_channels.py", "test_ssh.py",
+              "test_codec.py", "test_robustness.py", "test_proxy.py", "test_benchmarks.py", "test_fuzz.py")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if hasattr(config, "workerinput"):        # a pytest-xdist worker: every worker sorts alike
+        rank = {name: i for i, name in enumerate(SLOW_FIRST)}
+        items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
+
+
 @pytest.fixture(scope="module")
 def cluster():
     """Two islands, one host each, two devices per host."""
