@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -135,6 +136,32 @@ def test_build_with_a_lost_and_a_silent_host():
 
 
 # ---- real clusters ----------------------------------------------------------------------
+class _StatusClient:
+    """Answers StatusRequests with client 7 running ``counts`` in turn (then the last)."""
+    def __init__(self, counts: list[int]) -> None:
+        self.counts, self.asked = counts, 0
+
+    def request(self, msg: m.StatusRequest) -> SimpleNamespace:
+        assert type(msg) is m.StatusRequest
+        n = self.counts[min(self.asked, len(self.counts) - 1)]
+        self.asked += 1
+        return SimpleNamespace(clients=[m.ClientStatus(7, "c", 1.0, 0.0, n, 0)])
+
+
+def test_a_trace_ends_once_the_controller_has_its_client_s_reports():
+    c = _StatusClient([2, 1, 0, 5])
+    tr.settled(c, 7)
+    assert c.asked == 3                    # until nothing of client 7 runs at the workers
+    c = _StatusClient([1])
+    t = time.monotonic()
+    tr.settled(c, 7, limit=0.05)           # a report that never comes: at most the limit
+    assert 0.05 <= time.monotonic() - t < 5 and c.asked >= 2
+    c = _StatusClient([1])
+    tr.settled(c, 8)                       # another client's work is not waited for
+    tr.settled(c, None)
+    assert c.asked == 1
+
+
 def test_traced_program_every_computation_once_on_its_device(cluster, tmp_path):
     path = tmp_path / "trace.json"
     with connected(cluster, name="tracer") as conn:

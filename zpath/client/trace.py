@@ -51,6 +51,7 @@ from zpath.net.transport import Endpoint
 ASK_TIMEOUT_S = 2.0           # per worker and ask
 CLOCK_SAMPLES = 3             # asks per worker (and of the controller) when measuring a clock offset
 TIMELINE_LIMIT = 1_000_000    # records asked from the controller (it keeps the last 100,000)
+SETTLE_S = 2.0                # the longest a trace waits, as it ends, for its client's computations' reports
 
 CONTROLLER_PID = 1
 TRANSFERS_OUT_TID = 1_000_000
@@ -278,6 +279,7 @@ def collect(client: Any, begin: float, end: float, at_start: tuple[dict[int, Hos
     """Ask the controller (``client``: a connected ``Client``) and the workers what
     ran in [begin, end]; the trace document. ``at_start``: what ``start`` said."""
     views_at_start, clients_at_start = at_start
+    settled(client, client_id)
     status = client.request(m.StatusRequest(True))
     now = {c.id for c in status.clients}
     status = dataclasses.replace(status, clients=[*status.clients,
@@ -293,6 +295,23 @@ def collect(client: Any, begin: float, end: float, at_start: tuple[dict[int, Hos
     return build(begin=begin, end=end, status=status, records=records, views=views,
                  client_id=client_id, slices=slices, address=client.address,
                  controller_events=timeline.events, controller_offset=controller_offset)
+
+
+def settled(client: Any, client_id: int | None, limit: float = SETTLE_S) -> None:
+    """Wait (up to ``limit`` seconds) until the controller has heard that every
+    computation of client ``client_id`` at the workers has finished. A result
+    is fetched from the worker that holds it, and the worker's report of the
+    computation goes to the controller on its own (and may be held while work
+    is queued behind it), so the block can end before the controller's timeline
+    has the computation whose result the block waited for."""
+    if client_id is None:
+        return
+    deadline = time.monotonic() + limit
+    while True:
+        mine = [c for c in client.request(m.StatusRequest(False)).clients if c.id == client_id]
+        if not mine or not mine[0].running or time.monotonic() >= deadline:
+            return
+        time.sleep(0.005)
 
 
 def _controller_offset(client: Any, samples: int = CLOCK_SAMPLES) -> float:
