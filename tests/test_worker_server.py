@@ -8,6 +8,7 @@ import select
 import threading
 import time
 
+import blake3
 import jax
 import numpy as np
 import pytest
@@ -287,3 +288,69 @@ def test_lower_priority_adds_to_each_given_threads_niceness_only():
         t.join(10)
     assert got["before"] == mine and got["after"] == 19
     _lower_priority({got["tid"]}, 3)                # ended: nothing to do, no error
+
+
+def test_a_small_piece_goes_in_the_channels_own_format_and_a_bad_one_is_refused(pair):
+    """The datagram is the channel's piece format (not a signed envelope); one
+    of another cluster's key is dropped, and one that is authentic but no
+    piece fails what waits for it."""
+    a, b = pair
+    value = np.arange(4, dtype=np.float32).reshape(1, 4)
+    send_piece(a, b, 1, value)
+    assert select.select([b.dgram_in.fileno()], [], [], 5)[0]
+    data = b.dgram_in.recv()
+    assert data.startswith(channels.PIECE_MAGIC)
+    assert b.piece_dgrams.read(data)[0] == 1
+    other = channels.PieceDatagrams(b"o" * 32)
+    assert a.dgram_out.send_parts(b.dgram_in.name, other.frames(3, value))
+    forged = bytearray(b"".join(bytes(p) for p in a.piece_dgrams.frames(4, value)))
+    forged[20] ^= 1
+    assert a.dgram_out.send_parts(b.dgram_in.name, [bytes(forged)])
+    assert a.dgram_out.send_parts(b.dgram_in.name, [channels.PIECE_MAGIC + b"\x01"])      # short
+    head = channels._PIECE_HEADS[1].pack(channels.PIECE_TAG, channels.PIECE_DTYPES.index("float32"), 1, 5, 4)
+    mac = a.piece_dgrams._key
+    assert a.dgram_out.send_parts(b.dgram_in.name, [head, bytes(8), blake3.blake3(head + bytes(8), key=mac).digest()])
+    send_piece(a, b, 6, value)
+    b._drain_dgram()
+    assert not b.store.is_done(PieceKey(3)) and not b.store.is_done(PieceKey(4))
+    assert b.store.entry(PieceKey(5)).error.message.startswith("bad Piece: piece 5: 8 bytes do not make")
+    assert b.store.entry(PieceKey(6)).value.tolist() == [[0.0, 1.0, 2.0, 3.0]]
+    assert b.dgram_in.recv() is None
+
+
+def test_a_small_piece_the_format_cannot_carry_goes_as_a_signed_envelope(pair):
+    """Rank 33 (or a dtype not in the format's table): the old datagram, the
+    signed ``Piece``, which the receiver still takes."""
+    a, b = pair
+    value = np.arange(2, dtype=np.float32).reshape((1,) * 32 + (2,))
+    region = [[0, 1]] * 32 + [[0, 2]]
+    key = shard_key(buffer_id(1, 8), 0, region)
+    a.store.set(key, value)
+    a._piece_ready(m.SendPiece(8, buffer_id(1, 8), 0, region, region, 1, b.data_address, "ICI", b.machine, ""),
+                   a.store.entry(key))
+    assert select.select([b.dgram_in.fileno()], [], [], 5)[0]
+    data = b.dgram_in.recv()
+    assert not data.startswith(channels.PIECE_MAGIC)
+    header, msg, buffers = b.ep.decode(channels.dgram_frames(data))
+    assert msg == m.Piece(8, m.Aval(list(value.shape), "float32"), None)
+    b._piece_in(None, header.msg_id, msg, buffers)
+    np.testing.assert_array_equal(b.store.entry(PieceKey(8)).value, value)
+
+
+@pytest.mark.parametrize("dtype", ["bool", "int8", "uint32", "int64", "float16", "bfloat16", "float64",
+                                   "complex64", "float8_e4m3fn", "int4"])
+@pytest.mark.parametrize("shape", [(), (0,), (2, 3)])
+def test_small_pieces_of_every_dtype_and_shape_arrive_equal(pair, dtype, shape):
+    a, b = pair
+    jax.config.update("jax_enable_x64", True)
+    dt = jax.numpy.dtype(dtype)
+    value = (np.arange(int(np.prod(shape))) % 2).astype(dt).reshape(shape)
+    region = [[0, n] for n in shape]
+    key = shard_key(buffer_id(1, 11), 0, region)
+    a.store.set(key, value)
+    a._piece_ready(m.SendPiece(11, buffer_id(1, 11), 0, region, region, 1, b.data_address, "ICI", b.machine, ""),
+                   a.store.entry(key))
+    assert select.select([b.dgram_in.fileno()], [], [], 5)[0]
+    b._drain_dgram()
+    got = b.store.entry(PieceKey(11)).value
+    assert got.dtype == dt and got.shape == shape and got.tobytes() == value.tobytes()

@@ -148,6 +148,8 @@ class Worker:
         self.dgram_in: channels.DgramReceiver | None = None
         self.dgram_out: channels.DgramSender | None = None
         self.dgram_names: dict[str, bytes] = {}      # a peer's data address -> its datagram socket
+        # a small piece's own datagram format, under the workers' key (see channels)
+        self.piece_dgrams = channels.PieceDatagrams(self.keys.workers)
         if config.shm:
             try:
                 self.dgram_in = channels.DgramReceiver(channels.dgram_name(self.dgram_prefix, self.data_address))
@@ -496,6 +498,14 @@ class Worker:
             data = self.dgram_in.recv()
             if data is None:
                 return
+            if data.startswith(channels.PIECE_MAGIC):        # a piece in its own format
+                try:
+                    piece_id, arr = self.piece_dgrams.read(data)
+                except channels.PieceError as e:
+                    self._bad_piece_dgram(e)
+                    continue
+                self._piece_arrived(piece_id, arr)
+                continue
             try:
                 header, msg, buffers = self.ep.decode(channels.dgram_frames(data))
                 if type(msg) not in (m.Piece, m.Pieces) or header.signer != CLUSTER:
@@ -514,6 +524,17 @@ class Worker:
                     self._handle_data(None, header.msg_id, msg, buffers)
             except Exception:
                 log.exception("error handling %s", type(msg).__name__)
+
+    def _bad_piece_dgram(self, e: channels.PieceError) -> None:
+        """A refused piece datagram: a log line, and, when it is authentic but
+        not a piece this worker can make, whatever waits for it fails."""
+        if e.piece_id is not None:
+            self.store.set(PieceKey(e.piece_id), error=m.ErrorInfo(ErrorKind.REMOTE_ERROR, f"bad Piece: {e}",
+                                                                   self.rank, "", ""))
+        n = self.log_limit.allow(None, time.monotonic())
+        if n:
+            log.warning("rejected datagram: %s%s", e,
+                        f" ({n - 1} more rejected messages not logged)" if n > 1 else "")
 
     # ---- control messages ----------------------------------------------------
     def _handle_ctl(self, msg: Record, buffers: list) -> None:
@@ -645,6 +666,16 @@ class Worker:
             self._post_piece(msg.dst_host, m.Piece(msg.piece_id, m.Aval([], ""), e.error), (), dcn, direct,
                              self._dgram(msg))
             return
+        dgram = self._dgram(msg)
+        if dgram is not None and view.nbytes <= channels.INLINE_PIECE_BYTES:
+            # a small piece to a worker of this machine: the channel's own datagram
+            parts = self.piece_dgrams.frames(msg.piece_id, view)
+            if parts is not None:
+                if self.dgram_out.send_parts(dgram, parts):       # type: ignore[union-attr]
+                    self._count("ici_tcp", view.nbytes)
+                    self.sent.append(m.SentPiece(msg.piece_id, began, "ICI-tcp", view.nbytes, msg.dst_host))
+                    return
+                dgram = None      # (its socket is gone or full: ZeroMQ)
         aval = m.Aval(list(view.shape), channels.dtype_name(view.dtype))
         if (not dcn and self.use_shm and msg.dst_machine == self.machine
                 and view.nbytes > channels.INLINE_PIECE_BYTES):
@@ -660,7 +691,7 @@ class Worker:
                                                         drop))
                 return
         data = _frame(view)
-        self._post_piece(msg.dst_host, m.Piece(msg.piece_id, aval, None), [data], dcn, direct, self._dgram(msg))
+        self._post_piece(msg.dst_host, m.Piece(msg.piece_id, aval, None), [data], dcn, direct, dgram)
         # the bookkeeping after the send: not on the piece's path
         nbytes = view.nbytes
         self._count("dcn" if dcn else "ici_tcp", nbytes)
@@ -896,8 +927,12 @@ class Worker:
             self.post_data(ident, m.Error(ErrorKind.BAD_REQUEST, str(e)), parent=msg_id)
             self.store.set(key, error=m.ErrorInfo(ErrorKind.REMOTE_ERROR, f"bad Piece: {e}", self.rank, "", ""))
             return
-        self.received_at.append([msg.piece_id, time.time()])
-        self.store.set(key, arr)
+        self._piece_arrived(msg.piece_id, arr)
+
+    def _piece_arrived(self, piece_id: int, arr: np.ndarray) -> None:
+        """A piece checked and made an array: stored for what reads it."""
+        self.received_at.append([piece_id, time.time()])
+        self.store.set(PieceKey(piece_id), arr)
         self.stats["recv_tcp"] += 1
 
     # ---- relays (relay.py) ------------------------------------------------------
