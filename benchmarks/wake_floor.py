@@ -29,6 +29,16 @@ other as on the piece's path: back to back ("hot"), and after each gap of sleep,
 when the code and data they touch have left the caches: what each costs on a CPU
 that was idle, as the workers' CPUs are between the pieces of a program.
 
+The same steps are timed for the channel's own format of a small piece
+(``channels.PieceDatagrams``: a binary header and a keyed BLAKE3 MAC, checked
+and made an array in one call), which the workers use where it can go.
+
+``--ops`` instead counts, deterministically, what a worker runs on a 1 KiB
+piece's path: Python bytecodes, Python calls and C calls in the sender's
+``Worker._send_piece`` (from its stamp through the send) and in the receiver's
+``Worker._drain_dgram`` (the datagram read, checked, made an array, stamped and
+stored), two workers in this process; run it in each tree to compare.
+
 A script that prints figures, not a test.
 """
 from __future__ import annotations
@@ -198,6 +208,98 @@ def _steps(gap_s: float, count: int, size: int) -> dict[str, float]:
     return {name: round(statistics.median(t[k] for t in times) * 1e6, 1) for k, name in enumerate(STEPS)}
 
 
+PIECE_STEPS = ("make and sign", "send and read", "check, decode, array")
+
+
+def _piece_steps(gap_s: float, count: int, size: int) -> dict[str, float]:
+    """As :func:`_steps`, for the channel's own piece format."""
+    pieces = channels.PieceDatagrams(b"k" * 32)
+    rx = channels.DgramReceiver(channels.dgram_name("zpath-floor", f"psteps-{os.getpid()}"))
+    tx = channels.DgramSender()
+    value = np.ones((1, size // 4), np.float32)
+    times: list[list[float]] = []
+    try:
+        for _ in range(count):
+            if gap_s:
+                time.sleep(gap_s)
+            t0 = time.perf_counter()
+            parts = pieces.frames(1, value)
+            t1 = time.perf_counter()
+            if parts is None or not tx.send_parts(rx.name, parts):
+                raise RuntimeError("the datagram did not go")
+            got = rx.recv()
+            t2 = time.perf_counter()
+            pieces.read(got)
+            t3 = time.perf_counter()
+            times.append([t1 - t0, t2 - t1, t3 - t2])
+    finally:
+        rx.close()
+        tx.close()
+    return {name: round(statistics.median(t[k] for t in times) * 1e6, 1) for k, name in enumerate(PIECE_STEPS)}
+
+
+def _count(fn) -> dict[str, int]:
+    """Python bytecodes, Python calls and C calls that ``fn()`` runs."""
+    n = {"bytecodes": 0, "py_calls": 0, "c_calls": 0}
+
+    def trace(frame, event, arg):
+        if event == "call":
+            frame.f_trace_opcodes = True
+            n["py_calls"] += 1
+        elif event == "opcode":
+            n["bytecodes"] += 1
+        return trace
+
+    def profile(frame, event, arg):
+        if event == "c_call":
+            n["c_calls"] += 1
+
+    sys.settrace(trace)
+    sys.setprofile(profile)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+        sys.settrace(None)
+    n["py_calls"] -= 1          # fn itself
+    return n
+
+
+def ops(size: int) -> dict[str, dict[str, int]]:
+    """What two workers of this process run on a ``size``-byte piece's path
+    (see the module's docstring): the counts of the last of a few pieces."""
+    # here, not at the top: the timings above need no JAX in the process
+    from zpath.config import CommonConfig, WorkerConfig
+    from zpath.ids import buffer_id
+    from zpath.worker.server import Worker
+    from zpath.worker.store import PieceKey, shard_key
+    a, b = (Worker(b"k" * 32, "tcp://127.0.0.1:9", 0, config=WorkerConfig(shm=True), common=CommonConfig())
+            for _ in range(2))
+    try:
+        if a.dgram_out is None or b.dgram_in is None:
+            raise RuntimeError("no datagram sockets here")
+        value = np.ones((1, size // 4), np.float32)
+        region = [[0, 1], [0, size // 4]]
+        out: dict[str, dict[str, int]] = {}
+        for i in range(5):
+            key = shard_key(buffer_id(1, i + 1), 0, region)
+            a.store.set(key, value)
+            order = m.SendPiece(i + 1, buffer_id(1, i + 1), 0, region, region, 1, b.data_address, "ICI",
+                                b.machine, "")
+            entry = a.store.entry(key)
+            view = np.asarray(entry.value)[(slice(0, 1), slice(0, size // 4), Ellipsis)]
+            out["sender"] = _count(lambda: a._send_piece(order, entry, view, direct=True))
+            if not select.select([b.dgram_in.fileno()], [], [], 5)[0]:
+                raise RuntimeError("the piece did not come")
+            out["receiver"] = _count(b._drain_dgram)
+            if not b.store.is_done(PieceKey(i + 1)):
+                raise RuntimeError("the piece was not stored")
+        return out
+    finally:
+        a.close()
+        b.close()
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--gaps", default="0.5,2,10",
@@ -208,7 +310,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--spin-us", type=float, default=200.0,
                    help="how long a polling receiver polls at most, µs (default 200)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    p.add_argument("--ops", action="store_true",
+                   help="only count what two workers run on a piece's path (bytecodes, calls)")
     args = p.parse_args(argv)
+    if args.ops:
+        counts = ops(args.size)
+        if args.json:
+            print(json.dumps(counts))
+        else:
+            for side, c in counts.items():
+                print(f"{side:>9}: {c['bytecodes']} bytecodes, {c['py_calls']} Python calls, "
+                      f"{c['c_calls']} C calls")
+        return 0
     if args.count < 4 or args.size < STAMP.size:
         p.error(f"--count must be >= 4 and --size >= {STAMP.size}")
     gaps = [float(g) for g in args.gaps.split(",")]
@@ -222,6 +335,8 @@ def main(argv: list[str] | None = None) -> int:
                                for kind in KINDS}
     out["steps"] = {"hot": _steps(0.0, max(args.count, 1000), args.size),
                     **{str(g): _steps(g / 1000, args.count, args.size) for g in gaps}}
+    out["piece_steps"] = {"hot": _piece_steps(0.0, max(args.count, 1000), args.size),
+                          **{str(g): _piece_steps(g / 1000, args.count, args.size) for g in gaps}}
     if args.json:
         print(json.dumps(out))
         return 0
@@ -236,6 +351,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'gap ms':>7}  " + "  ".join(f"{name:>16}" for name in STEPS) + f"  {'all':>6}")
     for g, row in out["steps"].items():
         print(f"{g:>7}  " + "  ".join(f"{row[name]:16.1f}" for name in STEPS) + f"  {sum(row.values()):6.1f}")
+    print(f"\nthe same in the channel's own piece format (PieceDatagrams), median µs")
+    print(f"{'gap ms':>7}  " + "  ".join(f"{name:>20}" for name in PIECE_STEPS) + f"  {'all':>6}")
+    for g, row in out["piece_steps"].items():
+        print(f"{g:>7}  " + "  ".join(f"{row[name]:20.1f}" for name in PIECE_STEPS)
+              + f"  {sum(row.values()):6.1f}")
     return 0
 
 
