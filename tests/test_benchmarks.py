@@ -82,8 +82,26 @@ def test_wake_floor_benchmark_times_every_mechanism():
     for row in res["steps"].values():
         assert set(row) == {"make and sign", "send and read", "check and decode", "array"}
         assert all(t > 0 for t in row.values()), row
+    assert set(res["piece_steps"]) == {"hot", "0.5", "1.0"}
+    for row in res["piece_steps"].values():
+        assert set(row) == {"make and sign", "send and read", "check, decode, array"}
+        assert all(t > 0 for t in row.values()), row
     bad = run_script([str(script), "--gaps", "0"], timeout=60)
     assert bad.returncode == 2 and "--gaps must all be > 0" in bad.stderr
+
+
+def test_wake_floor_counts_what_two_workers_run_on_a_piece():
+    """--ops: a piece goes from one worker to the other (the script fails if it
+    does not come, or is not stored) and both sides' counts come out."""
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "wake_floor.py"
+    p = run_script([str(script), "--ops", "--json"], timeout=120)
+    assert p.returncode == 0, p.stdout + p.stderr[-3000:]
+    res = json.loads(p.stdout)
+    for side in ("sender", "receiver"):
+        c = res[side]
+        assert c["bytecodes"] > 0 and c["c_calls"] > 0 and c["py_calls"] >= 1, res
+        # the piece format's path: a few calls, not the envelope's (20-24 Python calls)
+        assert c["py_calls"] < 15, res
 
 
 def test_heartbeats_benchmark_measures_the_controller_under_busy_hosts(tmp_path):
