@@ -342,7 +342,15 @@ def test_a_small_piece_the_format_cannot_carry_goes_as_a_signed_envelope(pair):
 @pytest.mark.parametrize("shape", [(), (0,), (2, 3)])
 def test_small_pieces_of_every_dtype_and_shape_arrive_equal(pair, dtype, shape):
     a, b = pair
-    jax.config.update("jax_enable_x64", True)
+    x64 = jax.config.jax_enable_x64
+    jax.config.update("jax_enable_x64", True)     # (int64, float64, complex128 kept as they are)
+    try:
+        _small_piece_arrives_equal(a, b, dtype, shape)
+    finally:
+        jax.config.update("jax_enable_x64", x64)  # the process's other tests see it as before
+
+
+def _small_piece_arrives_equal(a, b, dtype, shape):
     dt = jax.numpy.dtype(dtype)
     value = (np.arange(int(np.prod(shape))) % 2).astype(dt).reshape(shape)
     region = [[0, n] for n in shape]
