@@ -23,10 +23,17 @@ figures, not a test.
 
     python benchmarks/controller_opbyop.py [--seconds 4] [--repeats 3] [--exec-us 1200] [--hold]
                                            [--core-calls 2000] [--json out.json]
+    python benchmarks/controller_opbyop.py --count 40
+
+With ``--count N`` it only counts the Python bytecodes a ``ControllerCore``
+runs per call on -O traffic as ``island_dispatch.py`` makes it (chains of 500
+calls posted ahead of two hosts, on a fake clock: deterministic, no
+processes; see ``core_chained``) and prints the N costliest functions.
 """
 from __future__ import annotations
 
 import argparse
+import collections
 import hashlib
 import heapq
 import itertools
@@ -283,6 +290,99 @@ def core_alone(calls: int, pause_s: float) -> float:
     return cpu / calls * 1e6
 
 
+def core_chained(chains: int = 8, chain: int = 500, exec_s: float = 0.0012, post_s: float = 0.0002,
+                 batch: int = 8, counted_from: int = 2) -> tuple[int, int, collections.Counter]:
+    """Python bytecodes per call of a ``ControllerCore`` fed -O traffic as
+    ``island_dispatch.py`` makes it, on a fake clock (deterministic): the
+    client posts chains of ``chain`` calls (``x = f(x)``, the previous value
+    released) one every ``post_s``, ahead of two hosts that run each
+    computation for ``exec_s`` in order and report their own rows ``batch``
+    at a time (fewer when none are left to run). Counted over the chains
+    from ``counted_from`` on (``sys.settrace`` opcode events in the core's
+    code, from its entry points: the messages are made before). Returns (calls counted, of them planned on the fast path and
+    parked, bytecodes per function)."""
+    core = ControllerCore(ControllerConfig())
+    ids = itertools.count(1)
+    now = 1000.0
+    hosts = [b"w0", b"w1"]
+    for n in range(2):
+        core.handle(now, hosts[n], next(ids), m.RegisterWorker(
+            f"h{n}", 0, f"tcp://127.0.0.1:{40000 + n}", 1, "cpu", 1, PROTOCOL_VERSION, [n], "127.0.0.1:1",
+            n, 2, "bench", "", "", n), [])
+    core.handle(now, b"client", next(ids), m.Hello("bench", PROTOCOL_VERSION, 1.0, b"n" * 16), [])
+    client = core.peers[b"client"].id
+    rank_of = {ident: rank for rank, ident in core.worker_ident.items()}
+    blob = _Blob(b"a program the core never runs" * 4)
+    digest = hashlib.sha256(blob).hexdigest()
+    core.handle(now, b"client", next(ids), m.RegisterProgram(digest, "psum_plus_one"), [blob])
+    aval = m.Aval([2], "float32")
+    buffer_ids = itertools.count(1)
+    queues: dict[bytes, collections.deque] = {h: collections.deque() for h in hosts}   # (exec id, end)
+    free_at = dict.fromkeys(hosts, now)
+    by_code: collections.Counter = collections.Counter()
+    counting = False
+
+    def trace(frame: Any, event: str, arg: Any) -> Any:
+        frame.f_trace_opcodes = True
+        if event == "opcode":
+            by_code[frame.f_code.co_qualname] += 1
+        return trace
+
+    def handle(ident: bytes, msg: m.Record) -> None:
+        # (traced from the core's entry: not the making of the messages
+        # here, which the controller's decoder does)
+        if counting:
+            sys.settrace(trace)
+        effects = core.handle(now, ident, next(ids), msg, [])
+        while core.busy:
+            effects += core.resume(now)
+        if counting:
+            sys.settrace(None)
+        for e in effects:
+            if type(e.msg) is m.Execute:
+                end = max(free_at[e.ident], now) + exec_s
+                free_at[e.ident] = end
+                queues[e.ident].append((e.msg.exec_id, end))
+
+    def report() -> None:
+        for h in hosts:
+            q = queues[h]
+            done = sum(1 for _, end in q if end <= now)
+            if done and (done >= batch or done == len(q)):
+                rows = [q.popleft() for _ in range(done)]
+                if done == 1:
+                    handle(h, m.ExecDone(rows[0][0], None, rows[0][1] - exec_s, rows[0][1]))
+                else:
+                    handle(h, m.own_batch(rank_of[h], [m.ExecDone(x, None, end - exec_s, end) for x, end in rows]))
+
+    counted = 0
+    planned = 0
+    for c in range(chains):
+        if c == counted_from:
+            planned = core.fast_planned
+            counting = True
+        prev = None
+        for _ in range(chain):
+            now += post_s
+            report()
+            out = client << 32 | next(buffer_ids)
+            inp = client << 32 | next(buffer_ids) if prev is None else prev
+            handle(b"client", m.Call(next(ids), digest, [2], ["i"], [0, 1],
+                                     [m.CallInput(inp, aval, ["i"], prev is None)], [m.CallOutput(out, aval, ["i"])]))
+            if prev is not None:
+                handle(b"client", m.Release([prev]))
+            prev = out
+            counted += c >= counted_from
+        while any(queues.values()):
+            ends = [q[min(batch, len(q)) - 1][1] for q in queues.values() if q]
+            now = max(now, min(ends))
+            report()
+        handle(b"client", m.Release([prev]))
+    if core.in_flight or core.directory.buffers:
+        raise RuntimeError("the chains did not finish")
+    return counted, core.fast_planned - planned, by_code
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seconds", type=float, default=4.0, help="length of each timed run (default 4)")
@@ -297,7 +397,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--core-calls", type=int, default=2000,
                    help="calls of the in-process core run, each way (default 2000; 0: none)")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON here")
+    p.add_argument("--count", type=int, metavar="N", default=None,
+                   help="only count the core's Python bytecodes per call on chained -O traffic posted "
+                        "ahead of the hosts (deterministic, no processes), and print the N costliest "
+                        "functions")
     args = p.parse_args(argv)
+    if args.count is not None:
+        calls, planned, by_code = core_chained()
+        per_call = sum(by_code.values()) / calls
+        print(f"the core per chained -O call: {per_call:,.0f} Python bytecodes ({planned} of {calls} calls "
+              f"planned on the fast path and parked)")
+        for name, n in by_code.most_common(args.count):
+            print(f"{n / calls:9.1f}  {name}")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"bytecodes_per_call": per_call, "parked": planned,
+                           "by_function": {k: v / calls for k, v in by_code.most_common()}}, f, indent=1)
+        return 0
     results, held_reports = run(args)
     summary: dict[str, Any] = {k: statistics.median(r[k] for r in results) for k in results[0]}
     print(f"controller per -O call (median of {len(results)}): {summary['controller_cpu_us']:.0f} us CPU "

@@ -3,6 +3,7 @@ executor directly (an API the rest of the runtime may change under it): with
 a few nodes it runs every variant to the right value and prints its table."""
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 
@@ -117,3 +118,17 @@ def test_heartbeats_benchmark_measures_the_controller_under_busy_hosts(tmp_path)
     assert (r["hosts"], r["nodes"]) == (8, 6) and r["wall_s"] >= 6 * 0.020
     # (CPU time from /proc comes in 10 ms ticks: a short chain may read none)
     assert r["ctl_cpu_ms_per_s"] >= 0 and r["ctl_cpu_ms_per_node"] == pytest.approx(r["ctl_cpu_ms_per_s"] * r["wall_s"] / 6)
+
+
+def test_controller_opbyop_counts_the_cores_bytecodes_on_chained_calls():
+    """``--count``'s driver: chains posted ahead of the hosts finish (it
+    raises if not), most of their calls are planned on the fast path and
+    parked, and the count covers the core's functions on that path."""
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "controller_opbyop.py"
+    spec = importlib.util.spec_from_file_location("controller_opbyop", script)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    calls, parked, by_code = mod.core_chained(chains=3, chain=150, counted_from=1)
+    assert calls == 300 and parked > 100
+    assert sum(by_code.values()) > 1000 * calls
+    assert by_code["FastCalls._fast_call"] > 0 and by_code["TenantScheduler.sent"] > 0
