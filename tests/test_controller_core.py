@@ -489,3 +489,36 @@ def test_the_timeline_keeps_a_run_of_rows_as_one_block_of_arrays():
     assert blocks and all(type(e[k]) is bytes for e in blocks for k in (2, 3, 4, 5))
     gc.collect()
     assert not any(gc.is_tracked(e) for e in t)
+
+
+def test_to_hosts_without_relays_counts_each_direct_message_as_the_relay_path_does():
+    """``to_hosts``' path for a controller whose relays forwarded nothing
+    counts each message sent (per host, and the direct epoch) exactly as
+    ``_direct`` does, skips a host that is gone, and once a relay has
+    forwarded to a host the general path sends the Await first."""
+    from zpath.config import ControllerConfig
+
+    def core_with_hosts() -> ControllerCore:
+        core = ControllerCore(ControllerConfig())
+        for n in range(2):
+            core.handle(0.0, b"w%d" % n, n + 1, m.RegisterWorker(
+                f"h{n}", 0, f"tcp://127.0.0.1:{40000 + n}", 1, "cpu", 1, PROTOCOL_VERSION, [n], "127.0.0.1:1",
+                n, 2, "t", "", "", n), [])
+        core._take()
+        return core
+
+    fast, slow = core_with_hosts(), core_with_hosts()
+    msgs = [(0, m.Free([1])), (1, m.Free([2])), (7, m.Free([3])), (0, m.Free([4]))]
+    fast.to_hosts(msgs)
+    for rank, msg in msgs:                     # the general path, one message at a time
+        ident = slow.worker_ident.get(rank)
+        if ident is not None:
+            slow._direct(rank, ident, msg)
+            slow._out.append(Send(ident, msg, 0, ()))
+    assert fast.direct_sent == slow.direct_sent == {0: 2, 1: 1} and fast._epoch == slow._epoch == 3
+    assert [(e.ident, e.msg) for e in fast._take()] == [(e.ident, e.msg) for e in slow._take()]
+    fast.forwarded_via[0] = {1: 2}             # host 1 relayed two messages to host 0
+    fast.to_hosts([(0, m.Free([5]))])
+    out = fast._take()
+    assert [type(e.msg) for e in out] == [m.Await, m.Free] and out[0].msg == m.Await(1, 2)
+    assert fast.direct_sent[0] == 4 and fast._epoch == 4

@@ -105,6 +105,21 @@ class ControllerCore(Peers, FastCalls, Admission, Dispatch, Fusion, Failures, Re
             messages = self._relay(messages)
         idents = self.worker_ident
         out = self._out
+        if not self.forwarded_via and not self._whole:
+            # no relay has forwarded anything: ``_direct`` only counts each
+            # message (the usual case, without relays)
+            sent = self.direct_sent
+            n = 0
+            for rank, msg in messages:
+                ident = idents.get(rank)
+                if ident is None:
+                    log.warning("host %d is gone: %s not sent", rank, type(msg).__name__)
+                else:
+                    sent[rank] = sent.get(rank, 0) + 1
+                    out.append(Send(ident, msg, 0, ()))
+                    n += 1
+            self._epoch += n
+            return
         direct = self._direct
         for rank, msg in messages:
             ident = idents.get(rank)
