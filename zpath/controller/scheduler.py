@@ -408,9 +408,13 @@ class TenantScheduler:
         if active is None:
             active = self._active[ready.island] = collections.Counter()
         active[ready.client] += 1
-        self._joins(ready.island, ready.client)
-        vt = self._vt.get((ready.island, ready.client), 0.0)
-        clk = self._island_clock(ready.island)
+        island, client = ready.island, ready.client
+        self._joins(island, client)
+        key = (island, client)
+        vt = self._vt.get(key, 0.0)
+        clk = self._clock.get(island)
+        if clk is None:
+            clk = self._island_clock(island)
         if few is not None:
             load, count = self._load, self._count
             for d in few:
@@ -423,7 +427,9 @@ class TenantScheduler:
             self._load[idx] += wall
             self._count[idx] += 1
             clk[idx] = np.maximum(clk[idx], vt)
-        self._charge(ready.island, ready.client, estimate)
+        weight = self.weights.get(client)
+        if weight is not None:               # (_charge, with the virtual time read above)
+            self._vt[key] = vt + estimate / weight
 
     def host_done(self, ticket: int, seconds: float, devices: int) -> None:
         """One host finished its part: ``seconds`` of run time on ``devices``
@@ -471,16 +477,22 @@ class TenantScheduler:
             if len(idle):           # none in flight: no estimate left behind either
                 self._count[idle] = 0
                 self._load[idle] = 0.0
-        if run.client in self.weights:        # (not a client that left)
-            self._joins(run.island, run.client)
-        active = self._active[run.island]
-        active[run.client] -= 1
-        if active[run.client] <= 0:
-            del active[run.client]
+        island, client = run.island, run.client
+        weight = self.weights.get(client)
+        if weight is not None:                # (not a client that left)
+            self._joins(island, client)
+        active = self._active[island]
+        n = active[client] - 1
+        if n <= 0:
+            active.pop(client, None)
             if not active:
-                del self._active[run.island]
-        self.used[run.client] += run.charged
-        self._charge(run.island, run.client, run.charged - run.estimate)
+                del self._active[island]
+        else:
+            active[client] = n
+        self.used[client] += run.charged
+        if weight is not None:                # (_charge)
+            key = (island, client)
+            self._vt[key] = self._vt.get(key, 0.0) + (run.charged - run.estimate) / weight
         if run.longest > 0:
             if run.cost_key not in self._measured:
                 # the first run of a program on its devices compiled it: not an estimate
