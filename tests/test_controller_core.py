@@ -522,3 +522,30 @@ def test_to_hosts_without_relays_counts_each_direct_message_as_the_relay_path_do
     out = fast._take()
     assert [type(e.msg) for e in out] == [m.Await, m.Free] and out[0].msg == m.Await(1, 2)
     assert fast.direct_sent[0] == 4 and fast._epoch == 4
+
+
+def test_a_clients_call_or_release_whose_handler_raises_is_answered_as_any_message_is(monkeypatch):
+    """``handle``'s straight path for a client's Call and Release keeps
+    ``_handle_safely``'s answer to a handler bug: the call's futures fail
+    (CallFailed), a Release gets an Error; the controller goes on."""
+    from zpath.config import ControllerConfig
+    from zpath.errors import ErrorKind
+
+    core = ControllerCore(ControllerConfig())
+    core.handle(0.0, b"c", 1, m.Hello("t", PROTOCOL_VERSION, 1.0, b"n" * 16), [])
+    client = core.peers[b"c"].id
+    aval = m.Aval([2], "float32")
+    call = m.Call(7, "0" * 64, [0], ["i"], [1], [m.CallInput(client << 32 | 1, aval, ["i"], True)],
+                  [m.CallOutput(client << 32 | 2, aval, ["i"])])
+
+    def boom(*args):
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(core, "_call", boom)
+    monkeypatch.setattr(core, "_release", boom)
+    out = core.handle(1.0, b"c", 2, call, [])
+    assert [type(e.msg) for e in out] == [m.CallFailed] and out[0].ident == b"c"
+    assert out[0].msg.error.kind == ErrorKind.REMOTE_ERROR and core.peers[b"c"].last_seen == 1.0
+    out = core.handle(2.0, b"c", 3, m.Release([client << 32 | 2]), [])
+    assert [type(e.msg) for e in out] == [m.Error] and "Release" in out[0].msg.message
+    assert core.peers[b"c"].last_seen == 2.0

@@ -157,6 +157,19 @@ class ControllerCore(Peers, FastCalls, Admission, Dispatch, Fusion, Failures, Re
             except Exception:  # a handler bug must not take the controller down
                 log.exception("error handling %s from host %d", kind.__name__, peer.id)
             return self._take()
+        if (kind is m.Call or kind is m.Release) and peer is not None and peer.role == "client" \
+                and not self._paused and ident not in self.deferred_msgs:
+            # a client's most frequent messages, nothing of its own paused
+            # nor waiting: straight to them (as ``_handle`` does)
+            peer.last_seen = now
+            try:
+                if kind is m.Call:
+                    self._call(ident, peer, msg)
+                else:
+                    self._release(msg.buffers, peer.id)
+            except Exception:  # a handler bug must not take the controller down
+                self._handling_failed(ident, parent, msg)
+            return self._take()
         if peer is not None and peer.role == "client" and type(msg) not in _NOT_DEFERRED and \
                 (ident in self.deferred_msgs or self.paused_client(peer)):
             self.deferred_msgs.setdefault(ident, collections.deque()).append((parent, msg, buffers))
@@ -180,15 +193,20 @@ class ControllerCore(Peers, FastCalls, Admission, Dispatch, Fusion, Failures, Re
         try:
             self._handle(ident, parent, msg, buffers)
         except Exception:  # a handler bug must not take the controller down
-            peer = self.peers.get(ident)
-            log.exception("error handling %s from %s", type(msg).__name__,
-                          f"{peer.role} {peer.id}" if peer else repr(ident))
-            if isinstance(msg, m.Call) and peer is not None:   # fail its futures, don't leave them waiting
-                self._fail_call(ident, peer.id, msg, m.ErrorInfo(
-                    ErrorKind.REMOTE_ERROR, "the controller failed planning this call (see its log)", None, "", ""))
-            else:
-                self.reply_error(ident, parent, ErrorKind.INTERNAL,
-                                 f"controller failed handling {type(msg).__name__}")
+            self._handling_failed(ident, parent, msg)
+
+    def _handling_failed(self, ident: bytes, parent: int, msg: Record) -> None:
+        """A handler raised on ``msg`` (in an ``except``): logged, and its
+        sender told (a call's futures fail)."""
+        peer = self.peers.get(ident)
+        log.exception("error handling %s from %s", type(msg).__name__,
+                      f"{peer.role} {peer.id}" if peer else repr(ident))
+        if isinstance(msg, m.Call) and peer is not None:   # fail its futures, don't leave them waiting
+            self._fail_call(ident, peer.id, msg, m.ErrorInfo(
+                ErrorKind.REMOTE_ERROR, "the controller failed planning this call (see its log)", None, "", ""))
+        else:
+            self.reply_error(ident, parent, ErrorKind.INTERNAL,
+                             f"controller failed handling {type(msg).__name__}")
 
     def program_name(self, digest: str) -> str:
         prog = self.programs.get(digest)
