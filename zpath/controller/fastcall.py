@@ -81,6 +81,8 @@ class FastCall:
     # per new buffer, values put then outputs (the general path's order):
     # (is an output, its index, shape, dtype, layout, bytes per device, layouts key)
     new: list[tuple]
+    # whether it puts any value (a call matching it puts the same inputs)
+    puts: bool = False
 
     def signature(self) -> tuple:
         return (self.version, self.devices, self.mesh_shape, self.axis_names, self.inputs, self.outputs)
@@ -131,7 +133,7 @@ class FastCalls:
         # it waits (for a node it reads to be sent, or for its turn), or its
         # sending needs a repair or the program registered: planned here,
         # the rest as the general path does (Admission._advance for one call)
-        puts = [i.buffer for i in call.inputs if i.put]
+        puts = [i.buffer for i in call.inputs if i.put] if e.puts else []
         exec_id = self._fast_plan(e, peer, call)
         plan = Plan(dict.fromkeys(e.plan_hosts, _fast_execute(e, call, exec_id, 0, False)), [], copies=[])
         run = ProgramRun(peer, puts, 1)
@@ -221,7 +223,7 @@ class FastCalls:
         island = e.island
         hold = may_hold(self.tenants, island, owner, False, self.memory_limit)
         seq = self.scheduler.take_seq(island)
-        puts = [i.buffer for i in call.inputs if i.put]
+        puts = [i.buffer for i in call.inputs if i.put] if e.puts else []
         self._fast_fly(e, peer, call, exec_id, seq, _fast_execute(e, call, exec_id, seq, hold), puts)
         self.send_budget -= SEND_COST + len(e.hosts)
         self.tenants.sent(exec_id, e.ready)
@@ -243,7 +245,8 @@ class FastCalls:
         ex = next(iter(node.planned[0].executes.values()))
         _set_seq(ex, seq)
         _set_hold(ex, hold)
-        self._fast_fly(e, node.run.peer, call, node.exec_id, seq, ex, [i.buffer for i in call.inputs if i.put])
+        self._fast_fly(e, node.run.peer, call, node.exec_id, seq, ex,
+                       [i.buffer for i in call.inputs if i.put] if e.puts else [])
         self.fast_unparked += 1
         return node.exec_id
 
@@ -298,7 +301,8 @@ class FastCalls:
                      [rm.devices[d].jax_id for d in call.devices], sorted(info.hosts),
                      list(dict.fromkeys(rm.devices[d].host for d in call.devices)), info.island,
                      info.host_devices, Ready(peer.id, info.island, devices, (call.program, devices), None),
-                     inputs, [(o.aval.shape, o.aval.dtype, o.spec) for o in outs], new)
+                     inputs, [(o.aval.shape, o.aval.dtype, o.spec) for o in outs], new,
+                     any(i.put for i in ins))
         key = (peer.id, call.program)
         entries = self.fast_calls.get(key)
         if entries is None:
