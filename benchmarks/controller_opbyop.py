@@ -299,8 +299,9 @@ def core_chained(chains: int = 8, chain: int = 500, exec_s: float = 0.0012, post
     computation for ``exec_s`` in order and report their own rows ``batch``
     at a time (fewer when none are left to run). Counted over the chains
     from ``counted_from`` on (``sys.settrace`` opcode events in the core's
-    code, from its entry points: the messages are made before). Returns (calls counted, of them planned on the fast path and
-    parked, bytecodes per function)."""
+    code, from its entry points: the messages are made before). Returns
+    (calls counted, of them planned on the fast path and parked, bytecodes
+    per function)."""
     core = ControllerCore(ControllerConfig())
     ids = itertools.count(1)
     now = 1000.0

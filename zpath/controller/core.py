@@ -103,31 +103,22 @@ class ControllerCore(Peers, FastCalls, Admission, Dispatch, Fusion, Failures, Re
         many of them get alike through relays: relays.py)."""
         if self.relay_min and len(messages) >= self.relay_min:
             messages = self._relay(messages)
-        idents = self.worker_ident
-        out = self._out
-        if not self.forwarded_via and not self._whole:
-            # no relay has forwarded anything: ``_direct`` only counts each
-            # message (the usual case, without relays)
-            sent = self.direct_sent
-            n = 0
-            for rank, msg in messages:
-                ident = idents.get(rank)
-                if ident is None:
-                    log.warning("host %d is gone: %s not sent", rank, type(msg).__name__)
-                else:
-                    sent[rank] = sent.get(rank, 0) + 1
-                    out.append(Send(ident, msg, 0, ()))
-                    n += 1
-            self._epoch += n
-            return
-        direct = self._direct
+        idents, out, sent = self.worker_ident, self._out, self.direct_sent
+        # (while ``_direct`` only counts a message, counted here without the call)
+        direct = None if self._direct_only_counts() else self._direct
+        counted = 0
         for rank, msg in messages:
             ident = idents.get(rank)
             if ident is None:
                 log.warning("host %d is gone: %s not sent", rank, type(msg).__name__)
+                continue
+            if direct is None:
+                sent[rank] = sent.get(rank, 0) + 1
+                counted += 1
             else:
                 direct(rank, ident, msg)
-                out.append(Send(ident, msg, 0, ()))
+            out.append(Send(ident, msg, 0, ()))
+        self._epoch += counted
 
     def _take(self) -> list[Effect]:
         if self.frees_pending:

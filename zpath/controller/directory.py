@@ -770,14 +770,9 @@ class DeviceBytes:
         if len(fp) <= FEW_DEVICES and max(fp) < len(self._bytes):
             # a few devices: one element at a time (numpy's steps cost more here)
             held, touched = self._bytes, self._touched
-            if sign > 0:
-                for d, n in fp.items():
-                    held[d] = held.item(d) + n
-                    touched[d] = True
-            else:
-                for d, n in fp.items():
-                    held[d] = held.item(d) - n
-                    touched[d] = True
+            for d, n in fp.items():
+                held[d] = held.item(d) + sign * n
+                touched[d] = True
             return
         if type(fp) is Footprint:
             idx, nbytes = fp.arrays()

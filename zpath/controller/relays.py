@@ -247,6 +247,13 @@ class Relays:
             info.relay_of = relay_of
         return True
 
+    def _direct_only_counts(self) -> bool:
+        """Whether ``_direct`` for a message that is not a Relay now only
+        counts it (``direct_sent`` and the epoch): no relay has forwarded
+        anything, so no host is owed an Await (the usual case, without
+        relays; ``to_hosts`` counts them itself then)."""
+        return not self.forwarded_via and not self._whole
+
     def _direct(self, rank: int, ident: bytes, msg: Any, relay: bool = False) -> None:
         """A message goes to host ``rank`` directly (``relay``: a Relay): it is
         counted, after an Await for each relay that forwarded the host messages

@@ -428,7 +428,7 @@ class TenantScheduler:
             self._count[idx] += 1
             clk[idx] = np.maximum(clk[idx], vt)
         weight = self.weights.get(client)
-        if weight is not None:               # (_charge, with the virtual time read above)
+        if weight is not None:               # (the client's virtual time, read above)
             self._vt[key] = vt + estimate / weight
 
     def host_done(self, ticket: int, seconds: float, devices: int) -> None:
@@ -490,7 +490,7 @@ class TenantScheduler:
         else:
             active[client] = n
         self.used[client] += run.charged
-        if weight is not None:                # (_charge)
+        if weight is not None:                # (the client's virtual time)
             key = (island, client)
             self._vt[key] = self._vt.get(key, 0.0) + (run.charged - run.estimate) / weight
         if run.longest > 0:
@@ -501,11 +501,6 @@ class TenantScheduler:
                 old = self._cost.get(run.cost_key)
                 self._cost[run.cost_key] = run.longest if old is None else 0.8 * old + 0.2 * run.longest
         return run.island, run.client
-
-    def _charge(self, island: int, client: int, device_seconds: float) -> None:
-        if client in self.weights:
-            key = (island, client)
-            self._vt[key] = self._vt.get(key, 0.0) + device_seconds / self.weights[client]
 
     def running(self, client: int) -> int:
         return sum(1 for r in self._running.values() if r.client == client)
