@@ -152,6 +152,11 @@ class FakeWorkers:
         ctx.term()
 
 
+class _Form:
+    """A stand-in for a traced function: the client keeps a call form per one
+    (and per which inputs are put)."""
+
+
 def _cpu(proc: psutil.Process) -> tuple[float, float]:
     """(CPU seconds of all the process's threads, of its main thread)."""
     threads = {t.id: t.user_time + t.system_time for t in proc.threads()}
@@ -187,14 +192,23 @@ def run(args: argparse.Namespace) -> tuple[list[dict[str, float]], int]:
         aval = m.Aval([2], "float32")
         issued = 0
 
+        traced = _Form()         # (what the client numbers its call forms by: one function)
+
         def chain() -> int:
             nonlocal issued
             prev = None
             for _ in range(args.chain):
                 out = client.new_buffer_id()
                 inp = client.new_buffer_id() if prev is None else prev
-                client.post(m.Call(client.new_call_id(), digest, [2], ["i"], [0, 1],
-                                   [m.CallInput(inp, aval, ["i"], prev is None)], [m.CallOutput(out, aval, ["i"])]))
+                cid = client.new_call_id()
+
+                def whole(keep: int, cid: int = cid, inp: int = inp, out: int = out,
+                          put: bool = prev is None) -> m.Call:
+                    return m.Call(cid, digest, [2], ["i"], [0, 1], [m.CallInput(inp, aval, ["i"], put)],
+                                  [m.CallOutput(out, aval, ["i"])], keep)
+
+                # as zp functions post a call: a repeat as a CallAgain of its kept form
+                client.post_call(traced, (prev is None,), cid, [inp], [out], whole)
                 if prev is not None:
                     client.release(prev)
                 prev = out
@@ -358,6 +372,7 @@ def core_chained(chains: int = 8, chain: int = 500, exec_s: float = 0.0012, post
 
     counted = 0
     planned = 0
+    kept: set[int] = set()
     for c in range(chains):
         if c == counted_from:
             planned = core.fast_planned
@@ -368,8 +383,16 @@ def core_chained(chains: int = 8, chain: int = 500, exec_s: float = 0.0012, post
             report()
             out = client << 32 | next(buffer_ids)
             inp = client << 32 | next(buffer_ids) if prev is None else prev
-            handle(b"client", m.Call(next(ids), digest, [2], ["i"], [0, 1],
-                                     [m.CallInput(inp, aval, ["i"], prev is None)], [m.CallOutput(out, aval, ["i"])]))
+            # as a client sends them: a form's first call whole, kept as form 1
+            # (a value put) or 2, then CallAgains of it
+            form = 1 if prev is None else 2
+            if form in kept:
+                handle(b"client", m.CallAgain(next(ids), form, [inp], [out]))
+            else:
+                kept.add(form)
+                handle(b"client", m.Call(next(ids), digest, [2], ["i"], [0, 1],
+                                         [m.CallInput(inp, aval, ["i"], prev is None)],
+                                         [m.CallOutput(out, aval, ["i"])], form))
             if prev is not None:
                 handle(b"client", m.Release([prev]))
             prev = out

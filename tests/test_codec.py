@@ -354,7 +354,7 @@ def _good_welcome() -> list:
 
 
 def _good_call() -> list:
-    return [1, "p", [2], ["x"], [0, 1], [[5, [[4], "float32"], ["x"], True]], [[6, [[4], "float32"], [None]]]]
+    return [1, "p", [2], ["x"], [0, 1], [[5, [[4], "float32"], ["x"], True]], [[6, [[4], "float32"], [None]]], 0]
 
 
 def _set(value: list, path: tuple, new: Any) -> list:
@@ -915,13 +915,14 @@ def _golden_messages() -> dict[str, tuple[codec.Record, tuple]]:
 # buffers=...) for the messages above, recorded (hex) from the codec before its
 # fast paths (commit a5173e3); signatures and headers re-recorded for protocol 3
 # (the header's signer) and for protocols 4 (relays), 5 (DeviceInfo.platform), 6 (a
-# relayed message's own buffers) and 7 (IntRuns: a list this short stays plain ints):
-# the version byte; bodies unchanged
+# relayed message's own buffers), 7 (IntRuns: a list this short stays plain ints) and 8
+# (Call.keep): the version byte; bodies unchanged but the Call's, re-recorded for
+# protocol 8 with its eighth field (keep, 0) appended
 GOLDEN = [
     ("Execute", 1000, [      # (re-recorded when Execute.hold was appended: the same
         # body with 11 fields instead of 10 and a trailing false)
-        "314ce30f21b0620d9bb396a08222b6139764e6c31e9b5811cac52b832328b9ac",
-        "960721cd03e807ad776f726b65723a676f6c64656e00",
+        "ee0ccbf57c1a1114866d70b009fad1ff26cde10976edd1aa797133fdda45edf5",
+        "960821cd03e807ad776f726b65723a676f6c64656e00",
         "9bce0001e240cd2694d94061626162616261626162616261626162616261626162616261626162616261626162616261"
         "626162616261626162616261626162616261626162616261626162ac6a69745f5f6c616d6264615f910291a169920001"
         "9200019294cf000000010000001192920804a7666c6f6174333292a169c0919300929200049200049094cf0000000100"
@@ -929,35 +930,35 @@ GOLDEN = [
         "cf000000010000001392920804a7666c6f6174333292a169c0c2",
     ]),
     ("ExecDone", 1001, [
-        "79140768a2ff40ac7760b3960634df059fb475df018be8d5c7d40e1474b942bb",
-        "960722cd03e907ad776f726b65723a676f6c64656e00",
+        "6d0c5045edb0553609905ac95e2a50c368018c69ea6937baa46b6e32ef727e60",
+        "960822cd03e907ad776f726b65723a676f6c64656e00",
         "95ce0001e240c0cb41d999a660080000cb41d999a660100000cb0000000000000000",
     ]),
     ("Call", 1002, [
-        "3f52b42536dc048163f9985641ad683554b988c1a50722af3a82bb756bc3dd18",
-        "96071fcd03ea07ad776f726b65723a676f6c64656e00",
-        "97cd1092d94063646364636463646364636463646364636463646364636463646364636463646364636463646364636463"
+        "c6ca82c3a11c8f04c264013512d6bea126d775bba890a95edf7bc8a7f1095b86",
+        "96081fcd03ea07ad776f726b65723a676f6c64656e00",
+        "98cd1092d94063646364636463646364636463646364636463646364636463646364636463646364636463646364636463"
         "646364636463646364636463646364636463646364910291a1699200019194cf000000010000001192920804a7666c6f"
-        "6174333292a169c0c39193cf000000010000001392920804a7666c6f6174333292a169c0",
+        "6174333292a169c0c39193cf000000010000001392920804a7666c6f6174333292a169c000",
     ]),
     ("Ping", 1003, [
-        "30627b33a68847501e0ddefa40131563d7640d4f3334b064d385c171dac64fe2",
-        "960707cd03eb07ad776f726b65723a676f6c64656e00",
+        "b8916328beaec224cd3509d419e6c0ba8663cb412908fc938dc3266cb385ae02",
+        "960807cd03eb07ad776f726b65723a676f6c64656e00",
         "911f",
     ]),
     ("Pong", 1004, [
-        "5ec60a81af3124aabcf881590d1545b5fd8860ebe4a83fe49ad61cdca915759e",
-        "960708cd03ec07ad776f726b65723a676f6c64656e00",
+        "ea93ecbb25b16d9df7c5b28dc53581bdd0727f0d0dd92b539d8ff6fdc17e79f9",
+        "960808cd03ec07ad776f726b65723a676f6c64656e00",
         "941f0ccd100092cd0800cd0800",
     ]),
     ("ExecDoneErr", 1005, [
-        "4b7e6872cf6772b1da09fc7a2cbb5c5cd5532417e5e33c5ba08186809d0f28b4",
-        "960722cd03ed07ad776f726b65723a676f6c64656e00",
+        "7d10a698d3b9dd14b6a6084d46ccd286024a44a4ffbd807ebbba4e0661c71ba5",
+        "960822cd03ed07ad776f726b65723a676f6c64656e00",
         "950595ab52656d6f74654572726f72a8626f6f6d20e29c93c0a166a27462cb3ff0000000000000cb4004000000000000cb0000000000000000",
     ]),
     ("Put", 1006, [
-        "adfae9fcf87a3b2547480aad5bc9bb6a70c28d4b5b48ee571fb368ee7605d743",
-        "960732cd03ee07ad776f726b65723a676f6c64656e00",
+        "778fe76bc9bea01e87d84edb17d2a9f4d5eee23747602208938e6d4d18e6aa74",
+        "960832cd03ee07ad776f726b65723a676f6c64656e00",
         "94cf0000000100000003029292000492000692920406a7666c6f61743332",
         "010203",
         "",

@@ -577,11 +577,11 @@ class Computation:
                                                      m.Aval(list(data.shape), dtype)), data)
 
     def call_message(self, traced: _Traced, inputs: list[m.CallInput],
-                     out_buffers: list[int]) -> m.Call:
+                     out_buffers: list[int], keep: int = 0, call_id: int | None = None) -> m.Call:
         outs = [_call_output(b, _aval(list(shape), dtype_name(dtype)), spec)
                 for b, (shape, dtype), spec in zip(out_buffers, traced.out_avals, traced.out_specs, strict=True)]
-        return _call(self.client.new_call_id(), traced.digest, self._mesh_shape, self._axis_names,
-                     self._device_ids, inputs, outs)
+        return _call(self.client.new_call_id() if call_id is None else call_id, traced.digest, self._mesh_shape,
+                     self._axis_names, self._device_ids, inputs, outs, keep)
 
     def future(self, buffer: int, aval: Aval, spec: list, key: str | None = None) -> Future:
         fut = Future(self.client, buffer, aval[0], aval[1], self._device_ids, self._mesh_shape,
@@ -605,18 +605,26 @@ class Computation:
                     raise ValueError(f"{self.name}: argument {names[k][0]} is a future that was donated to "
                                      f"{x._donated} (donate_argnums): its buffer is gone")
         traced = self.prepare(bound, self._may_donate(bound))
-        inputs = []
+        in_buffers, puts = [], []
         for x, (shape, dtype), spec, k in zip(bound.leaves, bound.avals, traced.in_specs, bound.keys, strict=True):
-            aval = _aval(list(shape), dtype_name(dtype))
             if isinstance(x, Future):
-                inputs.append(_call_input(x.buffer, aval, spec, False))
+                in_buffers.append(x.buffer)
+                puts.append(False)
             else:
-                inputs.append(_call_input(self.put(host_value(x, dtype, k), spec), aval, spec, True))
+                in_buffers.append(self.put(host_value(x, dtype, k), spec))
+                puts.append(True)
         out_buffers = [client.new_buffer_id() for _ in traced.out_avals]
         futures = [self.future(b, a, spec, k) for b, a, spec, k in
                    zip(out_buffers, traced.out_avals, traced.out_specs, traced.out_keys, strict=True)]
-        msg = self.call_message(traced, inputs, out_buffers)
-        client.post(msg)
+        call_id = client.new_call_id()
+
+        def whole(keep: int) -> m.Call:       # (the first call of this form: it goes whole)
+            inputs = [_call_input(b, _aval(list(shape), dtype_name(dtype)), spec, put) for b, put, (shape, dtype), spec
+                      in zip(in_buffers, puts, bound.avals, traced.in_specs, strict=True)]
+            return self.call_message(traced, inputs, out_buffers, keep, call_id)
+
+        # a repeat goes as a CallAgain of the form the controller keeps (Client.post_call)
+        msg = client.post_call(traced, tuple(puts), call_id, in_buffers, out_buffers, whole)
         for x in bound.leaves:
             if isinstance(x, Future):
                 x._read = True

@@ -7,6 +7,7 @@ User threads hand it messages through an :class:`~zpath.net.transport.Outbox`.
 """
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import itertools
 import logging
@@ -14,7 +15,7 @@ import os
 import threading
 import time
 import weakref
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import zmq
@@ -25,7 +26,7 @@ from zpath.errors import (Broken, Closed, DeadlineExceeded, ErrorKind, HostLost,
                           RemoteError, ResourceError, ZpathError)
 from zpath.net import messages as m
 from zpath.keys import client_keys
-from zpath.net.codec import CLIENTS, PROTOCOL_VERSION, Record
+from zpath.net.codec import CLIENTS, PROTOCOL_VERSION, Record, constructor
 from zpath.net.transport import BadMessage, Endpoint, Outbox, make_context, readable, unbatched
 from zpath.ids import buffer_id
 
@@ -35,7 +36,8 @@ REQUEST_TIMEOUT_S = 60.0
 HEARTBEAT_S = 1.0
 MAX_TEMPLATES = 1024          # program templates per connection (the controller's limit too)
 # submissions that releases made before them may follow (see Client._flush)
-_RELEASES_AFTER = (m.Call, m.Program, m.RunProgram)
+_RELEASES_AFTER = (m.Call, m.CallAgain, m.Program, m.RunProgram)
+_call_again = constructor(m.CallAgain)
 
 
 def error_from_info(info: m.ErrorInfo) -> ZpathError:
@@ -113,6 +115,11 @@ class Client:
         self._ids_lock = threading.Lock()    # new_buffer_ids replaces the counter
         self._templates = 0                   # numbers given out
         self._templates_live = 0              # of them not dropped
+        # call forms the controller keeps for this connection (Call.keep), least
+        # recently used first: (id of the traced function, which inputs are
+        # put) -> (a weak reference to the traced function, the form's number)
+        self._forms: collections.OrderedDict[tuple, tuple[Any, int]] = collections.OrderedDict()
+        self._forms_lock = threading.Lock()
         self.programs: set[str] = set()
         self.outbox = Outbox()
         self._pending: dict[int, concurrent.futures.Future] = {}
@@ -182,6 +189,33 @@ class Client:
 
     def new_call_id(self) -> int:
         return next(self._call_ids)
+
+    def post_call(self, traced: Any, puts: tuple, call_id: int, inputs: list[int], outputs: list[int],
+                  make: Callable[[int], m.Call]) -> Record:
+        """Post an op-by-op call of ``traced`` (a traced function; ``puts``:
+        which inputs are values put for the call): a ``CallAgain`` of the form
+        the controller keeps for them, else the ``Call`` that ``make(keep)``
+        makes, which has the form kept as number ``keep`` (the least recently
+        used number once MAX_CALL_FORMS are kept). Returns the message posted."""
+        key = (id(traced), puts)
+        # (under the lock: a number's new form is posted after every call of its old one)
+        with self._forms_lock:
+            entry = self._forms.get(key)
+            if entry is not None and entry[0]() is traced:
+                self._forms.move_to_end(key)
+                msg = _call_again(call_id, entry[1], inputs, outputs)
+            else:
+                if entry is not None:                  # (that function is gone, its id taken again)
+                    number = entry[1]
+                elif len(self._forms) < m.MAX_CALL_FORMS:
+                    number = len(self._forms) + 1
+                else:
+                    number = self._forms.popitem(last=False)[1][1]
+                self._forms[key] = (weakref.ref(traced), number)
+                self._forms.move_to_end(key)
+                msg = make(number)
+            self.post(msg)
+        return msg
 
     def _check_open(self) -> None:
         if self._closed:
@@ -397,11 +431,11 @@ class Client:
             self._forget(fetch)
             fetch.future._fetched(fetch, None, err)
         calls = [msg] if isinstance(msg, m.Call) else msg.calls if isinstance(msg, m.Program) else []
-        for call in calls:
-            for o in call.outputs:
-                fut = self._futures.get(o.buffer)
-                if fut is not None:
-                    fut._fail(err)
+        outputs = msg.outputs if isinstance(msg, m.CallAgain) else [o.buffer for c in calls for o in c.outputs]
+        for b in outputs:
+            fut = self._futures.get(b)
+            if fut is not None:
+                fut._fail(err)
 
     def _break(self, why: str, goodbye: bool = True) -> None:
         """The controller is gone: fail every request and fetch that waits, and

@@ -24,20 +24,25 @@ from zpath.controller.failures import Failures
 from zpath.controller.fastcall import FastCalls
 from zpath.controller.fusion import Fusion
 from zpath.controller.peers import Peers
-from zpath.controller.records import Effect, RemoveSegments, Send
+from zpath.controller.records import Effect, Peer, RemoveSegments, Send
 from zpath.controller.relays import Relays
 from zpath.controller.resources import ResourceManager
 from zpath.controller.scheduler import GangScheduler, TenantScheduler
 from zpath.errors import ErrorKind
 from zpath.keys import Keys
 from zpath.net import messages as m
-from zpath.net.codec import CLIENTS, CLUSTER, KeyOf, Record
+from zpath.net.codec import CLIENTS, CLUSTER, KeyOf, Record, constructor
 from zpath.net.transport import LOG_BURST, LOG_RATE, REPLY_BURST, REPLY_RATE, RateLimit
 
 __all__ = ["ControllerCore", "Effect", "RemoveSegments", "Send"]
 
 # a client's messages handled at once even while its submission is paused
 _NOT_DEFERRED = (m.Ping, m.Goodbye, m.StatusRequest, m.TimelineRequest)
+# (CallAgain made whole without the constructors' checks: its buffer ids are
+# the decoder's ints, the rest the kept Call's)
+_call, _call_input, _call_output = (constructor(m.Call), constructor(m.CallInput),
+                                    constructor(m.CallOutput))
+_NO_AVAL = m.Aval([], "")
 
 log = logging.getLogger(__name__)
 
@@ -148,6 +153,17 @@ class ControllerCore(Peers, FastCalls, Admission, Dispatch, Fusion, Failures, Re
             except Exception:  # a handler bug must not take the controller down
                 log.exception("error handling %s from host %d", kind.__name__, peer.id)
             return self._take()
+        if kind is m.CallAgain or kind is m.Call:
+            # a call of a kept form made whole, and a form kept, as they come
+            # (what waits behind a paused submission is kept made)
+            if peer is not None and peer.role == "client":
+                if kind is m.CallAgain:
+                    msg = self._call_again(ident, peer, msg)
+                    if msg is None:
+                        return self._take()
+                    kind = m.Call
+                elif msg.keep and not self._keep_form(ident, peer, msg):
+                    return self._take()
         if (kind is m.Call or kind is m.Release) and peer is not None and peer.role == "client" \
                 and not self._paused and ident not in self.deferred_msgs:
             # a client's most frequent messages, nothing of its own paused
@@ -168,6 +184,34 @@ class ControllerCore(Peers, FastCalls, Admission, Dispatch, Fusion, Failures, Re
             return self._take()
         self._handle_safely(ident, parent, msg, buffers)
         return self._take()
+
+    def _keep_form(self, ident: bytes, peer: Peer, call: m.Call) -> bool:
+        """Keep ``call``'s form as the client's form ``call.keep``; False (the
+        call failed) for a number out of range."""
+        if not 0 < call.keep <= m.MAX_CALL_FORMS:
+            self._fail_call(ident, peer.id, call, m.ErrorInfo(
+                ErrorKind.BAD_REQUEST, f"Call.keep must be 0 to {m.MAX_CALL_FORMS}, not {call.keep}",
+                None, "", ""))
+            return False
+        peer.forms[call.keep] = call
+        return True
+
+    def _call_again(self, ident: bytes, peer: Peer, again: m.CallAgain) -> m.Call | None:
+        """The ``Call`` a ``CallAgain`` names: its kept form with its call id
+        and buffers; None (its outputs failed) for a form not kept or other
+        numbers of buffers."""
+        form = peer.forms.get(again.form)
+        if form is None or len(again.inputs) != len(form.inputs) or len(again.outputs) != len(form.outputs):
+            why = f"call form {again.form} was not kept by this client" if form is None else \
+                f"call form {again.form} has {len(form.inputs)} inputs and {len(form.outputs)} outputs, " \
+                f"not {len(again.inputs)} and {len(again.outputs)}"
+            self._fail_call(ident, peer.id, _call(again.call_id, "", [], [], [], [], [
+                _call_output(b, _NO_AVAL, []) for b in again.outputs], 0),
+                m.ErrorInfo(ErrorKind.BAD_REQUEST, why, None, "", ""))
+            return None
+        return _call(again.call_id, form.program, form.mesh_shape, form.axis_names, form.devices,
+                     [_call_input(b, i.aval, i.spec, i.put) for b, i in zip(again.inputs, form.inputs)],
+                     [_call_output(b, o.aval, o.spec) for b, o in zip(again.outputs, form.outputs)], 0)
 
     def _replay(self, ident: bytes) -> None:
         """The client's paused submission is planned (or waits for memory):

@@ -272,7 +272,10 @@ class Call(Record):
     """Client -> controller: run a registered program on a mesh of devices.
 
     ``inputs`` name buffers (existing ones, or ones the client has put straight
-    onto the workers in the input's layout when ``put`` is true)."""
+    onto the workers in the input's layout when ``put`` is true). ``keep``
+    (1 to MAX_CALL_FORMS, 0: none): the controller also keeps this call's form,
+    all of it but its call id and buffer ids, as the client's form ``keep``
+    (replacing the one kept under that number), for ``CallAgain``."""
     call_id: int
     program: str
     mesh_shape: list[int]
@@ -280,6 +283,22 @@ class Call(Record):
     devices: list[int]       # global device ids, mesh positions in row-major order
     inputs: list[CallInput]
     outputs: list[CallOutput]
+    keep: int = 0
+
+
+# the call forms a client may have kept at once (Call.keep: 1 to this)
+MAX_CALL_FORMS = 256
+
+
+@message(67)
+class CallAgain(Record):
+    """Client -> controller: a ``Call`` of the client's kept form ``form``
+    (``Call.keep``) with this call id and these buffers, position for position
+    (as many as the form has inputs and outputs)."""
+    call_id: int
+    form: int
+    inputs: list[int]
+    outputs: list[int]
 
 
 
