@@ -208,3 +208,22 @@ def test_a_form_of_a_traced_function_that_is_gone_is_not_used_for_another():
     c._forms[(id(g), key[1])] = c._forms.pop(key)       # as if g had f's id
     made = c.call(g)
     assert type(made) is m.Call and made.keep == 1
+
+
+def test_a_form_of_more_than_max_form_buffers_is_neither_kept_nor_asked_for(make_rig):
+    rig = make_rig()
+    a, _ = rig.client("a")
+    call, out = rig.call(a, 0)
+    many = [m.CallOutput(rig.new_id(a), o.aval, o.spec) for o in call.outputs * m.MAX_FORM_BUFFERS]
+    rig.handle(a, dataclasses.replace(call, outputs=many, keep=1))
+    (failed,) = _errors(rig, a)
+    assert failed.error.kind == ErrorKind.BAD_REQUEST and "cannot keep its form (at most 256)" in failed.error.message
+    assert not rig.c.peers[a].forms and not rig.executes()
+    c = _Posting()
+    f = _Traced()
+    seen: list = []
+    for _ in range(2):        # the client sends such a call whole, keeping nothing
+        made = Client.post_call(c, f, (False,), 7, [1], list(range(m.MAX_FORM_BUFFERS)),
+                                lambda keep: seen.append(keep) or m.Call(7, "d", [1], ["i"], [0], [], [], keep))
+        assert type(made) is m.Call and made.keep == 0
+    assert seen == [0, 0] and not c._forms

@@ -196,7 +196,12 @@ class Client:
         which inputs are values put for the call): a ``CallAgain`` of the form
         the controller keeps for them, else the ``Call`` that ``make(keep)``
         makes, which has the form kept as number ``keep`` (the least recently
-        used number once MAX_CALL_FORMS are kept). Returns the message posted."""
+        used number once MAX_CALL_FORMS are kept; none for a call of more than
+        MAX_FORM_BUFFERS inputs and outputs). Returns the message posted."""
+        if len(inputs) + len(outputs) > m.MAX_FORM_BUFFERS:
+            msg = make(0)
+            self.post(msg)
+            return msg
         key = (id(traced), puts)
         # (under the lock: a number's new form is posted after every call of its old one)
         with self._forms_lock:

@@ -187,11 +187,13 @@ class ControllerCore(Peers, FastCalls, Admission, Dispatch, Fusion, Failures, Re
 
     def _keep_form(self, ident: bytes, peer: Peer, call: m.Call) -> bool:
         """Keep ``call``'s form as the client's form ``call.keep``; False (the
-        call failed) for a number out of range."""
-        if not 0 < call.keep <= m.MAX_CALL_FORMS:
-            self._fail_call(ident, peer.id, call, m.ErrorInfo(
-                ErrorKind.BAD_REQUEST, f"Call.keep must be 0 to {m.MAX_CALL_FORMS}, not {call.keep}",
-                None, "", ""))
+        call failed) for a number out of range or a form too large to keep."""
+        why = f"Call.keep must be 0 to {m.MAX_CALL_FORMS}, not {call.keep}" \
+            if not 0 < call.keep <= m.MAX_CALL_FORMS else \
+            f"a call with {len(call.inputs) + len(call.outputs)} inputs and outputs cannot keep its form " \
+            f"(at most {m.MAX_FORM_BUFFERS})" if len(call.inputs) + len(call.outputs) > m.MAX_FORM_BUFFERS else ""
+        if why:
+            self._fail_call(ident, peer.id, call, m.ErrorInfo(ErrorKind.BAD_REQUEST, why, None, "", ""))
             return False
         peer.forms[call.keep] = call
         return True

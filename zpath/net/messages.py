@@ -286,8 +286,11 @@ class Call(Record):
     keep: int = 0
 
 
-# the call forms a client may have kept at once (Call.keep: 1 to this)
+# the call forms a client may have kept at once (Call.keep: 1 to this), and the
+# inputs and outputs one form may have in all (a kept form lives as long as its
+# client: at most 65,536 buffer entries per client)
 MAX_CALL_FORMS = 256
+MAX_FORM_BUFFERS = 256
 
 
 @message(67)
