@@ -444,6 +444,20 @@ def test_op_by_op_calls_waiting_together_go_to_a_host_in_few_batches_and_a_lone_
     sent.clear()
     ctl._recv_all()
     assert executes() == [outs(more[0] + more[1] + more[2])]
+    # calls of a kept form (CallAgain) alike, each on the timeline as a call
+    first = [dataclasses.replace(chain(1)[0], keep=1)]
+    inbox.append((a, first))
+    sent.clear()
+    ctl._recv_all()
+    assert executes() == [outs(first)]
+    again = [chain(2) for _ in range(3)]
+    inbox.extend((a, [m.CallAgain(c.call_id, 1, [c.inputs[0].buffer], [c.outputs[0].buffer]) for c in two])
+                 for two in again)
+    planned = len(rig.c.events)
+    sent.clear()
+    ctl._recv_all()
+    assert executes() == [outs(again[0] + again[1] + again[2])]
+    assert [(e[0], e[2]) for e in list(rig.c.events)[planned:]] == [("plan", "p")] * 6
     # a call alone is not held: it went when _recv_all returned
     lone = chain(1)
     inbox.append((a, lone))

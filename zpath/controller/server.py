@@ -333,7 +333,7 @@ class Controller:
                         if why:
                             self._emit(core.reject(now, ident, header.msg_id, why))
                             continue
-                    if kind is not m.Call and kind not in _FLUSH_AFTER:
+                    if kind is not m.Call and kind is not m.CallAgain and kind not in _FLUSH_AFTER:
                         self._emit(core.handle(now, ident, header.msg_id, msg, buffers))
                         continue
                     # a submission: its planning on the timeline
@@ -341,7 +341,7 @@ class Controller:
                     self._emit(core.handle(now, ident, header.msg_id, msg, buffers))
                     t1 = time.time()
                     self._plan_event(ident, msg, t0, t1)
-                    if kind is m.Call:        # sent, or held while more waits (see above)
+                    if kind is m.Call or kind is m.CallAgain:   # sent, or held while more waits (see above)
                         if not held:
                             since = t0
                         held += 1
@@ -360,8 +360,12 @@ class Controller:
 
     def _plan_event(self, ident: bytes, msg: Any, start: float, end: float) -> None:
         peer = self.core.peers.get(ident)
-        if type(msg) is m.Call:           # (the usual one: before the match's class patterns)
+        kind = type(msg)
+        if kind is m.Call:                # (the usual ones: before the match's class patterns)
             name = self.core.program_name(msg.program)
+        elif kind is m.CallAgain:         # (its kept form's program; none: it failed)
+            form = peer.forms.get(msg.form) if peer is not None else None
+            name = self.core.program_name(form.program) if form is not None else f"call form {msg.form}"
         else:
             match msg:
                 case m.Program():
