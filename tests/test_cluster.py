@@ -617,6 +617,37 @@ def test_a_worker_stopped_while_registering_exits_cleanly():
         ctx.term()
 
 
+def test_a_port_to_listen_on_later_is_free_and_below_the_range_of_outgoing_connections(monkeypatch):
+    """listen_port: free, below ip_local_port_range (no connection made
+    meanwhile is given it), at random; a taken one is passed over; with no
+    room below that range, any free port."""
+    import random
+
+    low = launcher._outgoing_ports_low()
+    ports = {launcher.listen_port("127.0.0.1") for _ in range(20)}
+    assert len(ports) > 1 and all(launcher.LISTEN_PORT_MIN <= p < low for p in ports)
+    for p in ports:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", p))       # (free: nothing was left bound)
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    first = taken.getsockname()[1]
+    second = launcher.free_port("127.0.0.1")
+    picks = iter([first, second])
+
+    class Rng(random.Random):
+        def randrange(self, a, b):
+            return next(picks)
+
+    try:
+        monkeypatch.setattr(launcher, "_outgoing_ports_low", lambda: 65536)
+        assert launcher.listen_port("127.0.0.1", Rng()) == second
+    finally:
+        taken.close()
+    monkeypatch.setattr(launcher, "_outgoing_ports_low", lambda: launcher.LISTEN_PORT_MIN)
+    assert launcher.listen_port("127.0.0.1") > 0
+
+
 def test_a_controller_port_taken_before_it_listens_is_chosen_again(monkeypatch):
     """The launcher starts the workers while the controller starts, at a port
     free when chosen; if another process takes it first, the launch starts

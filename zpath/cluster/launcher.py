@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 import shutil
 import signal
 import socket
@@ -55,6 +56,41 @@ def free_port(host: str) -> int:
         return s.getsockname()[1]
 
 
+# listen_port's ports: at random from here to the kernel's range for outgoing
+# connections, this many tries
+LISTEN_PORT_MIN = 20_000
+LISTEN_PORT_TRIES = 50
+
+
+def _outgoing_ports_low() -> int:
+    """The lowest port the kernel gives an outgoing connection (Linux's
+    ip_local_port_range; 32768 where it cannot be read)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def listen_port(host: str, rng: random.Random | None = None) -> int:
+    """A TCP port free now, for a process started later to listen on. A port
+    the OS picks (``free_port``) comes from the range it also gives outgoing
+    connections, so any connection made meanwhile on this machine (another
+    cluster's, a test's) may take it first; this one is below that range,
+    tried at random, free when checked (any free port where none is found)."""
+    rng = rng or random
+    low = _outgoing_ports_low()
+    for _ in range(LISTEN_PORT_TRIES if low > LISTEN_PORT_MIN else 0):
+        port = rng.randrange(LISTEN_PORT_MIN, low)
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+        return port
+    return free_port(host)
+
+
 # tries of a launch whose controller port, free when chosen, was taken before the controller listened
 BIND_ATTEMPTS = 3
 
@@ -63,7 +99,7 @@ def _free_port_or_zero(host: str) -> int:
     """A port free now on ``host``, or 0 where none can be found that way (the
     controller then picks one, and the workers start once it listens)."""
     try:
-        return free_port(host)
+        return listen_port(host)
     except OSError:
         return 0
 
@@ -350,7 +386,7 @@ class LocalCluster(ClusterLauncher):
         for island in range(self.islands):
             runtime: list[str] = []
             if self.hosts_per_island > 1:   # the island's hosts share one JAX runtime
-                runtime = ["--coordinator", f"{self.bind_host}:{free_port(self.bind_host)}",
+                runtime = ["--coordinator", f"{self.bind_host}:{listen_port(self.bind_host)}",
                            "--num-processes", str(self.hosts_per_island)]
             for h in range(self.hosts_per_island):
                 # ranks in island and host order, whatever order they register in
