@@ -60,6 +60,9 @@ def free_port(host: str) -> int:
 # connections, this many tries
 LISTEN_PORT_MIN = 20_000
 LISTEN_PORT_TRIES = 50
+# (its own generator: a caller that seeds the random module's does not make two
+# processes pick the same ports)
+_PORTS = random.Random()
 
 
 def _outgoing_ports_low() -> int:
@@ -78,7 +81,7 @@ def listen_port(host: str, rng: random.Random | None = None) -> int:
     connections, so any connection made meanwhile on this machine (another
     cluster's, a test's) may take it first; this one is below that range,
     tried at random, free when checked (any free port where none is found)."""
-    rng = rng or random
+    rng = rng or _PORTS
     low = _outgoing_ports_low()
     for _ in range(LISTEN_PORT_TRIES if low > LISTEN_PORT_MIN else 0):
         port = rng.randrange(LISTEN_PORT_MIN, low)
