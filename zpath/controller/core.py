@@ -153,30 +153,29 @@ class ControllerCore(Peers, FastCalls, Admission, Dispatch, Fusion, Failures, Re
             except Exception:  # a handler bug must not take the controller down
                 log.exception("error handling %s from host %d", kind.__name__, peer.id)
             return self._take()
-        if kind is m.CallAgain or kind is m.Call:
+        if (kind is m.Call or kind is m.CallAgain or kind is m.Release) and peer is not None \
+                and peer.role == "client":
             # a call of a kept form made whole, and a form kept, as they come
-            # (what waits behind a paused submission is kept made)
-            if peer is not None and peer.role == "client":
-                if kind is m.CallAgain:
-                    msg = self._call_again(ident, peer, msg)
-                    if msg is None:
-                        return self._take()
-                    kind = m.Call
-                elif msg.keep and not self._keep_form(ident, peer, msg):
+            # (what waits behind a paused submission waits made)
+            if kind is m.CallAgain:
+                msg = self._call_again(ident, peer, msg)
+                if msg is None:
                     return self._take()
-        if (kind is m.Call or kind is m.Release) and peer is not None and peer.role == "client" \
-                and not self._paused and ident not in self.deferred_msgs:
-            # a client's most frequent messages, nothing of its own paused
-            # nor waiting: straight to them (as ``_handle`` does)
-            peer.last_seen = now
-            try:
-                if kind is m.Call:
-                    self._call(ident, peer, msg)
-                else:
-                    self._release(msg.buffers, peer.id)
-            except Exception:  # a handler bug must not take the controller down
-                self._handling_failed(ident, parent, msg)
-            return self._take()
+                kind = m.Call
+            elif kind is m.Call and msg.keep and not self._keep_form(ident, peer, msg):
+                return self._take()
+            if not self._paused and ident not in self.deferred_msgs:
+                # a client's most frequent messages, nothing of its own paused
+                # nor waiting: straight to them (as ``_handle`` does)
+                peer.last_seen = now
+                try:
+                    if kind is m.Call:
+                        self._call(ident, peer, msg)
+                    else:
+                        self._release(msg.buffers, peer.id)
+                except Exception:  # a handler bug must not take the controller down
+                    self._handling_failed(ident, parent, msg)
+                return self._take()
         if peer is not None and peer.role == "client" and type(msg) not in _NOT_DEFERRED and \
                 (ident in self.deferred_msgs or self.paused_client(peer)):
             self.deferred_msgs.setdefault(ident, collections.deque()).append((parent, msg, buffers))
@@ -188,15 +187,16 @@ class ControllerCore(Peers, FastCalls, Admission, Dispatch, Fusion, Failures, Re
     def _keep_form(self, ident: bytes, peer: Peer, call: m.Call) -> bool:
         """Keep ``call``'s form as the client's form ``call.keep``; False (the
         call failed) for a number out of range or a form too large to keep."""
-        why = f"Call.keep must be 0 to {m.MAX_CALL_FORMS}, not {call.keep}" \
-            if not 0 < call.keep <= m.MAX_CALL_FORMS else \
-            f"a call with {len(call.inputs) + len(call.outputs)} inputs and outputs cannot keep its form " \
-            f"(at most {m.MAX_FORM_BUFFERS})" if len(call.inputs) + len(call.outputs) > m.MAX_FORM_BUFFERS else ""
-        if why:
-            self._fail_call(ident, peer.id, call, m.ErrorInfo(ErrorKind.BAD_REQUEST, why, None, "", ""))
-            return False
-        peer.forms[call.keep] = call
-        return True
+        n = len(call.inputs) + len(call.outputs)
+        if not 0 < call.keep <= m.MAX_CALL_FORMS:
+            why = f"Call.keep must be 0 to {m.MAX_CALL_FORMS}, not {call.keep}"
+        elif n > m.MAX_FORM_BUFFERS:
+            why = f"a call with {n} inputs and outputs cannot keep its form (at most {m.MAX_FORM_BUFFERS})"
+        else:
+            peer.forms[call.keep] = call
+            return True
+        self._fail_call(ident, peer.id, call, m.ErrorInfo(ErrorKind.BAD_REQUEST, why, None, "", ""))
+        return False
 
     def _call_again(self, ident: bytes, peer: Peer, again: m.CallAgain) -> m.Call | None:
         """The ``Call`` a ``CallAgain`` names: its kept form with its call id

@@ -25,7 +25,7 @@ class Peer:
     # a client's: what checks its messages (its session key, as its own id only)
     keys: Callable[[int], bytes | None] | None = None
     # a client's call forms kept for CallAgain (Call.keep): number -> the Call
-    forms: dict[int, Any] = dataclasses.field(default_factory=dict)
+    forms: dict[int, m.Call] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(slots=True)
