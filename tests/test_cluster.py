@@ -322,12 +322,19 @@ def test_a_second_process_of_the_user_connects_without_a_key(cluster, tmp_path):
 
 def test_init_and_shutdown_leave_no_process(tmp_path):
     cache = tmp_path / "compile-cache"
+    preallocate = os.environ.get("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     conn = zp.init(islands=1, hosts_per_island=2, devices_per_host=1,
                    env={"ZPATH_COMPILE_CACHE": str(cache)})
     pids = conn.local.pids
     conn_file = conn.local.connection_file
     try:
         assert len(pids) == 3 and all(psutil.pid_exists(p) for p in pids)
+        # they share this machine's GPUs: memory as needed, unless told otherwise
+        workers = [p for p in pids if "zpath.worker" in psutil.Process(p).cmdline()]
+        assert len(workers) == 2
+        assert all(psutil.Process(p).environ().get("XLA_PYTHON_CLIENT_PREALLOCATE") == preallocate
+                   for p in workers)
+        assert os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] == preallocate
         # how another process of this user finds it (tests/test_connfile.py)
         assert os.path.dirname(conn_file) == connfile.runtime_dir(ClusterConfig.from_env().runtime_dir)
         assert stat.S_IMODE(os.stat(conn_file).st_mode) == 0o600
@@ -615,6 +622,19 @@ def test_a_worker_stopped_while_registering_exits_cleanly():
         p.stderr.close()
         silent.close(0)
         ctx.term()
+
+
+def test_local_workers_allocate_gpu_memory_as_needed_unless_told_otherwise():
+    """A local cluster's workers share the machine's GPUs: JAX's default (75%
+    of a GPU's memory taken by each process at its start) would leave the
+    second none, so they allocate as needed, unless the environment says."""
+    env = launcher.local_worker_env({"XLA_FLAGS": "--xla_cpu_use_thunk_runtime=true "
+                                     "--xla_force_host_platform_device_count=8"}, 2)
+    assert env["XLA_PYTHON_CLIENT_PREALLOCATE"] == "false"
+    assert env["XLA_FLAGS"] == "--xla_cpu_use_thunk_runtime=true --xla_force_host_platform_device_count=2"
+    env = launcher.local_worker_env({"XLA_PYTHON_CLIENT_PREALLOCATE": "true", "A": "b"}, 1)
+    assert env == {"XLA_PYTHON_CLIENT_PREALLOCATE": "true", "A": "b",
+                   "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
 
 
 def test_a_port_to_listen_on_later_is_free_and_below_the_range_of_outgoing_connections(monkeypatch):

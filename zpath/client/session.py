@@ -14,7 +14,7 @@ from zpath.client import trace as trace_file
 from zpath.client.api import _current, current_client, whole_number
 from zpath.client.connection import Client
 from zpath.cluster import connfile
-from zpath.cluster.launcher import LocalCluster, default_shape
+from zpath.cluster.launcher import SHARED_GPU_ENV, LocalCluster, default_shape
 from zpath.config import ClientConfig, ClusterConfig, CommonConfig
 from zpath.errors import ZpathError
 from zpath.keys import parse_key
@@ -87,6 +87,10 @@ def init(islands: int | None = None, hosts_per_island: int | None = None,
         if v is not None:
             whole_number(k, v, 1)
             shape[k] = v
+    # this process shares the machine's GPUs with the cluster's workers (where
+    # JAX has not taken its share of one yet: see launcher.SHARED_GPU_ENV)
+    for name, value in SHARED_GPU_ENV.items():
+        os.environ.setdefault(name, value)
     local = LocalCluster(**shape, config=cluster_config, **kwargs)
     try:
         served = start_proxy(local, ifrt_proxy) if ifrt_proxy is not None else None

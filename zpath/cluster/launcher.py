@@ -120,6 +120,21 @@ def worker_xla_flags(env: dict[str, str], devices: int) -> str:
     return " ".join(flags + [f"--xla_force_host_platform_device_count={devices}"])
 
 
+# JAX takes this share of a GPU's memory when a process first uses it (its
+# default): the processes of a local cluster share the machine's GPUs, and the
+# second to start would find none left. Unless the environment says otherwise,
+# a local cluster's processes allocate GPU memory as they need it instead.
+SHARED_GPU_ENV = {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
+
+
+def local_worker_env(env: dict[str, str], devices: int) -> dict[str, str]:
+    """The environment of a local cluster's workers: ``env`` with the emulated
+    device count set (``worker_xla_flags``) and, where ``env`` does not set it,
+    GPU memory allocated as needed (``SHARED_GPU_ENV``: the workers share the
+    machine's GPUs)."""
+    return {**SHARED_GPU_ENV, **env, "XLA_FLAGS": worker_xla_flags(env, devices)}
+
+
 def dcn_flags(dcn_latency_ms: float, dcn_gbps: float, dcn_encrypt: bool) -> list[str]:
     """The ``zpath worker`` flags of an emulated DCN; checks the values."""
     if dcn_latency_ms < 0 or dcn_gbps < 0:
@@ -371,7 +386,7 @@ class LocalCluster(ClusterLauncher):
         self.dcn_flags = dcn_flags(dcn_latency_ms, dcn_gbps, dcn_encrypt)
         super().__init__(log_dir=log_dir, env=env, policy=policy, config=config)
         self.bind_host = bind_host
-        self._worker_env = dict(self._env, XLA_FLAGS=worker_xla_flags(self._env, devices_per_host))
+        self._worker_env = local_worker_env(self._env, devices_per_host)
         self._launch(bind_host, self.config.start_timeout_s if start_timeout is None else start_timeout,
                      controller_port)
 
