@@ -120,10 +120,10 @@ def worker_xla_flags(env: dict[str, str], devices: int) -> str:
     return " ".join(flags + [f"--xla_force_host_platform_device_count={devices}"])
 
 
-# JAX takes this share of a GPU's memory when a process first uses it (its
-# default): the processes of a local cluster share the machine's GPUs, and the
-# second to start would find none left. Unless the environment says otherwise,
-# a local cluster's processes allocate GPU memory as they need it instead.
+# By default JAX takes 75% of a GPU's memory in each process when it first uses
+# the GPU: the processes of a local cluster share the machine's GPUs, and the
+# second would find none left. Unless the environment says otherwise, a local
+# cluster's processes allocate GPU memory as they need it instead.
 SHARED_GPU_ENV = {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
 
 
