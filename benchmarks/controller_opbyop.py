@@ -23,17 +23,20 @@ figures, not a test.
 
     python benchmarks/controller_opbyop.py [--seconds 4] [--repeats 3] [--exec-us 1200] [--hold]
                                            [--core-calls 2000] [--json out.json]
-    python benchmarks/controller_opbyop.py --count 40
+    python benchmarks/controller_opbyop.py --count 40 [--without window]
 
 With ``--count N`` it only counts the Python bytecodes a ``ControllerCore``
 runs per call on -O traffic as ``island_dispatch.py`` makes it (chains of 500
 calls posted ahead of two hosts, on a fake clock: deterministic, no
 processes; see ``core_chained``) and prints the N costliest functions.
+``--without PART`` (repeatable) counts the core with a part taken out for the
+count only (``WITHOUT``): a bound on what making it cheaper could save.
 """
 from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import hashlib
 import heapq
 import itertools
@@ -45,7 +48,7 @@ import sys
 import tempfile
 import threading
 import time
-from typing import Any
+from typing import Any, Iterator
 
 import psutil
 import zmq
@@ -407,6 +410,47 @@ def core_chained(chains: int = 8, chain: int = 500, exec_s: float = 0.0012, post
     return counted, core.fast_planned - planned, by_code
 
 
+# what ``--count --without PART`` takes out of the core for the count only (not
+# designs: a bound on what making that part cheaper could save)
+WITHOUT = {
+    "window": "the tenant scheduler's window never full and its checks not made "
+              "(can_send_now yes, low no): no call parks",
+    "window-full": "the window's checks made, but never full: no call parks",
+    "scheduler": "no tenant scheduler at all: no window, no accounting (sent, finished, host_done)",
+    "timeline": "no timeline rows",
+}
+
+
+@contextlib.contextmanager
+def without(parts: list[str]) -> Iterator[None]:
+    """The core with ``parts`` (keys of WITHOUT) replaced, for a count."""
+    from zpath.controller import records, scheduler
+    T, L = scheduler.TenantScheduler, records.Timeline
+    saved = [(cls, name, cls.__dict__[name]) for cls, name in (
+        (T, "can_send_now"), (T, "low"), (T, "sent"), (T, "finished"), (T, "host_done"), (T, "hosts_done"),
+        (L, "append"), (L, "add_run"))]
+    checks, low = T.can_send_now, T.low
+    try:
+        if "window" in parts or "scheduler" in parts:
+            T.can_send_now = lambda self, ready: True
+            T.low = lambda self, devices, island=None: False
+        elif "window-full" in parts:
+            T.can_send_now = lambda self, ready: checks(self, ready) or True
+            T.low = lambda self, devices, island=None: low(self, devices, island) and False
+        if "scheduler" in parts:
+            T.sent = lambda self, ticket, ready: None
+            T.finished = lambda self, ticket: None
+            T.host_done = lambda self, ticket, seconds, devices: None
+            T.hosts_done = lambda self, ticket, device_seconds, longest: None
+        if "timeline" in parts:
+            L.append = lambda self, row: None
+            L.add_run = lambda self, *row: None
+        yield
+    finally:
+        for cls, name, f in saved:
+            setattr(cls, name, f)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seconds", type=float, default=4.0, help="length of each timed run (default 4)")
@@ -425,12 +469,19 @@ def main(argv: list[str] | None = None) -> int:
                    help="only count the core's Python bytecodes per call on chained -O traffic posted "
                         "ahead of the hosts (deterministic, no processes), and print the N costliest "
                         "functions")
+    p.add_argument("--without", action="append", choices=sorted(WITHOUT), default=[], metavar="PART",
+                   help="with --count: count the core with this part taken out, for the count only "
+                        "(repeatable): " + "; ".join(f"{k}: {v}" for k, v in WITHOUT.items()))
     args = p.parse_args(argv)
+    if args.without and args.count is None:
+        p.error("--without only goes with --count")
     if args.count is not None:
-        calls, planned, by_code = core_chained()
+        with without(args.without):
+            calls, planned, by_code = core_chained()
         per_call = sum(by_code.values()) / calls
         print(f"the core per chained -O call: {per_call:,.0f} Python bytecodes ({planned} of {calls} calls "
-              f"planned on the fast path and parked)")
+              f"planned on the fast path and parked)"
+              + "".join(f"\n  without: {WITHOUT[k]}" for k in args.without))
         for name, n in by_code.most_common(args.count):
             print(f"{n / calls:9.1f}  {name}")
         if args.json:

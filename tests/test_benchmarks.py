@@ -132,3 +132,28 @@ def test_controller_opbyop_counts_the_cores_bytecodes_on_chained_calls():
     assert calls == 300 and parked > 100
     assert sum(by_code.values()) > 1000 * calls
     assert by_code["FastCalls._fast_call"] > 0 and by_code["TenantScheduler.sent"] > 0
+
+
+def test_controller_opbyop_counts_the_core_without_a_part_and_puts_it_back():
+    """``--count --without``: with the window never full no call parks and the
+    count falls; without the tenant scheduler its accounting is not counted;
+    the classes are as they were afterwards."""
+    from zpath.controller import records, scheduler
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "controller_opbyop.py"
+    spec = importlib.util.spec_from_file_location("controller_opbyop", script)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    before = {name: scheduler.TenantScheduler.__dict__[name] for name in ("can_send_now", "low", "sent")}
+    append = records.Timeline.__dict__["append"]
+    calls, parked, whole = mod.core_chained(chains=3, chain=150, counted_from=1)
+    with mod.without(["window-full"]):
+        _, parked_full, full = mod.core_chained(chains=3, chain=150, counted_from=1)
+    with mod.without(["scheduler", "timeline"]):
+        _, _, bare = mod.core_chained(chains=3, chain=150, counted_from=1)
+    assert parked > 100 and parked_full == 0
+    assert sum(bare.values()) < sum(full.values()) < sum(whole.values())
+    assert full["TenantScheduler._fits"] > 0 and "TenantScheduler.sent" not in bare
+    assert "Timeline.append" not in bare
+    assert {name: scheduler.TenantScheduler.__dict__[name] for name in before} == before
+    assert records.Timeline.__dict__["append"] is append
