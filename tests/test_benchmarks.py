@@ -157,3 +157,19 @@ def test_controller_opbyop_counts_the_core_without_a_part_and_puts_it_back():
     assert "Timeline.append" not in bare
     assert {name: scheduler.TenantScheduler.__dict__[name] for name in before} == before
     assert records.Timeline.__dict__["append"] is append
+
+
+def test_dispatch_latency_benchmark_times_calls_to_their_start(tmp_path):
+    """A few busy-caller calls and chained runs on a local cluster: each
+    computation is found on the timeline after its call (the script raises
+    if not), and the figures come out in order."""
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "dispatch_latency.py"
+    p = run_script([str(script), "--count", "3", "--busy-ms", "2", "--gap-ms", "2", "--bursts", "2",
+                    "--chain", "20", "--json", str(tmp_path / "out.json")], timeout=180)
+    assert p.returncode == 0, p.stdout + p.stderr[-3000:]
+    r = json.loads((tmp_path / "out.json").read_text())
+    assert "chain of 20: first start" in p.stdout
+    for key in ("busy_caller_us", "burst_first_start_us", "burst_run_ms"):
+        q = r[key]
+        assert 0 < q["p10"] <= q["median"] <= q["p90"], r
+    assert r["busy_caller_us"]["n"] == 3 and r["burst_first_start_us"]["n"] == 2

@@ -20,6 +20,7 @@ from zpath.cluster import connfile
 from zpath.cluster import launcher
 from zpath.cluster.launcher import LocalCluster, SimulatedCluster, free_port
 from zpath.config import ClusterConfig
+from zpath.net import transport
 from zpath.cluster.testing import connected, wait_until
 from tests.conftest import assert_gone
 from tests.test_channels import channel_stats
@@ -63,12 +64,25 @@ def test_figure2_across_two_islands(client):
     np.testing.assert_array_equal(np.asarray(z), [2., 4.])
 
 
-def test_chain_of_100_calls(client):
+def test_chain_of_100_calls(client, monkeypatch):
     inc = zp.pmap(lambda x: x + 1., devices=devices(2))
     x = np.zeros((2, 3))
-    for _ in range(100):
-        x = inc(x)
-    np.testing.assert_array_equal(np.asarray(x), np.full((2, 3), 100.))
+    hurried = []
+    hurry = transport._hurry
+    monkeypatch.setattr(transport, "_hurry", lambda: hurried.append(hurry()) or hurried[-1])
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(0.005)
+    try:
+        time.sleep(2 * transport.HURRY_IDLE_S)    # (the client's I/O thread idle before the burst)
+        for _ in range(100):
+            x = inc(x)
+        np.testing.assert_array_equal(np.asarray(x), np.full((2, 3), 100.))
+        # the I/O thread was hurried for the first call (transport.HURRY_SWITCH_S),
+        # and sets the interval back once it has sent what waited
+        assert True in hurried
+        wait_until(lambda: sys.getswitchinterval() == 0.005, timeout=10, what="the switch interval set back")
+    finally:
+        sys.setswitchinterval(before)
 
 
 def test_chain_alternating_hosts(client):

@@ -519,3 +519,79 @@ def test_send_batch_uses_bodies_packed_beforehand(pair):
         _, header, out, buffers = b.recv(dealer)
         got += [x for _, x, _ in transport.unbatched(header, out, buffers)]
     assert got == [m.ExecDone(9, None, 1.5, 2.5), m.ExecDone(9, None, 1.5, 2.5), m.Ping(1)]
+
+
+@pytest.fixture
+def switch_interval():
+    """The process's GIL switch interval, put back after the test."""
+    import sys
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(0.005)
+    yield sys
+    sys.setswitchinterval(before)
+
+
+def test_hurried_outbox_shortens_the_switch_interval_until_its_items_are_sent(clocked_box, switch_interval):
+    """An item that comes after the consumer has been idle gets the GIL handed
+    to the consumer quickly (a short switch interval) until the consumer says
+    it sent what it drained; items put while it waits, or in a burst right
+    after a send, do not shorten it again (they go as one batch)."""
+    sys = switch_interval
+    clock, plain = clocked_box
+    box = Outbox(hurry=True)
+    try:
+        box.put("ctl", None, "a", (), 0)
+        assert sys.getswitchinterval() == pytest.approx(transport.HURRY_SWITCH_S)
+        box.put("ctl", None, "b", (), 0)                  # (waits with it)
+        assert [x[2] for x in box.drain()] == ["a", "b"]
+        assert sys.getswitchinterval() == pytest.approx(transport.HURRY_SWITCH_S)   # (sending still)
+        box.put("ctl", None, "c", (), 0)                  # put while the consumer sends
+        box.sent()
+        assert sys.getswitchinterval() == 0.005           # set back: "c" waits for the next batch
+        box.drain()
+        box.sent()
+        clock[0] += transport.HURRY_IDLE_S / 2            # a burst: right after a send
+        box.put("ctl", None, "d", (), 0)
+        assert sys.getswitchinterval() == 0.005
+        box.drain()
+        box.sent()
+        clock[0] += 2 * transport.HURRY_IDLE_S            # idle again
+        box.put("ctl", None, "e", (), 0)
+        assert sys.getswitchinterval() == pytest.approx(transport.HURRY_SWITCH_S)
+        plain.put("ctl", None, "x", (), 0)                # an outbox without hurry changes nothing
+        assert plain.drain() and sys.getswitchinterval() == pytest.approx(transport.HURRY_SWITCH_S)
+        box.drain()
+        box.sent()
+        assert sys.getswitchinterval() == 0.005
+        plain.put("ctl", None, "y", (), 0)
+        assert sys.getswitchinterval() == 0.005
+    finally:
+        box.close()
+
+
+def test_hurried_outbox_keeps_an_interval_someone_else_set(clocked_box, switch_interval):
+    """An interval the program set meanwhile stays, and so does one already
+    shorter than the hurry's; closing with items unsent sets it back."""
+    sys = switch_interval
+    clock, _ = clocked_box
+    box = Outbox(hurry=True)
+    try:
+        box.put("ctl", None, "a", (), 0)
+        sys.setswitchinterval(0.002)           # the program's own, while "a" waits
+        box.drain()
+        box.sent()
+        assert sys.getswitchinterval() == 0.002
+        sys.setswitchinterval(0.0001)          # already shorter: left as it is
+        clock[0] += 1
+        box.put("ctl", None, "b", (), 0)
+        assert sys.getswitchinterval() == pytest.approx(0.0001)
+        box.drain()
+        box.sent()
+        assert sys.getswitchinterval() == pytest.approx(0.0001)
+        sys.setswitchinterval(0.005)
+        clock[0] += 1
+        box.put("ctl", None, "c", (), 0)
+        assert sys.getswitchinterval() == pytest.approx(transport.HURRY_SWITCH_S)
+    finally:
+        box.close()
+    assert sys.getswitchinterval() == 0.005    # closed with "c" unsent: set back

@@ -121,7 +121,8 @@ class Client:
         self._forms: collections.OrderedDict[tuple, tuple[Any, int]] = collections.OrderedDict()
         self._forms_lock = threading.Lock()
         self.programs: set[str] = set()
-        self.outbox = Outbox()
+        # (hurry: the caller's thread goes on running Python after a call)
+        self.outbox = Outbox(hurry=True)
         self._pending: dict[int, concurrent.futures.Future] = {}
         self._fetches: dict[int, _Fetch] = {}
         self._locates: dict[int, _Fetch] = {}         # Locate msg_id -> fetch that waits for it
@@ -347,6 +348,7 @@ class Client:
             for sock, _ in self._poller.poll(timeout=500):
                 if sock == self.outbox.fd:
                     stop = self._flush()
+                    self.outbox.sent()
                 elif not sock.closed:       # (a HostDown just before may have closed it)
                     self._recv(sock)
             now = time.monotonic()

@@ -11,6 +11,7 @@ import itertools
 import logging
 import os
 import random
+import sys
 import threading
 import time
 from typing import Any, Sequence
@@ -331,6 +332,40 @@ LOG_RATE, LOG_BURST = 5.0, 20.0
 
 DUE_SLACK_S = 0.0005
 
+# The GIL while an item waits in an Outbox. The thread that puts it usually
+# goes on running Python (a client's caller makes its next call, or prepares
+# its next step); the I/O thread, woken by the pipe, must take the GIL to send
+# the item, and CPython makes a waiting thread wait a whole switch interval (5
+# ms by default) before it asks the running one to let go. So an Outbox made
+# with ``hurry`` sets the process's switch interval to HURRY_SWITCH_S when an
+# item comes after its consumer has sent nothing for HURRY_IDLE_S, and sets it
+# back once the consumer has sent it (``Outbox.sent``), unless someone changed
+# it meanwhile. Only then: in a burst of puts the consumer takes the rest as
+# one batch, as before (docs/design.md, "Handing a message to the I/O thread").
+# No lock: a put may come from a finalizer, in the middle of any of this.
+HURRY_SWITCH_S = 0.0002
+HURRY_IDLE_S = 0.001
+# the interval a hurry replaced, to set back, and the one it set (as
+# sys.getswitchinterval reads it back: CPython keeps whole microseconds)
+_switch = [0.0, 0.0]
+
+
+def _hurry() -> bool:
+    """Shorten the switch interval (False: it is that short already)."""
+    now = sys.getswitchinterval()
+    if now <= HURRY_SWITCH_S or now == _switch[1]:
+        return False
+    sys.setswitchinterval(HURRY_SWITCH_S)
+    _switch[:] = now, sys.getswitchinterval()
+    return True
+
+
+def _unhurry() -> None:
+    """Set back the interval ``_hurry`` replaced, if it is still the one it
+    set (nobody changed it since)."""
+    if sys.getswitchinterval() == _switch[1]:
+        sys.setswitchinterval(_switch[0])
+
 
 class Outbox:
     """Thread-safe queue of outgoing messages, drained by the I/O thread.
@@ -340,7 +375,9 @@ class Outbox:
     comes first, so that several go out together. The I/O thread learns the
     deadline from ``held_timeout`` and drains when it is due."""
 
-    def __init__(self) -> None:
+    def __init__(self, hurry: bool = False) -> None:
+        """``hurry``: while items wait, shorten the GIL's switch interval (see
+        HURRY_SWITCH_S; the consumer then calls ``sent`` after each drain)."""
         self._items: collections.deque[tuple] = collections.deque()
         self._r, self._w = os.pipe()
         os.set_blocking(self._r, False)
@@ -348,6 +385,9 @@ class Outbox:
         # a byte is in the pipe (or about to be): set by put, cleared by drain
         # (a plain flag: under the GIL a race costs at most one extra byte)
         self._armed = False
+        self._hurry_on = hurry
+        self._hurried = False        # it shortened the switch interval (see HURRY_SWITCH_S)
+        self._last_sent = 0.0        # time.monotonic() of the consumer's last ``sent``
         self._closed = False
         self._hold_lock = threading.Lock()
         self._held: list[tuple] = []
@@ -365,6 +405,8 @@ class Outbox:
         self._items.append(item)
         if not self._armed:
             self._armed = True
+            if self._hurry_on and not self._hurried and time.monotonic() - self._last_sent >= HURRY_IDLE_S:
+                self._hurried = _hurry()      # (before the wake-up)
             try:
                 os.write(self._w, b"x")
             except BlockingIOError:
@@ -432,8 +474,21 @@ class Outbox:
             out.append(self._items.popleft())
         return out
 
+    def sent(self) -> None:
+        """The consumer has sent what it drained: the GIL's switch interval is
+        what it was again (see HURRY_SWITCH_S; not at the drain: a thread that
+        puts more while the consumer sends would take the GIL back and keep it
+        that long, and what it put waits for the next batch anyway)."""
+        self._last_sent = time.monotonic()
+        if self._hurried:
+            self._hurried = False
+            _unhurry()
+
     def close(self) -> None:
         self._closed = True
+        if self._hurried:
+            self._hurried = False
+            _unhurry()
         for fd in (self._r, self._w):
             try:
                 os.close(fd)
