@@ -595,3 +595,63 @@ def test_hurried_outbox_keeps_an_interval_someone_else_set(clocked_box, switch_i
     finally:
         box.close()
     assert sys.getswitchinterval() == 0.005    # closed with "c" unsent: set back
+
+
+def test_hurried_outbox_raced_by_a_second_producer_still_sets_the_interval_back(clocked_box, switch_interval,
+                                                                               monkeypatch):
+    """Two producers that both found the outbox unarmed and not hurried (a
+    caller and a finalizer's release): the one that shortens the interval
+    second finds it short already, and must not make the outbox forget that
+    the other shortened it."""
+    sys = switch_interval
+    clock, _ = clocked_box
+    box = Outbox(hurry=True)
+    hurry = transport._hurry
+    calls = []
+
+    def racing_hurry():
+        calls.append(1)
+        if len(calls) == 1:       # the first producer, about to shorten it: the second gets there first
+            box._armed = False    # (it checked the flags before the first set them)
+            box.put("rel", None, 1, (), 0)
+        return hurry()
+
+    monkeypatch.setattr(transport, "_hurry", racing_hurry)
+    try:
+        box.put("ctl", None, "a", (), 0)
+        assert len(calls) == 2 and sys.getswitchinterval() == pytest.approx(transport.HURRY_SWITCH_S)
+        box.drain()
+        box.sent()
+        assert sys.getswitchinterval() == 0.005
+    finally:
+        box.close()
+
+
+def test_hurried_outbox_sets_back_exactly_the_interval_it_read(clocked_box, switch_interval):
+    """CPython keeps whole microseconds and truncates: an interval such as
+    0.1 s must come back as it was read, not a microsecond less each time."""
+    sys = switch_interval
+    clock, _ = clocked_box
+    sys.setswitchinterval(0.1)
+    was = sys.getswitchinterval()
+    box = Outbox(hurry=True)
+    try:
+        for _ in range(3):
+            clock[0] += 1
+            box.put("ctl", None, "a", (), 0)
+            assert sys.getswitchinterval() == pytest.approx(transport.HURRY_SWITCH_S)
+            box.drain()
+            box.sent()
+            assert sys.getswitchinterval() == was
+    finally:
+        box.close()
+
+
+def test_a_put_after_close_is_dropped_without_touching_the_interval(clocked_box, switch_interval):
+    """A finalizer's release may come after the consumer closed the outbox:
+    it neither raises (the pipe is closed) nor shortens the interval for good."""
+    sys = switch_interval
+    box = Outbox(hurry=True)
+    box.close()
+    box.put("rel", None, 1, (), 0)
+    assert sys.getswitchinterval() == 0.005 and not box._items

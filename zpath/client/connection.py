@@ -344,24 +344,27 @@ class Client:
         self._poller.register(self.outbox.fd, zmq.POLLIN)
         stop = False
         last_ping = self._last_heard = time.monotonic()
-        while not stop:
-            for sock, _ in self._poller.poll(timeout=500):
-                if sock == self.outbox.fd:
-                    stop = self._flush()
-                    self.outbox.sent()
-                elif not sock.closed:       # (a HostDown just before may have closed it)
-                    self._recv(sock)
-            now = time.monotonic()
-            if now - last_ping >= HEARTBEAT_S and not stop and self._broken is None:
-                # the controller treats a client silent for long as gone (and
-                # answers, so its silence tells us the same)
-                self._send(self.ctl, m.Ping(0), (), 0)
-                last_ping = now
-            # a controller silent this long (it answers every heartbeat) is taken to be gone
-            if now - self._last_heard > self.config.controller_timeout_s and self._broken is None \
-                    and not stop:
-                self._break(f"no answer from the zpath controller at {self.address} for "
-                            f"{now - self._last_heard:.0f}s: it is gone or cannot be reached")
+        try:
+            while not stop:
+                for sock, _ in self._poller.poll(timeout=500):
+                    if sock == self.outbox.fd:
+                        stop = self._flush()
+                        self.outbox.sent()
+                    elif not sock.closed:       # (a HostDown just before may have closed it)
+                        self._recv(sock)
+                now = time.monotonic()
+                if now - last_ping >= HEARTBEAT_S and not stop and self._broken is None:
+                    # the controller treats a client silent for long as gone (and
+                    # answers, so its silence tells us the same)
+                    self._send(self.ctl, m.Ping(0), (), 0)
+                    last_ping = now
+                # a controller silent this long (it answers every heartbeat) is taken to be gone
+                if now - self._last_heard > self.config.controller_timeout_s and self._broken is None \
+                        and not stop:
+                    self._break(f"no answer from the zpath controller at {self.address} for "
+                                f"{now - self._last_heard:.0f}s: it is gone or cannot be reached")
+        finally:     # (should this thread fail: the GIL's switch interval set back)
+            self.outbox.sent()
         for s in [self.ctl, *self._data.values()]:
             s.close(linger=200)
         self.ctx.term()

@@ -339,7 +339,7 @@ DUE_SLACK_S = 0.0005
 # ms by default) before it asks the running one to let go. So an Outbox made
 # with ``hurry`` sets the process's switch interval to HURRY_SWITCH_S when an
 # item comes after its consumer has sent nothing for HURRY_IDLE_S, and sets it
-# back once the consumer has sent it (``Outbox.sent``), unless someone changed
+# back once the consumer has sent it (``Outbox.sent``; or closes), unless someone changed
 # it meanwhile. Only then: in a burst of puts the consumer takes the rest as
 # one batch, as before (docs/design.md, "Handing a message to the I/O thread").
 # No lock: a put may come from a finalizer, in the middle of any of this.
@@ -355,16 +355,21 @@ def _hurry() -> bool:
     now = sys.getswitchinterval()
     if now <= HURRY_SWITCH_S or now == _switch[1]:
         return False
-    sys.setswitchinterval(HURRY_SWITCH_S)
+    sys.setswitchinterval(HURRY_SWITCH_S + 5e-7)
     _switch[:] = now, sys.getswitchinterval()
     return True
 
 
 def _unhurry() -> None:
     """Set back the interval ``_hurry`` replaced, if it is still the one it
-    set (nobody changed it since)."""
+    set (nobody changed it since). (CPython truncates to whole microseconds:
+    half a microsecond more sets back exactly the value read.)"""
     if sys.getswitchinterval() == _switch[1]:
-        sys.setswitchinterval(_switch[0])
+        sys.setswitchinterval(_switch[0] + 5e-7)
+
+
+if hasattr(os, "register_at_fork"):     # a child forked during a hurry starts with the interval set back
+    os.register_at_fork(after_in_child=_unhurry)
 
 
 class Outbox:
@@ -402,14 +407,22 @@ class Outbox:
         return self._r
 
     def put(self, *item: Any) -> None:
+        if self._closed:        # (a finalizer's release after the consumer has gone: nobody reads it)
+            return
         self._items.append(item)
         if not self._armed:
             self._armed = True
-            if self._hurry_on and not self._hurried and time.monotonic() - self._last_sent >= HURRY_IDLE_S:
-                self._hurried = _hurry()      # (before the wake-up)
+            # (before the wake-up; only ever set here, never cleared: a producer
+            # that raced another here finds the interval short and leaves it)
+            if self._hurry_on and not self._hurried and time.monotonic() - self._last_sent >= HURRY_IDLE_S \
+                    and _hurry():
+                self._hurried = True
+                if self._closed:          # closed meanwhile: nobody will call sent()
+                    self._hurried = False
+                    _unhurry()
             try:
                 os.write(self._w, b"x")
-            except BlockingIOError:
+            except OSError:       # full (a byte is there already), or closed meanwhile
                 pass
 
     def hold(self, item: tuple, hold_s: float, release: bool = False) -> None:
