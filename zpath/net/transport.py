@@ -339,8 +339,8 @@ DUE_SLACK_S = 0.0005
 # ms by default) before it asks the running one to let go. So an Outbox made
 # with ``hurry`` sets the process's switch interval to HURRY_SWITCH_S when an
 # item comes after its consumer has sent nothing for HURRY_IDLE_S, and sets it
-# back once the consumer has sent it (``Outbox.sent``; or closes), unless someone changed
-# it meanwhile. Only then: in a burst of puts the consumer takes the rest as
+# back once the consumer has sent it (``Outbox.sent``) or closes, unless
+# someone changed it meanwhile. Only then: in a burst of puts the consumer takes the rest as
 # one batch, as before (docs/design.md, "Handing a message to the I/O thread").
 # No lock: a put may come from a finalizer, in the middle of any of this.
 HURRY_SWITCH_S = 0.0002
@@ -412,8 +412,8 @@ class Outbox:
         self._items.append(item)
         if not self._armed:
             self._armed = True
-            # (before the wake-up; only ever set here, never cleared: a producer
-            # that raced another here finds the interval short and leaves it)
+            # (before the wake-up; set only here, by the producer that shortened
+            # it: one that raced another here finds it short and leaves the flag)
             if self._hurry_on and not self._hurried and time.monotonic() - self._last_sent >= HURRY_IDLE_S \
                     and _hurry():
                 self._hurried = True
