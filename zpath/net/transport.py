@@ -353,7 +353,7 @@ _switch = [0.0, 0.0]
 def _hurry() -> bool:
     """Shorten the switch interval (False: it is that short already)."""
     now = sys.getswitchinterval()
-    if now <= HURRY_SWITCH_S or now == _switch[1]:
+    if now <= HURRY_SWITCH_S:
         return False
     sys.setswitchinterval(HURRY_SWITCH_S + 5e-7)
     _switch[:] = now, sys.getswitchinterval()
