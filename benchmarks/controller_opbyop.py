@@ -308,7 +308,8 @@ def core_alone(calls: int, pause_s: float) -> float:
 
 
 def core_chained(chains: int = 8, chain: int = 500, exec_s: float = 0.0012, post_s: float = 0.0002,
-                 batch: int = 8, counted_from: int = 2) -> tuple[int, int, collections.Counter]:
+                 batch: int = 8, counted_from: int = 2, alone_window_ms: float | None = None
+                 ) -> tuple[int, int, collections.Counter]:
     """Python bytecodes per call of a ``ControllerCore`` fed -O traffic as
     ``island_dispatch.py`` makes it, on a fake clock (deterministic): the
     client posts chains of ``chain`` calls (``x = f(x)``, the previous value
@@ -318,8 +319,11 @@ def core_chained(chains: int = 8, chain: int = 500, exec_s: float = 0.0012, post
     from ``counted_from`` on (``sys.settrace`` opcode events in the core's
     code, from its entry points: the messages are made before). Returns
     (calls counted, of them planned on the fast path and parked, bytecodes
-    per function)."""
-    core = ControllerCore(ControllerConfig())
+    per function). ``alone_window_ms``: the controller's alone window
+    (default: its setting; the solo window's 100 ms: as with a second
+    client connected, more of each chain parks)."""
+    core = ControllerCore(ControllerConfig() if alone_window_ms is None
+                          else ControllerConfig(alone_window_ms=alone_window_ms))
     ids = itertools.count(1)
     now = 1000.0
     hosts = [b"w0", b"w1"]

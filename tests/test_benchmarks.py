@@ -123,12 +123,13 @@ def test_heartbeats_benchmark_measures_the_controller_under_busy_hosts(tmp_path)
 def test_controller_opbyop_counts_the_cores_bytecodes_on_chained_calls():
     """``--count``'s driver: chains posted ahead of the hosts finish (it
     raises if not), most of their calls are planned on the fast path and
-    parked, and the count covers the core's functions on that path."""
+    parked (the alone window no longer than the solo one, as with a second
+    client connected), and the count covers the core's functions on that path."""
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "controller_opbyop.py"
     spec = importlib.util.spec_from_file_location("controller_opbyop", script)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    calls, parked, by_code = mod.core_chained(chains=3, chain=150, counted_from=1)
+    calls, parked, by_code = mod.core_chained(chains=3, chain=150, counted_from=1, alone_window_ms=100.0)
     assert calls == 300 and parked > 100
     assert sum(by_code.values()) > 1000 * calls
     assert by_code["FastCalls._fast_call"] > 0 and by_code["TenantScheduler.sent"] > 0
@@ -146,11 +147,11 @@ def test_controller_opbyop_counts_the_core_without_a_part_and_puts_it_back():
     spec.loader.exec_module(mod)
     before = {name: scheduler.TenantScheduler.__dict__[name] for name in ("can_send_now", "low", "sent")}
     append = records.Timeline.__dict__["append"]
-    calls, parked, whole = mod.core_chained(chains=3, chain=150, counted_from=1)
+    calls, parked, whole = mod.core_chained(chains=3, chain=150, counted_from=1, alone_window_ms=100.0)
     with mod.without(["window-full"]):
-        _, parked_full, full = mod.core_chained(chains=3, chain=150, counted_from=1)
+        _, parked_full, full = mod.core_chained(chains=3, chain=150, counted_from=1, alone_window_ms=100.0)
     with mod.without(["scheduler", "timeline"]):
-        _, _, bare = mod.core_chained(chains=3, chain=150, counted_from=1)
+        _, _, bare = mod.core_chained(chains=3, chain=150, counted_from=1, alone_window_ms=100.0)
     assert parked > 100 and parked_full == 0
     assert sum(bare.values()) < sum(full.values()) < sum(whole.values())
     assert full["TenantScheduler._fits"] > 0 and "TenantScheduler.sent" not in bare
@@ -173,3 +174,16 @@ def test_dispatch_latency_benchmark_times_calls_to_their_start(tmp_path):
         q = r[key]
         assert 0 < q["p10"] <= q["median"] <= q["p90"], r
     assert r["busy_caller_us"]["n"] == 3 and r["burst_first_start_us"]["n"] == 2
+
+
+def test_newcomer_benchmark_times_a_second_clients_first_calls(tmp_path):
+    """One short run: a busy client, then a newcomer whose calls come back,
+    timed in order (first call, then the others)."""
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "newcomer.py"
+    p = run_script([str(script), "--windows", "100", "--repeats", "1", "--calls", "3", "--lead", "0.5",
+                    "--depth", "8", "--size", "32", "--json", str(tmp_path / "out.json")], timeout=240)
+    assert p.returncode == 0, p.stdout + p.stderr[-3000:]
+    r = json.loads((tmp_path / "out.json").read_text())
+    (run,) = r["runs"]
+    assert run["window_ms"] == 100 and run["connect_ms"] > 0 and run["first_ms"] > 0 and run["later_ms"] > 0
+    assert r["table"][0]["first_ms"] == run["first_ms"]

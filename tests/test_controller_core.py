@@ -308,8 +308,9 @@ def test_the_core_reads_no_clock_no_environment_and_owns_no_socket():
 def test_a_core_is_built_from_config_alone():
     from zpath.config import ControllerConfig
     c = ControllerCore(ControllerConfig(policy="fifo", window_ms=5.0, solo_window_ms=50.0,
-                                        device_memory_limit=123))
+                                        alone_window_ms=300.0, device_memory_limit=123))
     assert c.tenants.policy == "fifo" and c.tenants.window_s == 0.005 and c.tenants.solo_window_s == 0.05
+    assert c.tenants.alone_window_s == 0.3
     assert c.memory_limit == 123
     c.validate_state()
 

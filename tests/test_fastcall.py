@@ -22,10 +22,12 @@ AVAL = m.Aval([2], "float32")
 
 def _rigs(make_rig):
     """Two cores, each with two hosts of one island (one device each, one JAX
-    runtime): with the fast path, and with the general path only."""
+    runtime): with the fast path, and with the general path only; the window
+    of a client alone on the island is the solo one whether or not it is the
+    only client connected (so a chain of 150 parks most of its calls)."""
     rigs = []
     for fast in (True, False):
-        rig = make_rig(hosts=())
+        rig = make_rig(hosts=(), alone_window_ms=100.0)
         for n in range(2):
             rig.handle(b"w%d" % n, m.RegisterWorker(f"h{n}", 0, f"tcp://x:{n}", 1, "cpu", 1, PROTOCOL_VERSION,
                                                     [n], "127.0.0.1:1", n, 2, "machine", "", "", n))

@@ -391,6 +391,45 @@ def test_a_client_alone_on_an_island_gets_the_solo_window_until_another_comes():
     assert TenantScheduler(window_s=0.02, solo_window_s=0.001).window(0) == 0.02
 
 
+def test_the_only_client_connected_gets_the_alone_window_until_another_connects():
+    """A client alone on an island that is also the only one connected gets
+    ``alone_window_s``: a second client's connecting (before it has any work
+    there) takes the island back to the solo window, its leaving gives the
+    alone window back, and a second client's work there the short window."""
+    s = TenantScheduler("share", window_s=0.0105, min_window=2, default_cost_s=0.004,
+                        solo_window_s=0.0405, alone_window_s=0.2005, clock=lambda: 100.0)
+    s._cost["p"] = 0.004                        # measured: 4 ms each
+
+    def send_all(first):
+        sent = 0
+        while (r := s.pick(0)) is not None:
+            s.sent(first + sent, r)
+            sent += 1
+        return sent
+
+    s.add_client(1, 1)
+    for k in range(80):
+        s.add(Ready(1, 0, (0,), "p", k))
+    assert s.window(0) == s.window(0, 1) == 0.2005
+    assert send_all(1) == 50                    # 50 x 4 ms in the alone window of 200 ms
+    assert not s.low((0,), 0)
+    for t in range(1, 26):                      # 100 ms left: half the alone window
+        s.host_done(t, 0.004, 1)
+        s.finished(t)
+    assert s.low((0,), 0)
+    s.add_client(2, 1)                          # connects, nothing on the island yet
+    assert s.window(0) == s.window(0, 1) == 0.0405
+    assert not s.low((0,), 0)                   # 100 ms queued: above half the solo window
+    assert s.pick(0) is None                    # and no room in it
+    s.remove_client(2)
+    assert s.window(0) == 0.2005 and send_all(100) == 25
+    s.add_client(3, 1)
+    s.add(Ready(3, 0, (0,), "p", "c"))          # another client's work: the short window
+    assert s.window(0) == s.window(0, 1) == 0.0105
+    # an alone window no larger than the solo one is the solo one
+    assert TenantScheduler(window_s=0.02, solo_window_s=0.1, alone_window_s=0.05).alone_window_s == 0.1
+
+
 def test_the_remembered_solo_client_of_an_island_never_goes_stale():
     """``window`` remembers an island's one client (``_sole``) and answers for
     it without looking at the island's work: after every event of a random

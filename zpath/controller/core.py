@@ -74,6 +74,7 @@ class ControllerCore(Peers, FastCalls, Admission, Dispatch, Fusion, Failures, Re
         self.scheduler = gang if gang is not None else GangScheduler()
         self.tenants = TenantScheduler(config.policy, window_s=config.window_ms / 1000,
                                        solo_window_s=config.solo_window_ms / 1000,
+                                       alone_window_s=config.alone_window_ms / 1000,
                                        clock=lambda: self.now)
         # per client with a paused submission: the messages it sent since, in
         # order, handled once that submission is planned (see handle)

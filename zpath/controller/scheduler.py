@@ -108,7 +108,10 @@ class TenantScheduler:
     computations, so the next one is already there when one ends) and queues the
     rest per client. While one client alone uses an island, its devices'
     window is ``solo_window_s`` instead (nobody else waits), so long
-    computations go out in groups too. A client uses an island while it has
+    computations go out in groups too; ``alone_window_s`` while that client
+    is also the only one connected (added and not removed): nobody else
+    could be waiting, and one who comes must connect first, which takes the
+    island back to ``solo_window_s`` before its first computation. A client uses an island while it has
     computations sent there and not finished, or queued there, and for
     ``SOLO_GRACE_S`` after (so a client that waits for each result before its
     next call still shares the island). A client that arrives at an island
@@ -135,12 +138,15 @@ class TenantScheduler:
 
     def __init__(self, policy: str = "share", window_s: float = 0.02, min_window: int = 2,
                  default_cost_s: float = 1e-3, solo_window_s: float | None = None,
+                 alone_window_s: float | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         if policy not in POLICIES:
             raise ValueError(f"unknown scheduling policy {policy!r} (choose from {', '.join(POLICIES)})")
         self.policy = policy
         self.window_s = window_s
         self.solo_window_s = window_s if solo_window_s is None else max(window_s, solo_window_s)
+        self.alone_window_s = self.solo_window_s if alone_window_s is None else \
+            max(self.solo_window_s, alone_window_s)
         self.clock = clock
         # island -> client -> its computations sent there and not finished
         self._active: dict[int, collections.Counter[int]] = {}
@@ -290,18 +296,21 @@ class TenantScheduler:
 
     def window(self, island: int, client: int | None = None) -> float:
         """The window on ``island``'s devices: ``solo_window_s`` while at most
-        one client (``client``, when given) uses the island, else ``window_s``."""
+        one client (``client``, when given) uses the island (``alone_window_s``
+        while it is also the only client connected), else ``window_s``."""
         if self.solo_window_s == self.window_s:
             return self.window_s
         sole = self._sole.get(island)
         if sole is not None and (client is None or client == sole):
-            return self.solo_window_s      # (the usual case, one client: no look at its work)
+            # (the usual case, one client: no look at its work)
+            return self.alone_window_s if len(self.weights) == 1 else self.solo_window_s
         solo = self._window_of(island, client)
-        if solo:
-            users = {*self._active.get(island, ()), *self._queues.get(island, ()), *self._seen.get(island, ())}
-            if len(users) == 1:
-                self._sole[island] = users.pop()
-        return self.solo_window_s if solo else self.window_s
+        if not solo:
+            return self.window_s
+        users = {*self._active.get(island, ()), *self._queues.get(island, ()), *self._seen.get(island, ())}
+        if len(users) == 1:
+            self._sole[island] = users.pop()
+        return self.alone_window_s if len(self.weights) == 1 else self.solo_window_s
 
     def _window_of(self, island: int, client: int | None) -> bool:
         """``window`` looking at the island's clients: whether it is the solo
