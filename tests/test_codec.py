@@ -373,9 +373,9 @@ def _set(value: list, path: tuple, new: Any) -> list:
     (m.Ping, [True], "Ping.seq: expected int, got bool"),
     (m.Ping, [1.0], "Ping.seq: expected int, got float"),
     (m.Ping, [None], "Ping.seq: expected int, got NoneType"),
-    (m.Hello, [5, 1, 1.0, b""], "Hello.name: expected str, got int"),
-    (m.Hello, [b"c", 1, 1.0, b""], "Hello.name: expected str, got bytes"),
-    (m.Hello, ["c", 1, 1.0, "n"], "Hello.nonce: expected bytes, got str"),
+    (m.Hello, [5, 1, 1.0, b"", False], "Hello.name: expected str, got int"),
+    (m.Hello, [b"c", 1, 1.0, b"", False], "Hello.name: expected str, got bytes"),
+    (m.Hello, ["c", 1, 1.0, "n", False], "Hello.nonce: expected bytes, got str"),
     (m.StatusRequest, [1], "StatusRequest.verbose: expected bool, got int"),
     (m.Fetch, [1, 2, 3, [[0, 1]], True], "Fetch.timeout_s: expected float, got bool"),
     (m.Fetch, [1, 2, 3, [[0, 1]], "5"], "Fetch.timeout_s: expected float, got str"),
@@ -520,9 +520,9 @@ def test_oversized_body():
 
 def test_body_at_the_limit_passes_the_size_check():
     # a valid string field padded up to exactly MAX_BODY_BYTES
-    overhead = len(body(["", 1, 1.0, b""]))
+    overhead = len(body(["", 1, 1.0, b"", False]))
     name = "a" * (codec.MAX_BODY_BYTES - overhead - 4)
-    raw = body([name, 1, 1.0, b""])
+    raw = body([name, 1, 1.0, b"", False])
     assert len(raw) == codec.MAX_BODY_BYTES
     _, msg, _ = codec.decode(KEY, signed(hdr(PROTOCOL_VERSION, m.Hello.TYPE, 1, 0, "s", 0), raw))
     assert msg == m.Hello(name, 1, 1.0)
@@ -915,14 +915,14 @@ def _golden_messages() -> dict[str, tuple[codec.Record, tuple]]:
 # buffers=...) for the messages above, recorded (hex) from the codec before its
 # fast paths (commit a5173e3); signatures and headers re-recorded for protocol 3
 # (the header's signer) and for protocols 4 (relays), 5 (DeviceInfo.platform), 6 (a
-# relayed message's own buffers), 7 (IntRuns: a list this short stays plain ints) and 8
-# (Call.keep): the version byte; bodies unchanged but the Call's, re-recorded for
+# relayed message's own buffers), 7 (IntRuns: a list this short stays plain ints), 8
+# (Call.keep) and 9 (Hello.shared): the version byte; bodies unchanged but the Call's, re-recorded for
 # protocol 8 with its eighth field (keep, 0) appended
 GOLDEN = [
     ("Execute", 1000, [      # (re-recorded when Execute.hold was appended: the same
         # body with 11 fields instead of 10 and a trailing false)
-        "ee0ccbf57c1a1114866d70b009fad1ff26cde10976edd1aa797133fdda45edf5",
-        "960821cd03e807ad776f726b65723a676f6c64656e00",
+        "8b7d6e99201a2ce208e0577bb7a0f821423088eeedde6cc2739c08e9b7a8680a",
+        "960921cd03e807ad776f726b65723a676f6c64656e00",
         "9bce0001e240cd2694d94061626162616261626162616261626162616261626162616261626162616261626162616261"
         "626162616261626162616261626162616261626162616261626162ac6a69745f5f6c616d6264615f910291a169920001"
         "9200019294cf000000010000001192920804a7666c6f6174333292a169c0919300929200049200049094cf0000000100"
@@ -930,35 +930,35 @@ GOLDEN = [
         "cf000000010000001392920804a7666c6f6174333292a169c0c2",
     ]),
     ("ExecDone", 1001, [
-        "6d0c5045edb0553609905ac95e2a50c368018c69ea6937baa46b6e32ef727e60",
-        "960822cd03e907ad776f726b65723a676f6c64656e00",
+        "591521285207274eefb8fce336a20f5e19b8d3aa6ab1178e0ebd54092c6f344a",
+        "960922cd03e907ad776f726b65723a676f6c64656e00",
         "95ce0001e240c0cb41d999a660080000cb41d999a660100000cb0000000000000000",
     ]),
     ("Call", 1002, [
-        "c6ca82c3a11c8f04c264013512d6bea126d775bba890a95edf7bc8a7f1095b86",
-        "96081fcd03ea07ad776f726b65723a676f6c64656e00",
+        "a0a3ec096395ab1afec04eefedda9f04c2c69e5cc18d6701f36e0962e78a536e",
+        "96091fcd03ea07ad776f726b65723a676f6c64656e00",
         "98cd1092d94063646364636463646364636463646364636463646364636463646364636463646364636463646364636463"
         "646364636463646364636463646364636463646364910291a1699200019194cf000000010000001192920804a7666c6f"
         "6174333292a169c0c39193cf000000010000001392920804a7666c6f6174333292a169c000",
     ]),
     ("Ping", 1003, [
-        "b8916328beaec224cd3509d419e6c0ba8663cb412908fc938dc3266cb385ae02",
-        "960807cd03eb07ad776f726b65723a676f6c64656e00",
+        "b9c17d5901b60a4526a7e7c774c7e2c03a13736fdf46c5630f10bd67c471fb2b",
+        "960907cd03eb07ad776f726b65723a676f6c64656e00",
         "911f",
     ]),
     ("Pong", 1004, [
-        "ea93ecbb25b16d9df7c5b28dc53581bdd0727f0d0dd92b539d8ff6fdc17e79f9",
-        "960808cd03ec07ad776f726b65723a676f6c64656e00",
+        "7af27f94cdd41cb42bf33dca160748751b58c9ba14d25cb0a822079e910158b6",
+        "960908cd03ec07ad776f726b65723a676f6c64656e00",
         "941f0ccd100092cd0800cd0800",
     ]),
     ("ExecDoneErr", 1005, [
-        "7d10a698d3b9dd14b6a6084d46ccd286024a44a4ffbd807ebbba4e0661c71ba5",
-        "960822cd03ed07ad776f726b65723a676f6c64656e00",
+        "d101abed806b40a9e086c334e57aeaab9cacf50336ae94525070dbbe209ff528",
+        "960922cd03ed07ad776f726b65723a676f6c64656e00",
         "950595ab52656d6f74654572726f72a8626f6f6d20e29c93c0a166a27462cb3ff0000000000000cb4004000000000000cb0000000000000000",
     ]),
     ("Put", 1006, [
-        "778fe76bc9bea01e87d84edb17d2a9f4d5eee23747602208938e6d4d18e6aa74",
-        "960832cd03ee07ad776f726b65723a676f6c64656e00",
+        "4993f6e76d96cecf847f762fe3467235422b23c7d208c1591c700a8c7c3df624",
+        "960932cd03ee07ad776f726b65723a676f6c64656e00",
         "94cf0000000100000003029292000492000692920406a7666c6f61743332",
         "010203",
         "",

@@ -76,9 +76,9 @@ class Rig:
         self.now += seconds
         self.record(self.c.tick(self.now))
 
-    def client(self, name: str) -> tuple[bytes, int]:
+    def client(self, name: str, shared: bool = False) -> tuple[bytes, int]:
         ident = name.encode()
-        self.handle(ident, m.Hello(name, PROTOCOL_VERSION, 1.0))
+        self.handle(ident, m.Hello(name, PROTOCOL_VERSION, 1.0, b"", shared))
         for digest, blob in self.programs.values():
             self.handle(ident, m.RegisterProgram(digest, "p"), [blob])
         return ident, self.c.peers[ident].id
@@ -595,12 +595,23 @@ def test_a_queued_call_that_reads_a_dropped_value_goes_ahead_of_a_waiting_head(m
 
 def test_workers_may_hold_reports_only_of_a_client_alone_and_of_nothing_waited_for(make_rig):
     rig = make_rig(solo_window_ms=100.0)
-    short = make_rig(solo_window_ms=60.0)       # too short for the 50 ms hold: never
+    short = make_rig(solo_window_ms=60.0, alone_window_ms=60.0)     # too short for the 50 ms hold: never
     sa, _ = short.client("a")
     short.c.tenants._cost[(short.programs["f"][0], (0,))] = 0.001
     mark = len(short.log)
     short.handle(sa, short.call(sa, 0)[0])
     assert [e.hold for e in short.executes(mark)] == [False]
+    # the same solo window with the alone window long enough: a client that is
+    # the only one connected may hold, and not once another has connected
+    alone = make_rig(solo_window_ms=60.0, alone_window_ms=500.0)
+    la, _ = alone.client("a")
+    alone.c.tenants._cost[(alone.programs["f"][0], (0,))] = 0.001
+    mark = len(alone.log)
+    alone.handle(la, alone.call(la, 0)[0])
+    alone.drain()
+    alone.client("b")
+    alone.handle(la, alone.call(la, 0)[0])
+    assert [e.hold for e in alone.executes(mark)] == [True, False]
     a, _ = rig.client("a")
     rig.c.tenants._cost[(rig.programs["f"][0], (0,))] = 0.001      # measured
     mark = len(rig.log)
@@ -662,3 +673,24 @@ def test_the_loop_runs_the_collectors_full_pass_it_held_back_when_idle():
         loop.join(10)
         gc.set_threshold(*before)
     assert not loop.is_alive()
+
+
+def test_only_a_client_connected_alone_that_carries_no_others_work_gets_the_alone_window(make_rig):
+    """The alone window goes to the one client connected; a client that says
+    it carries others' work (``Hello.shared``: the IFRT proxy) keeps the solo
+    window even alone, and a second client's Hello takes the island back to
+    it before that client sends anything; its leaving gives it back."""
+    rig = make_rig(solo_window_ms=100.0, alone_window_ms=400.0)
+    a, _ = rig.client("a")
+    rig.handle(a, rig.call(a, 0)[0])
+    assert rig.c.tenants.window(0) == rig.c.tenants.window(0, rig.c.peers[a].id) == 0.4
+    b, _ = rig.client("b")
+    assert rig.c.tenants.window(0) == 0.1
+    rig.handle(b, m.Goodbye("done"))
+    assert rig.c.tenants.window(0) == 0.4
+    rig.c.validate_state()
+    proxy = make_rig(solo_window_ms=100.0, alone_window_ms=400.0)
+    p, _ = proxy.client("ifrt-proxy", shared=True)
+    proxy.handle(p, proxy.call(p, 0)[0])
+    assert proxy.c.tenants.window(0) == 0.1
+    proxy.c.validate_state()

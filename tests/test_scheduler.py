@@ -423,9 +423,27 @@ def test_the_only_client_connected_gets_the_alone_window_until_another_connects(
     assert s.pick(0) is None                    # and no room in it
     s.remove_client(2)
     assert s.window(0) == 0.2005 and send_all(100) == 25
+    assert s.window(1) == s.window(1, 2) == 0.2005    # an island nobody used yet: alone too
+    s.add_client(2, 1)
+    assert s.window(1) == s.window(1, 2) == 0.0405    # (not remembered: looked at)
+    s.remove_client(2)
     s.add_client(3, 1)
     s.add(Ready(3, 0, (0,), "p", "c"))          # another client's work: the short window
     assert s.window(0) == s.window(0, 1) == 0.0105
+    # a client that carries others' work (the IFRT proxy) is never alone
+    p = TenantScheduler("share", window_s=0.0105, solo_window_s=0.0405, alone_window_s=0.2005)
+    p.add_client(7, 1, shared=True)
+    p.add(Ready(7, 0, (0,), "p", 0))
+    assert p.window(0) == p.window(0, 7) == p.window(1) == 0.0405
+    p.remove_client(7)
+    p.add_client(8, 1)
+    assert p.window(1) == 0.2005
+    # the solo window off, the alone one still applies
+    off = TenantScheduler(window_s=0.02, solo_window_s=0.02, alone_window_s=0.5)
+    off.add_client(1)
+    assert off.window(0) == 0.5
+    off.add_client(2)
+    assert off.window(0) == 0.02
     # an alone window no larger than the solo one is the solo one
     assert TenantScheduler(window_s=0.02, solo_window_s=0.1, alone_window_s=0.05).alone_window_s == 0.1
 

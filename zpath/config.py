@@ -118,7 +118,8 @@ class ControllerConfig(_FromEnv):
                                     "time was measured (at least the window)")
     alone_window_ms: float = setting(500.0, "ZPATH_SCHEDULER_ALONE_WINDOW_MS",
                                      "the solo window while that client is also the only one "
-                                     "connected to the controller (at least the solo window)")
+                                     "connected to the controller and carries no others' work "
+                                     "(not the IFRT proxy); at least the solo window")
     ping_interval_s: float = setting(1.0, "ZPATH_PING_INTERVAL",
                                      "seconds between the controller's pings to its workers")
     relay_min_hosts: int = setting(32, "ZPATH_RELAY_MIN_HOSTS",

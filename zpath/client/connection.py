@@ -81,7 +81,7 @@ class Client:
 
     def __init__(self, address: str, key: bytes, *, name: str = "client",
                  timeout: float | None = None, weight: float = 1.0,
-                 config: ClientConfig | None = None) -> None:
+                 config: ClientConfig | None = None, shared: bool = False) -> None:
         self.address = address
         self.config = ClientConfig() if config is None else config
         if timeout is None:
@@ -99,7 +99,7 @@ class Client:
         self._closed = False
         self._broken: Broken | None = None       # the controller is gone: why
         try:
-            welcome = self._handshake(name, timeout, weight)
+            welcome = self._handshake(name, timeout, weight, shared)
         except BaseException:
             self.ctl.close(0)
             self.ctx.term()
@@ -133,9 +133,9 @@ class Client:
         self._thread = threading.Thread(target=self._loop, name="zpath-client-io", daemon=True)
         self._thread.start()
 
-    def _handshake(self, name: str, timeout: float, weight: float) -> m.Welcome:
+    def _handshake(self, name: str, timeout: float, weight: float, shared: bool) -> m.Welcome:
         self._nonce = os.urandom(16)
-        msg_id = self.ep.send(self.ctl, m.Hello(name, PROTOCOL_VERSION, weight, self._nonce))
+        msg_id = self.ep.send(self.ctl, m.Hello(name, PROTOCOL_VERSION, weight, self._nonce, shared))
         deadline = time.monotonic() + timeout
         while True:
             left = deadline - time.monotonic()

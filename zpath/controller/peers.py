@@ -111,7 +111,7 @@ class Peers:
         session = self.keys.session(cid)
         self.peers[ident] = Peer("client", cid, msg.name, self.now, ident, msg.weight,
                                  keys=lambda signer: session if signer == cid else None)
-        self.tenants.add_client(cid, msg.weight)
+        self.tenants.add_client(cid, msg.weight, shared=msg.shared)
         log.info("client %d (%s, weight %g) connected", cid, msg.name, msg.weight)
         self.send(ident, m.Welcome(cid, self._host_infos(), seal(self.keys.clients, msg.nonce, cid, session)),
                   parent)
@@ -233,3 +233,6 @@ class Peers:
                 assert self.worker_ident.get(p.id) == p.ident, f"worker {p.id} not in worker_ident"
         for h in self.rm.hosts.values():
             assert not h.alive or h.rank in self.worker_ident, f"live host {h.rank} has no worker"
+        # (the alone window rests on this: the clients connected are the scheduler's)
+        clients = {p.id for p in self.peers.values() if p.role == "client"}
+        assert set(self.tenants.weights) == clients, f"tenant scheduler's clients {sorted(self.tenants.weights)}"

@@ -15,8 +15,9 @@ def may_hold(tenants: TenantScheduler, island: int, client: int, sequential: boo
     """Whether the worker may hold this computation's report. Not when
     something here may wait for it: a sequential program's next nodes, or
     calls waiting for memory (it frees what the run held); and only while the
-    island has the solo window, one at least twice as long as the hold (else
-    the report makes room for others, or is needed to top up)."""
-    return not sequential and not memory_limit and \
-        tenants.solo_window_s >= 2 * HOLD_DEEP_S and \
-        tenants.window(island, client) > tenants.window_s
+    island has the solo (or alone) window, one at least twice as long as the
+    hold (else the report makes room for others, or is needed to top up)."""
+    if sequential or memory_limit:
+        return False
+    window = tenants.window(island, client)
+    return window > tenants.window_s and window >= 2 * HOLD_DEEP_S

@@ -109,7 +109,8 @@ class TenantScheduler:
     rest per client. While one client alone uses an island, its devices'
     window is ``solo_window_s`` instead (nobody else waits), so long
     computations go out in groups too; ``alone_window_s`` while that client
-    is also the only one connected (added and not removed): nobody else
+    is also the only one connected (added and not removed) and does not
+    carry others' work (``shared``: the IFRT proxy's sessions): nobody else
     could be waiting, and one who comes must connect first, which takes the
     island back to ``solo_window_s`` before its first computation. A client uses an island while it has
     computations sent there and not finished, or queued there, and for
@@ -180,17 +181,23 @@ class TenantScheduler:
         # without a look at them): forgotten when another client comes
         # (``_joins``, the only way one comes: add, sent, finished)
         self._sole: dict[int, int] = {}
+        self._shared: set[int] = set()           # clients that carry others' work (add_client)
 
     # ---- clients ---------------------------------------------------------------
-    def add_client(self, client: int, weight: float = 1.0) -> None:
+    def add_client(self, client: int, weight: float = 1.0, shared: bool = False) -> None:
+        """A client connected (``shared``: it carries others' work, so it is
+        never alone)."""
         if not (0 < weight < float("inf")):
             raise ValueError(f"a client's weight must be a positive number, not {weight!r}")
         self.weights[client] = float(weight)
+        if shared:
+            self._shared.add(client)
 
     def remove_client(self, client: int) -> list[Ready]:
         """The client left: drop and return its queued computations (its running
         ones finish and are still accounted)."""
         self.weights.pop(client, None)
+        self._shared.discard(client)
         dropped = []
         for island, queues in self._queues.items():
             dropped += queues.pop(client, ())
@@ -298,19 +305,19 @@ class TenantScheduler:
         """The window on ``island``'s devices: ``solo_window_s`` while at most
         one client (``client``, when given) uses the island (``alone_window_s``
         while it is also the only client connected), else ``window_s``."""
-        if self.solo_window_s == self.window_s:
+        if self.alone_window_s == self.window_s:
             return self.window_s
         sole = self._sole.get(island)
         if sole is not None and (client is None or client == sole):
             # (the usual case, one client: no look at its work)
-            return self.alone_window_s if len(self.weights) == 1 else self.solo_window_s
+            return self.alone_window_s if len(self.weights) == 1 and not self._shared else self.solo_window_s
         solo = self._window_of(island, client)
         if not solo:
             return self.window_s
         users = {*self._active.get(island, ()), *self._queues.get(island, ()), *self._seen.get(island, ())}
         if len(users) == 1:
             self._sole[island] = users.pop()
-        return self.alone_window_s if len(self.weights) == 1 else self.solo_window_s
+        return self.alone_window_s if len(self.weights) == 1 and not self._shared else self.solo_window_s
 
     def _window_of(self, island: int, client: int | None) -> bool:
         """``window`` looking at the island's clients: whether it is the solo

@@ -113,6 +113,7 @@ class Hello(Record):
     protocol: int
     weight: float            # proportional-share weight (> 0)
     nonce: bytes = b""       # fresh random bytes: the Welcome's session key is sealed with them
+    shared: bool = False     # it carries others' work (the IFRT proxy's sessions): never the alone window
 
 
 @message(3)

@@ -36,7 +36,8 @@ def main(argv: list[str] | None = None) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     try:
-        client = Client(args.controller, key_from_config(common), name="ifrt-proxy", config=ClientConfig.from_env())
+        client = Client(args.controller, key_from_config(common), name="ifrt-proxy", config=ClientConfig.from_env(),
+                        shared=True)      # (its sessions are JAX processes: never the alone window)
         platform = args.platform or cluster_platform(client)
         server = ProxyServer(client, args.listen, platform=platform, insecure=args.insecure).start()
     except (SchemaError, OSError) as e:
