@@ -320,6 +320,15 @@ def test_devices_are_low_once_down_to_half_their_window():
     assert sent == 6 and not s.low((0,))
 
 
+def _send_all(s: TenantScheduler, first: int) -> int:
+    """Send what island 0's window takes, tickets from ``first`` on; how many."""
+    sent = 0
+    while (r := s.pick(0)) is not None:
+        s.sent(first + sent, r)
+        sent += 1
+    return sent
+
+
 def test_a_client_alone_on_an_island_gets_the_solo_window_until_another_comes():
     now = [100.0]
     s = TenantScheduler("share", window_s=0.0105, min_window=2, default_cost_s=0.004,
@@ -330,18 +339,11 @@ def test_a_client_alone_on_an_island_gets_the_solo_window_until_another_comes():
         s.host_done(t, 0.004, 1)
         s.finished(t)
 
-    def send_all(first):
-        sent = 0
-        while (r := s.pick(0)) is not None:
-            s.sent(first + sent, r)
-            sent += 1
-        return sent
-
     s.add_client(1, 1)
     s.add_client(2, 1)
     for k in range(30):
         s.add(Ready(1, 0, (0,), "p", k))
-    assert send_all(1) == 10                    # 10 x 4 ms in the solo window of 40 ms
+    assert _send_all(s, 1) == 10                    # 10 x 4 ms in the solo window of 40 ms
     assert s.window(0) == 0.0405
     for t in range(1, 5):                       # 24 ms left: not low
         finish(t)
@@ -364,13 +366,13 @@ def test_a_client_alone_on_an_island_gets_the_solo_window_until_another_comes():
     finish(10)
     now[0] += SOLO_GRACE_S / 2
     assert s.window(0) == 0.0105
-    assert send_all(200) == 2                   # the short window: 2 x 4 ms
+    assert _send_all(s, 200) == 2                   # the short window: 2 x 4 ms
     for t in (200, 201):
         finish(t)
     # once client 2 has had no work there for SOLO_GRACE_S, client 1 is alone again
     now[0] += SOLO_GRACE_S
     assert s.window(0) == 0.0405
-    assert send_all(300) == 10 and s.queued() == 8
+    assert _send_all(s, 300) == 10 and s.queued() == 8
     # a client that leaves stops counting at once
     s.add(Ready(2, 0, (1,), "p", "c"))
     assert s.window(0) == 0.0105
@@ -400,18 +402,11 @@ def test_the_only_client_connected_gets_the_alone_window_until_another_connects(
                         solo_window_s=0.0405, alone_window_s=0.2005, clock=lambda: 100.0)
     s._cost["p"] = 0.004                        # measured: 4 ms each
 
-    def send_all(first):
-        sent = 0
-        while (r := s.pick(0)) is not None:
-            s.sent(first + sent, r)
-            sent += 1
-        return sent
-
     s.add_client(1, 1)
     for k in range(80):
         s.add(Ready(1, 0, (0,), "p", k))
     assert s.window(0) == s.window(0, 1) == 0.2005
-    assert send_all(1) == 50                    # 50 x 4 ms in the alone window of 200 ms
+    assert _send_all(s, 1) == 50                    # 50 x 4 ms in the alone window of 200 ms
     assert not s.low((0,), 0)
     for t in range(1, 26):                      # 100 ms left: half the alone window
         s.host_done(t, 0.004, 1)
@@ -422,7 +417,7 @@ def test_the_only_client_connected_gets_the_alone_window_until_another_connects(
     assert not s.low((0,), 0)                   # 100 ms queued: above half the solo window
     assert s.pick(0) is None                    # and no room in it
     s.remove_client(2)
-    assert s.window(0) == 0.2005 and send_all(100) == 25
+    assert s.window(0) == 0.2005 and _send_all(s, 100) == 25
     assert s.window(1) == s.window(1, 2) == 0.2005    # an island nobody used yet: alone too
     s.add_client(2, 1)
     assert s.window(1) == s.window(1, 2) == 0.0405    # (not remembered: looked at)
