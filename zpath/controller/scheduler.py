@@ -112,10 +112,10 @@ class TenantScheduler:
     is also the only one connected (added and not removed) and does not
     carry others' work (``shared``: the IFRT proxy's sessions): nobody else
     could be waiting, and one who comes must connect first, which takes the
-    island back to ``solo_window_s`` before its first computation. A client uses an island while it has
-    computations sent there and not finished, or queued there, and for
-    ``SOLO_GRACE_S`` after (so a client that waits for each result before its
-    next call still shares the island). A client that arrives at an island
+    island back to ``solo_window_s`` before its first computation. A client
+    uses an island while it has computations sent there and not finished,
+    or queued there, and for ``SOLO_GRACE_S`` after (so a client that waits
+    for each result before its next call still shares the island). A client that arrives at an island
     another uses alone waits behind the other's work already sent (about
     ``solo_window_s`` of it, or ``min_window`` computations if longer); from
     then on the island has the short window. Computations whose run
@@ -304,7 +304,8 @@ class TenantScheduler:
     def window(self, island: int, client: int | None = None) -> float:
         """The window on ``island``'s devices: ``solo_window_s`` while at most
         one client (``client``, when given) uses the island (``alone_window_s``
-        while it is also the only client connected), else ``window_s``."""
+        while it is also the only client connected and not a shared one), else
+        ``window_s``."""
         if self.alone_window_s == self.window_s:
             return self.window_s
         sole = self._sole.get(island)
