@@ -31,39 +31,14 @@ from typing import Any
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-CLIENT_A = r"""
-import sys, time
-import jax, jax.numpy as jnp, numpy as np
-import zpath as zp
-address, key, depth, size = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
-conn = zp.connect(address, key, name="busy")
-dev = zp.make_virtual_device_set().add_slice(devices=len(conn.client.devices)).devices
-
-def work(x):
-    return jax.lax.fori_loop(0, 6, lambda i, y: jnp.tanh(y @ y), x)
-
-f = zp.pmap(work, devices=dev)
-x = f(np.full((len(dev), size, size), 0.01, np.float32))
-x.result(timeout=120)
-print("ready", flush=True)
-sys.stdin.readline()
-out, end = [], time.monotonic() + float(sys.argv[5])   # (stopped when B is done)
-while time.monotonic() < end:
-    out.append(f(x))
-    if len(out) >= depth:
-        out.pop(0).result(timeout=120)
-for o in out:
-    o.result(timeout=120)
-zp.shutdown()
-"""
-
-CLIENT_B = r"""
+# what both clients run first: connect (timed), their devices, the computation
+_CLIENT = r"""
 import sys, time, json
 import jax, jax.numpy as jnp, numpy as np
 import zpath as zp
-address, key, calls, size = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+address, key, n, size, name = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
 t = time.monotonic()
-conn = zp.connect(address, key, name="newcomer")
+conn = zp.connect(address, key, name=name)
 connect_s = time.monotonic() - t
 dev = zp.make_virtual_device_set().add_slice(devices=len(conn.client.devices)).devices
 
@@ -71,9 +46,29 @@ def work(x):
     return jax.lax.fori_loop(0, 6, lambda i, y: jnp.tanh(y @ y), x)
 
 f = zp.pmap(work, devices=dev)
+"""
+
+# A: n calls outstanding until B is done (or argv[6] seconds)
+CLIENT_A = _CLIENT + r"""
+x = f(np.full((len(dev), size, size), 0.01, np.float32))
+x.result(timeout=120)
+print("ready", flush=True)
+sys.stdin.readline()
+out, end = [], time.monotonic() + float(sys.argv[6])   # (stopped when B is done)
+while time.monotonic() < end:
+    out.append(f(x))
+    if len(out) >= n:
+        out.pop(0).result(timeout=120)
+for o in out:
+    o.result(timeout=120)
+zp.shutdown()
+"""
+
+# B: n calls, one at a time
+CLIENT_B = _CLIENT + r"""
 x = np.full((len(dev), size, size), 0.01, np.float32)
 lat = []
-for _ in range(calls):
+for _ in range(n):
     t = time.monotonic()
     x = f(x)
     x.result(timeout=120)
@@ -89,7 +84,7 @@ def one_run(window_ms: float, depth: int, size: int, lead: float, calls: int) ->
     env = {"ZPATH_SCHEDULER_ALONE_WINDOW_MS": f"{window_ms:g}"}
     with LocalCluster(1, 1, 2, env=env) as cluster:
         a = subprocess.Popen([sys.executable, "-c", CLIENT_A, cluster.address, cluster.key.hex(), str(depth),
-                              str(size), str(lead + 120)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                              str(size), "busy", str(lead + 120)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         b = None
         try:
             if a.stdout.readline().split() != ["ready"]:
@@ -98,7 +93,7 @@ def one_run(window_ms: float, depth: int, size: int, lead: float, calls: int) ->
             a.stdin.flush()
             time.sleep(lead)              # A alone: its window of work fills the devices
             b = subprocess.Popen([sys.executable, "-c", CLIENT_B, cluster.address, cluster.key.hex(),
-                                  str(calls), str(size)], stdout=subprocess.PIPE, text=True)
+                                  str(calls), str(size), "newcomer"], stdout=subprocess.PIPE, text=True)
             out, _ = b.communicate(timeout=300)
             if b.returncode != 0:
                 raise RuntimeError(f"client B failed (exit {b.returncode})")

@@ -418,8 +418,7 @@ class Outbox:
                     and _hurry():
                 self._hurried = True
                 if self._closed:          # closed meanwhile: nobody will call sent()
-                    self._hurried = False
-                    _unhurry()
+                    self._set_back()
             try:
                 os.write(self._w, b"x")
             except OSError:       # full (a byte is there already), or closed meanwhile
@@ -494,14 +493,17 @@ class Outbox:
         that long, and what it put waits for the next batch anyway)."""
         self._last_sent = time.monotonic()
         if self._hurried:
-            self._hurried = False
-            _unhurry()
+            self._set_back()
+
+    def _set_back(self) -> None:
+        """The switch interval this outbox shortened, set back."""
+        self._hurried = False
+        _unhurry()
 
     def close(self) -> None:
         self._closed = True
         if self._hurried:
-            self._hurried = False
-            _unhurry()
+            self._set_back()
         for fd in (self._r, self._w):
             try:
                 os.close(fd)
