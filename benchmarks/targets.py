@@ -1,0 +1,158 @@
+"""The worker hot path's targets, checked the way they are stated: each in every
+one of several invocations.
+
+One invocation runs, in a fresh process each, ``island_dispatch.py --repeats 31``,
+``chained.py --programs 4 --repeats 15`` and ``transfer.py --only ici --sizes
+1K,64M`` (``ab.run_one``: the working directory and ``PYTHONPATH`` set to the
+tree), and reads from their ``--json`` output:
+
+===========  ==============================================================  ========
+figure       what                                                            target
+===========  ==============================================================  ========
+workers_F    the workers' CPU per -F computation / a multi-controller        <= 1.05
+             process's, the larger of the two hosts
+F            -F throughput, zpath / multi-controller                         >= 0.95
+C            -C throughput (a 128-node program), zpath / multi-controller    >= 0.95
+ici_1K_us    a 1 KiB ICI piece's channel time, µs                            <= 150
+ici_64M      a 64 MiB ICI piece's throughput / a warm memcpy's               >= 0.80
+O            -O throughput, zpath / multi-controller                         >= 0.40
+ctl_O_us     the controller's CPU per -O computation, µs                     <= 150
+===========  ==============================================================  ========
+
+It prints each figure per invocation, and in how many it met its target. With
+several ``--tree``, every invocation runs each tree in turn (the order rotating,
+as ``ab.py`` does) and the ratios to the first tree follow::
+
+    python benchmarks/targets.py                        # this checkout, 3 invocations
+    python benchmarks/targets.py --tree base=/path/to/before --tree new=. --invocations 3
+    python benchmarks/targets.py --summarize targets.jsonl     # a --out file again
+
+``--quick`` shortens every benchmark (to try the script, not to quote). A script
+that prints figures, not a test.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import operator
+import os
+import sys
+from typing import Any, Callable
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import ab  # noqa: E402  (benchmarks/ab.py)
+
+F_CPU = "zpath.F.cpu_us_per_comp.worker-i0-h{0}/multi_controller.F.cpu_us_per_comp.process{0}"
+# (name, what, the comparison, the target)
+TARGETS: list[tuple[str, str, Callable[[float, float], bool], float]] = [
+    ("workers_F", "workers' CPU per -F computation / MC's (larger host)", operator.le, 1.05),
+    ("F", "-F zpath / MC", operator.ge, 0.95),
+    ("C", "-C zpath / MC", operator.ge, 0.95),
+    ("ici_1K_us", "1 KiB ICI piece, channel time (µs)", operator.le, 150.0),
+    ("ici_64M", "64 MiB ICI piece / warm memcpy", operator.ge, 0.80),
+    ("O", "-O zpath / MC", operator.ge, 0.40),
+    ("ctl_O_us", "controller CPU per -O computation (µs)", operator.le, 150.0),
+]
+# per benchmark: its arguments (full, --quick) and the figures read from its JSON
+BENCHMARKS: list[tuple[str, list[str], list[str], dict[str, str]]] = [
+    ("benchmarks/island_dispatch.py", ["--repeats", "31"],
+     ["--repeats", "1", "--calls-o", "200", "--calls-f", "1"],
+     {"workers_F_h0": F_CPU.format(0), "workers_F_h1": F_CPU.format(1),
+      "F": "zpath.F.comps_per_s/multi_controller.F.comps_per_s",
+      "O": "zpath.O.comps_per_s/multi_controller.O.comps_per_s",
+      "ctl_O_us": "zpath.O.cpu_us_per_comp.controller"}),
+    ("benchmarks/chained.py", ["--programs", "4", "--repeats", "15"], ["--programs", "1", "--repeats", "1"],
+     {"C": "zpath.C.comps_per_s/multi_controller.comps_per_s"}),
+    ("benchmarks/transfer.py", ["--only", "ici", "--sizes", "1K,64M"], ["--only", "ici", "--sizes", "1K,64M"],
+     {"ici_1K_us": "ici.1024.shm_us", "ici_64M": "ici.67108864.shm_GBps/ici.67108864.memcpy_GBps"}),
+]
+
+
+def figures(metrics: dict[str, float]) -> dict[str, float]:
+    """The targets' figures from one invocation's metrics (the workers' figure:
+    the larger host's)."""
+    out = {k: v for k, v in metrics.items() if not k.startswith("workers_F_h")}
+    hosts = [v for k, v in metrics.items() if k.startswith("workers_F_h")]
+    if hosts:
+        out["workers_F"] = max(hosts)
+    return out
+
+
+def table(records: list[dict[str, Any]]) -> str:
+    """Per tree: each target's figure per invocation, and in how many it was met."""
+    lines = []
+    for name in dict.fromkeys(r["name"] for r in records):
+        mine = sorted((r for r in records if r["name"] == name), key=lambda r: r["round"])
+        lines.append(f"\n{name} ({mine[0]['tree']}), {len(mine)} invocation(s)")
+        head = f"  {'figure':<54}{'target':>9}  " + " ".join(f"{'#' + str(r['round']):>8}" for r in mine)
+        lines += [head + "  met in", "  " + "-" * (len(head) + 6)]
+        for key, what, ok, target in TARGETS:
+            values = [r["figures"].get(key) for r in mine]
+            met = sum(v is not None and ok(v, target) for v in values)
+            shown = " ".join(f"{'-':>8}" if v is None else f"{v:>8.3g}" for v in values)
+            sign = "<=" if ok is operator.le else ">="
+            measured = sum(v is not None for v in values)
+            verdict = f"{met} of {measured}" + (" (each)" if measured and met == measured else "")
+            lines.append(f"  {what:<54}{sign:>3} {target:<5g}  {shown}  {verdict}")
+        loads = ", ".join(r["load"] for r in mine)
+        lines.append(f"  (load average before each invocation: {loads})")
+    return "\n".join(lines)
+
+
+def summarize(records: list[dict[str, Any]]) -> str:
+    """The table, and with several trees the ratios to the first (ab.py's summary)."""
+    text = table(records)
+    if len({r["name"] for r in records}) > 1:
+        text += "\n" + ab.summarize([dict(r, metrics=r["figures"]) for r in records])
+    return text
+
+
+def invoke(tree: str, quick: bool, timeout: float) -> dict[str, Any]:
+    """One invocation of the three benchmarks in ``tree``: their figures, the load
+    before, and the seconds each took."""
+    metrics: dict[str, float] = {}
+    walls, load = [], ab._load()
+    for script, full, short, paths in BENCHMARKS:
+        rec = ab.run_one(tree, script, short if quick else full, paths, timeout)
+        metrics.update(rec["metrics"])
+        walls.append(rec["wall_s"])
+    return {"tree": tree, "load": load, "wall_s": walls, "figures": figures(metrics)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--tree", action="append", default=[], metavar="NAME=DIR",
+                   help="a checkout to run (the first is the base; default: this one)")
+    p.add_argument("--invocations", type=int, default=3, help="invocations of each tree (default 3)")
+    p.add_argument("--quick", action="store_true", help="short benchmarks: to try the script, not to quote")
+    p.add_argument("--out", help="append every invocation's figures here (JSON lines)")
+    p.add_argument("--timeout", type=float, default=1200, help="seconds one benchmark may take")
+    p.add_argument("--summarize", metavar="FILE", help="only summarize this --out file")
+    args = p.parse_args(argv)
+    if args.summarize:
+        with open(args.summarize) as f:
+            print(summarize([json.loads(line) for line in f if line.strip()]))
+        return 0
+    if args.invocations < 1:
+        p.error("--invocations must be at least 1")
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    trees = [t.split("=", 1) for t in args.tree] or [["this", here]]
+    if any(len(t) != 2 or not os.path.isdir(t[1]) for t in trees):
+        p.error("--tree takes NAME=DIR, DIR a checkout")
+    records = []
+    for k in range(args.invocations):
+        for name, tree in trees[k % len(trees):] + trees[:k % len(trees)]:
+            rec = invoke(os.path.abspath(tree), args.quick, args.timeout)
+            rec.update(round=k, name=name, base=trees[0][0])
+            records.append(rec)
+            print(json.dumps(rec), flush=True)
+            if args.out:
+                with open(args.out, "a") as f:
+                    f.write(json.dumps(rec) + "\n")
+    print(summarize(records))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
