@@ -27,8 +27,12 @@ as ``ab.py`` does) and the ratios to the first tree follow::
     python benchmarks/targets.py --tree base=/path/to/before --tree new=. --invocations 3
     python benchmarks/targets.py --summarize targets.jsonl     # a --out file again
 
-``--quick`` shortens every benchmark (to try the script, not to quote). A script
-that prints figures, not a test.
+The workers' figure pairs host k with multi-controller process k: each holds
+device k of the same two-device collective. ``--quick`` shortens
+``island_dispatch.py`` and ``chained.py`` (to try the script, not to quote). A
+benchmark that fails or lacks a figure loses only its figures, shown as ``-``.
+Records are numbered by invocation (``round``, as ``ab.py``'s); ``--first-round``
+continues an ``--out`` file. A script that prints figures, not a test.
 """
 from __future__ import annotations
 
@@ -36,6 +40,7 @@ import argparse
 import json
 import operator
 import os
+import subprocess
 import sys
 from typing import Any, Callable
 
@@ -44,15 +49,15 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import ab  # noqa: E402  (benchmarks/ab.py)
 
 F_CPU = "zpath.F.cpu_us_per_comp.worker-i0-h{0}/multi_controller.F.cpu_us_per_comp.process{0}"
-# (name, what, the comparison, the target)
-TARGETS: list[tuple[str, str, Callable[[float, float], bool], float]] = [
-    ("workers_F", "workers' CPU per -F computation / MC's (larger host)", operator.le, 1.05),
-    ("F", "-F zpath / MC", operator.ge, 0.95),
-    ("C", "-C zpath / MC", operator.ge, 0.95),
-    ("ici_1K_us", "1 KiB ICI piece, channel time (µs)", operator.le, 150.0),
-    ("ici_64M", "64 MiB ICI piece / warm memcpy", operator.ge, 0.80),
-    ("O", "-O zpath / MC", operator.ge, 0.40),
-    ("ctl_O_us", "controller CPU per -O computation (µs)", operator.le, 150.0),
+# (name, what, the comparison, the target, how its figures print)
+TARGETS: list[tuple[str, str, Callable[[float, float], bool], float, str]] = [
+    ("workers_F", "workers' CPU per -F computation / MC's (larger host)", operator.le, 1.05, ".3f"),
+    ("F", "-F zpath / MC", operator.ge, 0.95, ".3f"),
+    ("C", "-C zpath / MC", operator.ge, 0.95, ".3f"),
+    ("ici_1K_us", "1 KiB ICI piece, channel time (µs)", operator.le, 150.0, ".0f"),
+    ("ici_64M", "64 MiB ICI piece / warm memcpy", operator.ge, 0.80, ".3f"),
+    ("O", "-O zpath / MC", operator.ge, 0.40, ".3f"),
+    ("ctl_O_us", "controller CPU per -O computation (µs)", operator.le, 150.0, ".0f"),
 ]
 # per benchmark: its arguments (full, --quick) and the figures read from its JSON
 BENCHMARKS: list[tuple[str, list[str], list[str], dict[str, str]]] = [
@@ -87,15 +92,15 @@ def table(records: list[dict[str, Any]]) -> str:
         lines.append(f"\n{name} ({mine[0]['tree']}), {len(mine)} invocation(s)")
         head = f"  {'figure':<54}{'target':>9}  " + " ".join(f"{'#' + str(r['round']):>8}" for r in mine)
         lines += [head + "  met in", "  " + "-" * (len(head) + 6)]
-        for key, what, ok, target in TARGETS:
+        for key, what, ok, target, fmt in TARGETS:
             values = [r["figures"].get(key) for r in mine]
             met = sum(v is not None and ok(v, target) for v in values)
-            shown = " ".join(f"{'-':>8}" if v is None else f"{v:>8.3g}" for v in values)
+            shown = " ".join(f"{'-':>8}" if v is None else f"{v:>8{fmt}}" for v in values)
             sign = "<=" if ok is operator.le else ">="
             measured = sum(v is not None for v in values)
             verdict = f"{met} of {measured}" + (" (each)" if measured and met == measured else "")
             lines.append(f"  {what:<54}{sign:>3} {target:<5g}  {shown}  {verdict}")
-        loads = ", ".join(r["load"] for r in mine)
+        loads = ", ".join(r["load_before"] for r in mine)
         lines.append(f"  (load average before each invocation: {loads})")
     return "\n".join(lines)
 
@@ -104,20 +109,32 @@ def summarize(records: list[dict[str, Any]]) -> str:
     """The table, and with several trees the ratios to the first (ab.py's summary)."""
     text = table(records)
     if len({r["name"] for r in records}) > 1:
-        text += "\n" + ab.summarize([dict(r, metrics=r["figures"]) for r in records])
+        # (the figures every invocation gave: ab.py pairs each of them)
+        common = [k for k in records[0]["figures"] if all(k in r["figures"] for r in records)]
+        text += "\n" + ab.summarize([dict(r, metrics={k: r["figures"][k] for k in common}) for r in records])
     return text
 
 
 def invoke(tree: str, quick: bool, timeout: float) -> dict[str, Any]:
-    """One invocation of the three benchmarks in ``tree``: their figures, the load
-    before, and the seconds each took."""
+    """One invocation of the three benchmarks in ``tree``: their figures, and per
+    benchmark the load before and after and the seconds it took (or why it gave
+    no figures: the others still run)."""
     metrics: dict[str, float] = {}
-    walls, load = [], ab._load()
+    runs = []
     for script, full, short, paths in BENCHMARKS:
-        rec = ab.run_one(tree, script, short if quick else full, paths, timeout)
+        try:
+            rec = ab.run_one(tree, script, short if quick else full, paths, timeout)
+        except (SystemExit, KeyError, subprocess.TimeoutExpired) as e:
+            # (a failed run, or JSON without a figure: ab.run_one says which)
+            why = f"{type(e).__name__}: {e}"
+            print(f"{script} in {tree}: no figures ({why[-2000:]})", file=sys.stderr, flush=True)
+            runs.append({"script": script, "failed": why[-2000:]})
+            continue
         metrics.update(rec["metrics"])
-        walls.append(rec["wall_s"])
-    return {"tree": tree, "load": load, "wall_s": walls, "figures": figures(metrics)}
+        runs.append({"script": script, "load_before": rec["load_before"], "load_after": rec["load_after"],
+                     "wall_s": rec["wall_s"]})
+    load = next((r["load_before"] for r in runs if "load_before" in r), "-")
+    return {"tree": tree, "load_before": load, "runs": runs, "figures": figures(metrics)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -127,7 +144,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--invocations", type=int, default=3, help="invocations of each tree (default 3)")
     p.add_argument("--quick", action="store_true", help="short benchmarks: to try the script, not to quote")
     p.add_argument("--out", help="append every invocation's figures here (JSON lines)")
-    p.add_argument("--timeout", type=float, default=1200, help="seconds one benchmark may take")
+    p.add_argument("--first-round", type=int, default=0,
+                   help="number of the first invocation (to add invocations to an --out file)")
+    p.add_argument("--timeout", type=float, default=1200, help="seconds one benchmark's invocation may take")
     p.add_argument("--summarize", metavar="FILE", help="only summarize this --out file")
     args = p.parse_args(argv)
     if args.summarize:
@@ -141,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     if any(len(t) != 2 or not os.path.isdir(t[1]) for t in trees):
         p.error("--tree takes NAME=DIR, DIR a checkout")
     records = []
-    for k in range(args.invocations):
+    for k in range(args.first_round, args.first_round + args.invocations):
         for name, tree in trees[k % len(trees):] + trees[:k % len(trees)]:
             rec = invoke(os.path.abspath(tree), args.quick, args.timeout)
             rec.update(round=k, name=name, base=trees[0][0])
