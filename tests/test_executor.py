@@ -298,7 +298,7 @@ _SCRIPT = textwrap.dedent("""
     # plain computations queued back to back: the settler thread stores each
     # one's outputs and reports it while the next one runs, which reads it as
     # it is; one that reads it in another sharding waits for the settler
-    import collections, threading, time
+    import collections, sys, threading, time
     executor_module.SHORT_S = 0.001
     reports = queue.Queue()
     slow = set()       # exec ids whose report takes 30 ms (a settler put off by the OS)
@@ -315,6 +315,13 @@ _SCRIPT = textwrap.dedent("""
             CountingDeque.appended += 1
             super().append(item)
     ex._settles = CountingDeque()
+    wakes = []          # per wake of the settler: the function that woke it
+    class WakeQueue(queue.SimpleQueue):
+        def put(self, item, *a, **k):
+            wakes.append(sys._getframe(1).f_code.co_name if item else "stop")
+            super().put(item, *a, **k)
+    old_wake, ex._settle_wake = ex._settle_wake, WakeQueue()
+    old_wake.put(True)      # (the settler waits on the old one: it goes round to the new one)
     reads = []
     input_shard = ex._input_shard
     def counting_input_shard(buffer, inp, s):
@@ -335,6 +342,7 @@ _SCRIPT = textwrap.dedent("""
     res["settle_reports"] = [[i, e] for i, e, _ in got]
     res["settle_threads"] = [t for _, _, t in got]
     res["settle_deferred"] = CountingDeque.appended
+    res["settle_wakes"] = list(wakes)
     res["settle_reads"] = list(reads)
     res["settle_values"] = [[np.asarray(ex.store.entry(shard_key(b, d.id, r)).value).tolist()
                              for d, r in zip(two, regs)]
@@ -393,6 +401,23 @@ _SCRIPT = textwrap.dedent("""
     prepared_g.fn = run_g
     executor_module._Prepared.output_shards = output_shards
     res["settle_nothing_more"] = reports.empty()
+    # a bug in the executor thread (outside what a computation's failure
+    # covers) after the one before was left to the settler: that one is
+    # still settled and reported
+    run = ex._run
+    def failing_run(entry, devs, index, chain=None):
+        if entry.exec_id == 91:
+            raise RuntimeError("injected bug")
+        return run(entry, devs, index, chain)
+    ex._run = failing_run
+    ex.submit(numbered(90, node(digest, 7300, 7301)))
+    ex.submit(numbered(91, node(digest, 7301, 7302)))
+    for d, r in zip(two, ([[0, 1]], [[1, 2]])):
+        ex.store.set(shard_key(7300, d.id, r), jax.device_put(np.zeros(1), d))
+    try:
+        res["settle_after_bug"] = reports.get(timeout=20)[:2]
+    except queue.Empty:
+        res["settle_after_bug"] = None
     ex.stop()
     # an output other than the call declared (the controller counts the declared
     # one): that computation fails, alone; the next one runs
@@ -586,6 +611,9 @@ def test_back_to_back_computations_are_settled_beside_the_next_one(results):
     # the next runs, unless the executor thread must wait and does it first);
     # the last, with nothing after it, was settled by its own executor thread
     assert results["settle_deferred"] == 9
+    # the settler was woken for each of those as the next one's XLA call
+    # started, not before (while that one's inputs were made)
+    assert results["settle_wakes"] == ["_execute"] * 9
     assert results["settle_threads"][-1].startswith("exec_")
     # the chain read its predecessors' outputs as they were: the store was read
     # for the first one's input and for 5008 by the two that read it later
@@ -603,6 +631,10 @@ def test_a_failure_to_store_outputs_fails_them_and_is_reported(results):
     # its outputs fail; the next one had read them as they were and went on
     assert results["settle_failed_stored"] == [[err, err], [[7.0], [7.0]]]
     assert results["settle_nothing_more"]
+
+
+def test_a_bug_in_the_executor_thread_still_settles_the_one_before(results):
+    assert results["settle_after_bug"] == [90, None]
 
 
 def test_a_failure_of_the_next_one_leaves_the_outputs_it_read_as_they_are(results):
