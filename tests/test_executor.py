@@ -401,6 +401,26 @@ _SCRIPT = textwrap.dedent("""
     prepared_g.fn = run_g
     executor_module._Prepared.output_shards = output_shards
     res["settle_nothing_more"] = reports.empty()
+    # one without outputs (it passes nothing on to the next one) left to the
+    # settler: reported while the next one runs (slowly here), not after it
+    dz, bz = export(lambda x: (), (2,), np.float64, two, P("i"), ())
+    ex.add_program(dz, bz)
+    ended = []
+    def slow_g(*a):
+        time.sleep(0.3)
+        out = run_g(*a)
+        ended.append(time.monotonic())
+        return out
+    prepared_g.fn = slow_g
+    ex.submit(numbered(85, dataclasses.replace(node(dz, 7500, 0), outputs=[])))
+    ex.submit(numbered(86, node(dg, 7500, 7501)))
+    for d, r in zip(two, ([[0, 1]], [[1, 2]])):
+        ex.store.set(shard_key(7500, d.id, r), jax.device_put(np.zeros(1), d))
+    first = reports.get(timeout=60)
+    first_at = time.monotonic()
+    second = reports.get(timeout=60)
+    res["settle_no_outputs"] = [first[:2], second[:2], first_at < ended[0]]
+    prepared_g.fn = run_g
     # a bug in the executor thread (outside what a computation's failure
     # covers) after the one before was left to the settler: that one is
     # still settled and reported
@@ -631,6 +651,10 @@ def test_a_failure_to_store_outputs_fails_them_and_is_reported(results):
     # its outputs fail; the next one had read them as they were and went on
     assert results["settle_failed_stored"] == [[err, err], [[7.0], [7.0]]]
     assert results["settle_nothing_more"]
+
+
+def test_one_without_outputs_is_reported_while_the_next_one_runs(results):
+    assert results["settle_no_outputs"] == [[85, None], [86, None], True]
 
 
 def test_a_bug_in_the_executor_thread_still_settles_the_one_before(results):

@@ -263,6 +263,8 @@ class Executor:
                         self.release_held()
                     continue
                 self._report(entry, done)
+            if chain is not None:      # stopped with one left to the settler, which may have gone
+                self._drain_settles()
 
     def _report(self, nxt: tuple | None, done: tuple) -> None:
         """Report a finished computation (``done`` as ``_run`` returns it;
@@ -602,8 +604,8 @@ class Executor:
             # the one before left its settling to the settler: woken now, it
             # works while this thread waits in XLA without the GIL, not while
             # this thread makes the inputs above (it would take the GIL and the
-            # core from it); had this one failed or waited before here, this
-            # thread settled that itself (_run, _wait)
+            # core from it); had this one failed, waited for an input or donated
+            # one before here, this thread settled that itself (_run, _wait, above)
             self._settle_wake.put(True)
         outs = prepared.fn(*args)
         # Run to completion before the next computation: a failure is reported
