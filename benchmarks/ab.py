@@ -31,7 +31,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Any
+from typing import Any, Callable
 
 BOOTSTRAP = 10_000
 
@@ -125,26 +125,40 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("command", nargs="*", help="the script (relative to each tree) and its arguments")
     args = p.parse_args(argv)
     if args.summarize:
-        with open(args.summarize) as f:
-            print(summarize([json.loads(line) for line in f if line.strip()]))
+        print(summarize(read_records(args.summarize)))
         return 0
     if len(args.tree) < 2 or not args.metric or not args.command:
         p.error("needs two --tree, a --metric and a command")
     trees = [t.split("=", 1) for t in args.tree]
     metrics = dict(m.split("=", 1) for m in args.metric)
+    records = alternate(trees, range(args.first_round, args.first_round + args.rounds), args.out,
+                        lambda tree: run_one(tree, args.command[0], args.command[1:], metrics, args.timeout))
+    print(summarize(records))
+    return 0
+
+
+def read_records(path: str) -> list[dict[str, Any]]:
+    """The records of an ``--out`` file."""
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def alternate(trees: list[list[str]], rounds: range, out: str | None,
+              run: Callable[[str], dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each round, ``run`` in every tree (``[name, dir]``, the first the base),
+    in an order that rotates from round to round; each record printed as a JSON
+    line and appended to ``out`` as it comes."""
     records = []
-    for k in range(args.first_round, args.first_round + args.rounds):
-        order = trees[k % len(trees):] + trees[:k % len(trees)]
-        for name, tree in order:
-            rec = run_one(os.path.abspath(tree), args.command[0], args.command[1:], metrics, args.timeout)
+    for k in rounds:
+        for name, tree in trees[k % len(trees):] + trees[:k % len(trees)]:
+            rec = run(os.path.abspath(tree))
             rec.update(round=k, name=name, base=trees[0][0])
             records.append(rec)
             print(json.dumps(rec), flush=True)
-            if args.out:
-                with open(args.out, "a") as f:
+            if out:
+                with open(out, "a") as f:
                     f.write(json.dumps(rec) + "\n")
-    print(summarize(records))
-    return 0
+    return records
 
 
 if __name__ == "__main__":

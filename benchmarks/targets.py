@@ -37,7 +37,6 @@ continues an ``--out`` file. A script that prints figures, not a test.
 from __future__ import annotations
 
 import argparse
-import json
 import operator
 import os
 import subprocess
@@ -150,8 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--summarize", metavar="FILE", help="only summarize this --out file")
     args = p.parse_args(argv)
     if args.summarize:
-        with open(args.summarize) as f:
-            print(summarize([json.loads(line) for line in f if line.strip()]))
+        print(summarize(ab.read_records(args.summarize)))
         return 0
     if args.invocations < 1:
         p.error("--invocations must be at least 1")
@@ -159,16 +157,8 @@ def main(argv: list[str] | None = None) -> int:
     trees = [t.split("=", 1) for t in args.tree] or [["this", here]]
     if any(len(t) != 2 or not os.path.isdir(t[1]) for t in trees):
         p.error("--tree takes NAME=DIR, DIR a checkout")
-    records = []
-    for k in range(args.first_round, args.first_round + args.invocations):
-        for name, tree in trees[k % len(trees):] + trees[:k % len(trees)]:
-            rec = invoke(os.path.abspath(tree), args.quick, args.timeout)
-            rec.update(round=k, name=name, base=trees[0][0])
-            records.append(rec)
-            print(json.dumps(rec), flush=True)
-            if args.out:
-                with open(args.out, "a") as f:
-                    f.write(json.dumps(rec) + "\n")
+    records = ab.alternate(trees, range(args.first_round, args.first_round + args.invocations), args.out,
+                           lambda tree: invoke(tree, args.quick, args.timeout))
     print(summarize(records))
     return 0
 
