@@ -402,24 +402,23 @@ _SCRIPT = textwrap.dedent("""
     executor_module._Prepared.output_shards = output_shards
     res["settle_nothing_more"] = reports.empty()
     # one without outputs (it passes nothing on to the next one) left to the
-    # settler: reported while the next one runs (slowly here), not after it
+    # settler: reported while the next one runs, not after it (the next one's
+    # call waits until the first report is here, or gives up after 20 s)
     dz, bz = export(lambda x: (), (2,), np.float64, two, P("i"), ())
     ex.add_program(dz, bz)
-    ended = []
-    def slow_g(*a):
-        time.sleep(0.3)
-        out = run_g(*a)
-        ended.append(time.monotonic())
-        return out
-    prepared_g.fn = slow_g
+    first_reported, during = threading.Event(), []
+    def gated_g(*a):
+        during.append(first_reported.wait(timeout=20))
+        return run_g(*a)
+    prepared_g.fn = gated_g
     ex.submit(numbered(85, dataclasses.replace(node(dz, 7500, 0), outputs=[])))
     ex.submit(numbered(86, node(dg, 7500, 7501)))
     for d, r in zip(two, ([[0, 1]], [[1, 2]])):
         ex.store.set(shard_key(7500, d.id, r), jax.device_put(np.zeros(1), d))
     first = reports.get(timeout=60)
-    first_at = time.monotonic()
+    first_reported.set()
     second = reports.get(timeout=60)
-    res["settle_no_outputs"] = [first[:2], second[:2], first_at < ended[0]]
+    res["settle_no_outputs"] = [first[:2], second[:2], during == [True]]
     prepared_g.fn = run_g
     # a bug in the executor thread (outside what a computation's failure
     # covers) after the one before was left to the settler: that one is
