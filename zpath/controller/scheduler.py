@@ -182,6 +182,9 @@ class TenantScheduler:
         # (``_joins``, the only way one comes: add, sent, finished)
         self._sole: dict[int, int] = {}
         self._shared: set[int] = set()           # clients that carry others' work (add_client)
+        # the window of an island one client alone uses: alone_window_s while
+        # it is the only client connected and not a shared one (_connected)
+        self._one_user_window = self.solo_window_s
 
     # ---- clients ---------------------------------------------------------------
     def add_client(self, client: int, weight: float = 1.0, shared: bool = False) -> None:
@@ -192,12 +195,20 @@ class TenantScheduler:
         self.weights[client] = float(weight)
         if shared:
             self._shared.add(client)
+        self._connected()
+
+    def _connected(self) -> None:
+        """The clients connected changed: the window of an island one of them
+        alone uses."""
+        alone = len(self.weights) == 1 and not self._shared
+        self._one_user_window = self.alone_window_s if alone else self.solo_window_s
 
     def remove_client(self, client: int) -> list[Ready]:
         """The client left: drop and return its queued computations (its running
         ones finish and are still accounted)."""
         self.weights.pop(client, None)
         self._shared.discard(client)
+        self._connected()
         dropped = []
         for island, queues in self._queues.items():
             dropped += queues.pop(client, ())
@@ -310,15 +321,14 @@ class TenantScheduler:
             return self.window_s
         sole = self._sole.get(island)
         if sole is not None and (client is None or client == sole):
-            # (the usual case, one client: no look at its work)
-            return self.alone_window_s if len(self.weights) == 1 and not self._shared else self.solo_window_s
+            return self._one_user_window      # (the usual case, one client: no look at its work)
         solo = self._window_of(island, client)
         if not solo:
             return self.window_s
         users = {*self._active.get(island, ()), *self._queues.get(island, ()), *self._seen.get(island, ())}
         if len(users) == 1:
             self._sole[island] = users.pop()
-        return self.alone_window_s if len(self.weights) == 1 and not self._shared else self.solo_window_s
+        return self._one_user_window
 
     def _window_of(self, island: int, client: int | None) -> bool:
         """``window`` looking at the island's clients: whether it is the solo
