@@ -53,15 +53,22 @@ def _quantiles(xs: list[float]) -> dict[str, float]:
     return {"p10": q[0], "median": statistics.median(xs), "p90": q[8], "n": len(xs)}
 
 
-def _first_start(client: Any, name: str, since: float, limit: int) -> float:
+def _first_start(client: Any, name: str, since: float, limit: int, wait_s: float = 10.0) -> float:
     """The earliest start (wall clock) of a computation ``name`` that started
-    after ``since``, from the controller's timeline."""
+    after ``since``, from the controller's timeline. Asked again until it is
+    there, for up to ``wait_s``: the value fetched from a worker may reach the
+    caller before that worker's report reaches the controller."""
     from zpath.net import messages as m
 
-    recs = client.request(m.TimelineRequest(limit)).records
-    starts = [r.start for r in recs if r.name == name and r.start >= since]
+    deadline = time.monotonic() + wait_s
+    while True:
+        recs = client.request(m.TimelineRequest(limit)).records
+        starts = [r.start for r in recs if r.name == name and r.start >= since]
+        if starts or time.monotonic() > deadline:
+            break
+        time.sleep(0.002)
     if not starts:
-        raise RuntimeError(f"no computation {name!r} on the timeline after the call")
+        raise RuntimeError(f"no computation {name!r} on the timeline {wait_s:g} s after the call")
     return min(starts)
 
 
