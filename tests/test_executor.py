@@ -201,6 +201,34 @@ _SCRIPT = textwrap.dedent("""
     res["two_failures"] = [err.message, [[hf.store.entry(shard_key(5000 + c, d.id, r_)).error.message
                                           for d, r_ in zip(two, ([[0, 1]], [[1, 2]]))] for c in (1, 2, 3)]]
 
+    # a computation with two outputs takes the short way in the general form;
+    # what reads one of them, with one input and one output, in the shorter one
+    # (g's program on this executor fails, above: the reader is another one)
+    d2, b2 = export(lambda x: (x + 10., x * 3.), (2,), np.float64, two, P("i"), (P("i"), P("i")))
+    dh, bh = export(lambda x: x - 2., (2,), np.float64, two, P("i"), P("i"))
+    for dig, bl in ((d2, b2), (dh, bh)):
+        hf.ex.add_program(dig, bl)
+    aval = m.Aval([2], "float64")
+    two_out = m.Execute(0, 0, d2, "n2", [2], ["i"], ids, ids,
+                        [m.ExecInput(0, aval, ["i"], [m.ShardInput(d.id, r, []) for d, r in zip(two, halves)])],
+                        [m.ExecOutput(1, aval, ["i"]), m.ExecOutput(2, aval, ["i"])])
+    template3 = [node(digest, -1, 0), two_out, node(dh, 2, 3)]
+    plan3 = [None]
+    def fused3(r):
+        hf.put(r * 1000 - 1, np.zeros(2), two, P("i"))
+        hf.ex.submit(FusedRun(r, r, "fused", ids, template3, [r * 1000 - 1], r * 1000, [0, 2], plan3))
+        got, err = hf.done.get(timeout=60)
+        assert got == r
+        return [None if err is None else err.message,
+                [[e.error.message if e.error else np.asarray(e.value).tolist()
+                  for e in (hf.store.entry(shard_key(r * 1000 + c, d.id, r_))
+                            for d, r_ in zip(two, ([[0, 1]], [[1, 2]])))] for c in (1, 3)]]
+    res["fused_general"] = [fused3(6), fused3(7)]
+    res["fused_general_steps"] = ["none" if s is None else "general" if s[3] is None else "one"
+                                  for s in plan3[0].steps]
+    plan3[0].steps[1][0].fn = boom           # the two-output program, taken the short way
+    res["fused_general"].append(fused3(8))
+
     # completions of short computations run back to back are reported with
     # ``hold`` (but not the last); held reports are released before the thread
     # waits for an input. SHORT_S is raised so that a loaded machine cannot make
@@ -536,6 +564,13 @@ def test_a_fused_run_passes_arrays_on_the_short_way_and_fails_what_a_failure_rea
     # a second failure on the short way poisons its outputs as the first did
     err, outs = results["two_failures"]
     assert err == "RuntimeError: injected" and outs == [[err, err]] * 3
+    # the general form (two outputs) and the shorter one (one input, one
+    # output) side by side: 0 -> psum + 1 = 1 -> (11, 3) -> 3 - 2 = 1, twice
+    assert results["fused_general_steps"] == ["none", "general", "one"]
+    assert results["fused_general"][:2] == [[None, [[[11.0], [11.0]], [[1.0], [1.0]]]]] * 2
+    # the general form failing: both its outputs fail, and what reads them
+    err, outs = results["fused_general"][2]
+    assert err == "RuntimeError: injected" and outs == [[err, err]] * 2
 
 
 def test_short_computations_run_back_to_back_are_reported_with_hold(results):
