@@ -201,8 +201,8 @@ _SCRIPT = textwrap.dedent("""
     res["two_failures"] = [err.message, [[hf.store.entry(shard_key(5000 + c, d.id, r_)).error.message
                                           for d, r_ in zip(two, ([[0, 1]], [[1, 2]]))] for c in (1, 2, 3)]]
 
-    # a computation with two outputs takes the short way in the general form;
-    # what reads one of them, with one input and one output, in the shorter one
+    # a computation with two outputs takes the short way too, and so does what
+    # reads one of them
     # (g's program on this executor fails, above: the reader is another one)
     d2, b2 = export(lambda x: (x + 10., x * 3.), (2,), np.float64, two, P("i"), (P("i"), P("i")))
     dh, bh = export(lambda x: x - 2., (2,), np.float64, two, P("i"), P("i"))
@@ -224,8 +224,7 @@ _SCRIPT = textwrap.dedent("""
                   for e in (hf.store.entry(shard_key(r * 1000 + c, d.id, r_))
                             for d, r_ in zip(two, ([[0, 1]], [[1, 2]])))] for c in (1, 3)]]
     res["fused_general"] = [fused3(6), fused3(7)]
-    res["fused_general_steps"] = ["none" if s is None else "general" if s[3] is None else "one"
-                                  for s in plan3[0].steps]
+    res["fused_general_steps"] = [s is not None for s in plan3[0].steps]
     plan3[0].steps[1][0].fn = boom           # the two-output program, taken the short way
     res["fused_general"].append(fused3(8))
 
@@ -564,11 +563,11 @@ def test_a_fused_run_passes_arrays_on_the_short_way_and_fails_what_a_failure_rea
     # a second failure on the short way poisons its outputs as the first did
     err, outs = results["two_failures"]
     assert err == "RuntimeError: injected" and outs == [[err, err]] * 3
-    # the general form (two outputs) and the shorter one (one input, one
-    # output) side by side: 0 -> psum + 1 = 1 -> (11, 3) -> 3 - 2 = 1, twice
-    assert results["fused_general_steps"] == ["none", "general", "one"]
+    # a short way node with two outputs, then one that reads the second:
+    # 0 -> psum + 1 = 1 -> (11, 3) -> 3 - 2 = 1, twice
+    assert results["fused_general_steps"] == [False, True, True]
     assert results["fused_general"][:2] == [[None, [[[11.0], [11.0]], [[1.0], [1.0]]]]] * 2
-    # the general form failing: both its outputs fail, and what reads them
+    # the node with two outputs failing: both fail, and what reads them
     err, outs = results["fused_general"][2]
     assert err == "RuntimeError: injected" and outs == [[err, err]] * 2
 

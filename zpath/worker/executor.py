@@ -457,25 +457,7 @@ class Executor:
         arrays, unstored = made.arrays, made.unstored
         for sub, step in zip(run.executes, plan.steps, strict=True):
             if step is not None:
-                prepared, ins, outs, one = step
-                if one is not None:      # one input, one output (a chain's usual node): fewer steps
-                    c_in, c_out, sharding_out, o, intermediate = one
-                    got_in = arrays.get(first + c_in)
-                    if got_in is not None:
-                        b = first + c_out
-                        try:
-                            out = prepared.fn(got_in[0])[0]
-                            out.block_until_ready()
-                            arrays[b] = (out, sharding_out, prepared, 0, o)
-                            if intermediate:
-                                unstored.add(b)
-                            else:
-                                self._store_output(prepared, 0, o, b, out)
-                        except Exception as e:
-                            arrays.pop(b, None)      # what reads it reads the error from the store
-                            e = self._failed(sub, run.exec_id, run.buffer, e, made)
-                            error = error or e
-                        continue
+                prepared, ins, outs = step
                 try:
                     args = [arrays[first + c][0] for c in ins]
                 except KeyError:      # an input failed: _execute fails this one
@@ -764,9 +746,7 @@ class _FusedPlan:
     """What the runs of one fused program share: per computation, None (it
     goes through ``Executor._execute``) or, when every input is made earlier in
     the run in the sharding it reads it in, (its prepared program, its inputs'
-    codes, per output (code, sharding, ExecOutput, whether an intermediate),
-    and for one with one input and one output that output's tuple led by the
-    input's code, else None: ``_run_fused`` runs those with fewer steps)."""
+    codes, per output (code, sharding, ExecOutput, whether an intermediate))."""
 
     __slots__ = ("steps",)
 
@@ -782,10 +762,9 @@ class _FusedPlan:
             if prepared is not None and all(
                     i.buffer >= 0 and made.get(i.buffer) == prepared.in_shardings[k]
                     for k, i in enumerate(ex.inputs)):
-                outs = [(o.buffer, prepared.out_shardings[k], o, o.buffer in release)
-                        for k, o in enumerate(ex.outputs)]
-                one = (ex.inputs[0].buffer,) + outs[0] if len(ex.inputs) == 1 and len(outs) == 1 else None
-                step = (prepared, [i.buffer for i in ex.inputs], outs, one)
+                step = (prepared, [i.buffer for i in ex.inputs],
+                        [(o.buffer, prepared.out_shardings[k], o, o.buffer in release)
+                         for k, o in enumerate(ex.outputs)])
             self.steps.append(step)
             for k, o in enumerate(ex.outputs):
                 made[o.buffer] = prepared.out_shardings[k] if prepared is not None else None
