@@ -214,15 +214,15 @@ _SCRIPT = textwrap.dedent("""
                         [m.ExecOutput(1, aval, ["i"]), m.ExecOutput(2, aval, ["i"])])
     template3 = [node(digest, -1, 0), two_out, node(dh, 2, 3)]
     plan3 = [None]
+    def shown(b):       # per device: its shard of buffer b, or its error
+        es = [hf.store.entry(shard_key(b, d.id, r_)) for d, r_ in zip(two, ([[0, 1]], [[1, 2]]))]
+        return [e.error.message if e.error else np.asarray(e.value).tolist() for e in es]
     def fused3(r):
         hf.put(r * 1000 - 1, np.zeros(2), two, P("i"))
         hf.ex.submit(FusedRun(r, r, "fused", ids, template3, [r * 1000 - 1], r * 1000, [0, 2], plan3))
         got, err = hf.done.get(timeout=60)
         assert got == r
-        return [None if err is None else err.message,
-                [[e.error.message if e.error else np.asarray(e.value).tolist()
-                  for e in (hf.store.entry(shard_key(r * 1000 + c, d.id, r_))
-                            for d, r_ in zip(two, ([[0, 1]], [[1, 2]])))] for c in (1, 3)]]
+        return [None if err is None else err.message, [shown(r * 1000 + c) for c in (1, 3)]]
     res["fused_general"] = [fused3(6), fused3(7)]
     res["fused_general_steps"] = [s is not None for s in plan3[0].steps]
     plan3[0].steps[1][0].fn = boom           # the two-output program, taken the short way
