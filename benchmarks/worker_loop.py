@@ -11,12 +11,19 @@ times each after a warm-up):
   JAX multi-controller process does in benchmarks/chained.py);
 * ``jax-each``: the same, blocking after every call (what the worker does);
 * ``fused``: one ``FusedRun`` of all the nodes submitted to the worker's
-  ``Executor`` (the path a fused ``@zp.program`` run takes on each host);
+  ``Executor`` (the path a fused ``@zp.program`` run takes on each host: the
+  nodes after the first form one series, see ``Executor._run_series``);
+* ``fused-steps``: the same, node by node on the short way, without series
+  (how fused runs went before them);
 * ``fused-execute``: the same, with every node sent through
   ``Executor._execute`` as a plain call is (how fused runs went before their
   short way, see ``Executor._run_fused``);
 * ``plain``: one ``Execute`` per node submitted to the ``Executor`` (the path
   of plain calls on a host, minus the I/O thread and the controller).
+
+With ``--solo`` there is one process with one CPU device and the computation
+is ``x + 1.`` (no collective): what is left is the executor's own work per
+node, which on two processes and two cores the collective's spread hides.
 
 With ``--loop N`` each computation runs ``psum(x) + 1.`` N times in a
 ``fori_loop`` (``--loop 128`` is the -F computation of
@@ -37,7 +44,7 @@ this machine's CPU client it was 0-20% faster than ``jax-each``, as JAX
 overlaps some of the next call with the current one). This is a benchmark
 that prints figures, not a test.
 
-    python benchmarks/worker_loop.py [--nodes 512] [--repeats 10] [--loop 1] [--host-us 0] [--json out.json]
+    python benchmarks/worker_loop.py [--nodes 512] [--repeats 10] [--loop 1] [--host-us 0] [--solo] [--json out.json]
 """
 from __future__ import annotations
 
@@ -51,7 +58,7 @@ import sys
 import time
 from typing import Any
 
-VARIANTS = ("jax-end", "jax-each", "fused", "fused-execute", "plain")
+VARIANTS = ("jax-end", "jax-each", "fused", "fused-steps", "fused-execute", "plain")
 HOST_VARIANTS = ("jax-each+host", "jax-each+beside")
 
 
@@ -59,7 +66,7 @@ def variants(host_us: float) -> tuple[str, ...]:
     return VARIANTS + (HOST_VARIANTS if host_us > 0 else ())
 
 
-def child(idx: int, port: int, nodes: int, repeats: int, loop: int, host_us: float) -> None:
+def child(idx: int, port: int, nodes: int, repeats: int, loop: int, host_us: float, solo: bool) -> None:
     import hashlib
     import queue
     import threading
@@ -67,8 +74,9 @@ def child(idx: int, port: int, nodes: int, repeats: int, loop: int, host_us: flo
     import jax
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.config.update("jax_enable_x64", True)
-    jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=idx,
-                               initialization_timeout=60)
+    if not solo:
+        jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=idx,
+                                   initialization_timeout=60)
     import numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
@@ -77,21 +85,24 @@ def child(idx: int, port: int, nodes: int, repeats: int, loop: int, host_us: flo
     from zpath.worker.store import Store, shard_key
 
     devs, local = jax.devices(), jax.local_devices()
-    if len(devs) != 2 or len(local) != 1:
-        raise SystemExit(f"expected 2 devices, 1 per process; got {devs}, local {local}")
+    n_dev = 1 if solo else 2
+    devs = devs[:n_dev]
+    if len(devs) != n_dev or len(local) != 1:
+        raise SystemExit(f"expected {n_dev} devices, 1 per process; got {devs}, local {local}")
     mesh = Mesh(np.array(devs), ("i",))
     sh = NamedSharding(mesh, P("i"))
 
     def step(x):
-        return jax.lax.psum(x, "i") + 1.
+        return x + 1. if solo else jax.lax.psum(x, "i") + 1.
 
     def looped(x):
         # (the psum's result cast back to device-varying, so the carry keeps its type)
-        return jax.lax.fori_loop(0, loop, lambda i, y: jax.lax.pcast(step(y), "i", to="varying"), x)
+        return jax.lax.fori_loop(0, loop, lambda i, y: step(y) if solo else
+                                 jax.lax.pcast(step(y), "i", to="varying"), x)
 
     f = jax.jit(jax.shard_map(step if loop == 1 else looped, mesh=mesh,
                               in_specs=P("i"), out_specs=P("i")))
-    blob = bytes(jax.export.export(f)(jax.ShapeDtypeStruct((2,), np.float64, sharding=sh)).serialize())
+    blob = bytes(jax.export.export(f)(jax.ShapeDtypeStruct((n_dev,), np.float64, sharding=sh)).serialize())
     digest = hashlib.sha256(blob).hexdigest()
     store = Store()
     # reports counted down to one event (as the worker holds reports of short
@@ -108,12 +119,12 @@ def child(idx: int, port: int, nodes: int, repeats: int, loop: int, host_us: flo
 
     ex = Executor(store, {idx: local[0]}, on_done, jax_devices={d.id: d for d in devs})
     ex.add_program(digest, blob)
-    aval = m.Aval([2], "float64")
+    aval = m.Aval([n_dev], "float64")
     jax_ids = [d.id for d in devs]
     region = [[idx, idx + 1]]
 
     def execute(exec_id: int, inp: int, out: int) -> m.Execute:
-        return m.Execute(exec_id, exec_id, digest, "f", [2], ["i"], [0, 1], jax_ids,
+        return m.Execute(exec_id, exec_id, digest, "f", [n_dev], ["i"], list(range(n_dev)), jax_ids,
                          [m.ExecInput(inp, aval, ["i"], [m.ShardInput(idx, region, [])])],
                          [m.ExecOutput(out, aval, ["i"])])
 
@@ -121,7 +132,8 @@ def child(idx: int, port: int, nodes: int, repeats: int, loop: int, host_us: flo
     template = [execute(0, k - 1 if k else -1, k) for k in range(nodes)]
     plan: list = [None]        # what the executor works out on the first run
     no_short_way = _FusedPlan.__new__(_FusedPlan)
-    no_short_way.steps = [None] * nodes
+    no_short_way.steps, no_short_way.series = [None] * nodes, {}
+    no_series: list = [None]       # the short way's plan without its series
     ids = iter(range(1, 1 << 40))
 
     def put(value: float) -> int:
@@ -147,7 +159,7 @@ def child(idx: int, port: int, nodes: int, repeats: int, loop: int, host_us: flo
 
     def make(value: float) -> Any:
         return jax.make_array_from_single_device_arrays(
-            (2,), sh, [jax.device_put(np.full((1,), value), local[0])])
+            (n_dev,), sh, [jax.device_put(np.full((1,), value), local[0])])
 
     def jax_loop(each: bool) -> float:
         x = make(0.)
@@ -157,14 +169,17 @@ def child(idx: int, port: int, nodes: int, repeats: int, loop: int, host_us: flo
                 x.block_until_ready()
         return float(np.asarray(x.addressable_shards[0].data)[0])
 
-    def fused(short_way: bool) -> float:
+    def fused(short_way: bool, series: bool = True) -> float:
         x0, first = put(0.), next(ids)
         for _ in range(nodes):
             next(ids)
         e = next(ids)
         expect(1)
-        ex.submit(FusedRun(e, e, "chain", [0, 1], template, [x0], first, list(range(nodes - 1)),
-                           plan if short_way else [no_short_way]))
+        if short_way and not series and no_series[0] is None:
+            no_series[0] = _FusedPlan(ex, template, set(range(nodes - 1)))
+            no_series[0].series = {}
+        ex.submit(FusedRun(e, e, "chain", list(range(n_dev)), template, [x0], first, list(range(nodes - 1)),
+                           (plan if series else no_series) if short_way else [no_short_way]))
         wait()
         return fetch(first + nodes - 1)
 
@@ -203,12 +218,13 @@ def child(idx: int, port: int, nodes: int, repeats: int, loop: int, host_us: flo
         return float(np.asarray(x.addressable_shards[0].data)[0])
 
     runs = {"jax-end": lambda: jax_loop(False), "jax-each": lambda: jax_loop(True),
-            "fused": lambda: fused(True), "fused-execute": lambda: fused(False), "plain": plain,
+            "fused": lambda: fused(True), "fused-steps": lambda: fused(True, False),
+            "fused-execute": lambda: fused(False), "plain": plain,
             "jax-each+host": lambda: host_loop(True), "jax-each+beside": lambda: host_loop(False)}
     want = np.float64(0.)
     with np.errstate(over="ignore"):
         for _ in range(nodes * loop):
-            want = (want + want) + np.float64(1.)
+            want = (want if solo else want + want) + np.float64(1.)
     names = variants(host_us)
     times: dict[str, list[tuple[float, float]]] = {v: [] for v in names}
     for r in range(repeats + 1):              # the first round warms up
@@ -224,7 +240,8 @@ def child(idx: int, port: int, nodes: int, repeats: int, loop: int, host_us: flo
     work.put(None)
     if idx == 0:
         print("RESULT " + json.dumps(times), flush=True)
-    jax.distributed.shutdown()
+    if not solo:
+        jax.distributed.shutdown()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -236,6 +253,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--host-us", type=float, default=0.0,
                    help="also run jax-each with this much host work per call, between calls "
                         "and beside them (default 0: not run)")
+    p.add_argument("--solo", action="store_true",
+                   help="one process with one device, computing x + 1. (no collective): "
+                        "the executor's own cost per node")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON here")
     p.add_argument("--child", nargs=2, type=int, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -244,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.host_us < 0:
         p.error("--host-us must be >= 0")
     if args.child:
-        child(args.child[0], args.child[1], args.nodes, args.repeats, args.loop, args.host_us)
+        child(args.child[0], args.child[1], args.nodes, args.repeats, args.loop, args.host_us, args.solo)
         return 0
 
     here = os.path.dirname(os.path.abspath(__file__))
@@ -259,12 +279,13 @@ def main(argv: list[str] | None = None) -> int:
     port = free_port("127.0.0.1")
     cmd = [sys.executable, os.path.abspath(__file__), "--nodes", str(args.nodes),
            "--repeats", str(args.repeats), "--loop", str(args.loop), "--host-us", str(args.host_us),
-           "--child"]
+           *(["--solo"] if args.solo else []), "--child"]
     procs = [subprocess.Popen(cmd + [str(i), str(port)], env=env, stdout=subprocess.PIPE, text=True)
-             for i in range(2)]
+             for i in range(1 if args.solo else 2)]
     try:
         out, _ = procs[0].communicate(timeout=600)
-        procs[1].wait(timeout=60)
+        for proc in procs[1:]:
+            proc.wait(timeout=60)
     finally:
         stop_processes(procs, 5.0)
     line = next((ln for ln in out.splitlines() if ln.startswith("RESULT ")), None)
@@ -277,8 +298,10 @@ def main(argv: list[str] | None = None) -> int:
                "cpu_us_per_comp": statistics.median(c for _, c in times[v]) / n * 1e6,
                "runs_s": [t for t, _ in times[v]]} for v in variants(args.host_us)}
     base = res["jax-end"]["us_per_comp"]
-    what = "psum(x) + 1." if args.loop == 1 else f"{args.loop} x psum(x) + 1. (fori_loop)"
-    print(f"{what} chained {n} times, 2 processes x 1 CPU device (gloo), "
+    what = "x + 1." if args.solo else "psum(x) + 1."
+    what = what if args.loop == 1 else f"{args.loop} x {what} (fori_loop)"
+    where = "1 process x 1 CPU device" if args.solo else "2 processes x 1 CPU device (gloo)"
+    print(f"{what} chained {n} times, {where}, "
           f"median of {args.repeats} runs per variant"
           + (f"; host work {args.host_us:g} us per call" if args.host_us else ""))
     head = f"{'variant':<15} {'us/comp':>9} {'CPU us/comp (process 0)':>24} {'vs jax-end':>11}"
@@ -291,6 +314,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"nodes": n, "repeats": args.repeats, "loop": args.loop, "host_us": args.host_us,
+                       "solo": args.solo,
                        "results": res}, fh, indent=1)
     return 0
 

@@ -22,7 +22,7 @@ from zpath.worker.store import Store, shard_key
 pytestmark = pytest.mark.timeout(120)
 
 _SCRIPT = textwrap.dedent("""
-    import dataclasses, hashlib, json, os, queue
+    import dataclasses, hashlib, json, os, queue, types
     import numpy as np
     import jax
     jax.config.update("jax_enable_x64", True)
@@ -227,6 +227,29 @@ _SCRIPT = textwrap.dedent("""
     res["fused_general_steps"] = [s is not None for s in plan3[0].steps]
     plan3[0].steps[1][0].fn = boom           # the two-output program, taken the short way
     res["fused_general"].append(fused3(8))
+    res["fused_series"] = [{k: len(v[1]) for k, v in p[0].series.items()} for p in (plan, plan3)]
+
+    # a series: computations whose one output the next one alone reads run as
+    # a JAX loop does, the outputs passed on and not recorded
+    template4 = [node(digest, -1, 0)] + [node(digest, k, k + 1) for k in range(4)]
+    plan4 = [None]
+    def fused4(r):
+        hf.put(r * 1000 - 1, np.zeros(2), two, P("i"))
+        hf.ex.submit(FusedRun(r, r, "fused", ids, template4, [r * 1000 - 1], r * 1000, [0, 1, 2, 3], plan4))
+        got, err = hf.done.get(timeout=60)
+        assert got == r
+        return [None if err is None else err.message,
+                [shown(b) if any(hf.store.is_done(shard_key(b, d.id, r_)) for d, r_ in zip(two, halves))
+                 else "not stored" for b in (r * 1000 + 2, r * 1000 + 3, r * 1000 + 4)]]
+    res["series"] = [fused4(9)]
+    res["series_plan"] = {k: [v[0], len(v[1]), v[2]] for k, v in plan4[0].series.items()}
+    programs = plan4[0].series[1][1]
+    kept = programs[1]
+    programs[1] = types.SimpleNamespace(fn=boom)     # the series' second, computation 2, fails
+    res["series"].append(fused4(10))
+    programs[1] = kept
+    res["series"].append(fused4(11))
+    res["series_waited"] = [r in hf.ex.waited for r in (9, 10, 11)]
 
     # completions of short computations run back to back are reported with
     # ``hold`` (but not the last); held reports are released before the thread
@@ -570,6 +593,25 @@ def test_a_fused_run_passes_arrays_on_the_short_way_and_fails_what_a_failure_rea
     # the node with two outputs failing: both fail, and what reads them
     err, outs = results["fused_general"][2]
     assert err == "RuntimeError: injected" and outs == [[err, err]] * 2
+
+
+def test_a_series_in_a_fused_run_passes_outputs_on_as_a_jax_loop_does(results):
+    # computations 1-3 of 0 -> 1 -> ... -> 4 form one series (4 is the run's
+    # output); a value that two computations read, or a computation with two
+    # outputs, ends a series: the first fused program has one of one, the
+    # one with two outputs none
+    assert results["series_plan"] == {"1": [0, 3, 3]}
+    assert results["fused_series"] == [{"1": 1}, {}]
+    # 0 -> 1 -> 3 -> 7 -> 15 -> 31 (the intermediates are not stored)
+    assert results["series"][0] == [None, ["not stored", "not stored", [[31.0], [31.0]]]]
+    # computation 2 fails inside the series: its output and those after it
+    # fail with its error, and the run reports it; the next run is whole again
+    err, outs = results["series"][1]
+    assert err == "RuntimeError: injected" and outs == [[err, err]] * 3
+    # (and no computation waited for an input: the one that failed is not
+    # tried again, its output's readers find its error in the store)
+    assert results["series_waited"] == [False, False, False]
+    assert results["series"][2] == results["series"][0]
 
 
 def test_short_computations_run_back_to_back_are_reported_with_hold(results):

@@ -455,7 +455,16 @@ class Executor:
         first, error = run.first, None
         made = _Made({run.buffer(c) for c in run.release})
         arrays, unstored = made.arrays, made.unstored
-        for sub, step in zip(run.executes, plan.steps, strict=True):
+        executes, steps, series = run.executes, plan.steps, plan.series
+        i, n = 0, len(executes)
+        while i < n:
+            one = series.get(i)
+            if one is not None and (x := arrays.get(first + one[0])) is not None:
+                i, e = self._run_series(run, made, i, one, x[0])
+                error = error or e
+                continue
+            sub, step = executes[i], steps[i]
+            i += 1
             if step is not None:
                 prepared, ins, outs = step
                 try:
@@ -485,6 +494,29 @@ class Executor:
             e = self._run_one(sub, run.exec_id, run.buffer, made)
             error = error or e
         return error
+
+    def _run_series(self, run: FusedRun, made: "_Made", i: int, series: tuple, x: Any
+                    ) -> tuple[int, m.ErrorInfo | None]:
+        """Run a series of a fused run's computations (``_FusedPlan.series``)
+        from computation ``i`` on ``x``: each one's output is read by the next
+        one alone, so it is passed on as it is, not recorded, as a JAX loop
+        does. The last one's output is then recorded as the short way records
+        one, for the computation after the series. Returns where the run goes
+        on, and the error of the one that failed, if any: the ones after it
+        then fail as they read its output (``_run_one``)."""
+        _, programs, code, sharding_out, o = series
+        k = i
+        try:
+            for prepared in programs:
+                x = prepared.fn(x)[0]
+                x.block_until_ready()
+                k += 1
+        except Exception as e:
+            return k + 1, self._failed(run.executes[k], run.exec_id, run.buffer, e, made)
+        b = run.first + code
+        made.arrays[b] = (x, sharding_out, programs[-1], 0, o)
+        made.unstored.add(b)
+        return k, None
 
     def _run_one(self, ex: m.Execute, exec_id: int, buffer: Callable[[int], int] = _as_is,
                  made: "_Made | None" = None) -> m.ErrorInfo | None:
@@ -748,7 +780,7 @@ class _FusedPlan:
     the run in the sharding it reads it in, (its prepared program, its inputs'
     codes, per output (code, sharding, ExecOutput, whether an intermediate))."""
 
-    __slots__ = ("steps",)
+    __slots__ = ("steps", "series")
 
     def __init__(self, executor: Executor, executes: list[m.Execute], release: set[int]) -> None:
         made: dict[int, Any] = {}      # code -> the sharding it is made in
@@ -768,6 +800,41 @@ class _FusedPlan:
             self.steps.append(step)
             for k, o in enumerate(ex.outputs):
                 made[o.buffer] = prepared.out_shardings[k] if prepared is not None else None
+        self.series = self._series(executes)
+
+    def _series(self, executes: list[m.Execute]) -> dict[int, tuple]:
+        """The run's series: index of the first computation -> (the code it
+        reads, the prepared programs in order, the code of the last one's
+        output, that output's sharding and ExecOutput). A series is a longest
+        run of short-way computations of one input and one output, each output
+        an intermediate that the next computation alone reads, as its only
+        input."""
+        readers: dict[int, int] = {}
+        for ex in executes:
+            for i in ex.inputs:
+                readers[i.buffer] = readers.get(i.buffer, 0) + 1
+        steps = self.steps
+
+        def feeds_next(j: int) -> bool:
+            step = steps[j]
+            if step is None or j + 1 >= len(steps) or len(step[1]) != 1 or len(step[2]) != 1:
+                return False
+            code, _, _, intermediate = step[2][0]
+            nxt = executes[j + 1].inputs
+            return intermediate and readers[code] == 1 and len(nxt) == 1 and nxt[0].buffer == code
+        series: dict[int, tuple] = {}
+        j = 0
+        while j < len(steps):
+            if not feeds_next(j):
+                j += 1
+                continue
+            start, programs = j, []
+            while feeds_next(j):
+                programs.append(steps[j][0])
+                j += 1
+            code, sharding_out, o, _ = steps[j - 1][2][0]
+            series[start] = (steps[start][1][0], programs, code, sharding_out, o)
+        return series
 
 
 class _Prepared:
