@@ -4,15 +4,16 @@ same two processes.
 
 Two processes joined by jax.distributed (gloo), one CPU device each, run
 ``psum(x) + 1.`` on a float64 scalar per device ``--nodes`` times, each call
-reading the previous one's output, in four ways (alternated, ``--repeats``
+reading the previous one's output, in these ways (alternated, ``--repeats``
 times each after a warm-up):
 
 * ``jax-end``: ``x = f(x)`` in a Python loop, blocking at the end (what each
   JAX multi-controller process does in benchmarks/chained.py);
 * ``jax-each``: the same, blocking after every call (what the worker does);
 * ``fused``: one ``FusedRun`` of all the nodes submitted to the worker's
-  ``Executor`` (the path a fused ``@zp.program`` run takes on each host: the
-  nodes after the first form one series, see ``Executor._run_series``);
+  ``Executor`` (the path a fused ``@zp.program`` run takes on each host: all
+  nodes but the first and the last form one series, see
+  ``Executor._run_series``);
 * ``fused-steps``: the same, node by node on the short way, without series
   (how fused runs went before them);
 * ``fused-execute``: the same, with every node sent through
