@@ -250,6 +250,13 @@ _SCRIPT = textwrap.dedent("""
     programs[1] = kept
     res["series"].append(fused4(11))
     res["series_waited"] = [r in hf.ex.waited for r in (9, 10, 11)]
+    # an intermediate that nothing reads ends no series and breaks nothing
+    template6 = [node(digest, -1, 0), node(digest, 0, 1), node(digest, 0, 2)]
+    plan6 = [None]
+    hf.put(11999, np.zeros(2), two, P("i"))
+    hf.ex.submit(FusedRun(12, 12, "fused", ids, template6, [11999], 12000, [0, 1], plan6))
+    got, err = hf.done.get(timeout=60)
+    res["unread"] = [got, None if err is None else err.message, shown(12002), plan6[0].series]
 
     # completions of short computations run back to back are reported with
     # ``hold`` (but not the last); held reports are released before the thread
@@ -611,6 +618,8 @@ def test_a_series_in_a_fused_run_passes_outputs_on_as_a_jax_loop_does(results):
     # (and no computation waited for an input: the one that failed is not
     # tried again, its output's readers find its error in the store)
     assert results["series_waited"] == [False, False, False]
+    # 0 -> 1 -> 3 (code 1, made from code 0 and never read, is no series' link)
+    assert results["unread"] == [12, None, [[3.0], [3.0]], {}]
     assert results["series"][2] == results["series"][0]
 
 

@@ -446,9 +446,11 @@ class Executor:
         A computation whose inputs were all made earlier in the run, in the
         shardings it reads them in, takes the short way: its compiled function
         is called on those arrays as they are, with what that needs worked out
-        once per fused program (``_FusedPlan``). Any other one (it reads the
-        run's inputs, reads a value in another sharding, or an input failed)
-        goes through ``_execute`` like a plain call."""
+        once per fused program (``_FusedPlan``); a series of such computations,
+        each output read by the next one alone, runs as a JAX loop does
+        (``_run_series``). Any other one (it reads the run's inputs, reads a
+        value in another sharding, or an input failed) goes through
+        ``_execute`` like a plain call."""
         plan = run.plan[0]
         if plan is None:
             plan = run.plan[0] = _FusedPlan(self, run.executes, set(run.release))
@@ -821,7 +823,7 @@ class _FusedPlan:
                 return False
             code, _, _, intermediate = step[2][0]
             nxt = executes[j + 1].inputs
-            return intermediate and readers[code] == 1 and len(nxt) == 1 and nxt[0].buffer == code
+            return intermediate and readers.get(code) == 1 and len(nxt) == 1 and nxt[0].buffer == code
         series: dict[int, tuple] = {}
         j = 0
         while j < len(steps):
