@@ -811,10 +811,7 @@ class _FusedPlan:
         run of short-way computations of one input and one output, each output
         an intermediate that the next computation alone reads, as its only
         input."""
-        readers: dict[int, int] = {}
-        for ex in executes:
-            for i in ex.inputs:
-                readers[i.buffer] = readers.get(i.buffer, 0) + 1
+        readers = collections.Counter(i.buffer for ex in executes for i in ex.inputs)
         steps = self.steps
 
         def feeds_next(j: int) -> bool:
@@ -823,7 +820,7 @@ class _FusedPlan:
                 return False
             code, _, _, intermediate = step[2][0]
             nxt = executes[j + 1].inputs
-            return intermediate and readers.get(code) == 1 and len(nxt) == 1 and nxt[0].buffer == code
+            return intermediate and readers[code] == 1 and len(nxt) == 1 and nxt[0].buffer == code
         series: dict[int, tuple] = {}
         j = 0
         while j < len(steps):
