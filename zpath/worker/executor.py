@@ -40,6 +40,20 @@ try:       # JAX's array class, whose constructor can skip the checks that
 except ImportError:  # pragma: no cover
     _ArrayImpl = None
 
+try:       # what jax.device_put of a numpy array ends in (internal names: see to_device)
+    from jax._src.core import shaped_abstractify as _shaped_abstractify
+    from jax._src.lib import xla_client as _xc
+    from jax.sharding import SingleDeviceSharding as _SingleDeviceSharding
+    _batched_device_put = _xc.batched_device_put
+    jax.config.jax_enable_x64       # (read on every call)
+except (ImportError, AttributeError):  # pragma: no cover
+    _batched_device_put = None
+
+_SHARDINGS: dict[Any, Any] = {}      # device -> its SingleDeviceSharding
+# (shape, dtype, 64-bit types on) -> the aval JAX puts such an array as, or
+# None where to_device leaves the array to jax.device_put
+_AVALS: dict[tuple, Any] = {}
+
 log = logging.getLogger(__name__)
 
 INPUT_TIMEOUT_S = 300.0
@@ -701,9 +715,9 @@ class Executor:
             return self._wait(key, buffer)
         region = sharding.from_wire(s.region)
         if 0 in sharding.region_shape(region):    # nothing to wait for or move
-            value = self.jax.device_put(np.empty(sharding.region_shape(region),
-                                                 np.dtype(self.jax.numpy.dtype(inp.aval.dtype))),
-                                        self.devices[s.device])
+            value = to_device(np.empty(sharding.region_shape(region),
+                                       np.dtype(self.jax.numpy.dtype(inp.aval.dtype))),
+                              self.devices[s.device])
             self.store.set(key, value)
             return value
         if not s.pieces:
@@ -719,7 +733,7 @@ class Executor:
                 # one piece that is the whole shard, as the channel left it (an
                 # XLA-aligned array from channels.recv_buffers for shared
                 # memory): XLA:CPU takes it over as the device buffer, no copy
-                value = self.jax.device_put(whole, dev)
+                value = to_device(whole, dev)
             else:
                 # assembled in an aligned (pooled) array, which device_put takes over
                 out = channels.recv_buffers.get(sharding.region_shape(region), np.dtype(inp.aval.dtype))
@@ -732,7 +746,7 @@ class Executor:
                         data = self._wait(PieceKey(p.piece_id), buffer)
                         self.store.pop(PieceKey(p.piece_id))
                     out[sharding.local_slices(sub, region)] = data
-                value = self.jax.device_put(out, dev)
+                value = to_device(out, dev)
         except InputError as e:
             self.store.set(key, error=e.error)
             raise
@@ -934,7 +948,44 @@ class _Prepared:
 
     def _empty(self, shape: tuple, dtype: Any, gid: int) -> Any:
         ex = self.executor
-        return ex.jax.device_put(np.empty(shape, dtype), ex.devices[gid])
+        return to_device(np.empty(shape, dtype), ex.devices[gid])
+
+
+def to_device(x: np.ndarray, device: Any) -> Any:
+    """``jax.device_put(x, device)`` for a numpy array ``x``: the same call
+    without JAX's Python path before it. ``jax.device_put`` flattens its
+    argument as a tree, checks the target, abstractifies the array and defers
+    the transfer to ``pxla.shard_args``, which ends in
+    ``xla_client.batched_device_put`` with the array's aval, the device's
+    sharding, committed: about 170 µs of Python a call on this project's 2-core
+    machine, around a transfer of about 12 (docs/benchmarks.md, opbyop.py).
+    This makes that last call itself with the same arguments (the aval as JAX
+    makes it, once per shape and dtype), so the result is the same: an array
+    committed to ``device``, with the buffer semantics JAX uses (XLA:CPU takes
+    an aligned array over without a copy: channels.recv_buffers). An array
+    whose dtype JAX would change (a 64-bit one with 64-bit types off) or
+    replace (float0), that JAX refuses, or a JAX without these internal names,
+    takes ``jax.device_put``."""
+    if _batched_device_put is None or type(x) is not np.ndarray:
+        return jax.device_put(x, device)
+    key = (x.shape, x.dtype, jax.config.jax_enable_x64)
+    aval = _AVALS.get(key, _AVALS)
+    if aval is _AVALS:           # not seen yet
+        try:
+            aval = _shaped_abstractify(x)
+        except TypeError:        # not an array type JAX takes: it says so
+            aval = None
+        if aval is not None and (aval.dtype != x.dtype or x.dtype.names is not None or aval.weak_type):
+            aval = None          # (float0 is a structured dtype: JAX puts zeros of bool)
+        if len(_AVALS) >= 1024:
+            _AVALS.clear()
+        _AVALS[key] = aval
+    if aval is None:
+        return jax.device_put(x, device)
+    sharding = _SHARDINGS.get(device)
+    if sharding is None:
+        sharding = _SHARDINGS[device] = _SingleDeviceSharding(device)
+    return _batched_device_put(aval, sharding, [x], [device], True)
 
 
 def _text(s: str) -> str:

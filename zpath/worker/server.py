@@ -24,7 +24,6 @@ import os
 import queue
 import signal
 import sys
-import threading
 import socket
 import threading
 import time
@@ -49,7 +48,7 @@ from zpath.net.transport import (LOG_BURST, LOG_RATE, REPLY_BURST, REPLY_RATE, B
                                  RateLimit, backoff, make_context, raw, readable, unbatched)
 from zpath.worker import compile_cache
 from zpath.worker import relay as relays
-from zpath.worker.executor import Executor, name_thread
+from zpath.worker.executor import Executor, name_thread, to_device
 from zpath.worker.state import (IDLE_WAIT_S, Chunks, FusedRun, LocalShards, PendingFetch, ShapedLink,
                                 WorkerState, refused_on_data)
 from zpath.worker.store import Entry, PieceKey, Store, shard_key
@@ -805,7 +804,7 @@ class Worker:
                     shape = sharding.region_shape(sharding.from_wire(msg.region))
                     if arr.shape != shape:
                         raise ValueError(f"shard shape {arr.shape} does not match region {shape}")
-                    arr = self.jax.device_put(arr, self.executor.devices[msg.device])
+                    arr = to_device(arr, self.executor.devices[msg.device])
                 except (ValueError, TypeError) as e:
                     # Reject it, and fail whatever waits on it rather than let it wait.
                     self.post_data(ident, m.Error(ErrorKind.BAD_REQUEST, str(e)), parent=msg_id)
