@@ -565,8 +565,9 @@ class Computation:
         """Send a client value to the workers as buffer ``buf`` (see ``put``)."""
         client = self.client
         dtype = dtype_name(x.dtype)
-        regs = sharding.regions(x.shape, list(self.mesh.shape), list(self.mesh.axis_names), spec)
-        for d, r in zip(self.mesh.device_ids, regs, strict=True):
+        # (remembered per shape and spec: each call of a loop puts the same)
+        regs = sharding.regions_of(x.shape, self._mesh_shape, self._axis_names, spec)
+        for d, r in zip(self._device_ids, regs, strict=True):
             data = sharding.cut(x, r)
             # it goes to the workers later, from the I/O thread: a view of
             # memory the caller may change afterwards (even through a read-only
