@@ -77,7 +77,7 @@ LONG_QUEUE = 2
 HOLD_RELEASED_S = IDLE_WAIT_S
 
 
-_SETTLING = object()     # (_run: the settler thread reports this one)
+_SETTLING = object()     # (_run: this one is settled, and reported, after the next one starts)
 
 
 # how a collective's transport reports that the other side went away (gloo on
@@ -174,12 +174,10 @@ class Executor:
         self._threads = [threading.Thread(target=self._loop, name=f"exec_{i}", daemon=True)
                          for i in range(max(1, len(local_devices)))]
         # plain computations finished but not settled yet (outputs to store,
-        # report to give), in order; the settler thread settles them while
-        # the computation after each runs (see _run). One settles at a time.
+        # report to give), in order; settled by the executor thread once the
+        # computation after each has started (see _run). One settles at a time.
         self._settles: collections.deque[tuple] = collections.deque()
         self._settle_lock = threading.Lock()
-        self._settle_wake: queue.SimpleQueue[bool | None] = queue.SimpleQueue()
-        self._threads.append(threading.Thread(target=self._settler, name="settle", daemon=True))
         self._stopped = False
         for t in self._threads:
             t.start()
@@ -191,7 +189,6 @@ class Executor:
                 q.clear()
         for _ in self._threads:
             self._ready.put(None)
-        self._settle_wake.put(None)
 
     def add_program(self, digest: str, blob: bytes) -> None:
         if digest not in self.programs:
@@ -268,8 +265,8 @@ class Executor:
                 except Exception:      # a bug: keep the thread for the other computations
                     log.exception("executor thread: computation %d", entry[0].exec_id)
                     entry, done, chain = None, None, None
-                    self._settle_wake.put(True)    # what the one before left is settled still
-                if done is _SETTLING:     # the settler reports it
+                    self._drain_settles()     # what the one before left is settled still
+                if done is _SETTLING:     # settled and reported once the next one started
                     continue
                 if done is None:
                     self._release_at = None
@@ -277,7 +274,7 @@ class Executor:
                         self.release_held()
                     continue
                 self._report(entry, done)
-            if chain is not None:      # stopped with one left to the settler, which may have gone
+            if chain is not None:      # stopped with one left to settle
                 self._drain_settles()
 
     def _report(self, nxt: tuple | None, done: tuple) -> None:
@@ -310,17 +307,6 @@ class Executor:
             log.exception("reporting computation %d", exec_id)
 
     # ---- settling: storing a computation's outputs and reporting it ---------
-    def _settler(self) -> None:
-        name_thread("zpath-settle")
-        while True:
-            token = self._settle_wake.get()
-            try:
-                self._drain_settles()
-            except Exception:      # a bug: keep the thread for the others
-                log.exception("settler thread")
-            if token is None:      # stop
-                return
-
     def _drain_settles(self) -> None:
         """Settle, in order, the computations waiting to be (from any thread)."""
         with self._settle_lock:
@@ -395,18 +381,19 @@ class Executor:
 
         A plain computation that ran, followed by another plain one that it
         lets start (the head of its devices' queues), is settled (its outputs
-        stored, its report given) by the settler thread while that next one
-        runs: between the two, this thread only starts the next, and it wakes
-        the settler as that one's XLA call starts (``_execute``). Host work
-        there holds up every host of a collective (on this 2-core machine,
-        150 us of Python between calls of a collective computation cost about
-        300 us per call; the same work beside the call, nothing measurable:
-        benchmarks/worker_loop.py --host-us). The next one reads this one's
-        outputs as they are when it reads them in the same sharding; before
-        it waits for any input that is not there yet (``_wait``), or fails,
-        this thread settles what the settler has not yet itself. Reports go
-        in order: every report given on this thread first settles those
-        pending."""
+        stored, its report given) while that next one runs: between the two,
+        this thread only starts the next, and settles the one before once that
+        one's XLA call has returned (``_execute``: XLA runs a computation
+        asynchronously, so the settling goes beside it, without waking
+        another thread). Host work between the two calls holds up every host
+        of a collective (on this 2-core machine, 150 us of Python between calls
+        of a collective computation cost about 300 us per call; the same work
+        beside the call, nothing measurable: benchmarks/worker_loop.py
+        --host-us). The next one reads this one's outputs as they are when it
+        reads them in the same sharding; before it waits for any input that
+        is not there yet (``_wait``), or fails, this thread settles the one
+        before first. Reports go in order: every report given on this thread
+        first settles those pending."""
         start = time.time()
         t0 = time.perf_counter()
         self._waits.s = 0.0
@@ -439,11 +426,11 @@ class Executor:
         nxt = started[0] if started else None
         done = (ex.exec_id, error, start, end, time.perf_counter() - t0, behind, ex.hold)
         if ran is None:
-            self._drain_settles()      # reports go in order (the settler may be at one)
+            self._drain_settles()      # reports go in order (another thread may be at one)
             return nxt, done, None
         prepared, outs = ran
         if nxt is not None and type(nxt[0]) is not FusedRun:
-            # the settler is woken as the next one's XLA call starts (_execute)
+            # settled once the next one's XLA call has returned (_execute)
             self._settles.append((ex, prepared, outs, index, nxt, done))
             return nxt, _SETTLING, {o.buffer: (out, prepared.out_shardings[k])
                                     for k, (o, out) in enumerate(zip(ex.outputs, outs, strict=True))}
@@ -610,7 +597,7 @@ class Executor:
         stored: returns the prepared program and the outputs, for ``_settle``."""
         prepared = self._prepare(ex)
         if prepared.donates:
-            # what the computation before left to the settler is stored first:
+            # what the computation before left to settle is stored first:
             # the buffers this one donates may be its outputs (split out of
             # the arrays this one is then passed)
             self._drain_settles()
@@ -648,14 +635,17 @@ class Executor:
         if first_error is not None:
             raise first_error
         t0 = time.perf_counter()
-        if chain is not None:
-            # the one before left its settling to the settler: woken now, it
-            # works while this thread waits in XLA without the GIL, not while
-            # this thread makes the inputs above (it would take the GIL and the
-            # core from it); had this one failed, waited for an input or donated
-            # one before here, this thread settled that itself (_run, _wait, above)
-            self._settle_wake.put(True)
         outs = prepared.fn(*args)
+        if chain is not None:
+            # the one before left its settling: done now, while XLA runs this
+            # one (its call returns once the computation is launched), not
+            # before the call (it would hold up this one, and with it every
+            # host of a collective), nor on another thread (its wake-up and the
+            # GIL handed back and forth cost more than the settling here:
+            # docs/benchmarks.md, worker_loop.py); had this one failed, waited
+            # for an input or donated one before here, this thread settled
+            # that already (_run, _wait, above)
+            self._drain_settles()
         # Run to completion before the next computation: a failure is reported
         # against the computation that caused it, and XLA:CPU collectives never
         # overlap on the same devices (see ARCHITECTURE.md, section 2).
@@ -771,7 +761,7 @@ class Executor:
     def _wait(self, key: ShardKey | PieceKey, buffer: int) -> Any:
         t0 = 0.0
         if not self.store.is_done(key):
-            # (it may be an output the settler has yet to store; and reports
+            # (it may be an output of the one before, not settled yet; and reports
             # must not stay held while this waits)
             self._drain_settles()
             self._release_at = None          # held reports go now
