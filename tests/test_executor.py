@@ -352,10 +352,10 @@ _SCRIPT = textwrap.dedent("""
     res["hold_long"] = [executor_module.LONG_S, executor_module.LONG_QUEUE, executor_module.HOLD_RELEASED_S]
     ex.stop()
 
-    # plain computations queued back to back: the executor thread stores each
-    # one's outputs and reports it once the next one's XLA call returned,
-    # while that one runs (it reads them as they are); one that reads them in
-    # another sharding has them stored first
+    # plain computations queued back to back on this host's devices alone:
+    # the executor thread stores each one's outputs and reports it once the
+    # next one's XLA call returned, while that one runs (it reads them as they
+    # are); one that reads them in another sharding has them stored first
     import collections, sys, threading, time
     executor_module.SHORT_S = 0.001
     reports = queue.Queue()
@@ -496,6 +496,20 @@ _SCRIPT = textwrap.dedent("""
     second = reports.get(timeout=60)
     res["settle_no_outputs"] = [first[:2], second[:2], during == [True]]
     prepared_g.fn = run_g
+    # the next one's first call (it compiles): the one before is settled by
+    # the settler thread beside it, not after it
+    dn, bn = export(lambda x: x * 3., (2,), np.float64, two, P("i"), P("i"))
+    ex.add_program(dn, bn)
+    ex.submit(numbered(87, node(digest, 7600, 7601)))
+    ex.submit(numbered(88, node(dn, 7601, 7602)))
+    for d, r in zip(two, ([[0, 1]], [[1, 2]])):
+        ex.store.set(shard_key(7600, d.id, r), jax.device_put(np.zeros(1), d))
+    res["settle_first_call"] = [reports.get(timeout=60) for _ in range(2)]
+    # which computations run on this host's devices alone (the others may
+    # wait in their XLA call for other hosts: the one before goes to the settler)
+    res["alone"] = [executor_module._Prepared(
+        types.SimpleNamespace(devices={d.id: d for d in devs[:k]}), None, (), (), node(digest, 1, 2)).alone
+        for k in (1, 2)]
     # a bug in the executor thread (outside what a computation's failure
     # covers) after the one before was left to settle: that one is still
     # settled and reported
@@ -692,9 +706,7 @@ def test_computations_the_controller_lets_hold_with_a_deep_queue_are_reported_wi
 
 def test_executor_threads_are_named_for_the_kernel(results):
     # (top -H, perf and benchmarks/worker_threads.py tell them apart by these)
-    assert "zpath-exec_0" in results["thread_names"]
-    # (no thread of its own settles computations: see Executor._run)
-    assert "zpath-settle" not in results["thread_names"]
+    assert {"zpath-exec_0", "zpath-settle"} <= set(results["thread_names"])
 
 
 def test_store_wait_set_and_callbacks():
@@ -745,8 +757,14 @@ def test_back_to_back_computations_are_settled_beside_the_next_one(results):
         else:             # after the next one's call returned, before its report
             assert launched[i + 1] < reported[i] < reported[i + 1], events
     assert launched[69] < reported[69]
-    # all on the executor thread
+    # all on the executor thread (each next one ran before, here alone)
     assert all(t.startswith("exec_") for t in results["settle_threads"])
+    # before a first call, the settler settles the one before
+    assert [r[:2] for r in results["settle_first_call"]] == [[87, None], [88, None]]
+    assert results["settle_first_call"][0][2] == "settle"
+    assert results["settle_first_call"][1][2].startswith("exec_")
+    # a computation over devices of which one is not this host's is not alone
+    assert results["alone"] == [False, True]
     # the chain read its predecessors' outputs as they were: the store was read
     # for the first one's input and for 5008 by the two that read it later
     assert sorted(results["settle_reads"]) == [5000, 5000, 5008, 5008, 5008, 5008]

@@ -110,6 +110,36 @@ def test_subsets_of_the_island(client):
     np.testing.assert_array_equal(np.asarray(b), [30., 30.])
 
 
+def test_a_collective_after_a_computation_whose_output_another_host_awaits(client):
+    """Host 0 computes y alone (slowly), host 1 reads it (a piece of y goes to
+    host 1) and a cheap collective of both hosts follows on both. Host 0 must
+    send y's piece before it is held up in that collective: XLA:CPU runs a cheap
+    computation inside its call, so a worker that stored y (which sends the
+    piece) only once the collective's call returned would wait there for host
+    1, which waits for y, until the input timeout (300 s)."""
+    import jax
+    import jax.numpy as jnp
+    devs = whole_island()
+    pair = [devs[0], devs[2]]               # device 0 of each host
+    total = zp.pmap(lambda x: jax.lax.psum(x, "p"), axis_name="p", devices=pair)
+
+    def slow(x):
+        m = jnp.full((200, 200), 1e-3)
+        return x + 0. * jax.lax.fori_loop(0, 200, lambda i, a: jnp.tanh(a @ a), m).sum()
+
+    first = zp.pmap(slow, devices=devs[:1])          # host 0 only
+    then = zp.pmap(lambda x: x * 10, devices=devs[2:3])   # host 1 only
+    # each compiled and run once (a first call is settled another way)
+    np.testing.assert_array_equal(total(np.array([1., 2.])).result(timeout=60), [3., 3.])
+    np.testing.assert_array_equal(then(first(np.array([1.]))).result(timeout=60), [10.])
+    for _ in range(3):
+        y = first(np.array([1.]))
+        z = then(y)
+        s = total(np.array([1., 2.]))
+        np.testing.assert_array_equal(z.result(timeout=60), [10.])
+        np.testing.assert_array_equal(s.result(timeout=60), [3., 3.])
+
+
 def test_cross_island_call_is_rejected(island):
     """A computation may not span hosts that share no runtime: a clear error."""
     c = LocalCluster(islands=2, hosts_per_island=1, devices_per_host=1)

@@ -43,6 +43,7 @@ except ImportError:  # pragma: no cover
 try:       # what jax.device_put of a numpy array ends in (internal names: see to_device)
     from jax._src.core import shaped_abstractify as _shaped_abstractify
     from jax._src.lib import xla_client as _xc
+    from jax._src.config import explicit_device_put_scope as _explicit_device_put
     from jax.sharding import SingleDeviceSharding as _SingleDeviceSharding
     _batched_device_put = _xc.batched_device_put
     jax.config.jax_enable_x64       # (read on every call)
@@ -77,7 +78,8 @@ LONG_QUEUE = 2
 HOLD_RELEASED_S = IDLE_WAIT_S
 
 
-_SETTLING = object()     # (_run: this one is settled, and reported, after the next one starts)
+_SETTLING = object()     # (_run: this one is settled, and reported, while the next one runs)
+_NEVER = float("inf")     # (_Prepared.last_s of a program that has not run)
 
 
 # how a collective's transport reports that the other side went away (gloo on
@@ -174,10 +176,13 @@ class Executor:
         self._threads = [threading.Thread(target=self._loop, name=f"exec_{i}", daemon=True)
                          for i in range(max(1, len(local_devices)))]
         # plain computations finished but not settled yet (outputs to store,
-        # report to give), in order; settled by the executor thread once the
-        # computation after each has started (see _run). One settles at a time.
+        # report to give), in order; settled while the computation after each
+        # runs, by the executor thread itself or by the settler thread (see
+        # _run). One settles at a time.
         self._settles: collections.deque[tuple] = collections.deque()
         self._settle_lock = threading.Lock()
+        self._settle_wake: queue.SimpleQueue[bool | None] = queue.SimpleQueue()
+        self._threads.append(threading.Thread(target=self._settler, name="settle", daemon=True))
         self._stopped = False
         for t in self._threads:
             t.start()
@@ -189,6 +194,7 @@ class Executor:
                 q.clear()
         for _ in self._threads:
             self._ready.put(None)
+        self._settle_wake.put(None)
 
     def add_program(self, digest: str, blob: bytes) -> None:
         if digest not in self.programs:
@@ -265,8 +271,8 @@ class Executor:
                 except Exception:      # a bug: keep the thread for the other computations
                     log.exception("executor thread: computation %d", entry[0].exec_id)
                     entry, done, chain = None, None, None
-                    self._drain_settles()     # what the one before left is settled still
-                if done is _SETTLING:     # settled and reported once the next one started
+                    self._settle_wake.put(True)    # what the one before left is settled still
+                if done is _SETTLING:     # settled and reported while the next one runs
                     continue
                 if done is None:
                     self._release_at = None
@@ -307,6 +313,17 @@ class Executor:
             log.exception("reporting computation %d", exec_id)
 
     # ---- settling: storing a computation's outputs and reporting it ---------
+    def _settler(self) -> None:
+        name_thread("zpath-settle")
+        while True:
+            token = self._settle_wake.get()
+            try:
+                self._drain_settles()
+            except Exception:      # a bug: keep the thread for the others
+                log.exception("settler thread")
+            if token is None:      # stop
+                return
+
     def _drain_settles(self) -> None:
         """Settle, in order, the computations waiting to be (from any thread)."""
         with self._settle_lock:
@@ -382,18 +399,24 @@ class Executor:
         A plain computation that ran, followed by another plain one that it
         lets start (the head of its devices' queues), is settled (its outputs
         stored, its report given) while that next one runs: between the two,
-        this thread only starts the next, and settles the one before once that
-        one's XLA call has returned (``_execute``: XLA runs a computation
-        asynchronously, so the settling goes beside it, without waking
-        another thread). Host work between the two calls holds up every host
+        this thread only starts the next. Host work there holds up every host
         of a collective (on this 2-core machine, 150 us of Python between calls
         of a collective computation cost about 300 us per call; the same work
         beside the call, nothing measurable: benchmarks/worker_loop.py
-        --host-us). The next one reads this one's outputs as they are when it
-        reads them in the same sharding; before it waits for any input that
-        is not there yet (``_wait``), or fails, this thread settles the one
-        before first. Reports go in order: every report given on this thread
-        first settles those pending."""
+        --host-us). Where the next one runs on this host's devices alone, and
+        has run before, this thread settles the one before itself once the
+        next one's XLA call has returned (XLA runs a computation asynchronously,
+        or, a cheap one, at once: nothing it waits for is elsewhere). Else it
+        wakes the settler thread as that one's XLA call starts: a computation
+        with devices on other hosts may be run in the call itself (XLA:CPU runs
+        a cheap one inline) and wait there for the others, one of which may
+        wait for what settling the one before gives (a piece of its output, or
+        its report to the controller); a first call compiles. (``_execute``.)
+        The next one reads this one's outputs as they are when it reads them
+        in the same sharding; before it waits for any input that is not there
+        yet (``_wait``), or fails, this thread settles the one before first.
+        Reports go in order: every report given on this thread first settles
+        those pending."""
         start = time.time()
         t0 = time.perf_counter()
         self._waits.s = 0.0
@@ -430,7 +453,7 @@ class Executor:
             return nxt, done, None
         prepared, outs = ran
         if nxt is not None and type(nxt[0]) is not FusedRun:
-            # settled once the next one's XLA call has returned (_execute)
+            # settled while the next one runs (_execute)
             self._settles.append((ex, prepared, outs, index, nxt, done))
             return nxt, _SETTLING, {o.buffer: (out, prepared.out_shardings[k])
                                     for k, (o, out) in enumerate(zip(ex.outputs, outs, strict=True))}
@@ -635,17 +658,28 @@ class Executor:
         if first_error is not None:
             raise first_error
         t0 = time.perf_counter()
+        beside = chain is not None and prepared.alone and prepared.last_s != _NEVER
+        if chain is not None and not beside:
+            # the one before left its settling to the settler: woken now, it
+            # works while this thread waits in XLA without the GIL, not while
+            # this thread makes the inputs above (it would take the GIL and the
+            # core from it); had this one failed, waited for an input or donated
+            # one before here, this thread settled that itself (_run, _wait, above)
+            self._settle_wake.put(True)
         outs = prepared.fn(*args)
-        if chain is not None:
-            # the one before left its settling: done now, while XLA runs this
-            # one (its call returns once the computation is launched), not
-            # before the call (it would hold up this one, and with it every
-            # host of a collective), nor on another thread (its wake-up and the
-            # GIL handed back and forth cost more than the settling here:
-            # docs/benchmarks.md, worker_loop.py); had this one failed, waited
-            # for an input or donated one before here, this thread settled
-            # that already (_run, _wait, above)
-            self._drain_settles()
+        if beside:
+            # this one runs on this host's devices alone and ran before: the
+            # one before is settled now, on this thread, while XLA runs this
+            # one (or after it ran at once, being cheap), not before the call
+            # (it would hold this one up) nor on the settler (its wake-up and
+            # the GIL handed back and forth cost more than the settling:
+            # docs/benchmarks.md, worker_loop.py). (This one's time, its
+            # last_s and its report's end, then includes that settling: tens
+            # of microseconds.)
+            try:
+                self._drain_settles()
+            except Exception:      # a bug: this computation still runs, and is waited for
+                log.exception("settling the computation before %d", ex.exec_id)
         # Run to completion before the next computation: a failure is reported
         # against the computation that caused it, and XLA:CPU collectives never
         # overlap on the same devices (see ARCHITECTURE.md, section 2).
@@ -846,7 +880,7 @@ class _Prepared:
     shards apart cheaply (the layouts are the same on every call)."""
 
     __slots__ = ("executor", "fn", "in_shardings", "out_shardings", "in_fast", "out_fast", "variant", "last_s",
-                 "donates")
+                 "donates", "alone")
 
     def __init__(self, executor: Executor, fn: Callable, in_shardings: tuple, out_shardings: tuple,
                  ex: m.Execute) -> None:
@@ -854,7 +888,9 @@ class _Prepared:
         self.fn = fn
         self.in_shardings = in_shardings
         self.out_shardings = out_shardings
-        self.last_s = float("inf")     # how long its last run took
+        self.last_s = _NEVER           # how long its last run took
+        # whether it runs on this host's devices alone (no other host takes part)
+        self.alone = all(d in executor.devices for d in ex.devices)
         self.donates = False           # whether it donates inputs (see Executor._prepare)
         # what it was built for, as the Execute messages carry it
         self.variant = (list(ex.jax_ids), list(ex.mesh_shape), list(ex.axis_names),
@@ -975,7 +1011,8 @@ def to_device(x: np.ndarray, device: Any) -> Any:
     sharding = _SHARDINGS.get(device)
     if sharding is None:
         sharding = _SHARDINGS[device] = _SingleDeviceSharding(device)
-    return _batched_device_put(aval, sharding, [x], [device], True)
+    with _explicit_device_put():     # (as jax.device_put: a transfer guard sees an explicit one)
+        return _batched_device_put(aval, sharding, [x], [device], True)
 
 
 def _text(s: str) -> str:
