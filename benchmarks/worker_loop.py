@@ -35,9 +35,7 @@ what host work between two computations costs:
   on the calling thread before every call, as an executor that stores
   outputs and reports before starting the next one does;
 * ``jax-each+beside``: the same work on another thread, handed over as each
-  call starts (as the worker's settler thread did until 2026-11-27; the
-  executor thread now does that work itself once the next call has
-  returned, see ``Executor._run``).
+  call starts (as the worker's settler thread does, see ``Executor._run``).
 
 For each it prints the median wall time per computation, the CPU time per
 computation of process 0, and the ratio to ``jax-end``. A fused run waits

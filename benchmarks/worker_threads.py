@@ -9,7 +9,7 @@ call).
 
 Counters come from ``/proc/<pid>/task/<tid>/{schedstat,status}`` before and after
 each run (Linux only). A worker names its own threads for the kernel
-(``zpath-exec_0``, ``zpath-send``); its main thread runs the
+(``zpath-exec_0``, ``zpath-settle``, ``zpath-send``); its main thread runs the
 I/O loop; ``ZMQbg/...`` are ZeroMQ's; JAX's threads keep the process's name
 (``python``), the busiest of them being gloo's TCP loop, which receives the
 all-reduce's bytes. Other processes on the machine change the involuntary

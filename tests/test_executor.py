@@ -352,19 +352,16 @@ _SCRIPT = textwrap.dedent("""
     res["hold_long"] = [executor_module.LONG_S, executor_module.LONG_QUEUE, executor_module.HOLD_RELEASED_S]
     ex.stop()
 
-    # plain computations queued back to back on this host's devices alone:
-    # the executor thread stores each one's outputs and reports it once the
-    # next one's XLA call returned, while that one runs (it reads them as they
-    # are); one that reads them in another sharding has them stored first
+    # plain computations queued back to back: the settler thread stores each
+    # one's outputs and reports it while the next one runs, which reads it as
+    # it is; one that reads it in another sharding waits for the settler
     import collections, sys, threading, time
     executor_module.SHORT_S = 0.001
     reports = queue.Queue()
-    slow = set()       # exec ids whose report takes 30 ms (a thread put off by the OS)
-    events = []        # ("launch", exec id) as a computation's XLA call returns; ("report", exec id)
+    slow = set()       # exec ids whose report takes 30 ms (a settler put off by the OS)
     def report(i, e, s, t, hold):
         if i in slow:
             time.sleep(0.03)
-        events.append(("report", i))
         reports.put([i, None if e is None else e.message, threading.current_thread().name])
     ex = Executor(Store(), {d.id: d for d in devs}, report)
     for dig, bl in ((digest, blob), (dr, br), (dg, bg)):
@@ -375,20 +372,13 @@ _SCRIPT = textwrap.dedent("""
             CountingDeque.appended += 1
             super().append(item)
     ex._settles = CountingDeque()
-    prepare, launching = ex._prepare, [None]
-    def recording_prepare(e):
-        p = prepare(e)
-        launching[0] = e.exec_id
-        if not getattr(p.fn, "recording", False):
-            fn = p.fn
-            def launched(*a):
-                out = fn(*a)
-                events.append(("launch", launching[0]))
-                return out
-            launched.recording = True
-            p.fn = launched
-        return p
-    ex._prepare = recording_prepare
+    wakes = []          # per wake of the settler: the function that woke it
+    class WakeQueue(queue.SimpleQueue):
+        def put(self, item, *a, **k):
+            wakes.append(sys._getframe(1).f_code.co_name if item else "stop")
+            super().put(item, *a, **k)
+    old_wake, ex._settle_wake = ex._settle_wake, WakeQueue()
+    old_wake.put(True)      # (the settler waits on the old one: it goes round to the new one)
     reads = []
     input_shard = ex._input_shard
     def counting_input_shard(buffer, inp, s):
@@ -409,8 +399,7 @@ _SCRIPT = textwrap.dedent("""
     res["settle_reports"] = [[i, e] for i, e, _ in got]
     res["settle_threads"] = [t for _, _, t in got]
     res["settle_deferred"] = CountingDeque.appended
-    res["settle_events"] = list(events)
-    ex._prepare = prepare
+    res["settle_wakes"] = list(wakes)
     res["settle_reads"] = list(reads)
     res["settle_values"] = [[np.asarray(ex.store.entry(shard_key(b, d.id, r)).value).tolist()
                              for d, r in zip(two, regs)]
@@ -469,23 +458,15 @@ _SCRIPT = textwrap.dedent("""
     prepared_g.fn = run_g
     executor_module._Prepared.output_shards = output_shards
     res["settle_nothing_more"] = reports.empty()
-    # one without outputs (it passes nothing on to the next one) left to
-    # settle: reported while the next one runs, not after it (the next one's
-    # outputs are ready only once the first report is here, or after 20 s)
+    # one without outputs (it passes nothing on to the next one) left to the
+    # settler: reported while the next one runs, not after it (the next one's
+    # call waits until the first report is here, or gives up after 20 s)
     dz, bz = export(lambda x: (), (2,), np.float64, two, P("i"), ())
     ex.add_program(dz, bz)
     first_reported, during = threading.Event(), []
-    class Gated:
-        # an output whose computation goes on until the first report is here
-        def __init__(self, a):
-            self._a = a
-        def block_until_ready(self):
-            during.append(first_reported.wait(timeout=20))
-            return self._a.block_until_ready()
-        def __getattr__(self, name):
-            return getattr(self._a, name)
     def gated_g(*a):
-        return tuple(Gated(o) for o in run_g(*a))
+        during.append(first_reported.wait(timeout=20))
+        return run_g(*a)
     prepared_g.fn = gated_g
     ex.submit(numbered(85, dataclasses.replace(node(dz, 7500, 0), outputs=[])))
     ex.submit(numbered(86, node(dg, 7500, 7501)))
@@ -496,23 +477,9 @@ _SCRIPT = textwrap.dedent("""
     second = reports.get(timeout=60)
     res["settle_no_outputs"] = [first[:2], second[:2], during == [True]]
     prepared_g.fn = run_g
-    # the next one's first call (it compiles): the one before is settled by
-    # the settler thread beside it, not after it
-    dn, bn = export(lambda x: x * 3., (2,), np.float64, two, P("i"), P("i"))
-    ex.add_program(dn, bn)
-    ex.submit(numbered(87, node(digest, 7600, 7601)))
-    ex.submit(numbered(88, node(dn, 7601, 7602)))
-    for d, r in zip(two, ([[0, 1]], [[1, 2]])):
-        ex.store.set(shard_key(7600, d.id, r), jax.device_put(np.zeros(1), d))
-    res["settle_first_call"] = [reports.get(timeout=60) for _ in range(2)]
-    # which computations run on this host's devices alone (the others may
-    # wait in their XLA call for other hosts: the one before goes to the settler)
-    res["alone"] = [executor_module._Prepared(
-        types.SimpleNamespace(devices={d.id: d for d in devs[:k]}), None, (), (), node(digest, 1, 2)).alone
-        for k in (1, 2)]
     # a bug in the executor thread (outside what a computation's failure
-    # covers) after the one before was left to settle: that one is still
-    # settled and reported
+    # covers) after the one before was left to the settler: that one is
+    # still settled and reported
     run = ex._run
     def failing_run(entry, devs, index, chain=None):
         if entry.exec_id == 91:
@@ -744,27 +711,14 @@ def test_error_reports_survive_text_that_utf8_cannot_carry():
 def test_back_to_back_computations_are_settled_beside_the_next_one(results):
     # every report, in order, without errors
     assert results["settle_reports"] == [[60 + k, None] for k in range(10)]
-    # each one but the last was left to settle once the next one started
-    # (unless the executor thread must wait first: 68 reads 67's output in
-    # another sharding); the last, with nothing after it, at once
+    # each one but the last was handed to the settler (which settles it while
+    # the next runs, unless the executor thread must wait and does it first);
+    # the last, with nothing after it, was settled by its own executor thread
     assert results["settle_deferred"] == 9
-    events = results["settle_events"]
-    launched = {i: events.index(["launch", i]) for i in range(60, 70)}
-    reported = {i: events.index(["report", i]) for i in range(60, 70)}
-    for i in range(60, 69):
-        if i == 67:       # stored before 68 read it, so before 68's call
-            assert reported[i] < launched[i + 1], events
-        else:             # after the next one's call returned, before its report
-            assert launched[i + 1] < reported[i] < reported[i + 1], events
-    assert launched[69] < reported[69]
-    # all on the executor thread (each next one ran before, here alone)
-    assert all(t.startswith("exec_") for t in results["settle_threads"])
-    # before a first call, the settler settles the one before
-    assert [r[:2] for r in results["settle_first_call"]] == [[87, None], [88, None]]
-    assert results["settle_first_call"][0][2] == "settle"
-    assert results["settle_first_call"][1][2].startswith("exec_")
-    # a computation over devices of which one is not this host's is not alone
-    assert results["alone"] == [False, True]
+    # the settler was woken for each of those as the next one's XLA call
+    # started, not before (while that one's inputs were made)
+    assert results["settle_wakes"] == ["_execute"] * 9
+    assert results["settle_threads"][-1].startswith("exec_")
     # the chain read its predecessors' outputs as they were: the store was read
     # for the first one's input and for 5008 by the two that read it later
     assert sorted(results["settle_reads"]) == [5000, 5000, 5008, 5008, 5008, 5008]

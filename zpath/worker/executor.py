@@ -78,8 +78,7 @@ LONG_QUEUE = 2
 HOLD_RELEASED_S = IDLE_WAIT_S
 
 
-_SETTLING = object()     # (_run: this one is settled, and reported, while the next one runs)
-_NEVER = float("inf")     # (_Prepared.last_s of a program that has not run)
+_SETTLING = object()     # (_run: the settler thread reports this one)
 
 
 # how a collective's transport reports that the other side went away (gloo on
@@ -176,9 +175,8 @@ class Executor:
         self._threads = [threading.Thread(target=self._loop, name=f"exec_{i}", daemon=True)
                          for i in range(max(1, len(local_devices)))]
         # plain computations finished but not settled yet (outputs to store,
-        # report to give), in order; settled while the computation after each
-        # runs, by the executor thread itself or by the settler thread (see
-        # _run). One settles at a time.
+        # report to give), in order; the settler thread settles them while
+        # the computation after each runs (see _run). One settles at a time.
         self._settles: collections.deque[tuple] = collections.deque()
         self._settle_lock = threading.Lock()
         self._settle_wake: queue.SimpleQueue[bool | None] = queue.SimpleQueue()
@@ -272,7 +270,7 @@ class Executor:
                     log.exception("executor thread: computation %d", entry[0].exec_id)
                     entry, done, chain = None, None, None
                     self._settle_wake.put(True)    # what the one before left is settled still
-                if done is _SETTLING:     # settled and reported while the next one runs
+                if done is _SETTLING:     # the settler reports it
                     continue
                 if done is None:
                     self._release_at = None
@@ -280,7 +278,7 @@ class Executor:
                         self.release_held()
                     continue
                 self._report(entry, done)
-            if chain is not None:      # stopped with one left to settle
+            if chain is not None:      # stopped with one left to the settler, which may have gone
                 self._drain_settles()
 
     def _report(self, nxt: tuple | None, done: tuple) -> None:
@@ -398,25 +396,18 @@ class Executor:
 
         A plain computation that ran, followed by another plain one that it
         lets start (the head of its devices' queues), is settled (its outputs
-        stored, its report given) while that next one runs: between the two,
-        this thread only starts the next. Host work there holds up every host
-        of a collective (on this 2-core machine, 150 us of Python between calls
-        of a collective computation cost about 300 us per call; the same work
-        beside the call, nothing measurable: benchmarks/worker_loop.py
-        --host-us). Where the next one runs on this host's devices alone, and
-        has run before, this thread settles the one before itself once the
-        next one's XLA call has returned (XLA runs a computation asynchronously,
-        or, a cheap one, at once: nothing it waits for is elsewhere). Else it
-        wakes the settler thread as that one's XLA call starts: a computation
-        with devices on other hosts may be run in the call itself (XLA:CPU runs
-        a cheap one inline) and wait there for the others, one of which may
-        wait for what settling the one before gives (a piece of its output, or
-        its report to the controller); a first call compiles. (``_execute``.)
-        The next one reads this one's outputs as they are when it reads them
-        in the same sharding; before it waits for any input that is not there
-        yet (``_wait``), or fails, this thread settles the one before first.
-        Reports go in order: every report given on this thread first settles
-        those pending."""
+        stored, its report given) by the settler thread while that next one
+        runs: between the two, this thread only starts the next, and it wakes
+        the settler as that one's XLA call starts (``_execute``). Host work
+        there holds up every host of a collective (on this 2-core machine,
+        150 us of Python between calls of a collective computation cost about
+        300 us per call; the same work beside the call, nothing measurable:
+        benchmarks/worker_loop.py --host-us). The next one reads this one's
+        outputs as they are when it reads them in the same sharding; before
+        it waits for any input that is not there yet (``_wait``), or fails,
+        this thread settles what the settler has not yet itself. Reports go
+        in order: every report given on this thread first settles those
+        pending."""
         start = time.time()
         t0 = time.perf_counter()
         self._waits.s = 0.0
@@ -449,11 +440,11 @@ class Executor:
         nxt = started[0] if started else None
         done = (ex.exec_id, error, start, end, time.perf_counter() - t0, behind, ex.hold)
         if ran is None:
-            self._drain_settles()      # reports go in order (another thread may be at one)
+            self._drain_settles()      # reports go in order (the settler may be at one)
             return nxt, done, None
         prepared, outs = ran
         if nxt is not None and type(nxt[0]) is not FusedRun:
-            # settled while the next one runs (_execute)
+            # the settler is woken as the next one's XLA call starts (_execute)
             self._settles.append((ex, prepared, outs, index, nxt, done))
             return nxt, _SETTLING, {o.buffer: (out, prepared.out_shardings[k])
                                     for k, (o, out) in enumerate(zip(ex.outputs, outs, strict=True))}
@@ -620,7 +611,7 @@ class Executor:
         stored: returns the prepared program and the outputs, for ``_settle``."""
         prepared = self._prepare(ex)
         if prepared.donates:
-            # what the computation before left to settle is stored first:
+            # what the computation before left to the settler is stored first:
             # the buffers this one donates may be its outputs (split out of
             # the arrays this one is then passed)
             self._drain_settles()
@@ -658,8 +649,7 @@ class Executor:
         if first_error is not None:
             raise first_error
         t0 = time.perf_counter()
-        beside = chain is not None and prepared.alone and prepared.last_s != _NEVER
-        if chain is not None and not beside:
+        if chain is not None:
             # the one before left its settling to the settler: woken now, it
             # works while this thread waits in XLA without the GIL, not while
             # this thread makes the inputs above (it would take the GIL and the
@@ -667,19 +657,6 @@ class Executor:
             # one before here, this thread settled that itself (_run, _wait, above)
             self._settle_wake.put(True)
         outs = prepared.fn(*args)
-        if beside:
-            # this one runs on this host's devices alone and ran before: the
-            # one before is settled now, on this thread, while XLA runs this
-            # one (or after it ran at once, being cheap), not before the call
-            # (it would hold this one up) nor on the settler (its wake-up and
-            # the GIL handed back and forth cost more than the settling:
-            # docs/benchmarks.md, worker_loop.py). (This one's time, its
-            # last_s and its report's end, then includes that settling: tens
-            # of microseconds.)
-            try:
-                self._drain_settles()
-            except Exception:      # a bug: this computation still runs, and is waited for
-                log.exception("settling the computation before %d", ex.exec_id)
         # Run to completion before the next computation: a failure is reported
         # against the computation that caused it, and XLA:CPU collectives never
         # overlap on the same devices (see ARCHITECTURE.md, section 2).
@@ -795,7 +772,7 @@ class Executor:
     def _wait(self, key: ShardKey | PieceKey, buffer: int) -> Any:
         t0 = 0.0
         if not self.store.is_done(key):
-            # (it may be an output of the one before, not settled yet; and reports
+            # (it may be an output the settler has yet to store; and reports
             # must not stay held while this waits)
             self._drain_settles()
             self._release_at = None          # held reports go now
@@ -880,7 +857,7 @@ class _Prepared:
     shards apart cheaply (the layouts are the same on every call)."""
 
     __slots__ = ("executor", "fn", "in_shardings", "out_shardings", "in_fast", "out_fast", "variant", "last_s",
-                 "donates", "alone")
+                 "donates")
 
     def __init__(self, executor: Executor, fn: Callable, in_shardings: tuple, out_shardings: tuple,
                  ex: m.Execute) -> None:
@@ -888,9 +865,7 @@ class _Prepared:
         self.fn = fn
         self.in_shardings = in_shardings
         self.out_shardings = out_shardings
-        self.last_s = _NEVER           # how long its last run took
-        # whether it runs on this host's devices alone (no other host takes part)
-        self.alone = all(d in executor.devices for d in ex.devices)
+        self.last_s = float("inf")     # how long its last run took
         self.donates = False           # whether it donates inputs (see Executor._prepare)
         # what it was built for, as the Execute messages carry it
         self.variant = (list(ex.jax_ids), list(ex.mesh_shape), list(ex.axis_names),
@@ -986,7 +961,8 @@ def to_device(x: np.ndarray, device: Any) -> Any:
     sharding, committed: about 170 µs of Python a call on this project's 2-core
     machine, around a transfer of about 12 (docs/benchmarks.md, opbyop.py).
     This makes that last call itself with the same arguments (the aval as JAX
-    makes it, once per shape and dtype), so the result is the same: an array
+    makes it, once per shape and dtype), in the scope ``jax.device_put`` sets
+    (a transfer guard sees an explicit transfer), so the result is the same: an array
     committed to ``device``, with the buffer semantics JAX uses (XLA:CPU takes
     an aligned array over without a copy: channels.recv_buffers). An array
     whose dtype JAX would change (a 64-bit one with 64-bit types off) or
