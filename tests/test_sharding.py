@@ -14,6 +14,7 @@ import subprocess
 import sys
 import textwrap
 
+import numpy as np
 import pytest
 
 from zpath import sharding
@@ -231,3 +232,10 @@ def test_region_from_index_and_wire():
     assert sharding.to_wire(r) == [[2, 4], [0, 6], [0, 4]]
     assert sharding.from_wire(sharding.to_wire(r)) == r
     assert sharding.region_from_index((), ()) == ()
+
+
+def test_regions_of_takes_a_str_subclass_as_one_axis_name():
+    # (numpy's string scalars are str: a spec built from them names the same axes)
+    want = sharding.regions((4, 6), [2, 3], ["data", "model"], ["data", ["model"]])
+    got = sharding.regions_of((4, 6), [2, 3], ["data", "model"], [np.str_("data"), [np.str_("model")]])
+    assert list(got) == want

@@ -84,7 +84,7 @@ def regions_of(shape: Sequence[int], mesh_shape: Sequence[int], axis_names: Sequ
     """:func:`regions`, remembered: every host of a computation, and every call
     of a training loop, asks the same. Do not modify the result."""
     return _regions_cached(tuple(shape), tuple(mesh_shape), tuple(axis_names),
-                           tuple(a if a is None or type(a) is str else tuple(a) for a in spec))
+                           tuple(a if a is None or isinstance(a, str) else tuple(a) for a in spec))
 
 
 @functools.lru_cache(maxsize=4096)
