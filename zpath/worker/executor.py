@@ -977,7 +977,7 @@ def to_device(x: np.ndarray, device: Any) -> Any:
             aval = _shaped_abstractify(x)
         except TypeError:        # not an array type JAX takes: it says so
             aval = None
-        if aval is not None and (aval.dtype != x.dtype or x.dtype.names is not None or aval.weak_type):
+        if aval is not None and (aval.dtype != x.dtype or x.dtype.names is not None):
             aval = None          # (float0 is a structured dtype: JAX puts zeros of bool)
         if len(_AVALS) >= 1024:
             _AVALS.clear()
