@@ -274,6 +274,22 @@ def test_malformed_messages_do_not_stop_the_cluster(cluster, client):
         ctx.term()
 
 
+def test_stacks_of_a_running_cluster_name_every_process_and_thread(cluster, client):
+    """LocalCluster.stacks (what a hung test prints): every process's threads,
+    the workers' executor thread among them, and the cluster keeps serving."""
+    out = cluster.stacks()
+    for name, p in cluster.procs:
+        assert f"---- {name} (pid {p.pid})" in out, out[-3000:]
+    parts = out.split("---- ")[1:]
+    assert len(parts) == len(cluster.procs)
+    for part in parts:
+        assert "hread 0x" in part and "(most recent call first)" in part, part[-2000:]
+    workers = [part for part in parts if part.startswith("worker")]
+    assert workers and all("_loop" in part for part in workers), out[-3000:]
+    x = zp.pmap(lambda v: v + 1, devices=devices(1))(np.zeros(1))
+    np.testing.assert_array_equal(np.asarray(x), [1.])
+
+
 def test_connect_via_environment_and_two_clients(cluster, monkeypatch):
     monkeypatch.setenv("ZPATH_CONTROLLER", cluster.address)
     monkeypatch.setenv("ZPATH_KEY", cluster.key.hex())

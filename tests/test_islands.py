@@ -299,16 +299,25 @@ CLIENT_FUSED_ONE = textwrap.dedent("""
 """)
 
 
-def _run_clients(address: str, key: bytes, n: int, timeout: float,
+def _run_clients(cluster: LocalCluster, n: int, timeout: float,
                  script: str = CLIENT) -> list[subprocess.CompletedProcess]:
-    env = dict(os.environ, ZPATH_KEY=key.hex())
-    procs = [subprocess.Popen([sys.executable, "-c", script, address, str(i)], env=env,
+    """Run ``script`` in ``n`` client processes against ``cluster``. If one
+    fails or does not end, every thread's stack in the cluster's processes is
+    printed (pytest shows it with the failure): what a hang waits on."""
+    env = dict(os.environ, ZPATH_KEY=cluster.key.hex())
+    procs = [subprocess.Popen([sys.executable, "-c", script, cluster.address, str(i)], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(n)]
     out = []
     try:
         for p in procs:
-            stdout, stderr = p.communicate(timeout=timeout)
+            try:
+                stdout, stderr = p.communicate(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                print(cluster.stacks())
+                raise
             out.append(subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr))
+            if p.returncode != 0 and sum(r.returncode != 0 for r in out) == 1:    # the first
+                print(cluster.stacks())
     finally:
         for p in procs:
             if p.poll() is None:
@@ -320,7 +329,7 @@ def _run_clients(address: str, key: bytes, n: int, timeout: float,
 def test_three_clients_interleaved_collectives(island):
     """3 clients x 200 collective computations on one 2-host island, on
     overlapping device subsets: no deadlock, every result correct."""
-    for r in _run_clients(island.address, island.key, 3, timeout=240):
+    for r in _run_clients(island, 3, timeout=240):
         assert r.returncode == 0, r.stderr[-3000:]
         assert r.stdout.strip() == "OK 200", r.stdout + r.stderr[-3000:]
 
@@ -329,7 +338,7 @@ def test_clients_running_fused_programs_and_calls_on_one_island(island):
     """2 clients x 30 runs of two fused programs of 6 collectives each (on
     the whole island and on a subset spanning both hosts) between plain
     collective calls: no deadlock, every result correct, runs fused."""
-    for r in _run_clients(island.address, island.key, 2, timeout=240, script=CLIENT_FUSED):
+    for r in _run_clients(island, 2, timeout=240, script=CLIENT_FUSED):
         assert r.returncode == 0, r.stderr[-3000:]
         assert r.stdout.startswith("OK "), r.stdout + r.stderr[-3000:]
         assert int(r.stdout.split()[1]) >= 50, r.stdout      # 58 runs after the 2 that define
@@ -340,7 +349,7 @@ def test_fused_programs_of_collectives_on_one_device_per_host():
     2 hosts with one device each, between plain collective calls: no
     deadlock, every result correct, runs fused."""
     with running_cluster(islands=1, hosts_per_island=2, devices_per_host=1) as c:
-        for r in _run_clients(c.address, c.key, 2, timeout=240, script=CLIENT_FUSED_ONE):
+        for r in _run_clients(c, 2, timeout=240, script=CLIENT_FUSED_ONE):
             assert r.returncode == 0, r.stderr[-3000:]
             assert r.stdout.startswith("OK "), r.stdout + r.stderr[-3000:]
             assert int(r.stdout.split()[1]) >= 25, r.stdout      # 29 runs after the one that defines

@@ -313,6 +313,36 @@ class ClusterLauncher:
         except OSError:
             return "(no log)"
 
+    def stacks(self, timeout: float = 5.0) -> str:
+        """Every thread's stack in each running process of this cluster, for a
+        report of a hang: each is sent SIGUSR1 (its faulthandler writes the
+        stacks to its log) and what its log gains is returned, once it stops
+        growing (at most ``timeout`` s in all)."""
+        sizes = {}
+        for name, p in self.procs:
+            path = os.path.join(self.dir, f"{name}.log")
+            if p.poll() is None and os.path.exists(path):
+                sizes[name] = (path, os.path.getsize(path))
+                try:
+                    p.send_signal(signal.SIGUSR1)
+                except OSError:
+                    pass
+        deadline = time.monotonic() + timeout
+        grown: dict[str, int] = {}
+        while time.monotonic() < deadline:     # until every log has grown and stopped
+            now = {n: os.path.getsize(path) for n, (path, _) in sizes.items()}
+            if all(now[n] > sizes[n][1] for n in sizes) and now == grown:
+                break
+            grown = now
+            time.sleep(0.2)
+        out = []
+        for name, (path, start) in sizes.items():
+            with open(path, "rb") as f:
+                f.seek(start)
+                out.append(f"---- {name} (pid {dict(self.procs)[name].pid})\n"
+                           + f.read().decode(errors="replace"))
+        return "\n".join(out)
+
     @property
     def pids(self) -> list[int]:
         return [p.pid for _, p in self.procs]
