@@ -362,3 +362,39 @@ def _small_piece_arrives_equal(a, b, dtype, shape):
     b._drain_dgram()
     got = b.store.entry(PieceKey(11)).value
     assert got.dtype == dt and got.shape == shape and got.tobytes() == value.tobytes()
+
+
+def test_a_fetch_whose_shard_cannot_be_read_is_answered_with_the_error(worker, monkeypatch):
+    """Reading a done shard fails (here: cutting it raises): the fetch, already
+    claimed by then, gets that error at once, not the client's deadline."""
+    from zpath import sharding
+    region = [[0, 4]]
+
+    def broken(*a, **k):
+        raise RuntimeError("the array was deleted")
+    monkeypatch.setattr(sharding, "cut", broken)
+    worker._handle_data(CLIENT, 7, m.Fetch(3, buffer_id(1, 3), 0, region, 30.0), [])
+    worker.store.set(shard_key(buffer_id(1, 3), 0, region), np.arange(4, dtype=np.float32))
+    [(kind, target, reply)] = sent(worker)
+    assert (kind, target) == ("data", CLIENT) and reply.request == 3
+    assert reply.error.kind == "RemoteError" and "RuntimeError: the array was deleted" in reply.error.message
+    assert worker.state.expire_fetches(float("inf")) == []
+
+
+def test_a_put_the_device_does_not_take_fails_what_waits_on_it(worker, monkeypatch):
+    """A Put whose array the device refuses with an error that is not a bad
+    request's (here: to_device raises RuntimeError) is answered with the error,
+    and its shard fails with it: a computation waiting on it does not wait out
+    its input timeout."""
+    from zpath.worker import server
+
+    def refused(*a, **k):
+        raise RuntimeError("out of device memory")
+    monkeypatch.setattr(server, "to_device", refused)
+    put = m.Put(buffer_id(1, 4), 0, [[0, 2]], m.Aval([2], "float32"))
+    worker._handle_data(CLIENT, 8, put, [np.zeros(2, np.float32)])
+    [(kind, target, reply)] = sent(worker)
+    assert (kind, target) == ("data", CLIENT)
+    assert reply.code == "RemoteError" and "RuntimeError: out of device memory" in reply.message
+    e = worker.store.entry(shard_key(buffer_id(1, 4), 0, [[0, 2]]))
+    assert e.done and e.error is not None and "Put failed: RuntimeError: out of device memory" in e.error.message

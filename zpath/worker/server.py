@@ -805,11 +805,18 @@ class Worker:
                     if arr.shape != shape:
                         raise ValueError(f"shard shape {arr.shape} does not match region {shape}")
                     arr = to_device(arr, self.executor.devices[msg.device])
-                except (ValueError, TypeError) as e:
-                    # Reject it, and fail whatever waits on it rather than let it wait.
-                    self.post_data(ident, m.Error(ErrorKind.BAD_REQUEST, str(e)), parent=msg_id)
-                    self.store.set(key, error=m.ErrorInfo(ErrorKind.REMOTE_ERROR, f"bad Put: {e}",
-                                                          self.rank, "", ""))
+                except Exception as e:
+                    # Reject it, and fail whatever waits on it rather than let it
+                    # wait: a bad one (ValueError, TypeError), or one that the
+                    # device did not take
+                    bad = isinstance(e, (ValueError, TypeError))
+                    if not bad:
+                        log.exception("Put of buffer %d onto device %d", msg.buffer, msg.device)
+                    text = str(e) if bad else f"{type(e).__name__}: {e}"
+                    self.post_data(ident, m.Error(ErrorKind.BAD_REQUEST if bad else ErrorKind.REMOTE_ERROR,
+                                                  text), parent=msg_id)
+                    self.store.set(key, error=m.ErrorInfo(ErrorKind.REMOTE_ERROR, f"bad Put: {text}"
+                                                          if bad else f"Put failed: {text}", self.rank, "", ""))
                     return
                 if not self.store.set(key, arr, unless_freed=msg.buffer):
                     log.debug("buffer %d was freed while its Put came in: dropped", msg.buffer)
@@ -1028,13 +1035,23 @@ class Worker:
         return relays.IDLE if due is None else due
 
     def _reply_fetch(self, p: PendingFetch, e: Entry) -> None:
+        """Answer a fetch whose shard is done (on the pool). It is claimed
+        first, so nothing else answers it: a failure to read the shard is
+        answered too, with the error, rather than left to the client's deadline."""
         if not p.claim():
             return          # already answered at its deadline
         if e.error is not None:
             self.post_data(p.ident, m.FetchReply(p.msg.request, m.Aval([], ""), e.error))
             return
-        data = sharding.cut(e.value, ())
-        aval = m.Aval(list(data.shape), channels.dtype_name(data.dtype))
+        try:
+            data = sharding.cut(e.value, ())
+            aval = m.Aval(list(data.shape), channels.dtype_name(data.dtype))
+        except Exception as ex:
+            log.exception("fetch of buffer %d", p.msg.buffer)
+            self.post_data(p.ident, m.FetchReply(p.msg.request, m.Aval([], ""), m.ErrorInfo(
+                ErrorKind.REMOTE_ERROR, f"reading buffer {p.msg.buffer} on host {self.rank} failed: "
+                f"{type(ex).__name__}: {ex}", self.rank, "", "")))
+            return
         self.post_data(p.ident, m.FetchReply(p.msg.request, aval, None), [data])
 
     def _expire_fetches(self) -> float:
