@@ -257,6 +257,21 @@ _SCRIPT = textwrap.dedent("""
     hf.ex.submit(FusedRun(12, 12, "fused", ids, template6, [11999], 12000, [0, 1], plan6))
     got, err = hf.done.get(timeout=60)
     res["unread"] = [got, None if err is None else err.message, shown(12002), plan6[0].series]
+    # the executor's own code fails on a fused run (a bug): the run is
+    # reported failed, its outputs fail, and the next run on its devices runs
+    run_fused = hf.ex._run_fused
+    def broken_run_fused(run):
+        hf.ex._run_fused = run_fused
+        raise KeyError("injected bug")
+    hf.ex._run_fused = broken_run_fused
+    hf.put(12999, np.zeros(2), two, P("i"))
+    hf.ex.submit(FusedRun(13, 13, "fused", ids, template6, [12999], 13000, [0, 1], plan6))
+    got, err = hf.done.get(timeout=60)
+    res["broken"] = [got, err.message, shown(13002)]
+    hf.put(13999, np.zeros(2), two, P("i"))
+    hf.ex.submit(FusedRun(14, 14, "fused", ids, template6, [13999], 14000, [0, 1], plan6))
+    got, err = hf.done.get(timeout=60)
+    res["broken"].append([got, None if err is None else err.message, shown(14002)])
 
     # completions of short computations run back to back are reported with
     # ``hold`` (but not the last); held reports are released before the thread
@@ -621,6 +636,13 @@ def test_a_series_in_a_fused_run_passes_outputs_on_as_a_jax_loop_does(results):
     # 0 -> 1 -> 3 (code 1, made from code 0 and never read, is no series' link)
     assert results["unread"] == [12, None, [[3.0], [3.0]], {}]
     assert results["series"][2] == results["series"][0]
+
+
+def test_a_bug_in_the_executor_fails_the_run_and_the_devices_go_on(results):
+    got, err, out = results["broken"][:3]
+    assert got == 13 and err == "the worker's executor failed: KeyError: 'injected bug'"
+    assert out == [err, err]
+    assert results["broken"][3] == [14, None, [[3.0], [3.0]]]
 
 
 def test_short_computations_run_back_to_back_are_reported_with_hold(results):

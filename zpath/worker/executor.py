@@ -413,7 +413,10 @@ class Executor:
         self._waits.s = 0.0
         ran = None
         if type(ex) is FusedRun:
-            error = self._run_fused(ex)
+            try:
+                error = self._run_fused(ex)
+            except Exception as e:      # a bug: the run fails, its devices go on
+                error = self._broken(ex, e)
         else:
             try:
                 ran = self._execute(ex, _as_is, None, chain)
@@ -421,7 +424,10 @@ class Executor:
             except Exception as e:
                 if chain is not None:     # its inputs from the one before are stored before they fail
                     self._drain_settles()
-                error = self._failed(ex, ex.exec_id, _as_is, e, None)
+                try:
+                    error = self._failed(ex, ex.exec_id, _as_is, e, None)
+                except Exception as e2:  # a bug
+                    error = self._broken(ex, e2)
         end = time.time()
         if self._waits.s > 0:            # read (and dropped) by whoever reports it
             self.waited[ex.exec_id] = self._waits.s
@@ -454,6 +460,22 @@ class Executor:
         if error is not None:
             done = (done[0], error) + done[2:]
         return nxt, done, None
+
+    def _broken(self, ex: "m.Execute | FusedRun", e: Exception) -> m.ErrorInfo:
+        """The error of a computation (or fused run) that an exception in the
+        executor's own code ended (a bug): logged, and its outputs fail with
+        it (those already stored keep their values), so that nothing waits for
+        them; ``_run`` then frees its devices and reports it as any failure."""
+        log.exception("computation %d (%s): the worker's executor failed", ex.exec_id, ex.name)
+        error = m.ErrorInfo(ErrorKind.REMOTE_ERROR, _text(f"the worker's executor failed: {type(e).__name__}: {e}"),
+                            self.rank, ex.name, _text(traceback.format_exc()))
+        subs = [(sub, ex.buffer) for sub in ex.executes] if type(ex) is FusedRun else [(ex, _as_is)]
+        for sub, buffer in subs:
+            try:
+                self._fail_outputs(sub, buffer, error)
+            except Exception:
+                log.exception("failing the outputs of computation %d", ex.exec_id)
+        return error
 
     def _run_fused(self, run: FusedRun) -> m.ErrorInfo | None:
         """Run a fused run's computations in order; returns the first error.
