@@ -98,6 +98,23 @@ def test_wake_floor_benchmark_times_every_mechanism():
     assert bad.returncode == 2 and "--gaps must all be > 0" in bad.stderr
 
 
+def test_device_put_benchmark_times_each_case_both_ways():
+    """benchmarks/device_put.py: a numpy array, a JAX array onto another device
+    and onto its own, each put both ways and timed (figures only: no speed is
+    asserted here)."""
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "device_put.py"
+    p = run_script([str(script), "--calls", "20", "--rounds", "3", "--size", "64", "--json"], timeout=120)
+    assert p.returncode == 0, p.stdout + p.stderr[-3000:]
+    res = json.loads(p.stdout)
+    assert res["size_bytes"] == 256 and res["rounds"] == 3
+    assert set(res["cases"]) == {"numpy array", "JAX array, another device", "JAX array, its own device"}
+    for row in res["cases"].values():
+        for way in ("jax.device_put", "to_device"):
+            r = row[way]
+            assert 0 < r["p25_us"] <= r["median_us"] <= r["p75_us"], row
+        assert row["ratio"] == row["to_device"]["median_us"] / row["jax.device_put"]["median_us"]
+
+
 def test_wake_floor_counts_what_two_workers_run_on_a_piece():
     """--ops: a piece goes from one worker to the other (the script fails if it
     does not come, or is not stored) and both sides' counts come out."""

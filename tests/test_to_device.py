@@ -4,10 +4,12 @@ worker takes). Each array is put both ways and the two results compared: type,
 aval, sharding, whether committed, the values, and whether the device buffer
 is the numpy array's own memory (XLA:CPU takes an aligned array over). JAX
 runs in a subprocess, so that turning 64-bit types off there changes no other
-test's process."""
+test's process. A JAX array on one device (a shard read on another local
+device) is compared the same way, onto another device and onto its own."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -77,12 +79,38 @@ _SCRIPT = textwrap.dedent("""
                 errors.append(None)
             except TypeError as e:
                 errors.append(type(e).__name__)
-    print(json.dumps({"fast": fast, "errors": errors, "aliased": aliased}))
+
+    # a JAX array on one device, onto another local device and onto its own
+    d1 = jax.devices()[1]
+    import jax.numpy as jnp
+    moved = {}
+    for x64 in (True, False):
+        jax.config.update("jax_enable_x64", x64)
+        for name, make in (("float32", lambda: jax.device_put(np.arange(6, dtype=np.float32), dev)),
+                           ("int8 2-d", lambda: jax.device_put(np.ones((2, 3), np.int8), dev)),
+                           ("bfloat16", lambda: jax.device_put(np.ones(4, ml_dtypes.bfloat16), dev)),
+                           ("empty", lambda: jax.device_put(np.empty((0, 2), np.float32), dev)),
+                           ("weak scalar", lambda: jnp.asarray(2.5)),       # (uncommitted too)
+                           ("computed", lambda: jax.jit(lambda v: v * 2)(jax.device_put(np.ones(3), dev)))):
+            a = make()
+            for target in (dev, d1):
+                want = jax.device_put(a, target)
+                n = len(calls)
+                got = to_device(a, target)
+                assert type(got) is type(want) and got.aval == want.aval, (name, got.aval, want.aval)
+                assert got.sharding == want.sharding and got._committed == want._committed, name
+                assert np.array_equal(np.asarray(got), np.asarray(want)), name
+                same_buffer = [v.unsafe_buffer_pointer() == a.unsafe_buffer_pointer() for v in (got, want)] \
+                    if a.size else [None, None]
+                moved[f"{name}, x64 {x64}, {'own' if target == dev else 'other'}"] = \
+                    [len(calls) > n, *same_buffer]
+    print(json.dumps({"fast": fast, "errors": errors, "aliased": aliased, "moved": moved}))
 """)
 
 
 def test_to_device_puts_as_jax_device_put_does():
-    p = subprocess.run([sys.executable, "-c", _SCRIPT], capture_output=True, text=True, timeout=100)
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
+    p = subprocess.run([sys.executable, "-c", _SCRIPT], capture_output=True, text=True, timeout=100, env=env)
     assert p.returncode == 0, p.stderr[-3000:]
     res = json.loads(p.stdout.strip().splitlines()[-1])
     fast = res["fast"]
@@ -101,3 +129,12 @@ def test_to_device_puts_as_jax_device_put_does():
     assert res["errors"] == ["TypeError"] * 4
     # both ways, XLA took some arrays over (the aligned one) and copied others
     assert any(res["aliased"]) and not all(res["aliased"])
+    # a JAX array: onto another local device it is copied by the same call
+    # (a buffer of its own both ways); onto its own device both wrap its buffer
+    moved = res["moved"]
+    assert len(moved) == 24
+    for name, (called, got_same, want_same) in moved.items():
+        other = name.endswith("other")
+        assert called == other, name
+        if got_same is not None:       # (an empty array has no buffer to compare)
+            assert got_same == want_same == (not other), name
