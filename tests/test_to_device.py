@@ -83,6 +83,8 @@ _SCRIPT = textwrap.dedent("""
     # a JAX array on one device, onto another local device and onto its own
     d1 = jax.devices()[1]
     import jax.numpy as jnp
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+    two = NamedSharding(Mesh(np.array(jax.devices()[:2]), ("x",)), PartitionSpec("x"))
     moved = {}
     for x64 in (True, False):
         jax.config.update("jax_enable_x64", x64)
@@ -91,7 +93,10 @@ _SCRIPT = textwrap.dedent("""
                            ("bfloat16", lambda: jax.device_put(np.ones(4, ml_dtypes.bfloat16), dev)),
                            ("empty", lambda: jax.device_put(np.empty((0, 2), np.float32), dev)),
                            ("weak scalar", lambda: jnp.asarray(2.5)),       # (uncommitted too)
-                           ("computed", lambda: jax.jit(lambda v: v * 2)(jax.device_put(np.ones(3), dev)))):
+                           ("computed", lambda: jax.jit(lambda v: v * 2)(jax.device_put(np.ones(3), dev))),
+                           # a shard of a computation's output on 2 devices, as a worker splits it
+                           ("shard", lambda: jax.jit(lambda v: v + 1, out_shardings=two)(
+                               jax.device_put(np.arange(4.), two))._arrays[0])):
             a = make()
             for target in (dev, d1):
                 want = jax.device_put(a, target)
@@ -104,6 +109,20 @@ _SCRIPT = textwrap.dedent("""
                     if a.size else [None, None]
                 moved[f"{name}, x64 {x64}, {'own' if target == dev else 'other'}"] = \
                     [len(calls) > n, *same_buffer]
+    # a deleted (donated) array, and one on 2 devices (left to jax.device_put):
+    # the same error, the same result
+    gone = jax.device_put(np.ones(2), dev)
+    gone.delete()
+    for put in (jax.device_put, to_device):
+        try:
+            put(gone, d1)
+            errors.append(None)
+        except RuntimeError as e:
+            errors.append(str(e))
+    wide = jax.device_put(np.arange(4.), two)
+    n = len(calls)
+    got, want = to_device(wide, d1), jax.device_put(wide, d1)
+    assert got.aval == want.aval and got.sharding == want.sharding and len(calls) == n
     print(json.dumps({"fast": fast, "errors": errors, "aliased": aliased, "moved": moved}))
 """)
 
@@ -126,13 +145,14 @@ def test_to_device_puts_as_jax_device_put_does():
     for name in ("float64, x64 False", "uint64, x64 False", "scalar, x64 False", "float0, x64 True"):
         assert not fast[name], name
     # what JAX refuses, it refuses the same way
-    assert res["errors"] == ["TypeError"] * 4
+    assert res["errors"][:4] == ["TypeError"] * 4
+    assert res["errors"][4] == res["errors"][5] and "deleted" in res["errors"][4]
     # both ways, XLA took some arrays over (the aligned one) and copied others
     assert any(res["aliased"]) and not all(res["aliased"])
     # a JAX array: onto another local device it is copied by the same call
     # (a buffer of its own both ways); onto its own device both wrap its buffer
     moved = res["moved"]
-    assert len(moved) == 24
+    assert len(moved) == 28
     for name, (called, got_same, want_same) in moved.items():
         other = name.endswith("other")
         assert called == other, name

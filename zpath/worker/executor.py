@@ -997,7 +997,9 @@ def to_device(x: np.ndarray, device: Any) -> Any:
     if _batched_device_put is None:
         return jax.device_put(x, device)
     if type(x) is not np.ndarray:
-        if type(x) is not _ArrayImpl or x.sharding.num_devices != 1 or not x.is_fully_addressable:
+        # (with a SingleDeviceSharding, JAX's aval for it is its own aval)
+        if type(x) is not _ArrayImpl or type(x.sharding) is not _SingleDeviceSharding \
+                or not x.is_fully_addressable:
             return jax.device_put(x, device)
         sharding = _SHARDINGS.get(device)
         if sharding is None:
