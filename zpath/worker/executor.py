@@ -973,9 +973,9 @@ class _Prepared:
         return to_device(np.empty(shape, dtype), ex.devices[gid])
 
 
-def to_device(x: np.ndarray, device: Any) -> Any:
-    """``jax.device_put(x, device)`` for a numpy array ``x``: the same call
-    without JAX's Python path before it. ``jax.device_put`` flattens its
+def to_device(x: Any, device: Any) -> Any:
+    """``jax.device_put(x, device)`` for a numpy array ``x`` (or a JAX array,
+    below): the same call without JAX's Python path before it. ``jax.device_put`` flattens its
     argument as a tree, checks the target, abstractifies the array and defers
     the transfer to ``pxla.shard_args``, which ends in
     ``xla_client.batched_device_put`` with the array's aval, the device's
