@@ -322,7 +322,7 @@ class ClusterLauncher:
         for name, p in self.procs:
             path = os.path.join(self.dir, f"{name}.log")
             if p.poll() is None and os.path.exists(path):
-                sizes[name] = (path, os.path.getsize(path))
+                sizes[name] = (path, os.path.getsize(path), p.pid)
                 try:
                     p.send_signal(signal.SIGUSR1)
                 except OSError:
@@ -330,16 +330,16 @@ class ClusterLauncher:
         deadline = time.monotonic() + timeout
         grown: dict[str, int] = {}
         while time.monotonic() < deadline:     # until every log has grown and stopped
-            now = {n: os.path.getsize(path) for n, (path, _) in sizes.items()}
+            now = {n: os.path.getsize(path) for n, (path, _, _) in sizes.items()}
             if all(now[n] > sizes[n][1] for n in sizes) and now == grown:
                 break
             grown = now
             time.sleep(0.2)
         out = []
-        for name, (path, start) in sizes.items():
+        for name, (path, start, pid) in sizes.items():
             with open(path, "rb") as f:
                 f.seek(start)
-                out.append(f"---- {name} (pid {dict(self.procs)[name].pid})\n"
+                out.append(f"---- {name} (pid {pid})\n"
                            + f.read().decode(errors="replace"))
         return "\n".join(out)
 

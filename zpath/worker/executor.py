@@ -1001,13 +1001,10 @@ def to_device(x: Any, device: Any) -> Any:
         if type(x) is not _ArrayImpl or type(x.sharding) is not _SingleDeviceSharding \
                 or not x.is_fully_addressable:
             return jax.device_put(x, device)
-        sharding = _SHARDINGS.get(device)
-        if sharding is None:
-            sharding = _SHARDINGS[device] = _SingleDeviceSharding(device)
         with _explicit_device_put():
             if x.devices() == {device}:
-                return _ArrayImpl(x.aval, sharding, [x], committed=True, _skip_checks=True)
-            return _batched_device_put(x.aval, sharding, [x], [device], True)
+                return _ArrayImpl(x.aval, _sharding_of(device), [x], committed=True, _skip_checks=True)
+            return _batched_device_put(x.aval, _sharding_of(device), [x], [device], True)
     key = (x.shape, x.dtype, jax.config.jax_enable_x64)
     aval = _AVALS.get(key, _AVALS)
     if aval is _AVALS:           # not seen yet
@@ -1022,11 +1019,16 @@ def to_device(x: Any, device: Any) -> Any:
         _AVALS[key] = aval
     if aval is None:
         return jax.device_put(x, device)
+    with _explicit_device_put():     # (as jax.device_put: a transfer guard sees an explicit one)
+        return _batched_device_put(aval, _sharding_of(device), [x], [device], True)
+
+
+def _sharding_of(device: Any) -> Any:
+    """``device``'s SingleDeviceSharding, made once."""
     sharding = _SHARDINGS.get(device)
     if sharding is None:
         sharding = _SHARDINGS[device] = _SingleDeviceSharding(device)
-    with _explicit_device_put():     # (as jax.device_put: a transfer guard sees an explicit one)
-        return _batched_device_put(aval, sharding, [x], [device], True)
+    return sharding
 
 
 def _text(s: str) -> str:
