@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
 import random
 import statistics
 import subprocess
@@ -44,6 +45,18 @@ def _path(data: Any, path: str) -> float:
     for key in path.rstrip("+").split("."):
         data = data[int(key)] if isinstance(data, list) else data[key]
     return float(sum(data.values())) if total else float(data)
+
+
+def machine() -> str:
+    """The CPU's model (Linux's /proc/cpuinfo, else what ``platform`` says) and
+    count: figures from two machines of one size may differ by their CPUs."""
+    model = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+    except OSError:
+        pass
+    return f"{model or platform.processor() or platform.machine()}, {os.cpu_count()} CPUs"
 
 
 def _load() -> str:
@@ -73,8 +86,8 @@ def run_one(tree: str, script: str, args: list[str], metrics: dict[str, str],
             data = json.load(f)
     finally:
         os.unlink(out)
-    return {"tree": tree, "load_before": before, "load_after": after, "wall_s": round(wall, 1),
-            "metrics": {name: _path(data, p) for name, p in metrics.items()}}
+    return {"tree": tree, "machine": machine(), "load_before": before, "load_after": after,
+            "wall_s": round(wall, 1), "metrics": {name: _path(data, p) for name, p in metrics.items()}}
 
 
 def _ci(ratios: list[float], rng: random.Random) -> tuple[float, float]:

@@ -57,6 +57,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import ab  # noqa: E402  (benchmarks/ab.py: the machine)
 import plots  # noqa: E402  (benchmarks/plots.py)
 from island_dispatch import (LOAD_HEAD, LOAD_TITLE, LOOP, McBench, _check, _cpu,  # noqa: E402
                              _summary, _timeline_stats, control_cpu, cpu_line, expected,
@@ -275,8 +276,9 @@ def main(argv: list[str] | None = None) -> int:
 
     config = {"programs": args.programs, "nodes": NODES, "computations_per_run": comps,
               "repeats": args.repeats, "mc_sync": mc["sync"], "notes": notes,
-              "python": platform.python_version(), "jax": jax.__version__, "cpus": os.cpu_count()}
-    print(f"python {platform.python_version()}, jax {jax.__version__}, {os.cpu_count()} CPUs; "
+              "python": platform.python_version(), "jax": jax.__version__, "cpus": os.cpu_count(),
+              "machine": ab.machine()}
+    print(f"python {platform.python_version()}, jax {jax.__version__}, {ab.machine()}; "
           f"zpath: client + controller + 2 workers; multi-controller (MC): 2 processes, "
           f"blocking {'after every call' if mc['sync'] == 'each' else 'at the end of a run'}")
     print()

@@ -68,6 +68,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import ab  # noqa: E402  (benchmarks/ab.py: the machine)
 import plots  # noqa: E402  (benchmarks/plots.py)
 
 LOOP = 128           # computations per -F call, as in the paper
@@ -628,13 +629,13 @@ def measure(z: ZpathBench, mc: McBench, calls: dict[str, int], repeats: int,
     """Alternate zpath and multi-controller runs (which goes first alternates
     too), so both see the same machine; return their summaries. With
     ``threads``, also each process's CPU and context switches per thread (name)
-    and computation in the -F runs."""
+    and computation in the runs of each variant."""
     zres: dict[str, Any] = {}
     mres: dict[str, Any] = {"sync": mc.sync}
     for v in ("O", "F"):
         zt, mt = [], []
         zm = mm = None
-        if threads and v == "F":
+        if threads:
             zm = ThreadMeter({k: p.pid for k, p in z.procs.items()})
             mm = ThreadMeter({f"process{i}": p.pid for i, p in enumerate(mc.procs)})
         for r in range(repeats):
@@ -645,7 +646,7 @@ def measure(z: ZpathBench, mc: McBench, calls: dict[str, int], repeats: int,
                 mt.append(_metered(mm, lambda: mc.run(v)))
                 zt.append(_metered(zm, lambda: z.run(v, calls[v])))
         if zm is not None and mm is not None:
-            comps = calls[v] * LOOP * repeats
+            comps = calls[v] * (LOOP if v == "F" else 1) * repeats
             zres[v + "_threads"] = zm.per_comp(comps)
             mres[v + "_threads"] = mm.per_comp(comps)
         comps = calls[v] * (LOOP if v == "F" else 1)
@@ -698,14 +699,14 @@ def _breakdown(z: dict[str, Any], mc: dict[str, Any]) -> str:
     return "\n".join(out)
 
 
-def threads_table(z: dict[str, Any], mc: dict[str, Any], min_us: float = 0.5) -> str:
-    """The -F per-thread table: per process, each thread name's CPU (us) and
+def threads_table(z: dict[str, Any], mc: dict[str, Any], min_us: float = 0.5, v: str = "F") -> str:
+    """The per-thread table of variant ``v``: per process, each thread name's CPU (us) and
     context switches (voluntary = the thread slept and was woken; involuntary =
     preempted) per computation; groups under ``min_us`` and without a switch are
     summed into "rest". The MC figures include the one-computation barrier
     before each run."""
     out = [f"  {'process':<12} {'thread':<22} {'n':>3} {'CPU us/comp':>12} {'vol/comp':>9} {'invol/comp':>11}"]
-    for side in (z.get("F_threads", {}), mc.get("F_threads", {})):
+    for side in (z.get(v + "_threads", {}), mc.get(v + "_threads", {})):
         for proc, rows in side.items():
             rest = [0, 0.0, 0.0, 0.0]
             for r in rows:
@@ -750,8 +751,8 @@ def main(argv: list[str] | None = None) -> int:
                         "as zpath's controller and workers' I/O threads did: how much of the gap "
                         "sharing the cores with a control plane explains")
     p.add_argument("--threads", action="store_true",
-                   help="also print, for -F, each process's CPU and context switches per thread "
-                        "and computation (Linux /proc)")
+                   help="also print, for -O and -F, each process's CPU and context switches per "
+                        "thread and computation (Linux /proc)")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON here")
     p.add_argument("--png", metavar="PATH", help="also draw the figures here (matplotlib)")
     args = p.parse_args(argv)
@@ -796,8 +797,9 @@ def main(argv: list[str] | None = None) -> int:
 
     config = {"calls_o": args.calls_o, "calls_f": args.calls_f, "loop": LOOP, "repeats": args.repeats,
               "warmup_o": warm_o, "warmup_f": warm_f, "mc_sync": mc["sync"], "notes": notes,
-              "python": platform.python_version(), "jax": jax.__version__, "cpus": os.cpu_count()}
-    print(f"python {platform.python_version()}, jax {jax.__version__}, {os.cpu_count()} CPUs; "
+              "python": platform.python_version(), "jax": jax.__version__, "cpus": os.cpu_count(),
+              "machine": ab.machine()}
+    print(f"python {platform.python_version()}, jax {jax.__version__}, {ab.machine()}; "
           f"zpath: client + controller + 2 workers; multi-controller (MC): 2 processes, "
           f"blocking {'after every call' if mc['sync'] == 'each' else 'at the end of a run'}")
     print()
@@ -811,9 +813,10 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(_spread(z, mc))
     if args.threads:
-        print()
-        print("-F per thread (CPU and context switches per computation, all timed -F runs):")
-        print(threads_table(z, mc))
+        for v in ("O", "F"):
+            print()
+            print(f"-{v} per thread (CPU and context switches per computation, all timed -{v} runs):")
+            print(threads_table(z, mc, v=v))
     if load is not None:
         print()
         print(LOAD_TITLE)

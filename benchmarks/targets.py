@@ -101,6 +101,9 @@ def table(records: list[dict[str, Any]]) -> str:
             lines.append(f"  {what:<54}{sign:>3} {target:<5g}  {shown}  {verdict}")
         loads = ", ".join(r["load_before"] for r in mine)
         lines.append(f"  (load average before each invocation: {loads})")
+        # (records written before the machine was recorded have none)
+        machines = ", ".join(dict.fromkeys(r.get("machine", "not recorded") for r in mine))
+        lines.append(f"  (machine: {machines})")
     return "\n".join(lines)
 
 
@@ -133,7 +136,8 @@ def invoke(tree: str, quick: bool, timeout: float) -> dict[str, Any]:
         runs.append({"script": script, "load_before": rec["load_before"], "load_after": rec["load_after"],
                      "wall_s": rec["wall_s"]})
     load = next((r["load_before"] for r in runs if "load_before" in r), "-")
-    return {"tree": tree, "load_before": load, "runs": runs, "figures": figures(metrics)}
+    return {"tree": tree, "machine": ab.machine(), "load_before": load, "runs": runs,
+            "figures": figures(metrics)}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -42,3 +42,13 @@ def test_summary_of_mixed_ratios_includes_one_and_skips_unpaired_rounds():
 def test_interval_is_reproducible():
     ratios = [0.9, 1.1, 1.05, 0.97, 1.2]
     assert ab.summarize(_records([1.0] * 5, ratios)) == ab.summarize(_records([1.0] * 5, ratios))
+
+
+def test_the_machine_names_the_cpu_model_and_count():
+    import os
+    got = ab.machine()
+    assert got.endswith(f", {os.cpu_count()} CPUs") and got[: -len(f", {os.cpu_count()} CPUs")].strip()
+    with open("/proc/cpuinfo") as f:      # (Linux: the model /proc/cpuinfo names)
+        model = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), None)
+    if model:
+        assert got.startswith(model)

@@ -79,3 +79,6 @@ def test_thread_meter_attributes_cpu_to_the_thread_that_spent_it():
     assert sum(r["voluntary"] for r in rows) >= 0.5          # the sleeper woke once: 1 / 2
     assert any(r["name"] + "*" == rows[0]["name"] for r in rows), names     # the others of its name
     assert "rest" in bench.threads_table({"F_threads": {"me": rows}}, {})
+    # each variant's table reads its own rows (-O's with --threads too)
+    assert "me " in bench.threads_table({"O_threads": {"me": rows}}, {}, v="O")
+    assert "me " not in bench.threads_table({"O_threads": {"me": rows}}, {})

@@ -2,6 +2,7 @@
 targets they meet, and the invocations it makes in each tree."""
 import json
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -71,7 +72,9 @@ def test_main_alternates_trees_writes_each_invocation_and_compares_them(tmp_path
     assert [(r["round"], r["name"]) for r in recs] == [(0, "base"), (0, "new"), (1, "new"), (1, "base")]
     assert recs[1]["figures"]["workers_F"] == 2.0 and set(recs[0]["figures"]) == {t[0] for t in targets.TARGETS}
     assert recs[0]["load_before"] == "0.5 0.5 0.5" and len(recs[0]["runs"]) == 3
+    assert recs[0]["machine"] == targets.ab.machine()
     text = targets.summarize(recs)
+    assert f"(machine: {targets.ab.machine()})" in text
     assert "new / base" in text and "2 pairs, median 2.000" in text
     # more invocations added to the same file, numbered on
     calls.clear()
@@ -118,3 +121,4 @@ def test_quick_invocation_reads_every_figure_from_the_real_benchmarks(tmp_path):
     assert all(math.isfinite(v) and v >= 0 for v in rec["figures"].values()), rec
     assert 0 < rec["figures"]["ici_1K_us"] < 1e6 and rec["figures"]["F"] > 0 and rec["figures"]["C"] > 0
     assert "met in" in p.stdout and all(r.get("wall_s") for r in rec["runs"])
+    assert rec["machine"].endswith(f"{os.cpu_count()} CPUs") and len(rec["machine"]) > len(" 2 CPUs")
