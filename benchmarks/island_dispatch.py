@@ -222,9 +222,15 @@ class ThreadMeter:
         return out
 
 
+SLOW_X = 4      # a computation this many times its run's median is counted as held up
+
+
 def _timeline_stats(cluster: Any, name: str, calls: int) -> dict[str, Any]:
-    """Median execution time on each worker (input assembly + XLA run incl. the
-    gloo all-reduce) and median start-to-start interval, over the last run."""
+    """Per worker, over the last run (input assembly + XLA run incl. the gloo
+    all-reduce): the median and 90th percentile execution time, the median
+    start-to-start interval and idle time between, and the computations that
+    took over SLOW_X times the median: how many, and their share of the
+    run's span (medians alone hide a few long ones)."""
     from zpath.net import messages as m
 
     recs = cluster.client.request(m.TimelineRequest(2 * calls)).records
@@ -236,9 +242,14 @@ def _timeline_stats(cluster: Any, name: str, calls: int) -> dict[str, Any]:
         exec_us = [(r.end - r.start) * 1e6 for r in mine]
         gap_us = [(b.start - a.start) * 1e6 for a, b in zip(mine, mine[1:])]
         idle_us = [(b.start - a.end) * 1e6 for a, b in zip(mine, mine[1:])]
-        out[f"host{host}"] = {"records": len(mine), "exec_us_median": statistics.median(exec_us),
+        med = statistics.median(exec_us)
+        slow = [e for e in exec_us if e > SLOW_X * med]
+        span_us = (mine[-1].end - mine[0].start) * 1e6
+        out[f"host{host}"] = {"records": len(mine), "exec_us_median": med,
+                              "exec_us_p90": statistics.quantiles(exec_us, n=10)[-1],
                               "start_to_start_us_median": statistics.median(gap_us),
-                              "idle_between_us_median": statistics.median(idle_us)}
+                              "idle_between_us_median": statistics.median(idle_us),
+                              "slow": len(slow), "slow_share": sum(slow) / span_us if span_us > 0 else 0.0}
     return out
 
 
@@ -683,9 +694,11 @@ def cpu_line(label: str, result: dict[str, Any]) -> str:
 
 def timeline_line(label: str, host: str, t: dict[str, Any], unit: str, of: str = "") -> str:
     """One line of a worker's timeline medians (``unit``: what one record is)."""
-    return (f"  {label} worker {host}: execute {t['exec_us_median']:,.1f} us/{unit}, "
+    return (f"  {label} worker {host}: execute {t['exec_us_median']:,.1f} us/{unit} "
+            f"(90th percentile {t['exec_us_p90']:,.1f}), "
             f"start-to-start {t['start_to_start_us_median']:,.1f} us/{unit}, idle between "
-            f"{t['idle_between_us_median']:,.1f} us (median over {t['records']} {unit}s{of})")
+            f"{t['idle_between_us_median']:,.1f} us (median over {t['records']} {unit}s{of}); "
+            f"{t['slow']} over {SLOW_X}x the median, {t['slow_share']:.0%} of the run's span")
 
 
 def _breakdown(z: dict[str, Any], mc: dict[str, Any]) -> str:

@@ -82,3 +82,30 @@ def test_thread_meter_attributes_cpu_to_the_thread_that_spent_it():
     # each variant's table reads its own rows (-O's with --threads too)
     assert "me " in bench.threads_table({"O_threads": {"me": rows}}, {}, v="O")
     assert "me " not in bench.threads_table({"O_threads": {"me": rows}}, {})
+
+
+def test_timeline_counts_the_computations_held_up_and_their_share_of_the_run():
+    """The medians hide a few long computations: the timeline's figures count
+    those over SLOW_X times the median and give their share of the run."""
+    from types import SimpleNamespace as NS
+
+    def recs(host, durations_us):
+        out, t = [], 100.0
+        for d in durations_us:
+            out.append(NS(host=host, name="f", start=t, end=t + d / 1e6))
+            t += d / 1e6 + 20e-6          # 20 us idle between
+        return out
+    # host 0: 18 of 200 us and 2 of 5 ms; host 1: all even; another name is left out
+    got = recs(0, [200.0] * 9 + [5000.0] + [200.0] * 9 + [5000.0]) + recs(1, [200.0] * 20)
+    got.append(NS(host=0, name="other", start=0.0, end=50.0))
+    cluster = NS(client=NS(request=lambda req: NS(records=got)))
+    stats = bench._timeline_stats(cluster, "f", 20)
+    h0, h1 = stats["host0"], stats["host1"]
+    assert h0["records"] == 20 and h0["exec_us_median"] == pytest.approx(200.0)
+    assert h0["slow"] == 2 and h1["slow"] == 0 and h1["slow_share"] == 0.0
+    span = 18 * 200 + 2 * 5000 + 19 * 20
+    assert h0["slow_share"] == pytest.approx(10000 / span, rel=1e-3)
+    assert h0["exec_us_p90"] > 200.0 and h1["exec_us_p90"] == pytest.approx(200.0)
+    assert h0["idle_between_us_median"] == pytest.approx(20.0, abs=0.1)
+    line = bench.timeline_line("-O zpath", "host0", h0, "call")
+    assert "2 over 4x the median, 72% of the run's span" in line, line
