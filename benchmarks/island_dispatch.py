@@ -693,7 +693,8 @@ def cpu_line(label: str, result: dict[str, Any]) -> str:
 
 
 def timeline_line(label: str, host: str, t: dict[str, Any], unit: str, of: str = "") -> str:
-    """One line of a worker's timeline medians (``unit``: what one record is)."""
+    """One line of a worker's timeline figures (``_timeline_stats``; ``unit``:
+    what one record is)."""
     return (f"  {label} worker {host}: execute {t['exec_us_median']:,.1f} us/{unit} "
             f"(90th percentile {t['exec_us_p90']:,.1f}), "
             f"start-to-start {t['start_to_start_us_median']:,.1f} us/{unit}, idle between "

@@ -1,5 +1,6 @@
 """Tests of benchmarks/ab.py's figures: the metric paths it reads from a
 benchmark's JSON and its per-round ratios, medians and intervals."""
+import os
 import sys
 from pathlib import Path
 
@@ -45,7 +46,6 @@ def test_interval_is_reproducible():
 
 
 def test_the_machine_names_the_cpu_model_and_count():
-    import os
     got = ab.machine()
     assert got.endswith(f", {os.cpu_count()} CPUs") and got[: -len(f", {os.cpu_count()} CPUs")].strip()
     with open("/proc/cpuinfo") as f:      # (Linux: the model /proc/cpuinfo names)
