@@ -109,3 +109,7 @@ def test_timeline_counts_the_computations_held_up_and_their_share_of_the_run():
     assert h0["idle_between_us_median"] == pytest.approx(20.0, abs=0.1)
     line = bench.timeline_line("-O zpath", "host0", h0, "call")
     assert "2 over 4x the median, 72% of the run's span" in line, line
+    # a few records (chained.py's programs): the 90th percentile stays within them
+    got = recs(0, [10.0, 10.0, 10.0, 40.0])
+    few = bench._timeline_stats(cluster, "f", 4)["host0"]
+    assert few["exec_us_p90"] == pytest.approx(31.0) and few["slow"] == 0

@@ -35,7 +35,10 @@ def test_table_counts_the_invocations_that_meet_each_target():
     recs = [_record(0, "a", F=0.97, ici_1K_us=200.0, ctl_O_us=140.0),
             _record(1, "a", F=0.91, ici_1K_us=190.0, ctl_O_us=150.0),
             _record(2, "a", F=1.02, ici_1K_us=149.0)]
+    recs[1]["machine"] = recs[2]["machine"] = "Some CPU, 2 CPUs"
     text = targets.table(recs)
+    # each machine once, in order; a record from before machines were recorded says so
+    assert "(machine: not recorded, Some CPU, 2 CPUs)" in text
     assert _row(text, "-F zpath / MC").endswith("0.970    0.910    1.020  2 of 3")
     assert _row(text, "1 KiB ICI").endswith("200      190      149  1 of 3")
     # a target met at its bound; a figure an invocation did not give is shown, not counted
@@ -121,4 +124,5 @@ def test_quick_invocation_reads_every_figure_from_the_real_benchmarks(tmp_path):
     assert all(math.isfinite(v) and v >= 0 for v in rec["figures"].values()), rec
     assert 0 < rec["figures"]["ici_1K_us"] < 1e6 and rec["figures"]["F"] > 0 and rec["figures"]["C"] > 0
     assert "met in" in p.stdout and all(r.get("wall_s") for r in rec["runs"])
-    assert rec["machine"].endswith(f"{os.cpu_count()} CPUs") and len(rec["machine"]) > len(" 2 CPUs")
+    model, _, count = rec["machine"].rpartition(", ")
+    assert model.strip() and count == f"{os.cpu_count()} CPUs", rec["machine"]
