@@ -434,6 +434,31 @@ def test_the_simulator_cpu_benchmark_counts_both_ways():
     assert got["groups_median"] > 0 and got["per_host_median"] > 0
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a process's CPU clock: Linux")
+def test_the_scale_benchmarks_read_another_process_cpu_finer_than_proc_steps():
+    """scale.py's controller CPU per node over a short --quick run read 0 from
+    /proc's 10 ms steps (a flaky test above): it reads the process's CPU clock.
+    Watched while a child spins, its CPU time grows by less than a step at a time."""
+    import psutil
+    scale = _scale_module()
+    child = subprocess.Popen([sys.executable, "-c", "import time\nt = time.time()\n"
+                              "while time.time() - t < 30: pass"])
+    try:
+        proc = psutil.Process(child.pid)
+        steps, last, deadline = [], scale.cpu_s(proc), time.monotonic() + 20
+        while len(steps) < 20 and time.monotonic() < deadline:
+            now = scale.cpu_s(proc)
+            if now > last:
+                steps.append(now - last)
+            last = now
+        assert len(steps) == 20 and min(steps) < 0.009, steps
+        assert 0 < last <= sum(proc.cpu_times()[:2]) + 0.02     # the same time psutil counts, finer
+    finally:
+        child.kill()
+        child.wait(10)
+
+
 def test_the_simulated_worker_imports_no_jax():
     code = ("import sys, zpath.worker.simulate, zpath.cluster.cli; "
             "sys.exit(1 if any(n == 'jax' or n.startswith('jax.') for n in sys.modules) else 0)")
