@@ -815,11 +815,12 @@ def main(argv: list[str] | None = None) -> int:
 
     import jax
 
+    machine = ab.machine()
     config = {"calls_o": args.calls_o, "calls_f": args.calls_f, "loop": LOOP, "repeats": args.repeats,
               "warmup_o": warm_o, "warmup_f": warm_f, "mc_sync": mc["sync"], "notes": notes,
               "python": platform.python_version(), "jax": jax.__version__, "cpus": os.cpu_count(),
-              "machine": ab.machine()}
-    print(f"python {platform.python_version()}, jax {jax.__version__}, {ab.machine()}; "
+              "machine": machine}
+    print(f"python {platform.python_version()}, jax {jax.__version__}, {machine}; "
           f"zpath: client + controller + 2 workers; multi-controller (MC): 2 processes, "
           f"blocking {'after every call' if mc['sync'] == 'each' else 'at the end of a run'}")
     print()

@@ -393,8 +393,8 @@ def _measure(cluster: SimulatedCluster, d: Driver, ctl: psutil.Process, sim: psu
     devs = d.devices
     total = len(devs)
     zero = d.program(0.0)
-    # (at least 128 nodes, but --quick: where only /proc's CPU time in steps of
-    # 10 ms is there, 0.08 ms a node)
+    # (at least 128 nodes but with --quick: CPU time read from /proc, where the
+    # system has no CPU clock for a process, comes in steps of 10 ms)
     k = max(8 if quick else 128, (400 if quick else 3000) // hosts)
     # warm-up (plans and templates the controller caches)
     calls, outs = chain(d, zero, devs, 4)
