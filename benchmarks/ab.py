@@ -3,7 +3,9 @@
 Each round runs the script once in every tree (a fresh process each, with the
 working directory and ``PYTHONPATH`` set to the tree, so ``import zpath`` finds
 that tree's code), in an order that rotates from round to round; the machine's
-load (``/proc/loadavg``) is recorded before and after each invocation. Every
+load (``/proc/loadavg``) is recorded before and after each invocation, and the
+CPU time the hypervisor took from this machine's CPUs meanwhile (steal, from
+``/proc/stat``; ``steal_s``, None where the system does not count it). Every
 invocation writes its results with ``--json``; the figures named by ``--metric``
 are taken from it. The first tree is the base: for every other tree and metric
 it prints the ratio other / base per round, their median and a 95% bootstrap
@@ -64,6 +66,23 @@ def _load() -> str:
         return " ".join(f.read().split()[:3])
 
 
+def steal_s() -> float | None:
+    """CPU seconds the hypervisor has taken from this machine's CPUs since boot,
+    all CPUs together (the steal column of /proc/stat's ``cpu`` line), or None
+    where there is no such count. On a shared virtual machine it grows while
+    other guests run; a run during which it grew ran on less CPU than it saw."""
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()
+        return int(fields[8]) / os.sysconf("SC_CLK_TCK") if fields[0] == "cpu" and len(fields) > 8 else None
+    except (OSError, ValueError):
+        return None
+
+
+def _grew(before: float | None, after: float | None) -> float | None:
+    return None if before is None or after is None else round(after - before, 2)
+
+
 def run_one(tree: str, script: str, args: list[str], metrics: dict[str, str],
             timeout: float) -> dict[str, Any]:
     """One invocation of ``script`` (relative to the tree) in ``tree``."""
@@ -76,10 +95,10 @@ def run_one(tree: str, script: str, args: list[str], metrics: dict[str, str],
     fd, out = tempfile.mkstemp(suffix=".json")
     os.close(fd)
     try:
-        before, t0 = _load(), time.monotonic()
+        before, stolen, t0 = _load(), steal_s(), time.monotonic()
         res = subprocess.run([sys.executable, os.path.join(tree, script), *args, "--json", out],
                              cwd=tree, env=env, capture_output=True, text=True, timeout=timeout)
-        wall, after = time.monotonic() - t0, _load()
+        wall, after, stolen = time.monotonic() - t0, _load(), _grew(stolen, steal_s())
         if res.returncode != 0:
             raise SystemExit(f"{tree}: exit {res.returncode}\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}")
         with open(out) as f:
@@ -87,7 +106,8 @@ def run_one(tree: str, script: str, args: list[str], metrics: dict[str, str],
     finally:
         os.unlink(out)
     return {"tree": tree, "machine": machine(), "load_before": before, "load_after": after,
-            "wall_s": round(wall, 1), "metrics": {name: _path(data, p) for name, p in metrics.items()}}
+            "steal_s": stolen, "wall_s": round(wall, 1),
+            "metrics": {name: _path(data, p) for name, p in metrics.items()}}
 
 
 def _ci(ratios: list[float], rng: random.Random) -> tuple[float, float]:
@@ -120,6 +140,12 @@ def summarize(records: list[dict[str, Any]]) -> str:
                          f"({verdict}); above 1 in {sum(x > 1 for x in ratios)}; medians "
                          f"{base} {statistics.median(a for a, _ in pairs):.4g}, "
                          f"{name} {statistics.median(b for _, b in pairs):.4g}")
+    if any(r.get("steal_s") is not None for r in records):
+        # (a round where it grew ran on less CPU than it saw: read its ratios with that)
+        lines.append("\nCPU seconds the hypervisor took during each invocation (steal), by round:")
+        for name in names:
+            stolen = [by[(k, name)].get("steal_s") for k in rounds if (k, name) in by]
+            lines.append(f"  {name}: " + ", ".join("-" if v is None else f"{v:.2f}" for v in stolen))
     return "\n".join(lines)
 
 

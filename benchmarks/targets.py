@@ -101,6 +101,9 @@ def table(records: list[dict[str, Any]]) -> str:
             lines.append(f"  {what:<54}{sign:>3} {target:<5g}  {shown}  {verdict}")
         loads = ", ".join(r["load_before"] for r in mine)
         lines.append(f"  (load average before each invocation: {loads})")
+        # (records written before steal was recorded, or where it is not counted, have none)
+        steals = ", ".join("-" if r.get("steal_s") is None else f"{r['steal_s']:.2f}" for r in mine)
+        lines.append(f"  (CPU seconds the hypervisor took during each invocation: {steals})")
         # (records written before the machine was recorded have none)
         machines = ", ".join(dict.fromkeys(r.get("machine", "not recorded") for r in mine))
         lines.append(f"  (machine: {machines})")
@@ -113,14 +116,17 @@ def summarize(records: list[dict[str, Any]]) -> str:
     if len({r["name"] for r in records}) > 1:
         # (the figures every invocation gave: ab.py pairs each of them)
         common = [k for k in records[0]["figures"] if all(k in r["figures"] for r in records)]
-        text += "\n" + ab.summarize([dict(r, metrics={k: r["figures"][k] for k in common}) for r in records])
+        # (the table shows each invocation's steal already)
+        text += "\n" + ab.summarize([dict(r, metrics={k: r["figures"][k] for k in common}, steal_s=None)
+                                     for r in records])
     return text
 
 
 def invoke(tree: str, quick: bool, timeout: float) -> dict[str, Any]:
     """One invocation of the three benchmarks in ``tree``: their figures, and per
-    benchmark the load before and after and the seconds it took (or why it gave
-    no figures: the others still run)."""
+    benchmark the load before and after, the steal during it and the seconds it
+    took (or why it gave no figures: the others still run); the invocation's
+    steal is the sum of its benchmarks'."""
     metrics: dict[str, float] = {}
     runs = []
     for script, full, short, paths in BENCHMARKS:
@@ -134,10 +140,11 @@ def invoke(tree: str, quick: bool, timeout: float) -> dict[str, Any]:
             continue
         metrics.update(rec["metrics"])
         runs.append({"script": script, "load_before": rec["load_before"], "load_after": rec["load_after"],
-                     "wall_s": rec["wall_s"]})
+                     "steal_s": rec.get("steal_s"), "wall_s": rec["wall_s"]})
     load = next((r["load_before"] for r in runs if "load_before" in r), "-")
-    return {"tree": tree, "machine": ab.machine(), "load_before": load, "runs": runs,
-            "figures": figures(metrics)}
+    steals = [r["steal_s"] for r in runs if r.get("steal_s") is not None]
+    return {"tree": tree, "machine": ab.machine(), "load_before": load,
+            "steal_s": round(sum(steals), 2) if steals else None, "runs": runs, "figures": figures(metrics)}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -36,9 +36,12 @@ def test_table_counts_the_invocations_that_meet_each_target():
             _record(1, "a", F=0.91, ici_1K_us=190.0, ctl_O_us=150.0),
             _record(2, "a", F=1.02, ici_1K_us=149.0)]
     recs[1]["machine"] = recs[2]["machine"] = "Some CPU, 2 CPUs"
+    recs[1]["steal_s"], recs[2]["steal_s"] = 3.456, 0.0
     text = targets.table(recs)
     # each machine once, in order; a record from before machines were recorded says so
     assert "(machine: not recorded, Some CPU, 2 CPUs)" in text
+    # the steal per invocation; one from before steal was recorded shows "-"
+    assert "(CPU seconds the hypervisor took during each invocation: -, 3.46, 0.00)" in text
     assert _row(text, "-F zpath / MC").endswith("0.970    0.910    1.020  2 of 3")
     assert _row(text, "1 KiB ICI").endswith("200      190      149  1 of 3")
     # a target met at its bound; a figure an invocation did not give is shown, not counted
@@ -53,7 +56,7 @@ def _fake_run_one(calls: list, fail: str | None = None):
             raise SystemExit(f"{tree}: exit 1")
         value = 2.0 if Path(tree).name == "new" else 1.0
         return {"metrics": {name: value for name in metrics}, "wall_s": 0.1,
-                "load_before": "0.5 0.5 0.5", "load_after": "0.6 0.6 0.6"}
+                "load_before": "0.5 0.5 0.5", "load_after": "0.6 0.6 0.6", "steal_s": 0.25}
     return run_one
 
 
@@ -76,8 +79,11 @@ def test_main_alternates_trees_writes_each_invocation_and_compares_them(tmp_path
     assert recs[1]["figures"]["workers_F"] == 2.0 and set(recs[0]["figures"]) == {t[0] for t in targets.TARGETS}
     assert recs[0]["load_before"] == "0.5 0.5 0.5" and len(recs[0]["runs"]) == 3
     assert recs[0]["machine"] == targets.ab.machine()
+    # the steal of an invocation is its three benchmarks' together
+    assert recs[0]["steal_s"] == 0.75 and [r["steal_s"] for r in recs[0]["runs"]] == [0.25] * 3
     text = targets.summarize(recs)
     assert f"(machine: {targets.ab.machine()})" in text
+    assert "(CPU seconds the hypervisor took during each invocation: 0.75, 0.75)" in text
     assert "new / base" in text and "2 pairs, median 2.000" in text
     # more invocations added to the same file, numbered on
     calls.clear()
@@ -126,3 +132,5 @@ def test_quick_invocation_reads_every_figure_from_the_real_benchmarks(tmp_path):
     assert "met in" in p.stdout and all(r.get("wall_s") for r in rec["runs"])
     model, _, count = rec["machine"].rpartition(", ")
     assert model.strip() and count == f"{os.cpu_count()} CPUs", rec["machine"]
+    if targets.ab.steal_s() is not None:      # (Linux: /proc/stat counts steal)
+        assert rec["steal_s"] >= 0 and all(r["steal_s"] >= 0 for r in rec["runs"]), rec
