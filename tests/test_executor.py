@@ -546,6 +546,82 @@ _SCRIPT = textwrap.dedent("""
     res["donated_reports"] += [[i, e] for i, e, _ in (reports.get(timeout=60) for _ in range(3))]
     res["donated"] = [[a.is_deleted() for b in range(8000, 8004) for a in stored(b)],
                       [np.asarray(a).tolist() for a in stored(8004)]]
+    # settling late: with ``hold`` (nothing in the controller waits for the
+    # reports) and nothing here waiting for the outputs, the executor thread
+    # settles each short computation itself once the next one has run, and
+    # the settler is never woken
+    executor_module.SHORT_S = 60.0       # (every computation counts as short)
+    lreports = queue.Queue()
+    def lreport(i, e, s, t, hold):
+        lreports.put([i, None if e is None else e.message, threading.current_thread().name])
+    lex = Executor(Store(), {d.id: d for d in devs}, lreport)
+    for dig, bl in ((digest, blob), (dg, bg)):
+        lex.add_program(dig, bl)
+    lwakes = []
+    class LateWakes(queue.SimpleQueue):
+        def put(self, item, *a, **k):
+            lwakes.append(sys._getframe(1).f_code.co_name if item else "stop")
+            super().put(item, *a, **k)
+    old_wake, lex._settle_wake = lex._settle_wake, LateWakes()
+    old_wake.put(True)
+    def held(i, execute):
+        return dataclasses.replace(execute, exec_id=i, seq=i, hold=True)
+    def put_input(store, b):
+        for d, r in zip(two, ([[0, 1]], [[1, 2]])):
+            store.set(shard_key(b, d.id, r), jax.device_put(np.zeros(1), d))
+    def output_of(store, b):
+        return [np.asarray(store.entry(shard_key(b, d.id, r)).value).tolist()
+                for d, r in zip(two, ([[0, 1]], [[1, 2]]))]
+    for k in range(6):
+        lex.submit(held(100 + k, node(digest, 10000 + k, 10001 + k)))
+    put_input(lex.store, 10000)
+    got = [lreports.get(timeout=60) for _ in range(6)]
+    res["late"] = [[i, e] for i, e, _ in got]
+    res["late_threads"] = sorted({t for _, _, t in got})
+    res["late_wakes"] = list(lwakes)
+    res["late_values"] = [output_of(lex.store, 10001), output_of(lex.store, 10006)]
+    # the same without hold: the settler, woken as the next one starts
+    lwakes.clear()
+    for k in range(3):
+        lex.submit(numbered(110 + k, node(digest, 11000 + k, 11001 + k)))
+    put_input(lex.store, 11000)
+    res["unheld"] = [lreports.get(timeout=60)[:2] for _ in range(3)]
+    res["unheld_wakes"] = list(lwakes)
+    # an output something here waits for already (a piece another host
+    # awaits) goes to the settler too
+    lwakes.clear()
+    awaited = threading.Event()
+    lex.store.when_done(shard_key(12001, two[0].id, ((0, 1),)), lambda e: awaited.set())
+    lwakes.clear()           # (the wait woke it; nothing was left to settle)
+    for k in range(2):
+        lex.submit(held(120 + k, node(digest, 12000 + k, 12001 + k)))
+    put_input(lex.store, 12000)
+    res["awaited"] = [lreports.get(timeout=60)[:2] for _ in range(2)]
+    res["awaited_wakes"] = [list(lwakes), awaited.is_set()]
+    # a wait that starts while the next one runs (here: its call waits until
+    # the one before's output is stored, or gives up after 20 s) wakes the
+    # settler, which stores it: a collective the next one sits in, waiting for
+    # a host that waits for a piece of that output, is not held up
+    lwakes.clear()
+    lex.submit(held(130, node(dg, 13000, 13001)))
+    put_input(lex.store, 13000)
+    lreports.get(timeout=60)                  # (g's time learnt: short)
+    [lprepared_g] = lex._by_program[dg]
+    lrun_g = lprepared_g.fn
+    stored_meanwhile, during_g = threading.Event(), []
+    def waiting_g(*a):
+        lex.store.when_done(shard_key(13002, two[1].id, ((1, 2),)), lambda e: stored_meanwhile.set())
+        during_g.append(stored_meanwhile.wait(timeout=20))
+        return lrun_g(*a)
+    lprepared_g.fn = waiting_g
+    lex.submit(held(131, node(digest, 13100, 13002)))
+    lex.submit(held(132, node(dg, 13002, 13003)))
+    put_input(lex.store, 13100)
+    res["late_awaited"] = [[i, e] for i, e, _ in (lreports.get(timeout=60) for _ in range(2))]
+    res["late_awaited_wakes"] = [list(lwakes), during_g, output_of(lex.store, 13002)]
+    lprepared_g.fn = lrun_g
+    lex.stop()
+    executor_module.SHORT_S = 0.001
     # the executor's threads, named for the kernel (running: they have all run by now)
     names = set()
     for tid in os.listdir("/proc/self/task"):
@@ -615,6 +691,32 @@ def test_a_fused_run_passes_arrays_on_the_short_way_and_fails_what_a_failure_rea
     # the node with two outputs failing: both fail, and what reads them
     err, outs = results["fused_general"][2]
     assert err == "RuntimeError: injected" and outs == [[err, err]] * 2
+
+
+def test_short_held_computations_are_settled_by_the_executor_thread_after_the_next_one(results):
+    # 0 -> 1 -> ... -> 6 (psum + 1), every computation may hold its report and
+    # nothing waits for the outputs: the settler is never woken; the reports
+    # go in order, all from the executor thread
+    assert results["late"] == [[100 + k, None] for k in range(6)]
+    assert results["late_threads"] == ["exec_0"]
+    assert results["late_wakes"] == []
+    assert results["late_values"] == [[[1.0], [1.0]], [[63.0], [63.0]]]
+    # without hold the settler settles them, woken as the next one starts
+    assert results["unheld"] == [[110 + k, None] for k in range(3)]
+    assert results["unheld_wakes"] == ["_execute"] * 2
+    # an output awaited already goes to the settler as well
+    assert results["awaited"] == [[120, None], [121, None]]
+    assert results["awaited_wakes"] == [["_execute"], True]
+
+
+def test_a_wait_for_an_output_left_to_settle_late_wakes_the_settler(results):
+    # the next computation's call waited for the output of the one before,
+    # which was left to settle late: the wait woke the settler, which stored it
+    # (with the settler not woken, the call would have given up after 20 s)
+    reports, (wakes, during, stored) = results["late_awaited"], results["late_awaited_wakes"]
+    assert reports == [[131, None], [132, None]]
+    assert during == [True] and stored == [[1.0], [1.0]]
+    assert wakes == ["_settle_soon"]
 
 
 def test_a_series_in_a_fused_run_passes_outputs_on_as_a_jax_loop_does(results):

@@ -181,6 +181,9 @@ class Executor:
         self._settle_lock = threading.Lock()
         self._settle_wake: queue.SimpleQueue[bool | None] = queue.SimpleQueue()
         self._threads.append(threading.Thread(target=self._settler, name="settle", daemon=True))
+        # what waits for an entry here while some are left to settle late
+        # wakes the settler (see _settle_late)
+        store.on_wait = self._settle_soon
         self._stopped = False
         for t in self._threads:
             t.start()
@@ -322,6 +325,25 @@ class Executor:
             if token is None:      # stop
                 return
 
+    def _settle_late(self) -> bool:
+        """Whether what is left to settle may wait until the computation this
+        thread starts now has run, and be settled here then: a wake-up of the
+        settler fewer per computation. Only when nothing waits for it: its
+        report may be held (``Execute.hold``: nothing in the controller waits
+        for it) and nothing here waits for its outputs (a piece another host
+        awaits, a fetch). Something that starts to wait for them later wakes
+        the settler (``_settle_soon``): a collective that this thread then sits
+        in, waiting for a host that waits for such a piece, is not held up."""
+        left = list(self._settles)      # (normally one; a copy: the settler may take it meanwhile)
+        return bool(left) and all(ex.hold for ex, *_ in left) and \
+            not self.store.awaited(o.buffer for ex, *_ in left for o in ex.outputs)
+
+    def _settle_soon(self) -> None:
+        """Something waits for an entry of the store: what is left to settle
+        is settled now, by the settler (see ``_settle_late``)."""
+        if self._settles:
+            self._settle_wake.put(True)
+
     def _drain_settles(self) -> None:
         """Settle, in order, the computations waiting to be (from any thread)."""
         with self._settle_lock:
@@ -398,7 +420,9 @@ class Executor:
         lets start (the head of its devices' queues), is settled (its outputs
         stored, its report given) by the settler thread while that next one
         runs: between the two, this thread only starts the next, and it wakes
-        the settler as that one's XLA call starts (``_execute``). Host work
+        the settler as that one's XLA call starts (``_execute``); or, where
+        nothing waits for it and the next one is short, by this thread once
+        the next one has run (``_settle_late``: one wake-up fewer). Host work
         there holds up every host of a collective (on this 2-core machine,
         150 us of Python between calls of a collective computation cost about
         300 us per call; the same work beside the call, nothing measurable:
@@ -671,13 +695,19 @@ class Executor:
         if first_error is not None:
             raise first_error
         t0 = time.perf_counter()
+        late = False
         if chain is not None:
-            # the one before left its settling to the settler: woken now, it
+            # the one before left its settling: to this thread once this one
+            # has run, if this one is short (it was last time) and nothing
+            # waits for that (_settle_late); else to the settler, woken now: it
             # works while this thread waits in XLA without the GIL, not while
             # this thread makes the inputs above (it would take the GIL and the
-            # core from it); had this one failed, waited for an input or donated
-            # one before here, this thread settled that itself (_run, _wait, above)
-            self._settle_wake.put(True)
+            # core from it); had this one failed, waited for an input or
+            # donated one before here, this thread settled that itself (_run,
+            # _wait, above)
+            late = prepared.last_s < SHORT_S and self._settle_late()
+            if not late:
+                self._settle_wake.put(True)
         outs = prepared.fn(*args)
         # Run to completion before the next computation: a failure is reported
         # against the computation that caused it, and XLA:CPU collectives never
@@ -687,6 +717,8 @@ class Executor:
         else:
             self.jax.block_until_ready(outs)
         prepared.last_s = time.perf_counter() - t0
+        if late:
+            self._drain_settles()
         if made is None:
             return prepared, outs
         for k, (o, out) in enumerate(zip(ex.outputs, outs, strict=True)):

@@ -93,6 +93,10 @@ class Store:
         self._freed: collections.OrderedDict[int, float] = collections.OrderedDict()
         # buffers that will never come (their client left): their shards fail
         self._failed: dict[int, m.ErrorInfo] = {}
+        # called (without the lock) when something starts to wait for an entry
+        # that is not done: the executor then stores what it has finished but
+        # not stored yet (Executor._settle_late)
+        self.on_wait: Callable[[], None] | None = None
 
     def entry(self, key: Key) -> Entry:
         with self._lock:
@@ -172,6 +176,13 @@ class Store:
             cb(e)
         return True
 
+    def awaited(self, buffers: Iterable[int]) -> bool:
+        """Whether any shard of these buffers is named here and not done (a
+        waiter named it: the producer stores it done)."""
+        with self._lock:
+            by_buffer, entries = self._by_buffer, self._entries
+            return any(not entries[k].done for b in buffers for k in by_buffer.get(b, ()))
+
     def is_done(self, key: Key) -> bool:
         """Whether the entry has its value or error (without waiting)."""
         e = self._entries.get(key)      # one dict lookup: atomic, no lock needed
@@ -187,6 +198,8 @@ class Store:
             if e.event is None:
                 e.event = threading.Event()
             event = e.event
+        if self.on_wait is not None:
+            self.on_wait()
         event.wait(timeout)
         return e
 
@@ -196,7 +209,13 @@ class Store:
             e = self._entry(key)
             if not e.done:
                 e.callbacks.append(cb)
-                return
+                waits = True
+            else:
+                waits = False
+        if waits:
+            if self.on_wait is not None:
+                self.on_wait()
+            return
         cb(e)
 
     def forget(self, key: Key, cb: Callable[[Entry], None]) -> None:
