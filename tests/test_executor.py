@@ -592,31 +592,33 @@ _SCRIPT = textwrap.dedent("""
     lwakes.clear()
     awaited = threading.Event()
     lex.store.when_done(shard_key(12001, two[0].id, ((0, 1),)), lambda e: awaited.set())
-    lwakes.clear()           # (the wait woke it; nothing was left to settle)
     for k in range(2):
         lex.submit(held(120 + k, node(digest, 12000 + k, 12001 + k)))
     put_input(lex.store, 12000)
     res["awaited"] = [lreports.get(timeout=60)[:2] for _ in range(2)]
     res["awaited_wakes"] = [list(lwakes), awaited.is_set()]
-    # a wait that starts while the next one runs (here: its call waits until
-    # the one before's output is stored, or gives up after 20 s) wakes the
-    # settler, which stores it: a collective the next one sits in, waiting for
-    # a host that waits for a piece of that output, is not held up
+    # a wait that starts on another thread (as the I/O thread's for a piece)
+    # while the next one runs (here: its call waits until the one before's
+    # output is stored, or gives up after 20 s) wakes the settler, which stores
+    # it: a collective the next one sits in, waiting for a host that waits for
+    # a piece of that output, is not held up
     lwakes.clear()
     lex.submit(held(130, node(dg, 13000, 13001)))
     put_input(lex.store, 13000)
     lreports.get(timeout=60)                  # (g's time learnt: short)
     [lprepared_g] = lex._by_program[dg]
     lrun_g = lprepared_g.fn
-    stored_meanwhile, during_g = threading.Event(), []
+    in_call, stored_meanwhile, during_g = threading.Event(), threading.Event(), []
     def waiting_g(*a):
-        lex.store.when_done(shard_key(13002, two[1].id, ((1, 2),)), lambda e: stored_meanwhile.set())
+        in_call.set()
         during_g.append(stored_meanwhile.wait(timeout=20))
         return lrun_g(*a)
     lprepared_g.fn = waiting_g
     lex.submit(held(131, node(digest, 13100, 13002)))
     lex.submit(held(132, node(dg, 13002, 13003)))
     put_input(lex.store, 13100)
+    assert in_call.wait(timeout=60)
+    lex.store.when_done(shard_key(13002, two[1].id, ((1, 2),)), lambda e: stored_meanwhile.set())
     res["late_awaited"] = [[i, e] for i, e, _ in (lreports.get(timeout=60) for _ in range(2))]
     res["late_awaited_wakes"] = [list(lwakes), during_g, output_of(lex.store, 13002)]
     lprepared_g.fn = lrun_g

@@ -182,7 +182,8 @@ class Executor:
         self._settle_wake: queue.SimpleQueue[bool | None] = queue.SimpleQueue()
         self._threads.append(threading.Thread(target=self._settler, name="settle", daemon=True))
         # what waits for an entry here while some are left to settle late
-        # wakes the settler (see _settle_late)
+        # wakes the settler (see _settle_late), once
+        self._late = False
         store.on_wait = self._settle_soon
         self._stopped = False
         for t in self._threads:
@@ -334,14 +335,23 @@ class Executor:
         awaits, a fetch). Something that starts to wait for them later wakes
         the settler (``_settle_soon``): a collective that this thread then sits
         in, waiting for a host that waits for such a piece, is not held up."""
+        # (set before the check: a wait that the check does not see finds it
+        # set and wakes the settler; cleared before a drain, see _execute)
+        self._late = True
         left = list(self._settles)      # (normally one; a copy: the settler may take it meanwhile)
-        return bool(left) and all(ex.hold for ex, *_ in left) and \
+        late = bool(left) and all(ex.hold for ex, *_ in left) and \
             not self.store.awaited(o.buffer for ex, *_ in left for o in ex.outputs)
+        if not late:
+            self._late = False
+        return late
 
     def _settle_soon(self) -> None:
         """Something waits for an entry of the store: what is left to settle
-        is settled now, by the settler (see ``_settle_late``)."""
-        if self._settles:
+        late is settled now, by the settler (see ``_settle_late``). Only then:
+        a settle left to the settler is woken as the next call starts, not
+        while this thread makes that one's inputs."""
+        if self._late:
+            self._late = False
             self._settle_wake.put(True)
 
     def _drain_settles(self) -> None:
@@ -718,7 +728,11 @@ class Executor:
             self.jax.block_until_ready(outs)
         prepared.last_s = time.perf_counter() - t0
         if late:
-            self._drain_settles()
+            self._late = False
+            try:
+                self._drain_settles()
+            except Exception:      # a bug: this one ran all the same
+                log.exception("settling the computation before %d", ex.exec_id)
         if made is None:
             return prepared, outs
         for k, (o, out) in enumerate(zip(ex.outputs, outs, strict=True)):
