@@ -163,3 +163,22 @@ def test_an_unsplit_shard_is_split_when_read_and_before_a_donation():
     jax.jit(lambda x: x - 1, donate_argnums=0)(third)
     with pytest.raises(RuntimeError, match="deleted"):
         s.entry(st.shard_key(8, devs[0].id, [[0, 2]])).value
+
+
+def test_waiters_are_seen_and_announced():
+    """``awaited`` tells whether a waiter named a shard of these buffers that
+    is not done yet; ``on_wait`` is called when a wait for an entry that is not
+    done starts (not for one already done)."""
+    s = st.Store()
+    calls = []
+    s.on_wait = lambda: calls.append(1)
+    key = st.shard_key(5, 0, [[0, 2]])
+    assert not s.awaited([5, 6])
+    got = []
+    s.when_done(key, got.append)
+    assert s.awaited([6, 5]) and not s.awaited([6]) and calls == [1]
+    assert s.wait(st.shard_key(6, 0, [[0, 2]]), timeout=0.01).done is False and calls == [1, 1]
+    s.set(key, "shard")
+    assert got and got[0].value == "shard" and not s.awaited([5])
+    s.when_done(key, got.append)                  # done already: called at once, nothing announced
+    assert len(got) == 2 and s.wait(key, timeout=0.01).done and calls == [1, 1]

@@ -207,16 +207,13 @@ class Store:
         """Call ``cb(entry)`` once the entry is done (now, if it already is)."""
         with self._lock:
             e = self._entry(key)
-            if not e.done:
+            waits = not e.done
+            if waits:
                 e.callbacks.append(cb)
-                waits = True
-            else:
-                waits = False
-        if waits:
-            if self.on_wait is not None:
-                self.on_wait()
-            return
-        cb(e)
+        if not waits:
+            cb(e)
+        elif self.on_wait is not None:
+            self.on_wait()
 
     def forget(self, key: Key, cb: Callable[[Entry], None]) -> None:
         """``cb`` no longer waits for the entry (a fetch that expired): drop the
