@@ -662,11 +662,10 @@ def measure(z: ZpathBench, mc: McBench, calls: dict[str, int], repeats: int,
             else:
                 mt.append(_metered(mm, lambda: mc.run(v)))
                 zt.append(_metered(zm, lambda: z.run(v, calls[v])))
+        comps = calls[v] * (LOOP if v == "F" else 1)       # per run
         if zm is not None and mm is not None:
-            comps = calls[v] * (LOOP if v == "F" else 1) * repeats
-            zres[v + "_threads"] = zm.per_comp(comps)
-            mres[v + "_threads"] = mm.per_comp(comps)
-        comps = calls[v] * (LOOP if v == "F" else 1)
+            zres[v + "_threads"] = zm.per_comp(comps * repeats)
+            mres[v + "_threads"] = mm.per_comp(comps * repeats)
         zres[v] = _summary(zt, comps)
         zres[v]["cpu_us_per_comp"] = {k: t / (comps * repeats) * 1e6 for k, t in z.cpu[v].items()}
         zres[v]["timeline"] = z.timeline(v, calls[v])
