@@ -26,6 +26,11 @@ With ``--solo`` there is one process with one CPU device and the computation
 is ``x + 1.`` (no collective): what is left is the executor's own work per
 node, which on two processes and two cores the collective's spread hides.
 
+With ``--hold`` every computation goes with ``Execute.hold`` set, as the
+controller sends op-by-op calls (nothing waits for their reports): ``plain``
+then takes the path a worker takes in -O, each computation settled on the
+executor thread after the next one's call (``Executor._settle_late``).
+
 With ``--loop N`` each computation runs ``psum(x) + 1.`` N times in a
 ``fori_loop`` (``--loop 128`` is the -F computation of
 benchmarks/island_dispatch.py). With ``--host-us U`` two more variants show
@@ -45,7 +50,8 @@ this machine's CPU client it was 0-20% faster than ``jax-each``, as JAX
 overlaps some of the next call with the current one). This is a benchmark
 that prints figures, not a test.
 
-    python benchmarks/worker_loop.py [--nodes 512] [--repeats 10] [--loop 1] [--host-us 0] [--solo] [--json out.json]
+    python benchmarks/worker_loop.py [--nodes 512] [--repeats 10] [--loop 1] [--host-us 0] [--solo] [--hold]
+        [--json out.json]
 """
 from __future__ import annotations
 
@@ -67,7 +73,8 @@ def variants(host_us: float) -> tuple[str, ...]:
     return VARIANTS + (HOST_VARIANTS if host_us > 0 else ())
 
 
-def child(idx: int, port: int, nodes: int, repeats: int, loop: int, host_us: float, solo: bool) -> None:
+def child(idx: int, port: int, nodes: int, repeats: int, loop: int, host_us: float, solo: bool,
+          hold: bool = False) -> None:
     import hashlib
     import queue
     import threading
@@ -127,7 +134,7 @@ def child(idx: int, port: int, nodes: int, repeats: int, loop: int, host_us: flo
     def execute(exec_id: int, inp: int, out: int) -> m.Execute:
         return m.Execute(exec_id, exec_id, digest, "f", [n_dev], ["i"], list(range(n_dev)), jax_ids,
                          [m.ExecInput(inp, aval, ["i"], [m.ShardInput(idx, region, [])])],
-                         [m.ExecOutput(out, aval, ["i"])])
+                         [m.ExecOutput(out, aval, ["i"])], hold)
 
     # a fused run's nodes, with codes for buffer ids: -1 its input, k node k's output
     template = [execute(0, k - 1 if k else -1, k) for k in range(nodes)]
@@ -257,6 +264,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--solo", action="store_true",
                    help="one process with one device, computing x + 1. (no collective): "
                         "the executor's own cost per node")
+    p.add_argument("--hold", action="store_true",
+                   help="send every computation with Execute.hold, as the controller sends -O's calls "
+                        "(nothing waits for their reports): `plain` then runs as a worker runs -O, "
+                        "each one settled late (docs/design.md)")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON here")
     p.add_argument("--child", nargs=2, type=int, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -265,7 +276,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.host_us < 0:
         p.error("--host-us must be >= 0")
     if args.child:
-        child(args.child[0], args.child[1], args.nodes, args.repeats, args.loop, args.host_us, args.solo)
+        child(args.child[0], args.child[1], args.nodes, args.repeats, args.loop, args.host_us, args.solo,
+              args.hold)
         return 0
 
     here = os.path.dirname(os.path.abspath(__file__))
@@ -280,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
     port = free_port("127.0.0.1")
     cmd = [sys.executable, os.path.abspath(__file__), "--nodes", str(args.nodes),
            "--repeats", str(args.repeats), "--loop", str(args.loop), "--host-us", str(args.host_us),
-           *(["--solo"] if args.solo else []), "--child"]
+           *(["--solo"] if args.solo else []), *(["--hold"] if args.hold else []), "--child"]
     procs = [subprocess.Popen(cmd + [str(i), str(port)], env=env, stdout=subprocess.PIPE, text=True)
              for i in range(1 if args.solo else 2)]
     try:
@@ -304,7 +316,8 @@ def main(argv: list[str] | None = None) -> int:
     where = "1 process x 1 CPU device" if args.solo else "2 processes x 1 CPU device (gloo)"
     print(f"{what} chained {n} times, {where}, "
           f"median of {args.repeats} runs per variant"
-          + (f"; host work {args.host_us:g} us per call" if args.host_us else ""))
+          + (f"; host work {args.host_us:g} us per call" if args.host_us else "")
+          + ("; computations held (Execute.hold, as -O's)" if args.hold else ""))
     head = f"{'variant':<15} {'us/comp':>9} {'CPU us/comp (process 0)':>24} {'vs jax-end':>11}"
     print(head)
     print("-" * len(head))
@@ -315,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"nodes": n, "repeats": args.repeats, "loop": args.loop, "host_us": args.host_us,
-                       "solo": args.solo,
+                       "solo": args.solo, "hold": args.hold,
                        "results": res}, fh, indent=1)
     return 0
 

@@ -16,21 +16,23 @@ pytestmark = pytest.mark.timeout(240)
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "worker_loop.py"
 
 
-@pytest.mark.parametrize("solo", [False, True])
-def test_worker_loop_benchmark_runs_every_variant(tmp_path, solo):
-    """(each variant's value is checked by the script: it fails on a wrong one)"""
+@pytest.mark.parametrize("solo,hold", [(False, False), (True, False), (False, True)])
+def test_worker_loop_benchmark_runs_every_variant(tmp_path, solo, hold):
+    """(each variant's value is checked by the script: it fails on a wrong one;
+    with ``--hold`` the computations may hold their reports, as -O's do)"""
     out_json = tmp_path / "out.json"
     p = run_script([str(SCRIPT), "--nodes", "8", "--repeats", "1", "--json", str(out_json),
-                    *(["--solo"] if solo else [])], timeout=180)
+                    *(["--solo"] if solo else []), *(["--hold"] if hold else [])], timeout=180)
     out, err = p.stdout, p.stderr
     assert p.returncode == 0, out + err[-3000:]
     variants = ("jax-end", "jax-each", "fused", "fused-steps", "fused-execute", "plain")
     for variant in variants:
         assert any(line.startswith(variant + " ") for line in out.splitlines()), out
     assert ("1 process x 1 CPU device" in out) is solo, out
+    assert ("computations held" in out) is hold, out
     got = json.loads(out_json.read_text())
     res = got["results"]
-    assert got["solo"] is solo and set(res) == set(variants)
+    assert got["solo"] is solo and got["hold"] is hold and set(res) == set(variants)
     assert all(r["us_per_comp"] > 0 and len(r["runs_s"]) == 1 for r in res.values())
 
 
