@@ -322,7 +322,8 @@ _SCRIPT = textwrap.dedent("""
     # least DEEP_QUEUE more wait behind them on their devices (6 queued behind
     # one waiting for its input); the same without ``hold``: never held
     # (the executor's clock advances 4 ms, or 0.1 ms, per reading: each of
-    # these computations then takes 12 ms, or 0.3 ms, by it)
+    # these computations then takes 12 ms, or 0.3 ms, by it; on a streak, which
+    # reads it before and after each call, 4 ms or 0.1 ms)
     import types
     real_time = executor_module.time
     for name, base, may, short_s, step in (("held_deep", 1000, True, 0.0, 0.004),
@@ -363,6 +364,85 @@ _SCRIPT = textwrap.dedent("""
     res["held_batch_wait_value"] = np.asarray(h.store.entry(shard_key(1407, one[0].id, ((0, 3),))).value).tolist()
     executor_module.time = real_time
     res["held_deep_nothing_more"] = reports.empty()
+    # streaks: held short computations on one device here, each reading the
+    # one before's output alone, run back to back (Executor._streak); the
+    # settler is woken once per STREAK_SETTLE (8) of them
+    import sys, threading
+    executor_module.SHORT_S = 60.0
+    swakes = []
+    class StreakWakes(queue.SimpleQueue):
+        def put(self, item, *a, **k):
+            swakes.append(sys._getframe(1).f_code.co_name if item else "stop")
+            super().put(item, *a, **k)
+    old_wake, ex._settle_wake = ex._settle_wake, StreakWakes()
+    old_wake.put(True)
+    def held(i, inp, out):
+        return dataclasses.replace(execute(i, inp, out), hold=True)
+    def reports_of(n):
+        got = []
+        while len(got) < n:
+            r = reports.get(timeout=60)
+            if r != "release":
+                got.append([r[0], None if r[1] is None else r[1].message])
+        return got
+    def value_of(b):
+        return np.asarray(h.store.entry(shard_key(b, one[0].id, ((0, 3),))).value).tolist()
+    for k in range(20):
+        ex.submit(held(60 + k, 1500 + k, 1501 + k))
+    h.store.set(shard_key(1500, one[0].id, ((0, 3),)), jax.device_put(np.ones(3), one[0]))
+    res["streak"] = reports_of(20)
+    res["streak_wakes"] = list(swakes)
+    res["streak_value"] = value_of(1520)
+    # one that fails on a streak: its report says so, the ones after it fail
+    # as they read its output, the ones before it are stored
+    [sprepared] = ex._by_program[d1]
+    srun, calls = sprepared.fn, [0]
+    def failing(*a):
+        calls[0] += 1
+        if calls[0] == 4:
+            raise RuntimeError("injected")
+        return srun(*a)
+    sprepared.fn = failing
+    for k in range(6):
+        ex.submit(held(80 + k, 1600 + k, 1601 + k))
+    h.store.set(shard_key(1600, one[0].id, ((0, 3),)), jax.device_put(np.ones(3), one[0]))
+    res["streak_failed"] = reports_of(6)
+    res["streak_failed_value"] = value_of(1603)
+    # a wait that starts (on another thread) for an output left to settle,
+    # while the next one, on a streak, sits in its call (which waits until
+    # that output is stored, or gives up after 20 s): the settler stores it
+    calls[0], stored, during = 0, threading.Event(), []
+    def waiting(*a):
+        calls[0] += 1
+        if calls[0] == 2:      # (the streak's first call: 90 ran by _run, its settle left)
+            t = threading.Thread(target=lambda: h.store.when_done(shard_key(1701, one[0].id, ((0, 3),)),
+                                                                   lambda e: stored.set()))
+            t.start()
+            t.join()
+            during.append(stored.wait(timeout=20))
+        return srun(*a)
+    sprepared.fn = waiting
+    for k in range(5):
+        ex.submit(held(90 + k, 1700 + k, 1701 + k))
+    h.store.set(shard_key(1700, one[0].id, ((0, 3),)), jax.device_put(np.ones(3), one[0]))
+    res["streak_awaited"] = [reports_of(5), during, value_of(1701)]
+    # a wait named before its computation ran (a SendPiece that came with it):
+    # once that one has run on the streak, the settler stores its output,
+    # which the next one's call waits for (here: until stored, or 20 s)
+    calls[0], stored2, during2 = 0, threading.Event(), []
+    h.store.when_done(shard_key(1803, one[0].id, ((0, 3),)), lambda e: stored2.set())
+    def waiting2(*a):
+        calls[0] += 1
+        if calls[0] == 4:
+            during2.append(stored2.wait(timeout=20))
+        return srun(*a)
+    sprepared.fn = waiting2
+    for k in range(5):
+        ex.submit(held(95 + k, 1800 + k, 1801 + k))
+    h.store.set(shard_key(1800, one[0].id, ((0, 3),)), jax.device_put(np.ones(3), one[0]))
+    res["streak_named_before"] = [reports_of(5), during2, value_of(1803)]
+    sprepared.fn = srun
+    executor_module.SHORT_S = 0.0
     res["hold_s"] = [executor_module.HOLD_SHORT_S, executor_module.HOLD_DEEP_S, executor_module.DEEP_QUEUE]
     res["hold_long"] = [executor_module.LONG_S, executor_module.LONG_QUEUE, executor_module.HOLD_RELEASED_S]
     ex.stop()
@@ -711,6 +791,28 @@ def test_short_held_computations_are_settled_by_the_executor_thread_after_the_ne
     assert results["awaited_wakes"] == [["_execute"], True]
 
 
+def test_short_held_chains_on_one_device_run_as_streaks(results):
+    # 60 -> ... -> 79 (x * 2): in order, right; 60 by _run, the 19 after it on
+    # a streak, which woke the settler after its 8th and 16th
+    assert results["streak"] == [[60 + k, None] for k in range(20)]
+    assert results["streak_wakes"] == ["_streak", "_streak"]
+    assert results["streak_value"] == [2.0 ** 20] * 3
+    # the 4th call failed: its report says so, the two after it fail reading
+    # its output, the three before it are stored
+    got = results["streak_failed"]
+    assert [r[0] for r in got] == list(range(80, 86)) and [r[1] for r in got[:3]] == [None] * 3
+    assert "injected" in got[3][1] and got[4][1] is not None and got[5][1] is not None
+    assert results["streak_failed_value"] == [8.0] * 3
+    # a wait for an output left to settle woke the settler, which stored it
+    # while the streak's call waited (not stored: that call gives up after 20 s)
+    reports, during, value = results["streak_awaited"]
+    assert reports == [[90 + k, None] for k in range(5)] and during == [True] and value == [2.0] * 3
+    # a wait named before its computation ran: the settler stored the output
+    # once it had run, while the next one's call waited
+    reports, during, value = results["streak_named_before"]
+    assert reports == [[95 + k, None] for k in range(5)] and during == [True] and value == [8.0] * 3
+
+
 def test_a_wait_for_an_output_left_to_settle_late_wakes_the_settler(results):
     # the next computation's call waited for the output of the one before,
     # which was left to settle late: the wait woke the settler, which stored it
@@ -786,9 +888,10 @@ def test_computations_the_controller_lets_hold_with_a_deep_queue_are_reported_wi
     # an Execute without ``hold`` (something in the controller waits for its report)
     assert results["held_deep_not_allowed"] == ["release"] + [[40 + k, 0] for k in range(7)]
     assert results["held_deep_not_allowed_value"] == [2.0 ** 7] * 3
-    # short computations: the long hold while the queue is deep, then the short one
+    # short computations: the long hold while the queue is deep, then the short
+    # one (the first by _run, the next ones on a streak: 4 ms each by that clock)
     got = results["held_deep_short"]
-    assert [r[1] for r in got[1:]] == pytest.approx([0.030, 0.024] + [short] * 4 + [0])
+    assert [r[1] for r in got[1:]] == pytest.approx([0.030, 0.008] + [short] * 4 + [0])
     assert results["held_deep_short_value"] == [2.0 ** 7] * 3
     # tiny ones: half the queued work is under 2 x the short hold: the short hold
     got = results["held_deep_tiny"]

@@ -73,6 +73,9 @@ INPUT_TIMEOUT_S = 300.0
 # does not end, and a hold that long does not wake the I/O thread to learn
 # its deadline.
 SHORT_S = SHORT_COMPUTATION_S
+# A streak (Executor._streak) wakes the settler once per this many of its
+# computations, to settle them while the next ones run
+STREAK_SETTLE = 8
 LONG_S = 0.004
 LONG_QUEUE = 2
 HOLD_RELEASED_S = IDLE_WAIT_S
@@ -441,7 +444,8 @@ class Executor:
         it waits for any input that is not there yet (``_wait``), or fails,
         this thread settles what the settler has not yet itself. Reports go
         in order: every report given on this thread first settles those
-        pending."""
+        pending. A next one that is the same short program reading this
+        one's output alone runs on a streak (``_streak``)."""
         start = time.time()
         t0 = time.perf_counter()
         self._waits.s = 0.0
@@ -486,6 +490,8 @@ class Executor:
         if nxt is not None and type(nxt[0]) is not FusedRun:
             # the settler is woken as the next one's XLA call starts (_execute)
             self._settles.append((ex, prepared, outs, index, nxt, done))
+            if self._streaks(nxt, ex, prepared):
+                return self._streak(nxt, ex, prepared, outs[0])
             return nxt, _SETTLING, {o.buffer: (out, prepared.out_shardings[k])
                                     for k, (o, out) in enumerate(zip(ex.outputs, outs, strict=True))}
         with self._settle_lock:      # after those before it
@@ -494,6 +500,93 @@ class Executor:
         if error is not None:
             done = (done[0], error) + done[2:]
         return nxt, done, None
+
+    def _streaks(self, entry: tuple, ex: m.Execute, prepared: "_Prepared") -> bool:
+        """Whether ``entry``, started after ``ex``, goes on a streak
+        (``_streak``): the same short program, on one device here, held,
+        reading ``ex``'s one output alone, as it is."""
+        if prepared.streaks is None:
+            prepared.streaks = not prepared.donates and len(prepared.in_shardings) == 1 and \
+                len(prepared.out_shardings) == 1 and prepared.in_shardings[0] == prepared.out_shardings[0]
+        nex = entry[0]
+        if not (prepared.streaks and type(nex) is m.Execute and nex.hold and prepared.last_s < SHORT_S
+                and len(entry[1]) == 1
+                and nex.program == ex.program and len(nex.inputs) == 1 and len(nex.outputs) == 1):
+            return False
+        inp = nex.inputs[0]
+        return inp.buffer == ex.outputs[0].buffer and len(inp.shards) == 1 and not inp.shards[0].pieces \
+            and prepared.matches(nex)
+
+    def _streak(self, entry: tuple, ex: m.Execute, prepared: "_Prepared", x: Any) -> tuple:
+        """Run ``entry`` and the computations after it while each one goes on
+        the streak (``_streaks``): each one's compiled function called on the
+        output of the one before, as a fused run's series does, with only its
+        queue's bookkeeping between the calls. Their settling is left late
+        (``_settle_late``: a wait for their outputs wakes the settler) and the
+        settler is woken once per STREAK_SETTLE of them, to settle them while
+        the next ones run. Returns what ``_run`` returns for the last one."""
+        fn = prepared.fn
+        n = 0
+        self._late = True          # (before the look: a wait that starts after it wakes the settler)
+        if self.store.awaited([s[0].outputs[0].buffer for s in list(self._settles)]):
+            self._settle_soon()
+        while True:
+            ex, devs, index = entry
+            start = time.time()
+            t0 = time.perf_counter()
+            try:
+                outs = fn(x)
+                outs[0].block_until_ready()
+                error = None
+            except Exception as e:
+                outs = None
+                self._drain_settles()     # (its input, the one before's output, stored before it fails)
+                try:
+                    error = self._failed(ex, ex.exec_id, _as_is, e, None)
+                except Exception as e2:  # a bug
+                    error = self._broken(ex, e2)
+            took = time.perf_counter() - t0
+            end = time.time()
+            started: list[tuple[m.Execute, frozenset[int], int]] = []
+            with self._lock:
+                self._busy -= devs
+                if outs is None:
+                    self._free(self._order.finish(index))
+                for d in devs:
+                    q = self._queues[d]
+                    if q:
+                        self._try_start(q[0], started)
+                    behind = len(q)
+            nxt = started[0] if started else None
+            done = (ex.exec_id, error, start, end, took, behind, ex.hold)
+            if outs is None:
+                self._drain_settles()      # reports go in order
+                return nxt, done, None
+            prepared.last_s = took
+            if nxt is None or type(nxt[0]) is FusedRun or self._stopped:
+                with self._settle_lock:      # after those before it
+                    self._drain_locked()
+                    error = self._settle(ex, prepared, outs, index)
+                if error is not None:
+                    done = (done[0], error) + done[2:]
+                return nxt, done, None
+            self._settles.append((ex, prepared, outs, index, nxt, done))
+            n += 1
+            if n % STREAK_SETTLE == 0:
+                self._settle_wake.put(True)
+            # something may wait for this one's output already (a SendPiece
+            # that came before it ran; a wait after this look wakes the
+            # settler itself), and, if a wait cleared the flag, for those left
+            # before it: the settler stores them, as this thread may sit in
+            # the next one's collective with a host that waits for them
+            looked = [ex.outputs[0].buffer] if self._late else \
+                [s[0].outputs[0].buffer for s in list(self._settles)]
+            self._late = True
+            if self.store.awaited(looked):
+                self._settle_soon()
+            if not self._streaks(nxt, ex, prepared):
+                return nxt, _SETTLING, {ex.outputs[0].buffer: (outs[0], prepared.out_shardings[0])}
+            entry, x = nxt, outs[0]
 
     def _broken(self, ex: "m.Execute | FusedRun", e: Exception) -> m.ErrorInfo:
         """The error of a computation (or fused run) that an exception in the
@@ -924,7 +1017,7 @@ class _Prepared:
     shards apart cheaply (the layouts are the same on every call)."""
 
     __slots__ = ("executor", "fn", "in_shardings", "out_shardings", "in_fast", "out_fast", "variant", "last_s",
-                 "donates")
+                 "donates", "streaks")
 
     def __init__(self, executor: Executor, fn: Callable, in_shardings: tuple, out_shardings: tuple,
                  ex: m.Execute) -> None:
@@ -945,6 +1038,8 @@ class _Prepared:
         # in the order of the array's addressable shards, whether any is empty, the
         # output's sharding: jit gives each call's output the same object)
         self.out_fast: list[tuple | None] = [None] * n_outputs
+        # whether a streak of it may run (Executor._streaks; worked out once)
+        self.streaks: bool | None = None
 
     def matches(self, ex: m.Execute) -> bool:
         """Whether ``ex`` runs this program with the same devices and specs."""
