@@ -422,6 +422,7 @@ _SCRIPT = textwrap.dedent("""
             during.append(stored.wait(timeout=20))
         return srun(*a)
     sprepared.fn = waiting
+    ex._late = False     # (as after a streak that settled all it left: the streak sets it)
     for k in range(5):
         ex.submit(held(90 + k, 1700 + k, 1701 + k))
     h.store.set(shard_key(1700, one[0].id, ((0, 3),)), jax.device_put(np.ones(3), one[0]))
@@ -441,6 +442,29 @@ _SCRIPT = textwrap.dedent("""
         ex.submit(held(95 + k, 1800 + k, 1801 + k))
     h.store.set(shard_key(1800, one[0].id, ((0, 3),)), jax.device_put(np.ones(3), one[0]))
     res["streak_named_before"] = [reports_of(5), during2, value_of(1803)]
+    # the same for the one before the streak's first (it ran by _run): the
+    # look as the streak starts finds the wait
+    calls[0], stored3, during3 = 0, threading.Event(), []
+    h.store.when_done(shard_key(1901, one[0].id, ((0, 3),)), lambda e: stored3.set())
+    def waiting3(*a):
+        calls[0] += 1
+        if calls[0] == 2:
+            during3.append(stored3.wait(timeout=20))
+        return srun(*a)
+    sprepared.fn = waiting3
+    for k in range(4):
+        ex.submit(held(100 + k, 1900 + k, 1901 + k))
+    h.store.set(shard_key(1900, one[0].id, ((0, 3),)), jax.device_put(np.ones(3), one[0]))
+    res["streak_named_first"] = [reports_of(4), during3, value_of(1901)]
+    # one whose report the controller waits for (no hold) starts no streak:
+    # the settler is woken as the next one starts, as without streaks
+    swakes.clear()
+    sprepared.fn = srun
+    ex.submit(execute(104, 2000, 2001))
+    for k in range(1, 4):
+        ex.submit(held(104 + k, 2000 + k, 2001 + k))
+    h.store.set(shard_key(2000, one[0].id, ((0, 3),)), jax.device_put(np.ones(3), one[0]))
+    res["streak_unheld_first"] = [reports_of(4), list(swakes), value_of(2004)]
     sprepared.fn = srun
     executor_module.SHORT_S = 0.0
     res["hold_s"] = [executor_module.HOLD_SHORT_S, executor_module.HOLD_DEEP_S, executor_module.DEEP_QUEUE]
@@ -811,6 +835,12 @@ def test_short_held_chains_on_one_device_run_as_streaks(results):
     # once it had run, while the next one's call waited
     reports, during, value = results["streak_named_before"]
     assert reports == [[95 + k, None] for k in range(5)] and during == [True] and value == [8.0] * 3
+    reports, during, value = results["streak_named_first"]
+    assert reports == [[100 + k, None] for k in range(4)] and during == [True] and value == [2.0] * 3
+    # an unheld one before: the settler was woken as the next one started
+    # (by _execute: no streak), then the held ones went on a streak
+    reports, wakes, value = results["streak_unheld_first"]
+    assert reports == [[104 + k, None] for k in range(4)] and wakes[:1] == ["_execute"] and value == [16.0] * 3
 
 
 def test_a_wait_for_an_output_left_to_settle_late_wakes_the_settler(results):

@@ -503,13 +503,14 @@ class Executor:
 
     def _streaks(self, entry: tuple, ex: m.Execute, prepared: "_Prepared") -> bool:
         """Whether ``entry``, started after ``ex``, goes on a streak
-        (``_streak``): the same short program, on one device here, held,
-        reading ``ex``'s one output alone, as it is."""
+        (``_streak``): the same short program, on one device here, both held
+        (nothing in the controller waits for either report), reading ``ex``'s
+        one output alone, as it is."""
         if prepared.streaks is None:
             prepared.streaks = not prepared.donates and len(prepared.in_shardings) == 1 and \
                 len(prepared.out_shardings) == 1 and prepared.in_shardings[0] == prepared.out_shardings[0]
         nex = entry[0]
-        if not (prepared.streaks and type(nex) is m.Execute and nex.hold and prepared.last_s < SHORT_S
+        if not (prepared.streaks and type(nex) is m.Execute and nex.hold and ex.hold and prepared.last_s < SHORT_S
                 and len(entry[1]) == 1
                 and nex.program == ex.program and len(nex.inputs) == 1 and len(nex.outputs) == 1):
             return False
@@ -570,22 +571,26 @@ class Executor:
                 if error is not None:
                     done = (done[0], error) + done[2:]
                 return nxt, done, None
-            self._settles.append((ex, prepared, outs, index, nxt, done))
-            n += 1
-            if n % STREAK_SETTLE == 0:
-                self._settle_wake.put(True)
-            # something may wait for this one's output already (a SendPiece
-            # that came before it ran; a wait after this look wakes the
-            # settler itself), and, if a wait cleared the flag, for those left
-            # before it: the settler stores them, as this thread may sit in
-            # the next one's collective with a host that waits for them
-            looked = [ex.outputs[0].buffer] if self._late else \
-                [s[0].outputs[0].buffer for s in list(self._settles)]
-            self._late = True
-            if self.store.awaited(looked):
-                self._settle_soon()
-            if not self._streaks(nxt, ex, prepared):
-                return nxt, _SETTLING, {ex.outputs[0].buffer: (outs[0], prepared.out_shardings[0])}
+            try:
+                self._settles.append((ex, prepared, outs, index, nxt, done))
+                n += 1
+                if n % STREAK_SETTLE == 0:
+                    self._settle_wake.put(True)
+                # something may wait for this one's output already (a SendPiece
+                # that came before it ran; a wait after this look wakes the
+                # settler itself), and, if a wait cleared the flag, for those
+                # left before it: the settler stores them, as this thread may
+                # sit in the next one's collective with a host that waits for them
+                looked = [ex.outputs[0].buffer] if self._late else \
+                    [s[0].outputs[0].buffer for s in list(self._settles)]
+                self._late = True
+                if self.store.awaited(looked):
+                    self._settle_soon()
+                if not self._streaks(nxt, ex, prepared):
+                    return nxt, _SETTLING, {ex.outputs[0].buffer: (outs[0], prepared.out_shardings[0])}
+            except Exception:      # a bug: the next one, started, still runs (on this thread, from _ready)
+                self._ready.put(nxt)
+                raise
             entry, x = nxt, outs[0]
 
     def _broken(self, ex: "m.Execute | FusedRun", e: Exception) -> m.ErrorInfo:
