@@ -469,19 +469,7 @@ class Executor:
         end = time.time()
         if self._waits.s > 0:            # read (and dropped) by whoever reports it
             self.waited[ex.exec_id] = self._waits.s
-        started: list[tuple[m.Execute, frozenset[int], int]] = []
-        with self._lock:
-            self._busy -= devs
-            if ran is None:
-                self._free(self._order.finish(index))
-            for d in devs:
-                q = self._queues[d]
-                if q:
-                    self._try_start(q[0], started)
-            for entry in started[1:]:      # others go to other threads
-                self._ready.put(entry)
-            behind = min((len(self._queues[d]) for d in devs), default=0)
-        nxt = started[0] if started else None
+        nxt, behind = self._next(devs, index, ran is None)
         done = (ex.exec_id, error, start, end, time.perf_counter() - t0, behind, ex.hold)
         if ran is None:
             self._drain_settles()      # reports go in order (the settler may be at one)
@@ -494,12 +482,35 @@ class Executor:
                 return self._streak(nxt, ex, prepared, outs[0])
             return nxt, _SETTLING, {o.buffer: (out, prepared.out_shardings[k])
                                     for k, (o, out) in enumerate(zip(ex.outputs, outs, strict=True))}
-        with self._settle_lock:      # after those before it
+        return nxt, self._settle_now(ex, prepared, outs, index, done), None
+
+    def _next(self, devs: frozenset[int], index: int, unfinished: bool) -> tuple[tuple | None, int]:
+        """The computation on ``devs`` (arrival ``index``) has run: its
+        devices are free (with ``unfinished``, it is counted finished here,
+        as one that will not be settled), and what may start there starts.
+        Returns the one this thread runs next, if any, and how many wait
+        behind it on its devices."""
+        started: list[tuple[m.Execute, frozenset[int], int]] = []
+        with self._lock:
+            self._busy -= devs
+            if unfinished:
+                self._free(self._order.finish(index))
+            for d in devs:
+                q = self._queues[d]
+                if q:
+                    self._try_start(q[0], started)
+            for entry in started[1:]:      # others go to other threads
+                self._ready.put(entry)
+            behind = min((len(self._queues[d]) for d in devs), default=0)
+        return (started[0] if started else None), behind
+
+    def _settle_now(self, ex: m.Execute, prepared: "_Prepared", outs: Any, index: int, done: tuple) -> tuple:
+        """Settle ``ex`` on this thread, after those left before it; returns
+        its report (``done``, with the error if storing failed)."""
+        with self._settle_lock:
             self._drain_locked()
             error = self._settle(ex, prepared, outs, index)
-        if error is not None:
-            done = (done[0], error) + done[2:]
-        return nxt, done, None
+        return done if error is None else (done[0], error) + done[2:]
 
     def _streaks(self, entry: tuple, ex: m.Execute, prepared: "_Prepared") -> bool:
         """Whether ``entry``, started after ``ex``, goes on a streak
@@ -548,29 +559,14 @@ class Executor:
                     error = self._broken(ex, e2)
             took = time.perf_counter() - t0
             end = time.time()
-            started: list[tuple[m.Execute, frozenset[int], int]] = []
-            with self._lock:
-                self._busy -= devs
-                if outs is None:
-                    self._free(self._order.finish(index))
-                for d in devs:
-                    q = self._queues[d]
-                    if q:
-                        self._try_start(q[0], started)
-                    behind = len(q)
-            nxt = started[0] if started else None
+            nxt, behind = self._next(devs, index, outs is None)
             done = (ex.exec_id, error, start, end, took, behind, ex.hold)
             if outs is None:
                 self._drain_settles()      # reports go in order
                 return nxt, done, None
             prepared.last_s = took
             if nxt is None or type(nxt[0]) is FusedRun or self._stopped:
-                with self._settle_lock:      # after those before it
-                    self._drain_locked()
-                    error = self._settle(ex, prepared, outs, index)
-                if error is not None:
-                    done = (done[0], error) + done[2:]
-                return nxt, done, None
+                return nxt, self._settle_now(ex, prepared, outs, index, done), None
             try:
                 self._settles.append((ex, prepared, outs, index, nxt, done))
                 n += 1
