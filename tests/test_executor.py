@@ -366,7 +366,8 @@ _SCRIPT = textwrap.dedent("""
     res["held_deep_nothing_more"] = reports.empty()
     # streaks: held short computations on one device here, each reading the
     # one before's output alone, run back to back (Executor._streak); the
-    # settler is woken once per STREAK_SETTLE (8) of them
+    # executor thread settles them after each whose seq is a multiple of
+    # STREAK_SETTLE (8), or once 16 are left (seqs that skip those)
     import sys, threading
     executor_module.SHORT_S = 60.0
     class CountedWakes(queue.SimpleQueue):
@@ -392,16 +393,29 @@ _SCRIPT = textwrap.dedent("""
         return got
     def value_of(b):
         return np.asarray(h.store.entry(shard_key(b, one[0].id, ((0, 3),))).value).tolist()
+    [sprepared] = ex._by_program[d1]
+    srun, left = sprepared.fn, []
+    def noting_left(*a):       # (how many were left to settle as each call starts)
+        left.append(len(ex._settles))
+        return srun(*a)
+    sprepared.fn = noting_left
     for k in range(20):
         ex.submit(held(60 + k, 1500 + k, 1501 + k))
     h.store.set(shard_key(1500, one[0].id, ((0, 3),)), jax.device_put(np.ones(3), one[0]))
     res["streak"] = reports_of(20)
     res["streak_wakes"] = list(swakes)
     res["streak_value"] = value_of(1520)
+    res["streak_left"] = max(left)
+    # seqs that skip the multiples of 8 (every one odd): settled once 16 are left
+    left.clear()
+    for k in range(24):
+        ex.submit(dataclasses.replace(held(3000 + k, 3000 + k, 3001 + k), seq=2 * (3000 + k) + 1))
+    h.store.set(shard_key(3000, one[0].id, ((0, 3),)), jax.device_put(np.ones(3), one[0]))
+    res["streak_odd"] = [reports_of(24) == [[3000 + k, None] for k in range(24)], max(left), value_of(3024)]
+    sprepared.fn = srun
     # one that fails on a streak: its report says so, the ones after it fail
     # as they read its output, the ones before it are stored
-    [sprepared] = ex._by_program[d1]
-    srun, calls = sprepared.fn, [0]
+    calls = [0]
     def failing(*a):
         calls[0] += 1
         if calls[0] == 4:
@@ -816,10 +830,15 @@ def test_short_held_computations_are_settled_by_the_executor_thread_after_the_ne
 
 def test_short_held_chains_on_one_device_run_as_streaks(results):
     # 60 -> ... -> 79 (x * 2): in order, right; 60 by _run, the 19 after it on
-    # a streak, which woke the settler after its 8th and 16th
+    # a streak, which settled them itself (no settler woken) after 64 and 72
+    # (so at most 8 were left as a call started)
     assert results["streak"] == [[60 + k, None] for k in range(20)]
-    assert results["streak_wakes"] == ["_streak", "_streak"]
+    assert results["streak_wakes"] == []
     assert results["streak_value"] == [2.0 ** 20] * 3
+    assert results["streak_left"] <= 8
+    # odd seqs only: settled once 16 were left (so at most 15 as a call
+    # started), not only at the streak's end (23)
+    assert results["streak_odd"] == [True, 15, [2.0 ** 24] * 3]
     # the 4th call failed: its report says so, the two after it fail reading
     # its output, the three before it are stored
     got = results["streak_failed"]

@@ -73,8 +73,11 @@ INPUT_TIMEOUT_S = 300.0
 # does not end, and a hold that long does not wake the I/O thread to learn
 # its deadline.
 SHORT_S = SHORT_COMPUTATION_S
-# A streak (Executor._streak) wakes the settler once per this many of its
-# computations, to settle them while the next ones run
+# A streak (Executor._streak) settles what it left, on the executor thread,
+# after each computation whose gang order (Execute.seq) is a multiple of this:
+# the hosts of a collective then settle after the same computations, not one
+# while the other waits for it in the next call (twice as many left, on a
+# host whose computations' seqs skip those, settle too)
 STREAK_SETTLE = 8
 LONG_S = 0.004
 LONG_QUEUE = 2
@@ -534,11 +537,10 @@ class Executor:
         the streak (``_streaks``): each one's compiled function called on the
         output of the one before, as a fused run's series does, with only its
         queue's bookkeeping between the calls. Their settling is left late
-        (``_settle_late``: a wait for their outputs wakes the settler) and the
-        settler is woken once per STREAK_SETTLE of them, to settle them while
-        the next ones run. Returns what ``_run`` returns for the last one."""
+        (``_settle_late``: a wait for their outputs wakes the settler) and done
+        here after every STREAK_SETTLE-th computation by gang order. Returns
+        what ``_run`` returns for the last one."""
         fn = prepared.fn
-        n = 0
         self._late = True          # (before the look: a wait that starts after it wakes the settler)
         if self.store.awaited([s[0].outputs[0].buffer for s in list(self._settles)]):
             self._settle_soon()
@@ -569,9 +571,8 @@ class Executor:
                 return nxt, self._settle_now(ex, prepared, outs, index, done), None
             try:
                 self._settles.append((ex, prepared, outs, index, nxt, done))
-                n += 1
-                if n % STREAK_SETTLE == 0:
-                    self._settle_wake.put(True)
+                if ex.seq % STREAK_SETTLE == 0 or len(self._settles) >= 2 * STREAK_SETTLE:
+                    self._drain_settles()
                 # something may wait for this one's output already (a SendPiece
                 # that came before it ran; a wait after this look wakes the
                 # settler itself), and, if a wait cleared the flag, for those
