@@ -393,25 +393,28 @@ _SCRIPT = textwrap.dedent("""
         return got
     def value_of(b):
         return np.asarray(h.store.entry(shard_key(b, one[0].id, ((0, 3),))).value).tolist()
+    def run_chain(first, n, base, seq=None):
+        # n held computations, ids from ``first``, buffers from ``base`` on
+        # (its input put last, so that they are all queued); their reports
+        for j in range(n):
+            e = held(first + j, base + j, base + 1 + j)
+            ex.submit(e if seq is None else dataclasses.replace(e, seq=seq(first + j)))
+        h.store.set(shard_key(base, one[0].id, ((0, 3),)), jax.device_put(np.ones(3), one[0]))
+        return reports_of(n)
     [sprepared] = ex._by_program[d1]
     srun, left = sprepared.fn, []
     def noting_left(*a):       # (how many were left to settle as each call starts)
         left.append(len(ex._settles))
         return srun(*a)
     sprepared.fn = noting_left
-    for k in range(20):
-        ex.submit(held(60 + k, 1500 + k, 1501 + k))
-    h.store.set(shard_key(1500, one[0].id, ((0, 3),)), jax.device_put(np.ones(3), one[0]))
-    res["streak"] = reports_of(20)
+    res["streak"] = run_chain(60, 20, 1500)
     res["streak_wakes"] = list(swakes)
     res["streak_value"] = value_of(1520)
     res["streak_left"] = max(left)
     # seqs that skip the multiples of 8 (every one odd): settled once 16 are left
     left.clear()
-    for k in range(24):
-        ex.submit(dataclasses.replace(held(3000 + k, 3000 + k, 3001 + k), seq=2 * (3000 + k) + 1))
-    h.store.set(shard_key(3000, one[0].id, ((0, 3),)), jax.device_put(np.ones(3), one[0]))
-    res["streak_odd"] = [reports_of(24) == [[3000 + k, None] for k in range(24)], max(left), value_of(3024)]
+    got = run_chain(3000, 24, 3000, seq=lambda i: 2 * i + 1)
+    res["streak_odd"] = [got == [[3000 + k, None] for k in range(24)], max(left), value_of(3024)]
     sprepared.fn = srun
     # one that fails on a streak: its report says so, the ones after it fail
     # as they read its output, the ones before it are stored
@@ -422,10 +425,7 @@ _SCRIPT = textwrap.dedent("""
             raise RuntimeError("injected")
         return srun(*a)
     sprepared.fn = failing
-    for k in range(6):
-        ex.submit(held(80 + k, 1600 + k, 1601 + k))
-    h.store.set(shard_key(1600, one[0].id, ((0, 3),)), jax.device_put(np.ones(3), one[0]))
-    res["streak_failed"] = reports_of(6)
+    res["streak_failed"] = run_chain(80, 6, 1600)
     res["streak_failed_value"] = value_of(1603)
     # a wait that starts (on another thread) for an output left to settle,
     # while the next one, on a streak, sits in its call (which waits until
@@ -442,10 +442,7 @@ _SCRIPT = textwrap.dedent("""
         return srun(*a)
     sprepared.fn = waiting
     ex._late = False     # (as after a streak that settled all it left: the streak sets it)
-    for k in range(5):
-        ex.submit(held(90 + k, 1700 + k, 1701 + k))
-    h.store.set(shard_key(1700, one[0].id, ((0, 3),)), jax.device_put(np.ones(3), one[0]))
-    res["streak_awaited"] = [reports_of(5), during, value_of(1701)]
+    res["streak_awaited"] = [run_chain(90, 5, 1700), during, value_of(1701)]
     # a wait named before its computation ran (a SendPiece that came with it):
     # once that one has run on the streak, the settler stores its output,
     # which the next one's call waits for (here: until stored, or 20 s)
@@ -464,10 +461,7 @@ _SCRIPT = textwrap.dedent("""
         calls[0], stored, during = 0, threading.Event(), []
         h.store.when_done(shard_key(awaited, one[0].id, ((0, 3),)), lambda e: stored.set())
         sprepared.fn = waiting_in_call(k, stored, during)
-        for j in range(n):
-            ex.submit(held(first + j, base + j, base + 1 + j))
-        h.store.set(shard_key(base, one[0].id, ((0, 3),)), jax.device_put(np.ones(3), one[0]))
-        return [reports_of(n), during, value_of(awaited)]
+        return [run_chain(first, n, base), during, value_of(awaited)]
     res["streak_named_before"] = chain_awaited(95, 5, 1800, 1803, 4)
     # the same for the one before the streak's first (it ran by _run): the
     # look as the streak starts finds the wait
