@@ -28,8 +28,8 @@ node, which on two processes and two cores the collective's spread hides.
 
 With ``--hold`` every computation goes with ``Execute.hold`` set, as the
 controller sends op-by-op calls (nothing waits for their reports): ``plain``
-then takes the path a worker takes in -O, each computation settled on the
-executor thread after the next one's call (``Executor._settle_late``).
+then takes the path a worker takes in -O (a chain of them runs as a streak,
+``Executor._streak``, settled late on the executor thread).
 
 With ``--loop N`` each computation runs ``psum(x) + 1.`` N times in a
 ``fori_loop`` (``--loop 128`` is the -F computation of
@@ -267,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hold", action="store_true",
                    help="send every computation with Execute.hold, as the controller sends -O's calls "
                         "(nothing waits for their reports): `plain` then runs as a worker runs -O, "
-                        "each one settled late (docs/design.md)")
+                        "as a streak settled late (docs/design.md)")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON here")
     p.add_argument("--child", nargs=2, type=int, help=argparse.SUPPRESS)
     args = p.parse_args(argv)

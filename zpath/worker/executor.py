@@ -341,15 +341,24 @@ class Executor:
         awaits, a fetch). Something that starts to wait for them later wakes
         the settler (``_settle_soon``): a collective that this thread then sits
         in, waiting for a host that waits for such a piece, is not held up."""
-        # (set before the check: a wait that the check does not see finds it
-        # set and wakes the settler; cleared before a drain, see _execute)
-        self._late = True
         left = list(self._settles)      # (normally one; a copy: the settler may take it meanwhile)
         late = bool(left) and all(ex.hold for ex, *_ in left) and \
-            not self.store.awaited(o.buffer for ex, *_ in left for o in ex.outputs)
+            self._leave_late([o.buffer for ex, *_ in left for o in ex.outputs])
         if not late:
             self._late = False
         return late
+
+    def _leave_late(self, buffers: list[int]) -> bool:
+        """Flag what is left to settle as left late, then look whether anything
+        here waits for these buffers' shards already: if so, clear the flag and
+        return False (the caller wakes the settler). The flag goes up before the
+        look: a wait that the look does not see finds it up and wakes the
+        settler itself (``_settle_soon``); it is cleared before a drain."""
+        self._late = True
+        if self.store.awaited(buffers):
+            self._late = False
+            return False
+        return True
 
     def _settle_soon(self) -> None:
         """Something waits for an entry of the store: what is left to settle
@@ -541,9 +550,8 @@ class Executor:
         here after every STREAK_SETTLE-th computation by gang order. Returns
         what ``_run`` returns for the last one."""
         fn = prepared.fn
-        self._late = True          # (before the look: a wait that starts after it wakes the settler)
-        if self.store.awaited([s[0].outputs[0].buffer for s in list(self._settles)]):
-            self._settle_soon()
+        if not self._leave_late([o.buffer for s in list(self._settles) for o in s[0].outputs]):
+            self._settle_wake.put(True)
         while True:
             ex, devs, index = entry
             start = time.time()
@@ -574,15 +582,14 @@ class Executor:
                 if ex.seq % STREAK_SETTLE == 0 or len(self._settles) >= 2 * STREAK_SETTLE:
                     self._drain_settles()
                 # something may wait for this one's output already (a SendPiece
-                # that came before it ran; a wait after this look wakes the
-                # settler itself), and, if a wait cleared the flag, for those
-                # left before it: the settler stores them, as this thread may
-                # sit in the next one's collective with a host that waits for them
+                # that came before it ran), and, if a wait cleared the flag, for
+                # those left before it: the settler stores them, as this thread
+                # may sit in the next one's collective with a host that waits
+                # for them
                 looked = [ex.outputs[0].buffer] if self._late else \
-                    [s[0].outputs[0].buffer for s in list(self._settles)]
-                self._late = True
-                if self.store.awaited(looked):
-                    self._settle_soon()
+                    [o.buffer for s in list(self._settles) for o in s[0].outputs]
+                if not self._leave_late(looked):
+                    self._settle_wake.put(True)
                 if not self._streaks(nxt, ex, prepared):
                     return nxt, _SETTLING, {ex.outputs[0].buffer: (outs[0], prepared.out_shardings[0])}
             except Exception:      # a bug: the next one, started, still runs (on this thread, from _ready)
