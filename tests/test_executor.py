@@ -393,12 +393,13 @@ _SCRIPT = textwrap.dedent("""
         return got
     def value_of(b):
         return np.asarray(h.store.entry(shard_key(b, one[0].id, ((0, 3),))).value).tolist()
-    def run_chain(first, n, base, seq=None):
+    def run_chain(first, n, base, seq=None, change=None):
         # n held computations, ids from ``first``, buffers from ``base`` on
         # (its input put last, so that they are all queued); their reports
         for j in range(n):
             e = held(first + j, base + j, base + 1 + j)
-            ex.submit(e if seq is None else dataclasses.replace(e, seq=seq(first + j)))
+            e = e if seq is None else dataclasses.replace(e, seq=seq(first + j))
+            ex.submit(e if change is None else change(j, e))
         h.store.set(shard_key(base, one[0].id, ((0, 3),)), jax.device_put(np.ones(3), one[0]))
         return reports_of(n)
     [sprepared] = ex._by_program[d1]
@@ -427,6 +428,16 @@ _SCRIPT = textwrap.dedent("""
     sprepared.fn = failing
     res["streak_failed"] = run_chain(80, 6, 1600)
     res["streak_failed_value"] = value_of(1603)
+    sprepared.fn = srun
+    # the 3rd of a streak declares another output than it makes: it fails as
+    # the streak's outputs are stored together (seq 8 is the 5th: a settle of
+    # five); the two before it are stored, its output fails
+    def undeclared(j, e):
+        return e if j != 2 else dataclasses.replace(
+            e, outputs=[dataclasses.replace(e.outputs[0], aval=m.Aval([64], "float64"))])
+    got = run_chain(4, 6, 1650, change=undeclared)
+    entry = h.store.entry(shard_key(1653, one[0].id, ((0, 64),)))     # (as declared)
+    res["streak_undeclared"] = [got, value_of(1652), entry.error is not None and entry.error.message]
     # a wait that starts (on another thread) for an output left to settle,
     # while the next one, on a streak, sits in its call (which waits until
     # that output is stored, or gives up after 20 s): the settler stores it
@@ -839,6 +850,10 @@ def test_short_held_chains_on_one_device_run_as_streaks(results):
     assert [r[0] for r in got] == list(range(80, 86)) and [r[1] for r in got[:3]] == [None] * 3
     assert "injected" in got[3][1] and got[4][1] is not None and got[5][1] is not None
     assert results["streak_failed_value"] == [8.0] * 3
+    got, before, failed = results["streak_undeclared"]
+    assert [r[0] for r in got] == list(range(4, 10)) and [r[1] for r in got[:2]] == [None] * 2
+    assert "but the call declared float64[64]" in got[2][1] and got[2][1] in failed
+    assert before == [4.0] * 3
     # a wait for an output left to settle woke the settler, which stored it
     # while the streak's call waited (not stored: that call gives up after 20 s)
     reports, during, value = results["streak_awaited"]

@@ -1,6 +1,7 @@
 """The worker's object store: freed buffer ids are remembered for a while, so a
 client's Put that comes after the Free is dropped rather than kept for good."""
 import threading
+import time
 
 import pytest
 
@@ -182,3 +183,26 @@ def test_waiters_are_seen_and_announced():
     assert got and got[0].value == "shard" and not s.awaited([5])
     s.when_done(key, got.append)                  # done already: called at once, nothing announced
     assert len(got) == 2 and s.wait(key, timeout=0.01).done and calls == [1, 1]
+
+
+def test_set_many_stores_as_set_does_and_wakes_waiters_once_all_are_stored():
+    s = st.Store()
+    a, b, c = st.shard_key(1, 0, [[0, 1]]), st.shard_key(2, 0, [[0, 1]]), st.shard_key(3, 0, [[0, 1]])
+    s.set(c, "first")                     # done already: set_many leaves it
+    s.fail_buffers([4], m.ErrorInfo("RemoteError", "gone", 0, "", ""))
+    d = st.shard_key(4, 0, [[0, 1]])      # a failed buffer's shard stays failed
+    seen = []
+    # a callback sees every item of the batch stored, not only its own
+    s.when_done(a, lambda e: seen.append((e.value, s.is_done(b))))
+    waiter = threading.Thread(target=lambda: seen.append(("waited", s.wait(b, 10).value)))
+    waiter.start()
+    deadline = time.monotonic() + 10
+    while not s.awaited([2]):             # the waiter has named b's entry
+        assert time.monotonic() < deadline
+    s.set_many([(a, "x"), (b, "y"), (c, "z"), (d, "w")])
+    waiter.join(10)
+    assert not waiter.is_alive()
+    assert sorted(seen, key=str) == [("waited", "y"), ("x", True)]
+    assert s.entry(c).value == "first"
+    assert s.entry(d).error is not None and s.entry(d).value is None
+    assert set(s.buffers_of(0)) >= {1, 2, 3}

@@ -375,28 +375,55 @@ class Executor:
             self._drain_locked()
 
     def _drain_locked(self) -> None:
-        while self._settles:
-            ex, prepared, outs, index, nxt, done = self._settles.popleft()
+        """Settle what is left, in order: the outputs of all of them stored
+        (under one lock of the store), then all counted finished (under one
+        of this executor's), then their reports given (several are left
+        after a streak, see ``_streak``)."""
+        settles = self._settles
+        while settles:
+            batch = [settles.popleft() for _ in range(len(settles))]
+            shards: list[tuple[ShardKey, Any]] = []
+            reports = []
+            for ex, prepared, outs, index, nxt, done in batch:
+                try:
+                    error = self._output_shards(ex, prepared, outs, shards)
+                except Exception as e:      # a bug: it must still be reported
+                    log.exception("settling computation %d", ex.exec_id)
+                    error = m.ErrorInfo(ErrorKind.REMOTE_ERROR, _text(f"{type(e).__name__}: {e}"), self.rank,
+                                        ex.name, "")
+                reports.append((nxt, done if error is None else (done[0], error) + done[2:]))
             try:
-                error = self._settle(ex, prepared, outs, index)
-            except Exception as e:      # a bug: it must still be reported
-                log.exception("settling computation %d", ex.exec_id)
-                error = m.ErrorInfo(ErrorKind.REMOTE_ERROR, _text(f"{type(e).__name__}: {e}"), self.rank,
-                                    ex.name, "")
-            if error is not None:
-                done = (done[0], error) + done[2:]
-            self._report(nxt, done)
+                self.store.set_many(shards)
+            finally:
+                with self._lock:
+                    for entry in batch:
+                        self._free(self._order.finish(entry[3]))
+            for nxt, done in reports:
+                self._report(nxt, done)
+
+    def _output_shards(self, ex: m.Execute, prepared: "_Prepared", outs: Any,
+                       shards: list[tuple[ShardKey, Any]]) -> m.ErrorInfo | None:
+        """Add the shards of a plain computation's outputs to ``shards``, to be
+        stored; returns an error if taking them apart failed: then those
+        before are stored now, and its outputs fail with it."""
+        try:
+            for k, (o, out) in enumerate(zip(ex.outputs, outs, strict=True)):
+                shards += [(ShardKey(o.buffer, gid, region), data)
+                           for gid, region, data in prepared.output_shards(k, o, out, True)]
+        except Exception as e:
+            self.store.set_many(shards)     # (in order: what came before, then the error)
+            shards.clear()
+            return self._failed(ex, ex.exec_id, _as_is, e, None)
+        return None
 
     def _settle(self, ex: m.Execute, prepared: "_Prepared", outs: Any, index: int) -> m.ErrorInfo | None:
         """Store the outputs of a plain computation that ran, and count it
         finished (frees waiting for it may go); returns an error if storing
         failed (its outputs then fail with it)."""
-        error = None
+        shards: list[tuple[ShardKey, Any]] = []
         try:
-            for k, (o, out) in enumerate(zip(ex.outputs, outs, strict=True)):
-                self._store_output(prepared, k, o, o.buffer, out, lazy=True)
-        except Exception as e:
-            error = self._failed(ex, ex.exec_id, _as_is, e, None)
+            error = self._output_shards(ex, prepared, outs, shards)
+            self.store.set_many(shards)
         finally:
             with self._lock:
                 self._free(self._order.finish(index))
@@ -504,9 +531,16 @@ class Executor:
         behind it on its devices."""
         started: list[tuple[m.Execute, frozenset[int], int]] = []
         with self._lock:
-            self._busy -= devs
             if unfinished:
                 self._free(self._order.finish(index))
+            if len(devs) == 1:
+                # the usual case, in short: the next one on this device alone
+                # starts here, on it (what _try_start would do)
+                for d in devs:
+                    q = self._queues[d]
+                    if q and q[0][1] == devs and not self._stopped:
+                        return q.popleft(), len(q)
+            self._busy -= devs
             for d in devs:
                 q = self._queues[d]
                 if q:
@@ -1054,10 +1088,8 @@ class _Prepared:
         """Whether ``ex`` runs this program with the same devices and specs."""
         jax_ids, mesh_shape, axis_names, in_specs, out_specs = self.variant
         return ex.jax_ids == jax_ids and ex.mesh_shape == mesh_shape and \
-            ex.axis_names == axis_names and len(ex.inputs) == len(in_specs) and \
-            len(ex.outputs) == len(out_specs) and \
-            all(i.spec == s for i, s in zip(ex.inputs, in_specs, strict=True)) and \
-            all(o.spec == s for o, s in zip(ex.outputs, out_specs, strict=True))
+            ex.axis_names == axis_names and [i.spec for i in ex.inputs] == in_specs and \
+            [o.spec for o in ex.outputs] == out_specs
 
     def input_array(self, k: int, inp: m.ExecInput, shards: list) -> Any:
         """The global jax.Array of input ``k`` from this host's shards (in

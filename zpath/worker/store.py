@@ -176,6 +176,26 @@ class Store:
             cb(e)
         return True
 
+    def set_many(self, items: list[tuple[Key, Any]]) -> None:
+        """``set(key, value)`` for each (key, value) of ``items``, under one
+        lock: the outputs of several computations settled at once. Waiters
+        and callbacks are woken once all are stored, in order."""
+        woken = []
+        with self._lock:
+            for key, value in items:
+                e = self._entry(key)
+                if e.done:
+                    continue
+                e.value, e.done = value, True
+                if e.event is not None or e.callbacks:
+                    woken.append((e, e.event, e.callbacks))
+                    e.callbacks = []
+        for e, event, callbacks in woken:
+            if event is not None:
+                event.set()
+            for cb in callbacks:
+                cb(e)
+
     def awaited(self, buffers: Iterable[int]) -> bool:
         """Whether any shard of these buffers is named here and not done (a
         waiter named it: the producer stores it done)."""
