@@ -201,7 +201,13 @@ class Store:
         waiter named it: the producer stores it done)."""
         with self._lock:
             by_buffer, entries = self._by_buffer, self._entries
-            return any(not entries[k].done for b in buffers for k in by_buffer.get(b, ()))
+            for b in buffers:       # (loops, not a generator: one per computation on a streak)
+                keys = by_buffer.get(b)
+                if keys:
+                    for k in keys:
+                        if not entries[k].done:
+                            return True
+            return False
 
     def is_done(self, key: Key) -> bool:
         """Whether the entry has its value or error (without waiting)."""
