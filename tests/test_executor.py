@@ -430,14 +430,22 @@ _SCRIPT = textwrap.dedent("""
     res["streak_failed_value"] = value_of(1603)
     sprepared.fn = srun
     # the 3rd of a streak declares another output than it makes: it fails as
-    # the streak's outputs are stored together (seq 8 is the 5th: a settle of
-    # five); the two before it are stored, its output fails
+    # the streak's outputs are stored together (seq 8008 is the 5th: a settle
+    # of five); the two before it are stored, its output fails, and the ones
+    # after it (which read its output as it was made) are stored
     def undeclared(j, e):
         return e if j != 2 else dataclasses.replace(
             e, outputs=[dataclasses.replace(e.outputs[0], aval=m.Aval([64], "float64"))])
-    got = run_chain(4, 6, 1650, change=undeclared)
+    batches, set_many = [], h.store.set_many
+    def noting_batches(items):
+        batches.append(sorted(k.buffer for k, _ in items))
+        return set_many(items)
+    h.store.set_many = noting_batches
+    got = run_chain(4, 6, 1650, seq=lambda i: 8000 + i, change=undeclared)
+    h.store.set_many = set_many
     entry = h.store.entry(shard_key(1653, one[0].id, ((0, 64),)))     # (as declared)
-    res["streak_undeclared"] = [got, value_of(1652), entry.error is not None and entry.error.message]
+    res["streak_undeclared"] = [got, value_of(1652), entry.error is not None and entry.error.message,
+                                value_of(1656), batches]
     # a wait that starts (on another thread) for an output left to settle,
     # while the next one, on a streak, sits in its call (which waits until
     # that output is stored, or gives up after 20 s): the settler stores it
@@ -850,10 +858,13 @@ def test_short_held_chains_on_one_device_run_as_streaks(results):
     assert [r[0] for r in got] == list(range(80, 86)) and [r[1] for r in got[:3]] == [None] * 3
     assert "injected" in got[3][1] and got[4][1] is not None and got[5][1] is not None
     assert results["streak_failed_value"] == [8.0] * 3
-    got, before, failed = results["streak_undeclared"]
+    got, before, failed, last, batches = results["streak_undeclared"]
     assert [r[0] for r in got] == list(range(4, 10)) and [r[1] for r in got[:2]] == [None] * 2
     assert "but the call declared float64[64]" in got[2][1] and got[2][1] in failed
-    assert before == [4.0] * 3
+    assert [r[1] for r in got[3:]] == [None] * 3
+    assert before == [4.0] * 3 and last == [64.0] * 3
+    # 1651-1652 were stored as 1653 failed, 1654-1655 with the rest of the settle of five
+    assert [1651, 1652] in batches and [1654, 1655] in batches
     # a wait for an output left to settle woke the settler, which stored it
     # while the streak's call waited (not stored: that call gives up after 20 s)
     reports, during, value = results["streak_awaited"]

@@ -394,12 +394,20 @@ class Executor:
                 reports.append((nxt, done if error is None else (done[0], error) + done[2:]))
             try:
                 self.store.set_many(shards)
+            except Exception as e:     # a bug: each of them fails (what was stored stays)
+                log.exception("storing the outputs of %d computations", len(batch))
+                reports = [(nxt, done if done[1] is not None else
+                            (done[0], self._failed(s[0], done[0], _as_is, e, None)) + done[2:])
+                           for s, (nxt, done) in zip(batch, reports, strict=True)]
             finally:
                 with self._lock:
                     for entry in batch:
                         self._free(self._order.finish(entry[3]))
             for nxt, done in reports:
-                self._report(nxt, done)
+                try:
+                    self._report(nxt, done)
+                except Exception:      # a bug: the others are still reported
+                    log.exception("reporting computation %d", done[0])
 
     def _output_shards(self, ex: m.Execute, prepared: "_Prepared", outs: Any,
                        shards: list[tuple[ShardKey, Any]]) -> m.ErrorInfo | None:
@@ -423,7 +431,10 @@ class Executor:
         shards: list[tuple[ShardKey, Any]] = []
         try:
             error = self._output_shards(ex, prepared, outs, shards)
-            self.store.set_many(shards)
+            try:
+                self.store.set_many(shards)
+            except Exception as e:     # a bug: it fails (what was stored stays)
+                error = self._failed(ex, ex.exec_id, _as_is, e, None)
         finally:
             with self._lock:
                 self._free(self._order.finish(index))

@@ -7,12 +7,15 @@ value or an error."""
 from __future__ import annotations
 
 import collections
+import logging
 import threading
 import time
 from typing import Any, Callable, Iterable, NamedTuple
 
 from zpath.ids import client_of
 from zpath.net import messages as m
+
+log = logging.getLogger(__name__)
 
 
 class ShardKey(NamedTuple):
@@ -194,7 +197,10 @@ class Store:
             if event is not None:
                 event.set()
             for cb in callbacks:
-                cb(e)
+                try:
+                    cb(e)
+                except Exception:     # (a bug there: the other entries' waiters still wake)
+                    log.exception("a callback of a stored shard failed")
 
     def awaited(self, buffers: Iterable[int]) -> bool:
         """Whether any shard of these buffers is named here and not done (a
