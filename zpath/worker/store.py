@@ -52,6 +52,20 @@ class Unsplit:
         self.index = index
 
 
+def _wake(woken: list[tuple["Entry", threading.Event | None, list]]) -> None:
+    """Wake what waits for entries just made done: (entry, its event, its
+    callbacks) each, without the store's lock. A callback that raises (a bug
+    there) is logged; the other waiters still wake."""
+    for e, event, callbacks in woken:
+        if event is not None:
+            event.set()
+        for cb in callbacks:
+            try:
+                cb(e)
+            except Exception:
+                log.exception("a callback of a finished shard failed")
+
+
 class Entry:
     __slots__ = ("_value", "error", "done", "event", "callbacks")
 
@@ -146,11 +160,7 @@ class Store:
                         e.error, e.done = error, True
                         failed.append((e, e.event, e.callbacks))
                         e.callbacks = []
-        for e, event, callbacks in failed:
-            if event is not None:
-                event.set()
-            for cb in callbacks:
-                cb(e)
+        _wake(failed)
 
     def set(self, key: Key, value: Any = None, error: m.ErrorInfo | None = None,
             unless_freed: int | None = None, over_error: bool = False) -> bool:
@@ -193,14 +203,7 @@ class Store:
                 if e.event is not None or e.callbacks:
                     woken.append((e, e.event, e.callbacks))
                     e.callbacks = []
-        for e, event, callbacks in woken:
-            if event is not None:
-                event.set()
-            for cb in callbacks:
-                try:
-                    cb(e)
-                except Exception:     # (a bug there: the other entries' waiters still wake)
-                    log.exception("a callback of a stored shard failed")
+        _wake(woken)
 
     def awaited(self, buffers: Iterable[int]) -> bool:
         """Whether any shard of these buffers is named here and not done (a
