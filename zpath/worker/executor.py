@@ -375,39 +375,44 @@ class Executor:
             self._drain_locked()
 
     def _drain_locked(self) -> None:
-        """Settle what is left, in order: the outputs of all of them stored
-        (under one lock of the store), then all counted finished (under one
-        of this executor's), then their reports given (several are left
-        after a streak, see ``_streak``)."""
+        """Settle what is left, in order (``_settle``; several are left after a
+        streak, see ``_streak``), then give their reports."""
         settles = self._settles
         while settles:
             batch = [settles.popleft() for _ in range(len(settles))]
-            shards: list[tuple[ShardKey, Any]] = []
-            reports = []
-            for ex, prepared, outs, index, nxt, done in batch:
+            for entry, done in zip(batch, self._settle(batch), strict=True):
                 try:
-                    error = self._output_shards(ex, prepared, outs, shards)
-                except Exception as e:      # a bug: it must still be reported
-                    log.exception("settling computation %d", ex.exec_id)
-                    error = m.ErrorInfo(ErrorKind.REMOTE_ERROR, _text(f"{type(e).__name__}: {e}"), self.rank,
-                                        ex.name, "")
-                reports.append((nxt, done if error is None else (done[0], error) + done[2:]))
-            try:
-                self.store.set_many(shards)
-            except Exception as e:     # a bug: each of them fails (what was stored stays)
-                log.exception("storing the outputs of %d computations", len(batch))
-                reports = [(nxt, done if done[1] is not None else
-                            (done[0], self._failed(s[0], done[0], _as_is, e, None)) + done[2:])
-                           for s, (nxt, done) in zip(batch, reports, strict=True)]
-            finally:
-                with self._lock:
-                    for entry in batch:
-                        self._free(self._order.finish(entry[3]))
-            for nxt, done in reports:
-                try:
-                    self._report(nxt, done)
+                    self._report(entry[4], done)
                 except Exception:      # a bug: the others are still reported
                     log.exception("reporting computation %d", done[0])
+
+    def _settle(self, batch: list[tuple]) -> list[tuple]:
+        """Settle plain computations that ran, in order ((Execute, prepared,
+        outputs, arrival index, next, report) each): their outputs stored
+        under one lock of the store, then all counted finished (frees waiting
+        for them may go) under one of this executor's. Returns their reports,
+        with the error of each whose storing failed (its outputs then fail)."""
+        shards: list[tuple[ShardKey, Any]] = []
+        dones = []
+        for ex, prepared, outs, index, nxt, done in batch:
+            try:
+                error = self._output_shards(ex, prepared, outs, shards)
+            except Exception as e:      # a bug: it must still be reported
+                log.exception("settling computation %d", ex.exec_id)
+                error = m.ErrorInfo(ErrorKind.REMOTE_ERROR, _text(f"{type(e).__name__}: {e}"), self.rank,
+                                    ex.name, "")
+            dones.append(done if error is None else (done[0], error) + done[2:])
+        try:
+            self.store.set_many(shards)
+        except Exception as e:     # a bug: each of them fails (what was stored stays)
+            log.exception("storing the outputs of %d computations", len(batch))
+            dones = [done if done[1] is not None else (done[0], self._failed(s[0], done[0], _as_is, e, None))
+                     + done[2:] for s, done in zip(batch, dones, strict=True)]
+        finally:
+            with self._lock:
+                for entry in batch:
+                    self._free(self._order.finish(entry[3]))
+        return dones
 
     def _output_shards(self, ex: m.Execute, prepared: "_Prepared", outs: Any,
                        shards: list[tuple[ShardKey, Any]]) -> m.ErrorInfo | None:
@@ -424,28 +429,11 @@ class Executor:
             return self._failed(ex, ex.exec_id, _as_is, e, None)
         return None
 
-    def _settle(self, ex: m.Execute, prepared: "_Prepared", outs: Any, index: int) -> m.ErrorInfo | None:
-        """Store the outputs of a plain computation that ran, and count it
-        finished (frees waiting for it may go); returns an error if storing
-        failed (its outputs then fail with it)."""
-        shards: list[tuple[ShardKey, Any]] = []
-        try:
-            error = self._output_shards(ex, prepared, outs, shards)
-            try:
-                self.store.set_many(shards)
-            except Exception as e:     # a bug: it fails (what was stored stays)
-                error = self._failed(ex, ex.exec_id, _as_is, e, None)
-        finally:
-            with self._lock:
-                self._free(self._order.finish(index))
-        return error
-
-    def _store_output(self, prepared: "_Prepared", k: int, o: m.ExecOutput, buffer: int, out: Any,
-                      lazy: bool = False) -> None:
+    def _store_output(self, prepared: "_Prepared", k: int, o: m.ExecOutput, buffer: int, out: Any) -> None:
         """Store output ``k`` of a computation (``out``, as ``buffer``), shard by
-        shard (``lazy``: see ``_Prepared.output_shards``)."""
+        shard, split (a fused run's: see ``_Prepared.output_shards``)."""
         store_set = self.store.set
-        for gid, region, data in prepared.output_shards(k, o, out, lazy):
+        for gid, region, data in prepared.output_shards(k, o, out):
             store_set(ShardKey(buffer, gid, region), data)
 
     def _short(self, ex: "m.Execute | FusedRun") -> bool:
@@ -566,8 +554,7 @@ class Executor:
         its report (``done``, with the error if storing failed)."""
         with self._settle_lock:
             self._drain_locked()
-            error = self._settle(ex, prepared, outs, index)
-        return done if error is None else (done[0], error) + done[2:]
+            return self._settle([(ex, prepared, outs, index, None, done)])[0]
 
     def _streaks(self, entry: tuple, ex: m.Execute, prepared: "_Prepared") -> bool:
         """Whether ``entry``, started after ``ex``, goes on a streak
@@ -616,8 +603,7 @@ class Executor:
             end = time.time()
             nxt, behind = self._next(devs, index, outs is None)
             done = (ex.exec_id, error, start, end, took, behind, ex.hold)
-            if outs is None:
-                self._drain_settles()      # reports go in order
+            if outs is None:      # (what was left was settled before it failed: reports go in order)
                 return nxt, done, None
             prepared.last_s = took
             if nxt is None or type(nxt[0]) is FusedRun or self._stopped:
