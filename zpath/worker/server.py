@@ -607,7 +607,19 @@ class Worker:
             self.post_ctl(m.ExecDone(msg.exec_id, run, now, now))
             return
         self.executor.submit(run)
-        self.executor.free_after_earlier([run.buffer(c) for c in run.release])
+        # What the run makes (codes >= 0, all that this controller releases:
+        # templates.py) is not remembered as freed (Store.was_freed): no
+        # client Puts a computation's output, so no late Put is to be
+        # dropped; remembering a -C run's 127 cost its host ~30 us between
+        # runs (docs/benchmarks.md, "-C's edges"). An input it were to
+        # release (code < 0: maybe a Put) is remembered.
+        first = run.first
+        made = [first + c for c in run.release if c >= 0]
+        if made:
+            self.executor.free_after_earlier(made, remember=False)
+        inputs = [run.buffer(c) for c in run.release if c < 0]
+        if inputs:
+            self.executor.free_after_earlier(inputs)
 
     def _freed_callback(self, ident: bytes, segment: str, size: int) -> Any:
         """For a piece lent in its segment: once nothing refers to it, queue the

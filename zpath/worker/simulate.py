@@ -493,16 +493,19 @@ class SimHost:
             devices |= r.devices
             cost += r.cost
         run = _Run(msg.exec_id, frozenset(devices), needs, outputs, cost, msg.hold, -1,
-                   [buffer(c) for c in define.release])
+                   [buffer(c) for c in define.release if c >= 0])
         self._submit(run, now)
+        inputs = [buffer(c) for c in define.release if c < 0]
+        if inputs:          # (remembered: one may be a Put)
+            self._free_after_earlier(inputs, True)
 
     def _submit(self, run: _Run, now: float) -> None:
         run.arrived = now
         run.index = self.order.arrive()
         for d in run.devices:
             self.queues[d].append(run)
-        if run.release:
-            self._free_after_earlier(run.release, True)
+        if run.release:       # what it makes, not remembered (as a worker does: Worker._run_fused)
+            self._free_after_earlier(run.release, False)
         self._try_start(run, now)
 
     def _try_start(self, run: _Run, now: float) -> None:
