@@ -126,9 +126,10 @@ def test_a_run_of_an_unknown_fused_program_is_reported_failed(worker):
 
 
 def test_a_fused_run_frees_what_it_makes_unremembered_and_an_input_it_releases_remembered(worker):
-    """A run's own outputs are freed without being remembered as freed (no
-    Put can come for them); an input it releases (maybe a Put) is remembered,
-    so a late Put of it is dropped, as after a Free."""
+    """Once the run has finished, its own outputs are freed without being
+    remembered as freed (its client puts only slot values, outside the run's
+    block); an input it releases (maybe a Put; this controller releases none
+    so) is remembered, so a late Put of it is dropped, as after a Free."""
     av = m.Aval([2], "float32")
     ex = m.Execute(0, 0, "p" * 64, "f", [1], ["i"], [0], [0], [m.ExecInput(-1, av, ["i"], [])],
                    [m.ExecOutput(0, av, ["i"])])
@@ -136,22 +137,30 @@ def test_a_fused_run_frees_what_it_makes_unremembered_and_an_input_it_releases_r
                     [m.ExecOutput(1, av, ["i"])])
     worker._handle_ctl(m.DefineFused(4, [ex, ex2], [0, -1]), [])
     first, put = buffer_id(1, 10), buffer_id(1, 1)
-    for b in (first, put):          # as if stored: the frees drop them
-        worker.store.set(shard_key(b, 0, [[0, 2]]), np.zeros(2, np.float32))
-    frees = []
-    worker.executor.submit = lambda run: None          # (not run: the program is not here)
-    worker.executor.free_after_earlier = lambda buffers, remember=True: (
-        frees.append((list(buffers), remember)), worker.store.free_buffers(buffers, remember=remember))
+    keys = {b: shard_key(b, 0, [[0, 2]]) for b in (first, put)}
+    for k in keys.values():          # as if stored: the frees drop them
+        worker.store.set(k, np.zeros(2, np.float32))
+    ex_ = worker.executor
+    arrived, frees, free_after_earlier = [], [], ex_.free_after_earlier
+    # queued, not run (the program is not here): its place in the order only
+    ex_.submit = lambda run: arrived.append(ex_._order.arrive())
+    ex_.free_after_earlier = lambda buffers, remember=True: (
+        frees.append((list(buffers), remember)), free_after_earlier(buffers, remember))
     worker._handle_ctl(m.RunFused(11, 1, 4, [put], first), [])
     assert frees == [([first], False), ([put], True)]
-    assert not worker.store.is_done(shard_key(first, 0, [[0, 2]]))
-    assert not worker.store.is_done(shard_key(put, 0, [[0, 2]]))
+    assert all(worker.store.is_done(k) for k in keys.values())      # the run has not finished
+    with ex_._lock:
+        ex_._free(ex_._order.finish(arrived[0]))
+    assert not any(worker.store.is_done(k) for k in keys.values())
     assert not worker.store.was_freed(first) and worker.store.was_freed(put)
-    # a Put of the released input that comes late is dropped; one of the run's own is kept
+    # a Put of the released input that comes late is dropped; a stray one of
+    # the client's into the run's block lasts no longer than the client
     for b in (put, first):
         worker._handle_data(CLIENT, 9, m.Put(b, 0, [[0, 2]], av), [np.ones(2, np.float32)])
-    assert not worker.store.is_done(shard_key(put, 0, [[0, 2]]))
-    assert worker.store.is_done(shard_key(first, 0, [[0, 2]]))
+    assert not worker.store.is_done(keys[put]) and worker.store.is_done(keys[first])
+    ex_.free_after_earlier = free_after_earlier
+    worker._handle_ctl(m.ClientGone(1), [])
+    assert not worker.store.is_done(keys[first])
     worker.state.validate_state()
 
 

@@ -608,11 +608,15 @@ class Worker:
             return
         self.executor.submit(run)
         # What the run makes (codes >= 0, all that this controller releases:
-        # templates.py) is not remembered as freed (Store.was_freed): no
-        # client Puts a computation's output, so no late Put is to be
-        # dropped; remembering a -C run's 127 cost its host ~30 us between
-        # runs (docs/benchmarks.md, "-C's edges"). An input it were to
-        # release (code < 0: maybe a Put) is remembered.
+        # templates.py) is not remembered as freed (Store.was_freed): the ids
+        # are its client's, which puts only slot values, outside the run's
+        # block (a program whose put slot falls in it runs as plain calls:
+        # controller/fusion.py), so no late Put is to be dropped; a stray Put
+        # of the client's lasts until its ClientGone, as one under any id it
+        # never names. Remembering a -C run's 127 cost its host ~30-40 us
+        # between runs and pushed real Puts' ids out of the memory (FREED_MAX)
+        # after ~500 runs (docs/benchmarks.md, "-C's edges"). An input it
+        # were to release (code < 0: maybe a Put) is remembered.
         first = run.first
         made = [first + c for c in run.release if c >= 0]
         if made:

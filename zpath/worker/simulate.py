@@ -156,7 +156,8 @@ NOWHERE = Placed([], 0, ())
 
 
 class _Run:
-    """One queued computation of a host: an Execute or a fused run."""
+    """One queued computation of a host: an Execute or a fused run
+    (``release``: a fused run's own outputs, freed unremembered once it ran)."""
     __slots__ = ("exec_id", "devices", "needs", "outputs", "cost", "hold", "index", "release",
                  "start", "end", "arrived", "waiting", "waits")
 
@@ -504,7 +505,7 @@ class SimHost:
         run.index = self.order.arrive()
         for d in run.devices:
             self.queues[d].append(run)
-        if run.release:       # what it makes, not remembered (as a worker does: Worker._run_fused)
+        if run.release:       # a fused run's own outputs: not remembered (Worker._run_fused)
             self._free_after_earlier(run.release, False)
         self._try_start(run, now)
 

@@ -334,9 +334,8 @@ class WorkerState:
             self.fused.pop(f, None)
 
     def run_fused(self, msg: m.RunFused) -> FusedRun | m.ErrorInfo:
-        """The run to queue (the caller also frees its intermediates once it
-        has run: ``run.buffer(c) for c in run.release``), or the error to
-        report for it at once."""
+        """The run to queue (the caller also frees ``run.release`` once it
+        has run: Worker._run_fused), or the error to report for it at once."""
         known = self.fused.get(msg.fused)
         if known is None or known.reads > len(msg.inputs):
             why = "is unknown here" if known is None else "reads more inputs than the run gives"

@@ -287,7 +287,8 @@ class Store:
     def free_buffers(self, buffers: list[int], now: float | None = None, remember: bool = True) -> int:
         """Drop every shard of these buffers; returns how many were dropped.
         The ids are remembered for FREED_MEMORY_S (see ``was_freed``) unless
-        ``remember`` is false (their client is gone: its Puts are dropped anyway)."""
+        ``remember`` is false (their client is gone: its Puts are dropped anyway;
+        or a fused run made them: no Put comes for them, Worker._run_fused)."""
         n = 0
         now = time.monotonic() if now is None else now
         with self._lock:
