@@ -617,13 +617,12 @@ class Worker:
         # between runs and pushed real Puts' ids out of the memory (FREED_MAX)
         # after ~500 runs (docs/benchmarks.md, "-C's edges"). An input it
         # were to release (code < 0: maybe a Put) is remembered.
-        first = run.first
-        made = [first + c for c in run.release if c >= 0]
+        first, release = run.first, run.release
+        made = [first + c for c in release if c >= 0]
         if made:
             self.executor.free_after_earlier(made, remember=False)
-        inputs = [run.buffer(c) for c in run.release if c < 0]
-        if inputs:
-            self.executor.free_after_earlier(inputs)
+        if len(made) < len(release):        # (never, from this controller: no second pass)
+            self.executor.free_after_earlier([run.buffer(c) for c in release if c < 0])
 
     def _freed_callback(self, ident: bytes, segment: str, size: int) -> Any:
         """For a piece lent in its segment: once nothing refers to it, queue the

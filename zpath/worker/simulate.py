@@ -496,9 +496,8 @@ class SimHost:
         run = _Run(msg.exec_id, frozenset(devices), needs, outputs, cost, msg.hold, -1,
                    [buffer(c) for c in define.release if c >= 0])
         self._submit(run, now)
-        inputs = [buffer(c) for c in define.release if c < 0]
-        if inputs:          # (remembered: one may be a Put)
-            self._free_after_earlier(inputs, True)
+        if len(run.release) < len(define.release):       # (remembered: one may be a Put)
+            self._free_after_earlier([buffer(c) for c in define.release if c < 0], True)
 
     def _submit(self, run: _Run, now: float) -> None:
         run.arrived = now
