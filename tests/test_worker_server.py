@@ -61,6 +61,49 @@ def test_a_fetch_is_answered_with_the_shard_once_it_is_done(worker):
     assert worker.state.expire_fetches(float("inf")) == []           # answered: not again
 
 
+def test_a_small_fetch_is_answered_by_the_thread_that_finds_its_shard_done_a_big_one_by_a_sender(worker):
+    """A small shard's fetch (or a failed one's) is answered on the thread that
+    stores the shard, before ``set`` returns, or by the I/O thread if the shard
+    was done already; a shard over channels.INLINE_PIECE_BYTES goes through the
+    pool of sender threads, off the thread that stored it."""
+    by = {}
+    post = worker.post_data
+
+    def posting(ident, msg, *a, **k):
+        by[msg.request] = threading.current_thread().name
+        post(ident, msg, *a, **k)
+    worker.post_data = posting
+    small, big = np.arange(4, dtype=np.float32), np.zeros(channels.INLINE_PIECE_BYTES // 4 + 1, np.float32)
+    for req, value in ((1, small), (2, big)):
+        worker._handle_data(CLIENT, 7, m.Fetch(req, buffer_id(1, req), 0, [[0, value.size]], 30.0), [])
+    worker._handle_data(CLIENT, 7, m.Fetch(3, buffer_id(1, 3), 0, [[0, 4]], 30.0), [])
+    assert select.select([worker.outbox.fd], [], [], 0)[0] == []     # all wait for their shards
+
+    def store():
+        worker.store.set(shard_key(buffer_id(1, 1), 0, [[0, 4]]), small)
+        by["answered before set returned"] = 1 in by
+        worker.store.set(shard_key(buffer_id(1, 2), 0, [[0, big.size]]), big)
+        worker.store.set(shard_key(buffer_id(1, 3), 0, [[0, 4]]),
+                         error=m.ErrorInfo("RemoteError", "it failed", 0, "f", ""))
+    t = threading.Thread(target=store, name="storer")
+    t.start()
+    t.join(10)
+    replies = {}
+    while len(replies) < 3:
+        replies.update({msg.request: msg for _, _, msg in sent(worker)})
+    assert replies[1] == m.FetchReply(1, m.Aval([4], "float32"), None)
+    assert replies[2] == m.FetchReply(2, m.Aval([big.size], "float32"), None)
+    assert replies[3].error.message == "it failed"
+    assert by[1] == by[3] == "storer" and by["answered before set returned"]
+    assert by[2].startswith("send")
+    # a small shard done already: answered by the thread that takes the Fetch
+    worker._handle_data(CLIENT, 7, m.Fetch(4, buffer_id(1, 1), 0, [[0, 4]], 30.0), [])
+    assert by[4] == threading.current_thread().name
+    [(_, _, reply)] = sent(worker, 0)
+    assert reply == m.FetchReply(4, m.Aval([4], "float32"), None)
+    assert worker.state.expire_fetches(float("inf")) == []
+
+
 def test_a_fetch_not_ready_by_its_deadline_gets_deadline_exceeded_and_leaves_nothing(worker):
     worker._handle_data(CLIENT, 7, m.Fetch(2, buffer_id(1, 2), 0, [[0, 4]], 0.0), [])
     worker._expire_fetches()

@@ -7,10 +7,11 @@ The I/O thread owns both sockets and one DEALER per peer: it receives, hands
 each event and the time to the pure state (``state.py``: fused programs,
 departed clients, fetch deadlines, controller silence, the shaped DCN queue,
 chunked pieces) or to the executor, and sends what they give back. The
-executor threads run computations; replies that wait on a shard are sent from
-a small pool once the shard is done. Configuration (``WorkerConfig``,
-``CommonConfig``) is built in ``main()`` and passed down (see
-docs/design.md, "Worker")."""
+executor threads run computations; a fetch is answered once its shard is
+done, by the thread that finds it done if the shard is small (as a small
+piece is sent: ``channels.INLINE_PIECE_BYTES``), else from a small pool.
+Configuration (``WorkerConfig``, ``CommonConfig``) is built in ``main()`` and
+passed down (see docs/design.md, "Worker")."""
 from __future__ import annotations
 
 import argparse
@@ -930,7 +931,7 @@ class Worker:
                         f"waiting on host {self.rank}", self.rank, "", "")))
                     return
                 pending.key = shard_key(msg.buffer, msg.device, msg.region)
-                pending.cb = lambda e, p=pending: self.pool.submit(self._reply_fetch, p, e)
+                pending.cb = lambda e, p=pending: self._answer_fetch(p, e)
                 self.store.when_done(pending.key, pending.cb)
             case _:
                 self.post_data(ident, m.Error(ErrorKind.BAD_REQUEST, f"{type(msg).__name__} is not "
@@ -1049,8 +1050,24 @@ class Worker:
         due = self.relay.next_due_in(now)
         return relays.IDLE if due is None else due
 
+    def _answer_fetch(self, p: PendingFetch, e: Entry) -> None:
+        """Fetch ``p``'s shard is done (``e``), in whatever thread made it so
+        (the I/O thread if it was done already). A small one (or an error) is
+        answered here, as ``_piece_ready`` sends a small piece: its copy to the
+        host costs a few µs, the hand-off to a sender thread two thread
+        wake-ups (docs/benchmarks.md, "Fetch latency"). A bigger one is copied
+        out by a sender thread, so that its copy holds up no computation."""
+        if e.error is not None or \
+                getattr(e.value, "nbytes", channels.INLINE_PIECE_BYTES + 1) <= channels.INLINE_PIECE_BYTES:
+            try:
+                self._reply_fetch(p, e)
+            except Exception:     # a bug: what stored the shard goes on (as the pool's would)
+                log.exception("answering a fetch of buffer %d", p.msg.buffer)
+        else:
+            self.pool.submit(self._reply_fetch, p, e)
+
     def _reply_fetch(self, p: PendingFetch, e: Entry) -> None:
-        """Answer a fetch whose shard is done (on the pool). It is claimed
+        """Answer a fetch whose shard is done (``_answer_fetch``). It is claimed
         first, so nothing else answers it: a failure to read the shard is
         answered too, with the error, rather than left to the client's deadline."""
         if not p.claim():
