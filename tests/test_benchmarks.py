@@ -202,6 +202,24 @@ def test_dispatch_latency_benchmark_times_calls_to_their_start(tmp_path):
     assert r["busy_caller_us"]["n"] == 3 and r["burst_first_start_us"]["n"] == 2
 
 
+def test_fetch_benchmark_times_fetches_and_round_trips_per_gap(tmp_path):
+    """A few fetches and round trips on a local cluster, two gaps: the value
+    fetched is checked (the script raises if not), and each gap's figures come
+    out in order; a gap under 5 ms is refused."""
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "fetch.py"
+    p = run_script([str(script), "--count", "3", "--gap-ms", "5,8", "--json", str(tmp_path / "out.json")],
+                   timeout=180)
+    assert p.returncode == 0, p.stdout + p.stderr[-3000:]
+    r = json.loads((tmp_path / "out.json").read_text())
+    assert "result() of a done value, 8 ms idle" in p.stdout
+    for key in ("done_us", "round_trip_us"):
+        assert set(r[key]) == {"g5", "g8"}
+        for q in r[key].values():
+            assert 0 < q["p10"] <= q["median"] <= q["p90"] and q["n"] == 3, r
+    bad = run_script([str(script), "--gap-ms", "2"], timeout=60)
+    assert bad.returncode == 2 and "--gap-ms" in bad.stderr
+
+
 def test_newcomer_benchmark_times_a_second_clients_first_calls(tmp_path):
     """One short run: a busy client, then a newcomer whose calls come back,
     timed in order (first call, then the others)."""

@@ -1,0 +1,110 @@
+"""Fetch latency: how long ``result()`` takes for a small value, and a call's
+whole round trip, after the cluster has been idle for a while.
+
+A local cluster of one island of two hosts with one device each, and
+``f = zp.pmap(lambda x: psum(x, 'i') + 1., axis_name='i')`` on its two devices
+(the computation of benchmarks/island_dispatch.py): its value is one float64
+per device, so a fetch asks each host for 8 bytes.
+
+* done value: ``y = f(x)``, then ``--gap-ms`` idle (the computation is done
+  by then), then ``y.result()`` timed: the client's request to both hosts and
+  their replies, as in reading a loss after a step.
+* round trip: ``--gap-ms`` idle, then ``f(x).result()`` timed: the call through
+  the controller to the hosts, the computation, and the fetch.
+
+Each is measured ``--count`` times per gap, the gaps alternated. How long the
+machine was idle before matters on a virtual machine: code and data the last
+request left in the caches are gone after a few tens of milliseconds (see
+docs/benchmarks.md, fetch.py). Medians and the 10th and 90th percentiles, in
+µs. This is a benchmark that prints figures, not a test.
+
+    python benchmarks/fetch.py [--count 60] [--gap-ms 5,20,80] [--json out.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, __file__.rsplit("/benchmarks/", 1)[0])
+
+
+def _quantiles(xs: list[float]) -> dict[str, float]:
+    q = statistics.quantiles(xs, n=10, method="inclusive")
+    return {"p10": q[0], "median": statistics.median(xs), "p90": q[8], "n": len(xs)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--count", type=int, default=60, help="fetches and round trips per gap (default 60)")
+    p.add_argument("--gap-ms", default="5,20,80",
+                   help="idle time before each, ms, comma-separated (default 5,20,80; at least 5)")
+    p.add_argument("--json", metavar="PATH", help="also write the results as JSON here")
+    args = p.parse_args(argv)
+    try:
+        gaps = [float(g) for g in args.gap_ms.split(",")]
+    except ValueError:
+        p.error(f"--gap-ms: numbers of ms separated by commas, not {args.gap_ms!r}")
+    if args.count < 2 or not gaps or min(gaps) < 5:
+        p.error("--count must be >= 2 and every --gap-ms >= 5 (a computation is done by then)")
+
+    import jax
+
+    import zpath as zp
+
+    jax.config.update("jax_enable_x64", True)
+    cluster = zp.init(islands=1, hosts_per_island=2, devices_per_host=1)
+    done: dict[float, list[float]] = {g: [] for g in gaps}
+    trip: dict[float, list[float]] = {g: [] for g in gaps}
+    try:
+        devs = zp.make_virtual_device_set().add_slice(devices=2).devices
+
+        def psum_plus_one(x):
+            return jax.lax.psum(x, "i") + 1.
+
+        f = zp.pmap(psum_plus_one, axis_name="i", devices=devs)
+        x = f(np.zeros(2))
+        for _ in range(20):              # warm: compiled, the call's form kept
+            f(x).result(timeout=120)
+        want = float(np.asarray(x.result())[0]) * 2 + 1
+        for _ in range(args.count):
+            for g in gaps:
+                y = f(x)
+                time.sleep(g / 1000)
+                t0 = time.perf_counter()
+                got = y.result(timeout=60)
+                done[g].append((time.perf_counter() - t0) * 1e6)
+                time.sleep(g / 1000)
+                t0 = time.perf_counter()
+                f(x).result(timeout=60)
+                trip[g].append((time.perf_counter() - t0) * 1e6)
+                if float(got[0]) != want:
+                    raise AssertionError(f"f(x) fetched {got}, expected {want} on each device")
+    finally:
+        zp.shutdown()
+
+    out = {"python": platform.python_version(), "jax": jax.__version__, "cpus": os.cpu_count(),
+           "count": args.count, "gaps_ms": gaps,
+           "done_us": {f"g{g:g}": _quantiles(done[g]) for g in gaps},
+           "round_trip_us": {f"g{g:g}": _quantiles(trip[g]) for g in gaps}}
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(out, fh, indent=1)
+    print(f"fetch latency, 1 island x 2 hosts x 1 device, psum(x) + 1 of a float64 per device "
+          f"(python {out['python']}, jax {out['jax']}, {out['cpus']} CPUs), {args.count} of each per gap")
+    print(f"{'':36} {'p10':>8} {'median':>8} {'p90':>8}  (µs)")
+    for g in gaps:
+        for label, key in (("result() of a done value", "done_us"), ("f(x).result(), round trip", "round_trip_us")):
+            q = out[key][f"g{g:g}"]
+            print(f"{label + f', {g:g} ms idle':36} {q['p10']:>8,.0f} {q['median']:>8,.0f} {q['p90']:>8,.0f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
