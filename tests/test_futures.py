@@ -8,7 +8,7 @@ import pytest
 
 from zpath.client.futures import Future
 from zpath.config import ClientConfig
-from zpath.errors import DeadlineExceeded, RemoteError
+from zpath.errors import DeadlineExceeded, RemoteError, ZpathError
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -62,6 +62,29 @@ def test_is_ready_starts_the_fetch_that_result_then_waits_for():
     assert len(conn.fetches) == 1
     for t in conn.threads:
         t.join(10)
+
+
+def test_copy_to_host_async_starts_one_fetch_without_waiting_and_result_takes_it():
+    """As jax.Array.copy_to_host_async: it returns None at once (the answer may
+    come later), asks once however often it is called, and result() returns
+    the value it fetched; a donated future's raises, as its result() does."""
+    silent = _Conn(None)
+    fut = _future(silent)
+    assert fut.copy_to_host_async() is None and fut.copy_to_host_async() is None
+    assert len(silent.fetches) == 1 and not fut.done()         # nothing came: it did not wait
+    conn = _Conn(np.array([5.0, 6.0], np.float32))
+    fut = _future(conn)
+    fut.copy_to_host_async()
+    np.testing.assert_array_equal(fut.result(timeout=10), [5.0, 6.0])
+    assert len(conn.fetches) == 1
+    for t in conn.threads:
+        t.join(10)
+    gone = _future(_Conn(None))
+    gone._donate("f")
+    with pytest.raises(ZpathError, match="donated to f"):
+        gone.copy_to_host_async()
+    with pytest.raises(ZpathError, match="donated to f"):
+        gone.result(timeout=1)
 
 
 def test_a_failed_call_or_fetch_raises_and_a_silent_one_runs_out_of_time():

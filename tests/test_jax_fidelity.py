@@ -278,6 +278,9 @@ def test_futures_are_arrays(client):
     other = zp.device_put(np.ones(2, np.float32), d1)          # another island's: moved to y's devices
     assert jax.block_until_ready({"y": y}) == {"y": y} and y.is_ready() and y.done()
     assert y.block_until_ready() is y and y.sharding.spec == P("i") and y.devices() == set(d0)
+    z = y * 2
+    assert z.copy_to_host_async() is None          # as jax.Array's: the fetch starts, nothing waits
+    np.testing.assert_array_equal(z.result(timeout=60), x * 2)
     ops = {"add": (y + other, x + 1), "rsub": (1 - y, 1 - x), "mul": (y * y, x * x), "div": (y / 2, x / 2),
            "pow": (y ** 2, x ** 2), "matmul": (y @ y.T, x @ x.T), "index": (y[1:, 0], x[1:, 0]),
            "index2": (y[np.array([0, 2])], x[[0, 2]]), "cmp": (y >= 3, x >= 3), "eq": (y == 2, x == 2),

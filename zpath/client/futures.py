@@ -97,6 +97,15 @@ class Future(ArrayMethods):
         self._array()
         return self
 
+    def copy_to_host_async(self) -> None:
+        """Start fetching the value without waiting for it, as
+        ``jax.Array.copy_to_host_async``: a later ``result()`` or
+        ``np.asarray()`` returns it at once if it has come meanwhile (a loss
+        read after the next step is then on its way while that step is
+        called)."""
+        self._check_kept()
+        self.is_ready()
+
     def is_ready(self) -> bool:
         """Whether the value is here (or its computation is known to have failed),
         without waiting; the first call asks the workers for it."""
@@ -157,10 +166,14 @@ class Future(ArrayMethods):
         value = self._array(timeout)
         return value if self._key is None else jax.random.wrap_key_data(value, impl=self._key)
 
-    def _array(self, timeout: float | None = None) -> np.ndarray:
+    def _check_kept(self) -> None:
+        """Raise if the future was donated: its value is gone."""
         if self._donated is not None:
             raise ZpathError(f"this future was donated to {self._donated} (donate_argnums): its value "
                              "is gone; use what that call returned")
+
+    def _array(self, timeout: float | None = None) -> np.ndarray:
+        self._check_kept()
         if timeout is None:
             timeout = self._client.config.fetch_timeout_s
         elif isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) \
