@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import threading
 
+import jax
 import numpy as np
 import pytest
 
@@ -85,6 +86,39 @@ def test_copy_to_host_async_starts_one_fetch_without_waiting_and_result_takes_it
         gone.copy_to_host_async()
     with pytest.raises(ZpathError, match="donated to f"):
         gone.result(timeout=1)
+
+
+class _AllAtOnce(_Conn):
+    """Answers no fetch until ``n`` have been asked for, then all of them."""
+
+    config = ClientConfig(fetch_timeout_s=5.0)
+
+    def __init__(self, n: int) -> None:
+        super().__init__(None)
+        self.n, self.asked = n, []
+
+    def start_fetch(self, future: Future, timeout: float) -> object:
+        fetch = super().start_fetch(future, timeout)
+        self.asked.append((future, fetch))
+        if len(self.asked) == self.n:     # (from a thread of its own, as the I/O thread answers)
+            t = threading.Thread(target=lambda: [fut._fetched(f, np.full(2, fut.buffer, np.float32), None)
+                                                 for fut, f in self.asked])
+            t.start()
+            self.threads.append(t)
+        return fetch
+
+
+def test_jax_device_get_of_a_tree_of_futures_asks_for_them_all_before_it_waits():
+    """jax.device_get calls each leaf's copy_to_host_async first: the fetches
+    of a tree's futures go out together instead of one round trip each."""
+    conn = _AllAtOnce(3)
+    futs = {k: Future(conn, b, (2,), np.dtype(np.float32), [0, 1], [2], ["i"], ["i"])
+            for k, b in (("a", 1), ("b", 2), ("c", 3))}
+    got = jax.device_get(futs)
+    assert {k: v.tolist() for k, v in got.items()} == {"a": [1.0, 1.0], "b": [2.0, 2.0], "c": [3.0, 3.0]}
+    assert len(conn.fetches) == 3
+    for t in conn.threads:
+        t.join(10)
 
 
 def test_a_failed_call_or_fetch_raises_and_a_silent_one_runs_out_of_time():
