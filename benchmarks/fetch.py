@@ -11,6 +11,11 @@ per device, so a fetch asks each host for 8 bytes.
   their replies, as in reading a loss after a step.
 * round trip: ``--gap-ms`` idle, then ``f(x).result()`` timed: the call through
   the controller to the hosts, the computation, and the fetch.
+* tree: ``--tree`` (8) calls, then ``--gap-ms`` idle (8 computations take
+  about 3 ms here: they are done by then), then
+  ``jax.device_get`` of the list of them timed (as in reading a step's
+  metrics; each leaf's ``copy_to_host_async`` first, so the fetches go out
+  together), and the same number read one by one with ``result()``.
 
 Each is measured ``--count`` times per gap, the gaps alternated. How long the
 machine was idle before matters on a virtual machine: code and data the last
@@ -18,7 +23,7 @@ request left in the caches are gone after a few tens of milliseconds (see
 docs/benchmarks.md, fetch.py). Medians and the 10th and 90th percentiles, in
 µs. This is a benchmark that prints figures, not a test.
 
-    python benchmarks/fetch.py [--count 60] [--gap-ms 5,20,80] [--json out.json]
+    python benchmarks/fetch.py [--count 60] [--gap-ms 5,20,80] [--tree 8] [--json out.json]
 """
 from __future__ import annotations
 
@@ -45,14 +50,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--count", type=int, default=60, help="fetches and round trips per gap (default 60)")
     p.add_argument("--gap-ms", default="5,20,80",
                    help="idle time before each, ms, comma-separated (default 5,20,80; at least 5)")
+    p.add_argument("--tree", type=int, default=8, help="values read together by jax.device_get (default 8)")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON here")
     args = p.parse_args(argv)
     try:
         gaps = [float(g) for g in args.gap_ms.split(",")]
     except ValueError:
         p.error(f"--gap-ms: numbers of ms separated by commas, not {args.gap_ms!r}")
-    if args.count < 2 or not gaps or min(gaps) < 5:
-        p.error("--count must be >= 2 and every --gap-ms >= 5 (a computation is done by then)")
+    if args.count < 2 or not gaps or min(gaps) < 5 or args.tree < 1:
+        p.error("--count must be >= 2, --tree >= 1 and every --gap-ms >= 5 (a computation is done by then)")
 
     import jax
 
@@ -62,6 +68,8 @@ def main(argv: list[str] | None = None) -> int:
     cluster = zp.init(islands=1, hosts_per_island=2, devices_per_host=1)
     done: dict[float, list[float]] = {g: [] for g in gaps}
     trip: dict[float, list[float]] = {g: [] for g in gaps}
+    tree: dict[float, list[float]] = {g: [] for g in gaps}
+    each: dict[float, list[float]] = {g: [] for g in gaps}
     try:
         devs = zp.make_virtual_device_set().add_slice(devices=2).devices
 
@@ -84,7 +92,15 @@ def main(argv: list[str] | None = None) -> int:
                 t0 = time.perf_counter()
                 f(x).result(timeout=60)
                 trip[g].append((time.perf_counter() - t0) * 1e6)
-                if float(got[0]) != want:
+                for way, times in ((lambda ys: jax.device_get(ys), tree[g]),
+                                   (lambda ys: [y.result(timeout=60) for y in ys], each[g])):
+                    ys = [f(x) for _ in range(args.tree)]
+                    time.sleep(g / 1000)
+                    t0 = time.perf_counter()
+                    vals = way(ys)
+                    times.append((time.perf_counter() - t0) * 1e6)
+                    got = np.concatenate([got, *vals])
+                if not (got == want).all():
                     raise AssertionError(f"f(x) fetched {got}, expected {want} on each device")
     finally:
         zp.shutdown()
@@ -92,17 +108,21 @@ def main(argv: list[str] | None = None) -> int:
     out = {"python": platform.python_version(), "jax": jax.__version__, "cpus": os.cpu_count(),
            "count": args.count, "gaps_ms": gaps,
            "done_us": {f"g{g:g}": _quantiles(done[g]) for g in gaps},
-           "round_trip_us": {f"g{g:g}": _quantiles(trip[g]) for g in gaps}}
+           "round_trip_us": {f"g{g:g}": _quantiles(trip[g]) for g in gaps},
+           "tree": args.tree, "tree_us": {f"g{g:g}": _quantiles(tree[g]) for g in gaps},
+           "one_by_one_us": {f"g{g:g}": _quantiles(each[g]) for g in gaps}}
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(out, fh, indent=1)
     print(f"fetch latency, 1 island x 2 hosts x 1 device, psum(x) + 1 of a float64 per device "
           f"(python {out['python']}, jax {out['jax']}, {out['cpus']} CPUs), {args.count} of each per gap")
-    print(f"{'':36} {'p10':>8} {'median':>8} {'p90':>8}  (µs)")
+    print(f"{'':44} {'p10':>8} {'median':>8} {'p90':>8}  (µs)")
     for g in gaps:
-        for label, key in (("result() of a done value", "done_us"), ("f(x).result(), round trip", "round_trip_us")):
+        for label, key in (("result() of a done value", "done_us"), ("f(x).result(), round trip", "round_trip_us"),
+                           (f"jax.device_get of {args.tree} done values", "tree_us"),
+                           (f"{args.tree} done values one by one", "one_by_one_us")):
             q = out[key][f"g{g:g}"]
-            print(f"{label + f', {g:g} ms idle':36} {q['p10']:>8,.0f} {q['median']:>8,.0f} {q['p90']:>8,.0f}")
+            print(f"{label + f', {g:g} ms idle':44} {q['p10']:>8,.0f} {q['median']:>8,.0f} {q['p90']:>8,.0f}")
     return 0
 
 
