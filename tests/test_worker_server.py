@@ -104,6 +104,50 @@ def test_a_small_fetch_is_answered_by_the_thread_that_finds_its_shard_done_a_big
     assert worker.state.expire_fetches(float("inf")) == []
 
 
+def test_a_fetch_is_sized_without_splitting_its_shard_and_a_shard_that_cannot_be_read_is_answered(worker):
+    """What decides where a fetch is answered reads no shard: an Unsplit one
+    (a computation's output) stays unsplit; a shard of exactly
+    INLINE_PIECE_BYTES is answered where it is stored; a client with more than
+    INLINE_FETCHES_WAITING fetches waiting has its answers sent by the pool;
+    and a shard that cannot be read (its array deleted before it was split)
+    is answered with the error, the thread that stored it unharmed."""
+    from zpath.worker import server as ws
+    from zpath.worker.store import Entry, Unsplit
+
+    by = {}
+    post = worker.post_data
+
+    def posting(ident, msg, *a, **k):
+        by[msg.request] = (threading.current_thread().name, msg)
+        post(ident, msg, *a, **k)
+    worker.post_data = posting
+    whole = jax.device_put(np.arange(8, dtype=np.float32))
+    e = Entry()
+    e.value = Unsplit(whole, 0)
+    pending = worker.state.fetch(CLIENT, m.Fetch(9, buffer_id(1, 9), 0, [[0, 8]], 30.0), time.monotonic())
+    assert worker._fetch_bytes(pending, e) == 32 and type(e._value) is Unsplit
+    exact = np.zeros(channels.INLINE_PIECE_BYTES // 4, np.float32)
+    worker._handle_data(CLIENT, 7, m.Fetch(1, buffer_id(1, 1), 0, [[0, exact.size]], 30.0), [])
+    worker.store.set(shard_key(buffer_id(1, 1), 0, [[0, exact.size]]), exact)
+    assert by[1][0] == threading.current_thread().name          # answered before set returned
+    # a shard whose array went before it was split: the error is the answer
+    gone = jax.device_put(np.arange(4, dtype=np.float32))
+    worker._handle_data(CLIENT, 7, m.Fetch(2, buffer_id(1, 2), 0, [[0, 4]], 30.0), [])
+    gone.delete()
+    worker.store.set_many([(shard_key(buffer_id(1, 2), 0, [[0, 4]]), Unsplit(gone, 0))])
+    assert by[2][1].error is not None and "deleted" in by[2][1].error.message
+    # many of one client's fetches waiting: the storing thread leaves them to the pool
+    for req in range(100, 100 + ws.INLINE_FETCHES_WAITING + 1):
+        worker._handle_data(CLIENT, 7, m.Fetch(req, buffer_id(1, 3), 0, [[0, 4]], 30.0), [])
+    worker.store.set(shard_key(buffer_id(1, 3), 0, [[0, 4]]), np.arange(4, dtype=np.float32))
+    deadline = time.monotonic() + 10
+    while len(by) < 3 + ws.INLINE_FETCHES_WAITING and time.monotonic() < deadline:
+        time.sleep(0.01)
+    names = [by[req][0] for req in range(100, 100 + ws.INLINE_FETCHES_WAITING + 1)]
+    assert names[0].startswith("send")          # the first found too many waiting
+    assert all(by[req][1].error is None for req in range(100, 100 + ws.INLINE_FETCHES_WAITING + 1))
+
+
 def test_a_fetch_not_ready_by_its_deadline_gets_deadline_exceeded_and_leaves_nothing(worker):
     worker._handle_data(CLIENT, 7, m.Fetch(2, buffer_id(1, 2), 0, [[0, 4]], 0.0), [])
     worker._expire_fetches()

@@ -68,6 +68,10 @@ log = logging.getLogger(__name__)
 REGISTER_TIMEOUT_S = 60.0
 # data-port peers whose signer is remembered (to sign the replies to them)
 DATA_PEERS_KEPT = 65_536
+# A client with more fetches than this waiting on a host has them answered by
+# the sender threads, not by the thread that stores the shard (see
+# Worker._answer_fetch): that thread answers few of one client's at a time.
+INLINE_FETCHES_WAITING = 64
 
 
 class Worker:
@@ -1054,17 +1058,36 @@ class Worker:
         """Fetch ``p``'s shard is done (``e``), in whatever thread made it so
         (the I/O thread if it was done already). A small one (or an error) is
         answered here, as ``_piece_ready`` sends a small piece: its copy to the
-        host costs a few µs, the hand-off to a sender thread two thread
-        wake-ups (docs/benchmarks.md, "Fetch latency"). A bigger one is copied
-        out by a sender thread, so that its copy holds up no computation."""
-        if e.error is not None or \
-                getattr(e.value, "nbytes", channels.INLINE_PIECE_BYTES + 1) <= channels.INLINE_PIECE_BYTES:
-            try:
-                self._reply_fetch(p, e)
-            except Exception:     # a bug: what stored the shard goes on (as the pool's would)
-                log.exception("answering a fetch of buffer %d", p.msg.buffer)
-        else:
+        host costs a few µs on a CPU (on a GPU, a copy of at most 64 KiB from
+        the device), the hand-off to a sender thread two thread wake-ups
+        (docs/benchmarks.md, fetch.py). A bigger one is copied out by a sender
+        thread, so that its copy holds up no computation; so are those of a
+        client with more than INLINE_FETCHES_WAITING fetches waiting here,
+        so that no client's fetches hold up for long the thread that stores a
+        shard they wait for."""
+        try:
+            inline = e.error is not None or (
+                self._fetch_bytes(p, e) <= channels.INLINE_PIECE_BYTES
+                and self.state.pending_fetches.get(client_of(p.msg.buffer), 0) <= INLINE_FETCHES_WAITING)
+        except Exception:     # (a bug) the sender thread reads the shard: its failure is answered
+            log.exception("sizing a fetch of buffer %d", p.msg.buffer)
+            inline = False
+        if not inline:
             self.pool.submit(self._reply_fetch, p, e)
+            return
+        try:
+            self._reply_fetch(p, e)
+        except Exception:     # a bug: what stored the shard goes on (as the pool's would)
+            log.exception("answering a fetch of buffer %d", p.msg.buffer)
+
+    @staticmethod
+    def _fetch_bytes(p: PendingFetch, e: Entry) -> int:
+        """How many bytes fetch ``p`` reads of its shard ``e``, without
+        splitting the shard out of its computation's output (``Unsplit``)."""
+        itemsize = e.itemsize()
+        if itemsize is None:
+            return channels.INLINE_PIECE_BYTES + 1
+        return itemsize * math.prod(b - a for a, b in p.msg.region)
 
     def _reply_fetch(self, p: PendingFetch, e: Entry) -> None:
         """Answer a fetch whose shard is done (``_answer_fetch``). It is claimed

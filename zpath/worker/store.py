@@ -93,6 +93,12 @@ class Entry:
     def value(self, value: Any) -> None:
         self._value = value
 
+    def itemsize(self) -> int | None:
+        """Bytes per element of the shard's data, without splitting an Unsplit
+        one (None if it has no dtype)."""
+        v = self._value
+        return getattr(getattr(v.array if type(v) is Unsplit else v, "dtype", None), "itemsize", None)
+
 
 # How long a freed buffer id is remembered, so that a client's Put that comes in
 # after the Free (the two take different connections) is dropped, not kept.
