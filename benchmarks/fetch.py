@@ -31,18 +31,14 @@ import argparse
 import json
 import os
 import platform
-import statistics
 import sys
 import time
 
 import numpy as np
 
 sys.path.insert(0, __file__.rsplit("/benchmarks/", 1)[0])
-
-
-def _quantiles(xs: list[float]) -> dict[str, float]:
-    q = statistics.quantiles(xs, n=10, method="inclusive")
-    return {"p10": q[0], "median": statistics.median(xs), "p90": q[8], "n": len(xs)}
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from dispatch_latency import _quantiles  # noqa: E402  (benchmarks/dispatch_latency.py)
 
 
 def main(argv: list[str] | None = None) -> int:
