@@ -61,18 +61,35 @@ def test_a_fetch_is_answered_with_the_shard_once_it_is_done(worker):
     assert worker.state.expire_fetches(float("inf")) == []           # answered: not again
 
 
+class _Posts:
+    """Who posts each fetch reply of ``worker``: ``by`` request -> thread name,
+    ``msgs`` request -> reply; ``wait_for(n)`` waits until n replies came."""
+
+    def __init__(self, worker: Worker) -> None:
+        self.by: dict = {}
+        self.msgs: dict = {}
+        self.cond = threading.Condition()
+        post = worker.post_data
+
+        def posting(ident, msg, *a, **k):
+            with self.cond:
+                self.by[msg.request] = threading.current_thread().name
+                self.msgs[msg.request] = msg
+                self.cond.notify_all()
+            post(ident, msg, *a, **k)
+        worker.post_data = posting
+
+    def wait_for(self, n: int) -> None:
+        with self.cond:
+            assert self.cond.wait_for(lambda: len(self.msgs) >= n, timeout=10), f"{len(self.msgs)} of {n} replies"
+
+
 def test_a_small_fetch_is_answered_by_the_thread_that_finds_its_shard_done_a_big_one_by_a_sender(worker):
     """A small shard's fetch (or a failed one's) is answered on the thread that
     stores the shard, before ``set`` returns, or by the I/O thread if the shard
     was done already; a shard over channels.INLINE_PIECE_BYTES goes through the
     pool of sender threads, off the thread that stored it."""
-    by = {}
-    post = worker.post_data
-
-    def posting(ident, msg, *a, **k):
-        by[msg.request] = threading.current_thread().name
-        post(ident, msg, *a, **k)
-    worker.post_data = posting
+    by = _Posts(worker).by
     small, big = np.arange(4, dtype=np.float32), np.zeros(channels.INLINE_PIECE_BYTES // 4 + 1, np.float32)
     for req, value in ((1, small), (2, big)):
         worker._handle_data(CLIENT, 7, m.Fetch(req, buffer_id(1, req), 0, [[0, value.size]], 30.0), [])
@@ -114,13 +131,8 @@ def test_a_fetch_is_sized_without_splitting_its_shard_and_a_shard_that_cannot_be
     from zpath.worker import server as ws
     from zpath.worker.store import Entry, Unsplit
 
-    by = {}
-    post = worker.post_data
-
-    def posting(ident, msg, *a, **k):
-        by[msg.request] = (threading.current_thread().name, msg)
-        post(ident, msg, *a, **k)
-    worker.post_data = posting
+    posts = _Posts(worker)
+    by, msgs = posts.by, posts.msgs
     whole = jax.device_put(np.arange(8, dtype=np.float32))
     e = Entry()
     e.value = Unsplit(whole, 0)
@@ -129,23 +141,21 @@ def test_a_fetch_is_sized_without_splitting_its_shard_and_a_shard_that_cannot_be
     exact = np.zeros(channels.INLINE_PIECE_BYTES // 4, np.float32)
     worker._handle_data(CLIENT, 7, m.Fetch(1, buffer_id(1, 1), 0, [[0, exact.size]], 30.0), [])
     worker.store.set(shard_key(buffer_id(1, 1), 0, [[0, exact.size]]), exact)
-    assert by[1][0] == threading.current_thread().name          # answered before set returned
+    assert by[1] == threading.current_thread().name          # answered before set returned
     # a shard whose array went before it was split: the error is the answer
     gone = jax.device_put(np.arange(4, dtype=np.float32))
     worker._handle_data(CLIENT, 7, m.Fetch(2, buffer_id(1, 2), 0, [[0, 4]], 30.0), [])
     gone.delete()
     worker.store.set_many([(shard_key(buffer_id(1, 2), 0, [[0, 4]]), Unsplit(gone, 0))])
-    assert by[2][1].error is not None and "deleted" in by[2][1].error.message
+    assert msgs[2].error is not None and "deleted" in msgs[2].error.message
     # many of one client's fetches waiting: the storing thread leaves them to the pool
     for req in range(100, 100 + ws.INLINE_FETCHES_WAITING + 1):
         worker._handle_data(CLIENT, 7, m.Fetch(req, buffer_id(1, 3), 0, [[0, 4]], 30.0), [])
     worker.store.set(shard_key(buffer_id(1, 3), 0, [[0, 4]]), np.arange(4, dtype=np.float32))
-    deadline = time.monotonic() + 10
-    while len(by) < 3 + ws.INLINE_FETCHES_WAITING and time.monotonic() < deadline:
-        time.sleep(0.01)
-    names = [by[req][0] for req in range(100, 100 + ws.INLINE_FETCHES_WAITING + 1)]
+    posts.wait_for(3 + ws.INLINE_FETCHES_WAITING)
+    names = [by[req] for req in range(100, 100 + ws.INLINE_FETCHES_WAITING + 1)]
     assert names[0].startswith("send")          # the first found too many waiting
-    assert all(by[req][1].error is None for req in range(100, 100 + ws.INLINE_FETCHES_WAITING + 1))
+    assert all(msgs[req].error is None for req in range(100, 100 + ws.INLINE_FETCHES_WAITING + 1))
 
 
 def test_a_fetch_not_ready_by_its_deadline_gets_deadline_exceeded_and_leaves_nothing(worker):
