@@ -1072,13 +1072,10 @@ class Worker:
         except Exception:     # (a bug) the sender thread reads the shard: its failure is answered
             log.exception("sizing a fetch of buffer %d", p.msg.buffer)
             inline = False
-        if not inline:
+        if inline:
+            self._reply_fetch(p, e)       # (a bug there is logged by the store: Store._wake)
+        else:
             self.pool.submit(self._reply_fetch, p, e)
-            return
-        try:
-            self._reply_fetch(p, e)
-        except Exception:     # a bug: what stored the shard goes on (as the pool's would)
-            log.exception("answering a fetch of buffer %d", p.msg.buffer)
 
     @staticmethod
     def _fetch_bytes(p: PendingFetch, e: Entry) -> int:

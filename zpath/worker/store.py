@@ -55,7 +55,8 @@ class Unsplit:
 def _wake(woken: list[tuple["Entry", threading.Event | None, list]]) -> None:
     """Wake what waits for entries just made done: (entry, its event, its
     callbacks) each, without the store's lock. A callback that raises (a bug
-    there) is logged; the other waiters still wake."""
+    there) is logged; the other waiters still wake, and what stored the entry
+    (an executor, the I/O thread) goes on."""
     for e, event, callbacks in woken:
         if event is not None:
             event.set()
@@ -189,10 +190,7 @@ class Store:
             event, callbacks = e.event, e.callbacks
             if callbacks:
                 e.callbacks = []
-        if event is not None:
-            event.set()
-        for cb in callbacks:
-            cb(e)
+        _wake([(e, event, callbacks)])
         return True
 
     def set_many(self, items: list[tuple[Key, Any]]) -> None:
@@ -252,7 +250,7 @@ class Store:
             if waits:
                 e.callbacks.append(cb)
         if not waits:
-            cb(e)
+            _wake([(e, None, [cb])])
         elif self.on_wait is not None:
             self.on_wait()
 
