@@ -16,6 +16,10 @@ per device, so a fetch asks each host for 8 bytes.
   ``jax.device_get`` of the list of them timed (as in reading a step's
   metrics; each leaf's ``copy_to_host_async`` first, so the fetches go out
   together), and the same number read one by one with ``result()``.
+* big value: ``b = g(v)`` (``g`` doubles a ``--big-mib`` MiB float64 shard
+  per device), then ``--gap-ms`` idle, then ``b.block_until_ready()`` timed
+  (a value over 64 KiB is waited for without being copied here), and a
+  second such value's ``result()`` (the copy itself) beside it.
 
 Each is measured ``--count`` times per gap, the gaps alternated. How long the
 machine was idle before matters on a virtual machine: code and data the last
@@ -23,7 +27,7 @@ request left in the caches are gone after a few tens of milliseconds (see
 docs/benchmarks.md, fetch.py). Medians and the 10th and 90th percentiles, in
 µs. This is a benchmark that prints figures, not a test.
 
-    python benchmarks/fetch.py [--count 60] [--gap-ms 5,20,80] [--tree 8] [--json out.json]
+    python benchmarks/fetch.py [--count 60] [--gap-ms 5,20,80] [--tree 8] [--big-mib 16] [--json out.json]
 """
 from __future__ import annotations
 
@@ -47,14 +51,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gap-ms", default="5,20,80",
                    help="idle time before each, ms, comma-separated (default 5,20,80; at least 5)")
     p.add_argument("--tree", type=int, default=8, help="values read together by jax.device_get (default 8)")
+    p.add_argument("--big-mib", type=float, default=16.0,
+                   help="MiB per device of the big value (default 16; 0: leave it out)")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON here")
     args = p.parse_args(argv)
     try:
         gaps = [float(g) for g in args.gap_ms.split(",")]
     except ValueError:
         p.error(f"--gap-ms: numbers of ms separated by commas, not {args.gap_ms!r}")
-    if args.count < 2 or not gaps or min(gaps) < 5 or args.tree < 1:
-        p.error("--count must be >= 2, --tree >= 1 and every --gap-ms >= 5 (a computation is done by then)")
+    if args.count < 2 or not gaps or min(gaps) < 5 or args.tree < 1 or not 0 <= args.big_mib <= 1024:
+        p.error("--count must be >= 2, --tree >= 1, --big-mib in [0, 1024] and every --gap-ms >= 5 "
+                "(a computation is done by then)")
 
     import jax
 
@@ -66,6 +73,8 @@ def main(argv: list[str] | None = None) -> int:
     trip: dict[float, list[float]] = {g: [] for g in gaps}
     tree: dict[float, list[float]] = {g: [] for g in gaps}
     each: dict[float, list[float]] = {g: [] for g in gaps}
+    big_block: dict[float, list[float]] = {g: [] for g in gaps}
+    big_result: dict[float, list[float]] = {g: [] for g in gaps}
     try:
         devs = zp.make_virtual_device_set().add_slice(devices=2).devices
 
@@ -77,6 +86,11 @@ def main(argv: list[str] | None = None) -> int:
         for _ in range(20):              # warm: compiled, the call's form kept
             f(x).result(timeout=120)
         want = float(np.asarray(x.result())[0]) * 2 + 1
+        n_big = int(args.big_mib * (1 << 20)) // 8
+        if n_big:
+            double = zp.pmap(lambda v: v * 2., axis_name="i", devices=devs)
+            v = double(np.ones((2, n_big)) / 2)      # 1. on each device, kept there
+            double(v).result(timeout=120)            # (compiled, the call's form kept)
         for _ in range(args.count):
             for g in gaps:
                 y = f(x)
@@ -98,6 +112,16 @@ def main(argv: list[str] | None = None) -> int:
                     got = np.concatenate([got, *vals])
                 if not (got == want).all():
                     raise AssertionError(f"f(x) fetched {got}, expected {want} on each device")
+                if n_big:
+                    for times, read in ((big_block[g], lambda b: b.block_until_ready()),
+                                        (big_result[g], lambda b: b.result(timeout=60))):
+                        b = double(v)
+                        time.sleep(g / 1000)
+                        t0 = time.perf_counter()
+                        read(b)
+                        times.append((time.perf_counter() - t0) * 1e6)
+                    if not (b.result(timeout=60)[:, ::4099] == 2.).all():
+                        raise AssertionError("the big value is not 2 everywhere")
     finally:
         zp.shutdown()
 
@@ -106,19 +130,27 @@ def main(argv: list[str] | None = None) -> int:
            "done_us": {f"g{g:g}": _quantiles(done[g]) for g in gaps},
            "round_trip_us": {f"g{g:g}": _quantiles(trip[g]) for g in gaps},
            "tree": args.tree, "tree_us": {f"g{g:g}": _quantiles(tree[g]) for g in gaps},
-           "one_by_one_us": {f"g{g:g}": _quantiles(each[g]) for g in gaps}}
+           "one_by_one_us": {f"g{g:g}": _quantiles(each[g]) for g in gaps},
+           "big_mib": args.big_mib}
+    if n_big:
+        out["big_block_us"] = {f"g{g:g}": _quantiles(big_block[g]) for g in gaps}
+        out["big_result_us"] = {f"g{g:g}": _quantiles(big_result[g]) for g in gaps}
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(out, fh, indent=1)
     print(f"fetch latency, 1 island x 2 hosts x 1 device, psum(x) + 1 of a float64 per device "
           f"(python {out['python']}, jax {out['jax']}, {out['cpus']} CPUs), {args.count} of each per gap")
-    print(f"{'':44} {'p10':>8} {'median':>8} {'p90':>8}  (µs)")
+    print(f"{'':52} {'p10':>8} {'median':>8} {'p90':>8}  (µs)")
     for g in gaps:
         for label, key in (("result() of a done value", "done_us"), ("f(x).result(), round trip", "round_trip_us"),
                            (f"jax.device_get of {args.tree} done values", "tree_us"),
-                           (f"{args.tree} done values one by one", "one_by_one_us")):
+                           (f"{args.tree} done values one by one", "one_by_one_us"),
+                           (f"block_until_ready, done {args.big_mib:g} MiB/device", "big_block_us"),
+                           (f"result(), done {args.big_mib:g} MiB/device", "big_result_us")):
+            if key not in out:
+                continue
             q = out[key][f"g{g:g}"]
-            print(f"{label + f', {g:g} ms idle':44} {q['p10']:>8,.0f} {q['median']:>8,.0f} {q['p90']:>8,.0f}")
+            print(f"{label + f', {g:g} ms idle':52} {q['p10']:>8,.0f} {q['median']:>8,.0f} {q['p90']:>8,.0f}")
     return 0
 
 

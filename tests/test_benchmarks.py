@@ -207,12 +207,13 @@ def test_fetch_benchmark_times_fetches_and_round_trips_per_gap(tmp_path):
     fetched is checked (the script raises if not), and each gap's figures come
     out in order; a gap under 5 ms is refused."""
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "fetch.py"
-    p = run_script([str(script), "--count", "3", "--gap-ms", "5,8", "--tree", "3", "--json",
-                    str(tmp_path / "out.json")], timeout=180)
+    p = run_script([str(script), "--count", "3", "--gap-ms", "5,8", "--tree", "3", "--big-mib", "0.5",
+                    "--json", str(tmp_path / "out.json")], timeout=180)
     assert p.returncode == 0, p.stdout + p.stderr[-3000:]
     r = json.loads((tmp_path / "out.json").read_text())
     assert "result() of a done value, 8 ms idle" in p.stdout and "jax.device_get of 3 done values" in p.stdout
-    for key in ("done_us", "round_trip_us", "tree_us", "one_by_one_us"):
+    assert "block_until_ready, done 0.5 MiB/device, 5 ms idle" in p.stdout and r["big_mib"] == 0.5
+    for key in ("done_us", "round_trip_us", "tree_us", "one_by_one_us", "big_block_us", "big_result_us"):
         assert set(r[key]) == {"g5", "g8"}
         for q in r[key].values():
             assert 0 < q["p10"] <= q["median"] <= q["p90"] and q["n"] == 3, r

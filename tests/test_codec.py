@@ -163,7 +163,7 @@ def test_round_trip_hand_built_call():
 
 
 def test_float_field_accepts_int_and_returns_float():
-    frames = signed(hdr(PROTOCOL_VERSION, m.Fetch.TYPE, 1, 0, "c", 0), body([1, 2, 3, [[0, 4]], 5]))
+    frames = signed(hdr(PROTOCOL_VERSION, m.Fetch.TYPE, 1, 0, "c", 0), body([1, 2, 3, [[0, 4]], 5, False]))
     _, out, _ = codec.decode(KEY, frames)
     assert out.timeout_s == 5.0 and type(out.timeout_s) is float
 
@@ -377,10 +377,10 @@ def _set(value: list, path: tuple, new: Any) -> list:
     (m.Hello, [b"c", 1, 1.0, b"", False], "Hello.name: expected str, got bytes"),
     (m.Hello, ["c", 1, 1.0, "n", False], "Hello.nonce: expected bytes, got str"),
     (m.StatusRequest, [1], "StatusRequest.verbose: expected bool, got int"),
-    (m.Fetch, [1, 2, 3, [[0, 1]], True], "Fetch.timeout_s: expected float, got bool"),
-    (m.Fetch, [1, 2, 3, [[0, 1]], "5"], "Fetch.timeout_s: expected float, got str"),
-    (m.Fetch, [1, 2, 3, [[0, "1"]], 5.0], "Fetch.region[0][1]: expected int, got str"),
-    (m.Fetch, [1, 2, 3, [0, 1], 5.0], "Fetch.region[0]: expected list, got int"),
+    (m.Fetch, [1, 2, 3, [[0, 1]], True, False], "Fetch.timeout_s: expected float, got bool"),
+    (m.Fetch, [1, 2, 3, [[0, 1]], "5", False], "Fetch.timeout_s: expected float, got str"),
+    (m.Fetch, [1, 2, 3, [[0, "1"]], 5.0, False], "Fetch.region[0][1]: expected int, got str"),
+    (m.Fetch, [1, 2, 3, [0, 1], 5.0, False], "Fetch.region[0]: expected list, got int"),
     (m.Free, [{"a": 1}], "Free.buffers: expected list, got dict"),
     (m.Free, [[1, "2"]], "Free.buffers[1]: expected int, got str"),
     (m.AllocSlice, [2, "0", None], "AllocSlice.island: matches no alternative"),
@@ -916,13 +916,13 @@ def _golden_messages() -> dict[str, tuple[codec.Record, tuple]]:
 # fast paths (commit a5173e3); signatures and headers re-recorded for protocol 3
 # (the header's signer) and for protocols 4 (relays), 5 (DeviceInfo.platform), 6 (a
 # relayed message's own buffers), 7 (IntRuns: a list this short stays plain ints), 8
-# (Call.keep) and 9 (Hello.shared): the version byte; bodies unchanged but the Call's, re-recorded for
+# (Call.keep), 9 (Hello.shared) and 10 (Fetch.wait_only): the version byte; bodies unchanged but the Call's, re-recorded for
 # protocol 8 with its eighth field (keep, 0) appended
 GOLDEN = [
     ("Execute", 1000, [      # (re-recorded when Execute.hold was appended: the same
         # body with 11 fields instead of 10 and a trailing false)
-        "8b7d6e99201a2ce208e0577bb7a0f821423088eeedde6cc2739c08e9b7a8680a",
-        "960921cd03e807ad776f726b65723a676f6c64656e00",
+        "b6eed01977dcfc5a695ee8fd69d4385696f142d486c03cfc7b77ad7784a0e55a",
+        "960a21cd03e807ad776f726b65723a676f6c64656e00",
         "9bce0001e240cd2694d94061626162616261626162616261626162616261626162616261626162616261626162616261"
         "626162616261626162616261626162616261626162616261626162ac6a69745f5f6c616d6264615f910291a169920001"
         "9200019294cf000000010000001192920804a7666c6f6174333292a169c0919300929200049200049094cf0000000100"
@@ -930,35 +930,35 @@ GOLDEN = [
         "cf000000010000001392920804a7666c6f6174333292a169c0c2",
     ]),
     ("ExecDone", 1001, [
-        "591521285207274eefb8fce336a20f5e19b8d3aa6ab1178e0ebd54092c6f344a",
-        "960922cd03e907ad776f726b65723a676f6c64656e00",
+        "56f1940864e9078e3274a93ae71b5b27aabb25b39883b83590aa23605ab7e359",
+        "960a22cd03e907ad776f726b65723a676f6c64656e00",
         "95ce0001e240c0cb41d999a660080000cb41d999a660100000cb0000000000000000",
     ]),
     ("Call", 1002, [
-        "a0a3ec096395ab1afec04eefedda9f04c2c69e5cc18d6701f36e0962e78a536e",
-        "96091fcd03ea07ad776f726b65723a676f6c64656e00",
+        "640e709489c7096ffb45e8b6ffaf5696a610fb300de6f2243d8d441871bffe68",
+        "960a1fcd03ea07ad776f726b65723a676f6c64656e00",
         "98cd1092d94063646364636463646364636463646364636463646364636463646364636463646364636463646364636463"
         "646364636463646364636463646364636463646364910291a1699200019194cf000000010000001192920804a7666c6f"
         "6174333292a169c0c39193cf000000010000001392920804a7666c6f6174333292a169c000",
     ]),
     ("Ping", 1003, [
-        "b9c17d5901b60a4526a7e7c774c7e2c03a13736fdf46c5630f10bd67c471fb2b",
-        "960907cd03eb07ad776f726b65723a676f6c64656e00",
+        "cdca91512b11429bea32727a114f0e2ab5245e6ded6bf9d5ff384e2a33476dc2",
+        "960a07cd03eb07ad776f726b65723a676f6c64656e00",
         "911f",
     ]),
     ("Pong", 1004, [
-        "7af27f94cdd41cb42bf33dca160748751b58c9ba14d25cb0a822079e910158b6",
-        "960908cd03ec07ad776f726b65723a676f6c64656e00",
+        "f3a008a19a59a9352a713b8ccc682bad0ca2d242816de714bc74f5e1b64c5418",
+        "960a08cd03ec07ad776f726b65723a676f6c64656e00",
         "941f0ccd100092cd0800cd0800",
     ]),
     ("ExecDoneErr", 1005, [
-        "d101abed806b40a9e086c334e57aeaab9cacf50336ae94525070dbbe209ff528",
-        "960922cd03ed07ad776f726b65723a676f6c64656e00",
+        "4cff34f7286650fc5e4f6767db9f65828728cb480f27cb9a536f1aeef67910e1",
+        "960a22cd03ed07ad776f726b65723a676f6c64656e00",
         "950595ab52656d6f74654572726f72a8626f6f6d20e29c93c0a166a27462cb3ff0000000000000cb4004000000000000cb0000000000000000",
     ]),
     ("Put", 1006, [
-        "4993f6e76d96cecf847f762fe3467235422b23c7d208c1591c700a8c7c3df624",
-        "960932cd03ee07ad776f726b65723a676f6c64656e00",
+        "c3a55a4ecb6621f2b97b388f6a2868caed3ea351a4ce5d46fc2ae9253a612ba8",
+        "960a32cd03ee07ad776f726b65723a676f6c64656e00",
         "94cf0000000100000003029292000492000692920406a7666c6f61743332",
         "010203",
         "",
@@ -1093,7 +1093,7 @@ def test_from_wire_still_accepts_what_the_annotation_checks_accept():
 
     assert m.Ping.from_wire([Level.A]) == m.Ping(3)
     assert m.Ping.from_wire([Level.A], None) == m.Ping(3)
-    out = m.Fetch.from_wire([1, 2, 3, [[0, 1]], Level.A])
+    out = m.Fetch.from_wire([1, 2, 3, [[0, 1]], Level.A, False])
     assert out.timeout_s == 3.0 and type(out.timeout_s) is float
     with pytest.raises(ProtocolError, match=r"^Ping\.seq: expected int, got bool$"):
         m.Ping.from_wire([True])

@@ -23,13 +23,16 @@ class _Conn:
     def __init__(self, answer: np.ndarray | BaseException | None) -> None:
         self.answer = answer
         self.fetches: list[object] = []
+        self.waits: list[object] = []          # wait-only fetches (block_until_ready of a big value)
         self.threads: list[threading.Thread] = []
 
-    def start_fetch(self, future: Future, timeout: float) -> object:
+    def start_fetch(self, future: Future, timeout: float, wait_only: bool = False) -> object:
         fetch = object()
-        self.fetches.append(fetch)
+        (self.waits if wait_only else self.fetches).append(fetch)
         if self.answer is not None:
             value, error = (None, self.answer) if isinstance(self.answer, BaseException) else (self.answer, None)
+            if wait_only:      # the workers say it is done, and send nothing of it
+                value = None
             t = threading.Thread(target=future._fetched, args=(fetch, value, error))
             t.start()
             self.threads.append(t)
@@ -86,6 +89,78 @@ def test_copy_to_host_async_starts_one_fetch_without_waiting_and_result_takes_it
         gone.copy_to_host_async()
     with pytest.raises(ZpathError, match="donated to f"):
         gone.result(timeout=1)
+
+
+def _big(conn: _Conn) -> Future:
+    """A future over WAIT_FETCHES_UP_TO bytes."""
+    from zpath.client.futures import WAIT_FETCHES_UP_TO
+    n = WAIT_FETCHES_UP_TO // 4 + 2
+    return Future(conn, 8, (n,), np.dtype(np.float32), [0, 1], [2], ["i"], ["i"])
+
+
+def test_block_until_ready_of_a_big_value_waits_for_it_without_fetching_it():
+    """As jax.Array.block_until_ready, which copies nothing: a value over
+    WAIT_FETCHES_UP_TO bytes is waited for with a wait-only fetch (the workers
+    say when it is done); a later block_until_ready or is_ready asks nothing
+    more, and result() then fetches it. A small value is fetched meanwhile, so
+    that a later read has it at once."""
+    conn = _Conn(np.zeros(_big(_Conn(None)).shape, np.float32))
+    fut = _big(conn)
+    assert fut.block_until_ready() is fut and jax.block_until_ready([fut]) == [fut]
+    assert (len(conn.waits), len(conn.fetches)) == (1, 0)
+    assert fut.is_ready() and not fut.done() and fut._value is None      # nothing came
+    assert len(conn.waits) == 1
+    np.testing.assert_array_equal(fut.result(timeout=10), np.zeros(fut.shape, np.float32))
+    assert (len(conn.waits), len(conn.fetches)) == (1, 1)
+    small = _future(conn)
+    small.block_until_ready()
+    assert (len(conn.waits), len(conn.fetches)) == (1, 2) and small.done()
+    for t in conn.threads:
+        t.join(10)
+
+
+def test_is_ready_of_a_big_value_asks_once_whether_it_is_done_and_a_fetch_on_its_way_is_waited_for():
+    silent = _Conn(None)
+    fut = _big(silent)
+    assert not fut.is_ready() and not fut.is_ready()
+    assert (len(silent.waits), len(silent.fetches)) == (1, 0)
+    fut._fetched(silent.waits[0], None, None)          # the workers' answer
+    assert fut.is_ready() and not fut.done()
+    # a fetch already on its way (copy_to_host_async) is what block_until_ready waits for
+    conn = _Conn(np.ones(fut.shape, np.float32))
+    other = _big(conn)
+    other.copy_to_host_async()
+    other.block_until_ready()
+    assert (len(conn.waits), len(conn.fetches)) == (0, 1) and other.done()
+    for t in conn.threads:
+        t.join(10)
+
+
+def test_a_big_values_wait_raises_the_error_and_a_silent_one_runs_out_of_time_then_asks_again():
+    failing = _Conn(RemoteError("it failed", host=1, computation="f", remote_traceback=""))
+    with pytest.raises(RemoteError, match="it failed"):
+        _big(failing).block_until_ready()
+    assert (len(failing.waits), len(failing.fetches)) == (1, 0)
+
+    class Patient(_Conn):
+        config = ClientConfig(fetch_timeout_s=0.05)
+    silent = Patient(None)
+    fut = _big(silent)
+    with pytest.raises(DeadlineExceeded, match="not computed within"):
+        fut.block_until_ready()
+    with pytest.raises(DeadlineExceeded):
+        fut.block_until_ready()
+    assert len(silent.waits) == 2                    # the first wait given up, a second asked
+    # the call failing wakes the waiter with its error
+    waiting = _big(_Conn(None))
+    failed = threading.Timer(0.05, waiting._fail, (RemoteError("the call failed", host=0, computation="g",
+                                                               remote_traceback=""),))
+    failed.start()
+    with pytest.raises(RemoteError, match="the call failed"):
+        waiting.block_until_ready()
+    failed.join(10)
+    for t in failing.threads:
+        t.join(10)
 
 
 class _AllAtOnce(_Conn):

@@ -280,6 +280,11 @@ def test_futures_are_arrays(client):
     assert y.block_until_ready() is y and y.sharding.spec == P("i") and y.devices() == set(d0)
     z = y * 2
     assert z.copy_to_host_async() is None          # as jax.Array's: the fetch starts, nothing waits
+    # a big value: waited for without being copied here, then read
+    big = zp.device_put(np.ones((64, 512), np.float32), zp.NamedSharding(zp.Mesh(d0, ("i",)), P("i")))
+    big = big * 3
+    assert jax.block_until_ready({"b": big})["b"] is big and big.is_ready() and big._value is None
+    np.testing.assert_array_equal(big.result(timeout=60), np.full((64, 512), 3, np.float32))
     np.testing.assert_array_equal(z.result(timeout=60), x * 2)
     ops = {"add": (y + other, x + 1), "rsub": (1 - y, 1 - x), "mul": (y * y, x * x), "div": (y / 2, x / 2),
            "pow": (y ** 2, x ** 2), "matmul": (y @ y.T, x @ x.T), "index": (y[1:, 0], x[1:, 0]),

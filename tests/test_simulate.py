@@ -201,6 +201,8 @@ def test_a_simulated_host_answers_every_control_message(sim):
     # Fetch from the data port: zeros of the shard's shape, once it exists
     reply, bufs = _request(ctl, data, m.Fetch(5, y, 2, [[2, 3]], 10.0))
     assert reply == m.FetchReply(5, m.Aval([1], "float32"), None) and bytes(bufs[0]) == bytes(4)
+    reply, bufs = _request(ctl, data, m.Fetch(6, y, 2, [[2, 3]], 10.0, True))     # wait only: no data
+    assert reply == m.FetchReply(6, m.Aval([], ""), None) and not bufs
     # Free (after the computations before it): the shards go
     for ident in (h0, h1):
         ctl.send(ident, m.Free([x]))

@@ -7,6 +7,7 @@ import threading
 import time
 import types
 
+import numpy as np
 import pytest
 
 from zpath.net import transport
@@ -463,6 +464,47 @@ def test_client_fetch_queued_for_a_host_it_has_since_heard_is_lost_looks_for_a_c
     c._failed = lambda msg, msg_id, e: others.append((type(msg).__name__, e))
     c._unsendable(m.Put(4, 1, [[0, 1]], m.Aval([1], "float32")), 0, err)
     assert others == [("Put", err)] and len(sent) == 1
+
+
+def test_client_fetch_answered_while_its_requests_are_still_being_put_waits_for_all_of_them():
+    """The I/O thread may answer a fetch's first request before the caller has
+    put the next one: the value is made of every shard, never of the first
+    alone (with uninitialized memory for the rest); a wait (``wait_only``)
+    likewise ends only once every shard's host has answered."""
+    import itertools
+
+    from zpath.client.connection import Client
+    from zpath.client.futures import Future
+    from zpath.net import messages as m
+
+    c = Client.__new__(Client)               # only the bookkeeping used here
+    c._closed, c._broken, c._lost, c._fetches = False, None, {}, {}
+    c.ep = types.SimpleNamespace(next_id=itertools.count(100).__next__)
+    c.devices = {d: m.DeviceInfo(d, 0, 0, d, d, "cpu") for d in range(2)}
+    whole = np.arange(8, dtype=np.float32).reshape(4, 2)
+    asked = []
+
+    class Answering:                         # answers each request as it is put, as a fast worker would
+        def put(self, kind, host, msg, buffers, req):
+            asked.append(msg)
+            rows = slice(*msg.region[0])
+            bufs = [] if msg.wait_only else [whole[rows].tobytes()]
+            c._handle(0, m.FetchReply(msg.request, m.Aval(list(whole[rows].shape), "float32"), None), bufs)
+    c.outbox = Answering()
+    got = []
+
+    class Fut(Future):
+        def _fetched(self, fetch, value, error):
+            got.append((value, error))
+    fut = Fut(c, 9, (4, 2), np.dtype(np.float32), [0, 1], [2], ["i"], ["i", None])
+    c.start_fetch(fut, 30.0)
+    [(value, error)] = got
+    assert error is None
+    np.testing.assert_array_equal(value, whole)
+    got.clear()
+    c.start_fetch(fut, 30.0, wait_only=True)
+    assert got == [(None, None)] and [a.wait_only for a in asked] == [False, False, True, True]
+    assert not c._fetches
 
 
 def test_client_sends_the_releases_made_among_a_burst_of_calls_as_one_release_after_them():

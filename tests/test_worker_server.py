@@ -158,6 +158,44 @@ def test_a_fetch_is_sized_without_splitting_its_shard_and_a_shard_that_cannot_be
     assert all(msgs[req].error is None for req in range(100, 100 + ws.INLINE_FETCHES_WAITING + 1))
 
 
+def test_a_wait_only_fetch_is_answered_without_its_shard_where_the_shard_is_found_done(worker):
+    """A ``wait_only`` fetch (a client's block_until_ready of a big value) is
+    answered once its shard is done with no buffer, by the thread that stores
+    the shard however big it is, reading nothing of it (an Unsplit output
+    stays unsplit); a failed shard's with the error; and one whose shard was
+    done already by the thread that takes the Fetch."""
+    from zpath.worker.store import Unsplit
+
+    by = _Posts(worker).by
+    big = jax.device_put(np.zeros(channels.INLINE_PIECE_BYTES, np.float32))
+    region = [[0, big.size]]
+    worker._handle_data(CLIENT, 7, m.Fetch(1, buffer_id(1, 1), 0, region, 30.0, True), [])
+    worker._handle_data(CLIENT, 7, m.Fetch(2, buffer_id(1, 2), 0, [[0, 4]], 30.0, True), [])
+    assert select.select([worker.outbox.fd], [], [], 0)[0] == []     # both wait for their shards
+
+    def store():
+        worker.store.set_many([(shard_key(buffer_id(1, 1), 0, region), Unsplit(big, 0))])
+        worker.store.set(shard_key(buffer_id(1, 2), 0, [[0, 4]]),
+                         error=m.ErrorInfo("RemoteError", "it failed", 0, "f", ""))
+    t = threading.Thread(target=store, name="storer")
+    t.start()
+    t.join(10)
+    got = {}
+    while len(got) < 2:
+        got.update({msg.request: (msg, bufs) for _, _, msg, bufs, _ in worker.outbox.drain()})
+        if len(got) < 2:
+            assert select.select([worker.outbox.fd], [], [], 10)[0], "nothing was sent"
+    assert got[1] == (m.FetchReply(1, m.Aval([], ""), None), ())
+    assert got[2][0].error.message == "it failed" and not got[2][1]
+    assert by[1] == by[2] == "storer"
+    assert type(worker.store.entry(shard_key(buffer_id(1, 1), 0, region))._value) is Unsplit
+    worker._handle_data(CLIENT, 7, m.Fetch(3, buffer_id(1, 1), 0, region, 30.0, True), [])
+    assert by[3] == threading.current_thread().name
+    [(_, _, reply)] = sent(worker, 0)
+    assert reply == m.FetchReply(3, m.Aval([], ""), None)
+    assert worker.state.expire_fetches(float("inf")) == []
+
+
 def test_a_fetch_not_ready_by_its_deadline_gets_deadline_exceeded_and_leaves_nothing(worker):
     worker._handle_data(CLIENT, 7, m.Fetch(2, buffer_id(1, 2), 0, [[0, 4]], 0.0), [])
     worker._expire_fetches()

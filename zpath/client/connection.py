@@ -62,15 +62,31 @@ def error_from_reply(reply: m.Error) -> ZpathError:
 
 
 class _Fetch:
-    """One fetch of a whole future: one request per distinct region."""
+    """One fetch of a whole future: one request per distinct region; or, with
+    ``wait_only``, a wait for it to be done: one request per shard, each
+    answered without it."""
 
     def __init__(self, future: Any, regions: dict[int, sharding.Region], hosts: dict[int, int],
-                 timeout: float) -> None:
+                 timeout: float, wait_only: bool = False) -> None:
         self.future = future
         self.regions = regions                     # request id -> region
         self.hosts = hosts                         # request id -> host asked
-        self.parts: dict[int, np.ndarray] = {}
+        self.parts: dict[int, np.ndarray | None] = {}
         self.timeout = timeout                     # how long a worker waits for a shard
+        self.wait_only = wait_only
+
+
+def _asked(devices: list[int], regions: list[sharding.Region], wait_only: bool
+           ) -> list[tuple[sharding.Region, int]]:
+    """The (region, device) shards a fetch asks for: the first device of each
+    distinct region; for a wait, every shard (each device's copy is made and
+    stored on its own)."""
+    if wait_only:
+        return list(zip(regions, devices, strict=True))
+    seen: dict[sharding.Region, int] = {}
+    for d, r in zip(devices, regions, strict=True):
+        seen.setdefault(r, d)
+    return list(seen.items())
 
 
 class Client:
@@ -285,31 +301,29 @@ class Client:
         if not self._closed and self._broken is None:
             self.outbox.put("rel", None, buffer, (), 0)
 
-    def start_fetch(self, future: Any, timeout: float) -> "_Fetch":
+    def start_fetch(self, future: Any, timeout: float, wait_only: bool = False) -> "_Fetch":
         """Ask the workers for every distinct shard of ``future``; the I/O thread
-        sets the future's value when all have arrived."""
+        sets the future's value when all have arrived. With ``wait_only``, ask
+        every shard's host to say when it is done, without sending it: the I/O
+        thread tells the future once all have."""
         self._check_open()
         if {self.devices[d].host for d in future._devices} & set(self._lost):
             # a host with its shards is gone: read a copy elsewhere, if there is one
-            fetch = _Fetch(future, {}, {}, timeout)
+            fetch = _Fetch(future, {}, {}, timeout, wait_only)
             req = self.ep.next_id()
             self._locates[req] = fetch
             self.outbox.put("ctl", None, m.Locate(future.buffer), (), req)
             return fetch
-        seen: dict[sharding.Region, int] = {}
-        for d, r in zip(future._devices, future._regions(), strict=True):
-            seen.setdefault(r, d)
-        requests = {}
-        for r, d in seen.items():
-            req = self.ep.next_id()
-            requests[req] = (r, d)
-        fetch = _Fetch(future, {req: r for req, (r, _) in requests.items()},
-                       {req: self.devices[d].host for req, (_, d) in requests.items()}, timeout)
-        for req in requests:
+        asked = {self.ep.next_id(): rd for rd in _asked(future._devices, future._regions(), wait_only)}
+        fetch = _Fetch(future, {req: r for req, (r, _) in asked.items()},
+                       {req: self.devices[d].host for req, (_, d) in asked.items()}, timeout, wait_only)
+        # every request is the fetch's before any goes: the I/O thread may
+        # take the first answer while this thread puts the next request
+        for req in asked:
             self._fetches[req] = fetch
-        for req, (r, d) in requests.items():
+        for req, (r, d) in asked.items():
             self.outbox.put("data", self.devices[d].host,
-                            m.Fetch(req, future.buffer, d, sharding.to_wire(r), timeout), (), req)
+                            m.Fetch(req, future.buffer, d, sharding.to_wire(r), timeout, wait_only), (), req)
         return fetch
 
     def close(self) -> None:
@@ -492,6 +506,13 @@ class Client:
                     fetch.future._fetched(fetch, None, error_from_info(msg.error))
                     return
                 try:
+                    if fetch.wait_only:
+                        if buffers:
+                            raise ValueError(f"{len(buffers)} buffers in the answer to a wait")
+                        fetch.parts[msg.request] = None
+                        if len(fetch.parts) == len(fetch.regions):
+                            fetch.future._fetched(fetch, None, None)
+                        return
                     want = sharding.region_shape(fetch.regions[msg.request])
                     if len(buffers) != 1 or tuple(msg.aval.shape) != want:
                         raise ValueError(f"shard of shape {msg.aval.shape}, expected {list(want)}")
@@ -580,13 +601,15 @@ class Client:
                 "on a host this client can reach"))
             return
         fetch.regions, fetch.hosts, fetch.parts = {}, {}, {}
-        for wire, d, host in zip(loc.regions, loc.devices, hosts, strict=True):
+        regions = [sharding.from_wire(wire) for wire in loc.regions]
+        for r, d in _asked(loc.devices, regions, fetch.wait_only):
             req = self.ep.next_id()
-            fetch.regions[req], fetch.hosts[req] = sharding.from_wire(wire), host
+            host = self.devices[d].host
+            fetch.regions[req], fetch.hosts[req] = r, host
             self._fetches[req] = fetch
             # (hosts are live: _data_sock does not raise; replies come on this thread)
-            self._send(self._data_sock(host), m.Fetch(req, fetch.future.buffer, d, wire, fetch.timeout),
-                       (), req)
+            self._send(self._data_sock(host), m.Fetch(req, fetch.future.buffer, d, sharding.to_wire(r),
+                                                      fetch.timeout, fetch.wait_only), (), req)
 
     def _forget(self, fetch: _Fetch) -> None:
         for req in fetch.regions:

@@ -15,6 +15,10 @@ from zpath.errors import DeadlineExceeded, RemoteError, ZpathError
 
 
 MAX_TIMEOUT_S = 1e7      # (a wait longer than the platform's limit raises OverflowError)
+# block_until_ready() and is_ready() of a value up to this size fetch it (a later
+# read then has it at once); of a bigger one they ask the workers only whether
+# it is done, so that waiting for a model's parameters copies none of them
+WAIT_FETCHES_UP_TO = 64 * 1024
 
 
 class Future(ArrayMethods):
@@ -31,7 +35,7 @@ class Future(ArrayMethods):
     __slots__ = ("_client", "buffer", "shape", "dtype", "_devices", "_mesh_shape",
                  "_axis_names", "_spec", "_lock", "_event", "_value", "_error", "_fetch",
                  "_fetch_error", "_mesh", "_key", "_donated", "_read",
-                 "__weakref__")
+                 "_wait", "_wait_event", "_wait_error", "_computed", "__weakref__")
 
     def __init__(self, client: Any, buffer: int, shape: tuple[int, ...], dtype: np.dtype,
                  devices: list[int], mesh_shape: list[int], axis_names: list[str],
@@ -56,6 +60,11 @@ class Future(ArrayMethods):
         self._key = key              # a typed PRNG key's implementation: the value is its key data
         self._donated: str | None = None      # the function it was donated to
         self._read = False           # read by a call, a program or a fetch (see Computation._may_donate)
+        # a wait for it to be done without its value (block_until_ready of a big one)
+        self._wait: Any = None                          # the wait in flight
+        self._wait_event: threading.Event | None = None
+        self._wait_error: BaseException | None = None   # how the last wait failed
+        self._computed = False                          # a wait said it is done
 
     def __del__(self) -> None:
         if self._donated is not None:
@@ -91,10 +100,16 @@ class Future(ArrayMethods):
         return set(self._mesh.devices.flat)
 
     def block_until_ready(self) -> "Future":
-        """Wait until the value is computed (and fetched: a worker answers a
-        fetch once its shard is done), as ``jax.Array.block_until_ready``;
-        raises the remote error if the computation failed. Returns the future."""
-        self._array()
+        """Wait until the value is computed, as ``jax.Array.block_until_ready``;
+        raises the remote error if the computation failed. Returns the future.
+        A value of at most WAIT_FETCHES_UP_TO bytes is fetched meanwhile (a
+        worker answers a fetch once its shard is done; a later read has it at
+        once); of a bigger one the workers only say when each shard is done,
+        and nothing is copied."""
+        if self._small():
+            self._array()
+        else:
+            self._wait_done()
         return self
 
     def copy_to_host_async(self) -> None:
@@ -104,20 +119,83 @@ class Future(ArrayMethods):
         read after the next step is then on its way while that step is
         called)."""
         self._check_kept()
-        self.is_ready()
+        with self._lock:
+            self._start_fetch()
 
     def is_ready(self) -> bool:
-        """Whether the value is here (or its computation is known to have failed),
-        without waiting; the first call asks the workers for it."""
+        """Whether the value is computed (or its computation is known to have
+        failed), without waiting. The first call asks the workers for it, as
+        ``block_until_ready`` does: fetches a small value, and asks only whether
+        a bigger one is done (``WAIT_FETCHES_UP_TO``)."""
+        if self._small():
+            with self._lock:
+                self._start_fetch()
+            return self.done()
         with self._lock:
-            if self._value is not None or self._error is not None:
-                return True
-            if self._fetch is None and self._donated is None:
-                self._fetch_error = None
-                self._waiting().clear()
-                self._read = True
-                self._fetch = self._client.start_fetch(self, self._client.config.fetch_timeout_s)
-        return self.done()
+            if not (self._computed or self.done() or self._fetch is not None) and self._donated is None:
+                self._start_wait()
+            return self._computed or self.done()
+
+    def _small(self) -> bool:
+        return self.size * self.dtype.itemsize <= WAIT_FETCHES_UP_TO
+
+    def _start_fetch(self) -> None:
+        """Fetch the value unless it is here, failed, being fetched or donated
+        (under ``_lock``)."""
+        if self._value is None and self._error is None and self._fetch is None and self._donated is None:
+            self._fetch_error = None
+            self._waiting().clear()
+            self._read = True
+            self._fetch = self._client.start_fetch(self, self._client.config.fetch_timeout_s)
+
+    def _start_wait(self, timeout: float | None = None) -> threading.Event:
+        """Ask the workers to say when the value is done unless a wait is in
+        flight (under ``_lock``); returns the event its outcome sets."""
+        if self._wait_event is None:
+            self._wait_event = threading.Event()
+        if self._wait is None:
+            self._wait_error = None
+            self._wait_event.clear()
+            self._read = True     # (as a fetch: no later call may donate it before the workers answer)
+            self._wait = self._client.start_fetch(
+                self, self._client.config.fetch_timeout_s if timeout is None else timeout, wait_only=True)
+        return self._wait_event
+
+    def _wait_done(self) -> None:
+        """Wait until the value is computed without fetching it (a fetch
+        already on its way is waited for instead: it says as much)."""
+        self._check_kept()
+        timeout = self._client.config.fetch_timeout_s
+        with self._lock:
+            if self._error is not None:
+                raise _fresh(self._error)
+            if self._value is not None or self._computed:
+                return
+            fetching = self._fetch is not None
+            if not fetching:
+                event = self._start_wait(timeout)
+                wait = self._wait
+        if fetching:
+            self._array(timeout)
+            return
+        recorder, began = getattr(self._client, "recorder", None), time.time()
+        try:
+            arrived = event.wait(timeout)
+        finally:
+            if recorder is not None:
+                recorder.add("wait", f"{self.dtype}{list(self.shape)}", began, time.time(),
+                             buffer=self.buffer)
+        with self._lock:
+            if self._error is not None:
+                raise _fresh(self._error)
+            if self._value is not None or self._computed:
+                return
+            if self._wait_error is not None and self._wait is None:
+                raise _fresh(self._wait_error)
+            if not arrived and self._wait is wait:
+                self._wait = None     # a later wait asks again
+            raise DeadlineExceeded(f"buffer {self.buffer} ({self.dtype}{list(self.shape)}) was not "
+                                   f"computed within {timeout:.1f}s")
 
     def _waiting(self) -> threading.Event:
         """The event a fetch's outcome sets, made now if need be (under ``_lock``)."""
@@ -129,8 +207,17 @@ class Future(ArrayMethods):
         return sharding.regions(self.shape, self._mesh_shape, self._axis_names, self._spec)
 
     def _fetched(self, fetch: Any, value: np.ndarray | None, error: BaseException | None) -> None:
-        """Outcome of one fetch; ignored unless it is the fetch being waited on."""
+        """Outcome of one fetch (or wait: ``value`` None); ignored unless it is
+        the fetch or wait in flight."""
         with self._lock:
+            if fetch is self._wait and fetch is not None:
+                self._wait = None
+                if error is None:
+                    self._computed = True
+                else:
+                    self._wait_error = error
+                self._wait_event.set()
+                return
             if fetch is not self._fetch:
                 return
             self._fetch = None
@@ -149,9 +236,10 @@ class Future(ArrayMethods):
         with self._lock:
             if self._value is None:
                 self._error = error
-            self._fetch = None
-            if self._event is not None:
-                self._event.set()
+            self._fetch = self._wait = None
+            for event in (self._event, self._wait_event):
+                if event is not None:
+                    event.set()
 
     def done(self) -> bool:
         """True once the value is here or the call is known to have failed."""

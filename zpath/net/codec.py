@@ -46,7 +46,7 @@ import msgpack
 
 from zpath.errors import ProtocolError
 
-PROTOCOL_VERSION = 9
+PROTOCOL_VERSION = 10
 MAX_BODY_BYTES = 16 << 20
 MAX_HEADER_BYTES = 4096
 MAX_BUFFERS = 4096

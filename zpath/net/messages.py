@@ -597,12 +597,14 @@ class Piece(Record):
 
 @message(52)
 class Fetch(Record):
-    """Client -> worker: send me shard (buffer, device, region)."""
+    """Client -> worker: send me shard (buffer, device, region); with
+    ``wait_only``, only say when it is done (a reply without the shard)."""
     request: int
     buffer: int
     device: int
     region: Region
     timeout_s: float
+    wait_only: bool = False
 
 
 @message(53)

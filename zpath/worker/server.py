@@ -1064,9 +1064,10 @@ class Worker:
         thread, so that its copy holds up no computation; so are those of a
         client with more than INLINE_FETCHES_WAITING fetches waiting here,
         so that no client's fetches hold up for long the thread that stores a
-        shard they wait for."""
+        shard they wait for. A ``wait_only`` fetch reads nothing of the shard:
+        it is answered here, without it."""
         try:
-            inline = e.error is not None or (
+            inline = e.error is not None or p.msg.wait_only or (
                 self._fetch_bytes(p, e) <= channels.INLINE_PIECE_BYTES
                 and self.state.pending_fetches.get(client_of(p.msg.buffer), 0) <= INLINE_FETCHES_WAITING)
         except Exception:     # (a bug) the sender thread reads the shard: its failure is answered
@@ -1092,7 +1093,7 @@ class Worker:
         answered too, with the error, rather than left to the client's deadline."""
         if not p.claim():
             return          # already answered at its deadline
-        if e.error is not None:
+        if e.error is not None or p.msg.wait_only:
             self.post_data(p.ident, m.FetchReply(p.msg.request, m.Aval([], ""), e.error))
             return
         try:

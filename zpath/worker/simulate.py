@@ -1589,7 +1589,7 @@ class SimProcess:
                 shape = sharding.region_shape(sharding.from_wire(msg.region))
 
                 def reply(e: Entry) -> None:
-                    if e.error is not None:
+                    if e.error is not None or msg.wait_only:
                         self.ep.send(self.data, m.FetchReply(msg.request, m.Aval([], ""), e.error),
                                      to=ident, block=False, sign=sign)
                         return
