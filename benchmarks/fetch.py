@@ -19,7 +19,9 @@ per device, so a fetch asks each host for 8 bytes.
 * big value: ``b = g(v)`` (``g`` doubles a ``--big-mib`` MiB float64 shard
   per device), then ``--gap-ms`` idle, then ``b.block_until_ready()`` timed
   (a value over 64 KiB is waited for without being copied here), and a
-  second such value's ``result()`` (the copy itself) beside it.
+  second such value's ``result()`` (the copy itself) beside it; and
+  ``jax.block_until_ready`` of the ``--big-outputs`` (4) outputs of one call,
+  ``--big-mib`` in all (the parameters a training step returns).
 
 Each is measured ``--count`` times per gap, the gaps alternated. How long the
 machine was idle before matters on a virtual machine: code and data the last
@@ -27,7 +29,7 @@ request left in the caches are gone after a few tens of milliseconds (see
 docs/benchmarks.md, fetch.py). Medians and the 10th and 90th percentiles, in
 µs. This is a benchmark that prints figures, not a test.
 
-    python benchmarks/fetch.py [--count 60] [--gap-ms 5,20,80] [--tree 8] [--big-mib 16] [--json out.json]
+    python benchmarks/fetch.py [--count 60] [--gap-ms 5,20,80] [--tree 8] [--big-mib 16] [--big-outputs 4] [--json out.json]
 """
 from __future__ import annotations
 
@@ -53,14 +55,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tree", type=int, default=8, help="values read together by jax.device_get (default 8)")
     p.add_argument("--big-mib", type=float, default=16.0,
                    help="MiB per device of the big value (default 16; 0: leave it out)")
+    p.add_argument("--big-outputs", type=int, default=4,
+                   help="big outputs of the one call waited for together (default 4)")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON here")
     args = p.parse_args(argv)
     try:
         gaps = [float(g) for g in args.gap_ms.split(",")]
     except ValueError:
         p.error(f"--gap-ms: numbers of ms separated by commas, not {args.gap_ms!r}")
-    if args.count < 2 or not gaps or min(gaps) < 5 or args.tree < 1 or not 0 <= args.big_mib <= 1024:
-        p.error("--count must be >= 2, --tree >= 1, --big-mib in [0, 1024] and every --gap-ms >= 5 "
+    if args.count < 2 or not gaps or min(gaps) < 5 or args.tree < 1 or not 0 <= args.big_mib <= 1024 \
+            or not 1 <= args.big_outputs <= 64:
+        p.error("--count must be >= 2, --tree >= 1, --big-mib in [0, 1024], --big-outputs in [1, 64] "
+                "and every --gap-ms >= 5 "
                 "(a computation is done by then)")
 
     import jax
@@ -75,6 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     each: dict[float, list[float]] = {g: [] for g in gaps}
     big_block: dict[float, list[float]] = {g: [] for g in gaps}
     big_result: dict[float, list[float]] = {g: [] for g in gaps}
+    big_outputs: dict[float, list[float]] = {g: [] for g in gaps}
     try:
         devs = zp.make_virtual_device_set().add_slice(devices=2).devices
 
@@ -91,6 +98,11 @@ def main(argv: list[str] | None = None) -> int:
             double = zp.pmap(lambda v: v * 2., axis_name="i", devices=devs)
             v = double(np.ones((2, n_big)) / 2)      # 1. on each device, kept there
             double(v).result(timeout=120)            # (compiled, the call's form kept)
+            k = args.big_outputs
+            part = n_big // k        # k outputs of --big-mib in all, done by the end of the idle time
+            several = zp.pmap(lambda v: tuple(v[:part] * (j + 2.) for j in range(k)), axis_name="i",
+                              devices=devs)
+            jax.block_until_ready(several(v))
         for _ in range(args.count):
             for g in gaps:
                 y = f(x)
@@ -122,6 +134,14 @@ def main(argv: list[str] | None = None) -> int:
                         times.append((time.perf_counter() - t0) * 1e6)
                     if not (b.result(timeout=60)[:, ::4099] == 2.).all():
                         raise AssertionError("the big value is not 2 everywhere")
+                    outs = several(v)
+                    time.sleep(g / 1000)
+                    t0 = time.perf_counter()
+                    jax.block_until_ready(outs)
+                    big_outputs[g].append((time.perf_counter() - t0) * 1e6)
+                    if not (outs[-1].result(timeout=60)[:, ::4099] == k + 1.).all():
+                        raise AssertionError(f"the call's last output is not {k + 1} everywhere")
+                    del outs
     finally:
         zp.shutdown()
 
@@ -135,6 +155,8 @@ def main(argv: list[str] | None = None) -> int:
     if n_big:
         out["big_block_us"] = {f"g{g:g}": _quantiles(big_block[g]) for g in gaps}
         out["big_result_us"] = {f"g{g:g}": _quantiles(big_result[g]) for g in gaps}
+        out["big_outputs"] = args.big_outputs
+        out["big_outputs_us"] = {f"g{g:g}": _quantiles(big_outputs[g]) for g in gaps}
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(out, fh, indent=1)
@@ -146,7 +168,8 @@ def main(argv: list[str] | None = None) -> int:
                            (f"jax.device_get of {args.tree} done values", "tree_us"),
                            (f"{args.tree} done values one by one", "one_by_one_us"),
                            (f"block_until_ready, done {args.big_mib:g} MiB/device", "big_block_us"),
-                           (f"result(), done {args.big_mib:g} MiB/device", "big_result_us")):
+                           (f"result(), done {args.big_mib:g} MiB/device", "big_result_us"),
+                           (f"block_until_ready, a call's {args.big_outputs} outputs", "big_outputs_us")):
             if key not in out:
                 continue
             q = out[key][f"g{g:g}"]

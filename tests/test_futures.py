@@ -119,6 +119,32 @@ def test_block_until_ready_of_a_big_value_waits_for_it_without_fetching_it():
         t.join(10)
 
 
+def test_one_output_of_a_call_waited_for_says_the_others_are_computed_a_fetch_does_not():
+    """A call's outputs share their siblings (Computation.__call__): once one's
+    wait (every shard) is answered, the others' block_until_ready and
+    is_ready ask nothing, a small one's included, and nothing is fetched. A
+    fetch (one shard per distinct region) says nothing of the others."""
+    import weakref
+
+    conn = _Conn(np.zeros(1, np.float32))
+    first, second = _big(conn), _big(conn)
+    small = _future(conn)
+    siblings = [weakref.ref(f) for f in (first, second, small)]
+    for f in (first, second, small):
+        f._siblings = siblings
+    jax.block_until_ready([first, second, small])
+    assert (len(conn.waits), len(conn.fetches)) == (1, 0)
+    assert second.is_ready() and small.is_ready() and not small.done()
+    assert (len(conn.waits), len(conn.fetches)) == (1, 0)
+    fetched = _Conn(np.zeros(2, np.float32))
+    a, b = _future(fetched), _big(fetched)
+    a._siblings = b._siblings = [weakref.ref(a), weakref.ref(b)]
+    a.block_until_ready()
+    assert a.done() and not b._computed
+    for t in conn.threads + fetched.threads:
+        t.join(10)
+
+
 def test_is_ready_of_a_big_value_asks_once_whether_it_is_done_and_a_fetch_on_its_way_is_waited_for():
     silent = _Conn(None)
     fut = _big(silent)

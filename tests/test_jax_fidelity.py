@@ -285,6 +285,11 @@ def test_futures_are_arrays(client):
     big = big * 3
     assert jax.block_until_ready({"b": big})["b"] is big and big.is_ready() and big._value is None
     np.testing.assert_array_equal(big.result(timeout=60), np.full((64, 512), 3, np.float32))
+    # a call's outputs: one waited for, the others are known computed (nothing fetched)
+    three = zp.jit(lambda a: (a + 1, a.sum(), a * 2), devices=d0)(big)
+    jax.block_until_ready(three)
+    assert all(f._computed and f._value is None for f in three)
+    np.testing.assert_array_equal(three[2].result(timeout=60), np.full((64, 512), 6, np.float32))
     np.testing.assert_array_equal(z.result(timeout=60), x * 2)
     ops = {"add": (y + other, x + 1), "rsub": (1 - y, 1 - x), "mul": (y * y, x * x), "div": (y / 2, x / 2),
            "pow": (y ** 2, x ** 2), "matmul": (y @ y.T, x @ x.T), "index": (y[1:, 0], x[1:, 0]),

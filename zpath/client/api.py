@@ -7,6 +7,7 @@ import functools
 import hashlib
 import inspect
 import time
+import weakref
 from typing import Any, Callable, Sequence
 
 import jax
@@ -617,6 +618,10 @@ class Computation:
         out_buffers = [client.new_buffer_id() for _ in traced.out_avals]
         futures = [self.future(b, a, spec, k) for b, a, spec, k in
                    zip(out_buffers, traced.out_avals, traced.out_specs, traced.out_keys, strict=True)]
+        if len(futures) > 1:       # one known computed, all are (Future._fetched)
+            siblings = [weakref.ref(f) for f in futures]
+            for f in futures:
+                f._siblings = siblings
         call_id = client.new_call_id()
 
         def whole(keep: int) -> m.Call:       # (the first call of this form: it goes whole)

@@ -35,7 +35,7 @@ class Future(ArrayMethods):
     __slots__ = ("_client", "buffer", "shape", "dtype", "_devices", "_mesh_shape",
                  "_axis_names", "_spec", "_lock", "_event", "_value", "_error", "_fetch",
                  "_fetch_error", "_mesh", "_key", "_donated", "_read",
-                 "_wait", "_wait_event", "_wait_error", "_computed", "__weakref__")
+                 "_wait", "_wait_event", "_wait_error", "_computed", "_siblings", "__weakref__")
 
     def __init__(self, client: Any, buffer: int, shape: tuple[int, ...], dtype: np.dtype,
                  devices: list[int], mesh_shape: list[int], axis_names: list[str],
@@ -65,6 +65,8 @@ class Future(ArrayMethods):
         self._wait_event: threading.Event | None = None
         self._wait_error: BaseException | None = None   # how the last wait failed
         self._computed = False                          # a wait said it is done
+        # weak references to every output of the call that made it (Computation.__call__), or None
+        self._siblings: list | None = None
 
     def __del__(self) -> None:
         if self._donated is not None:
@@ -105,8 +107,10 @@ class Future(ArrayMethods):
         A value of at most WAIT_FETCHES_UP_TO bytes is fetched meanwhile (a
         worker answers a fetch once its shard is done; a later read has it at
         once); of a bigger one the workers only say when each shard is done,
-        and nothing is copied."""
-        if self._small():
+        and nothing is copied. Once one output of a call is known computed,
+        so are the others: the call's one computation has ended on every host
+        (``_fetched``), and they return at once."""
+        if self._small() and not self._computed:
             self._array()
         else:
             self._wait_done()
@@ -127,12 +131,12 @@ class Future(ArrayMethods):
         failed), without waiting. The first call asks the workers for it, as
         ``block_until_ready`` does: fetches a small value, and asks only whether
         a bigger one is done (``WAIT_FETCHES_UP_TO``)."""
-        if self._small():
-            with self._lock:
-                self._start_fetch()
-            return self.done()
         with self._lock:
-            if not (self._computed or self.done() or self._fetch is not None) and self._donated is None:
+            if self._computed or self.done():
+                return True
+            if self._small():
+                self._start_fetch()
+            elif self._fetch is None and self._donated is None:
                 self._start_wait()
             return self._computed or self.done()
 
@@ -209,27 +213,40 @@ class Future(ArrayMethods):
     def _fetched(self, fetch: Any, value: np.ndarray | None, error: BaseException | None) -> None:
         """Outcome of one fetch (or wait: ``value`` None); ignored unless it is
         the fetch or wait in flight."""
+        computed = False
         with self._lock:
             if fetch is self._wait and fetch is not None:
                 self._wait = None
                 if error is None:
-                    self._computed = True
+                    self._computed = computed = True
                 else:
                     self._wait_error = error
                 self._wait_event.set()
-                return
-            if fetch is not self._fetch:
-                return
-            self._fetch = None
-            if error is None:
-                # the value every later result() returns: read-only, as JAX's
-                # np.asarray(array) is, so no caller can change it for the others
-                value.flags.writeable = False
-                self._value = value
+            elif fetch is self._fetch:
+                self._fetch = None
+                if error is None:
+                    # the value every later result() returns: read-only, as JAX's
+                    # np.asarray(array) is, so no caller can change it for the others
+                    value.flags.writeable = False
+                    self._value = value
+                else:
+                    self._fetch_error = error
+                if self._event is not None:
+                    self._event.set()
             else:
-                self._fetch_error = error
-            if self._event is not None:
-                self._event.set()
+                return
+        if computed and self._siblings is not None:
+            # A call's outputs are made on each host by one computation, and
+            # stored once it has run to its end (Executor._settle): every
+            # shard of this one being done (a wait asks every shard; a fetch
+            # one per distinct region, which says less), so is the computation
+            # on every host, and the call's other outputs are computed too (a
+            # tree of a step's outputs is waited for in one round trip, not
+            # one each)
+            for ref in self._siblings:
+                other = ref()
+                if other is not None:
+                    other._computed = True      # (one store: read under the other's lock)
 
     def _fail(self, error: BaseException) -> None:
         """The call that produces this value failed: every fetch raises ``error``."""
