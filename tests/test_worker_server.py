@@ -84,6 +84,14 @@ class _Posts:
             assert self.cond.wait_for(lambda: len(self.msgs) >= n, timeout=10), f"{len(self.msgs)} of {n} replies"
 
 
+def _storer(store) -> None:
+    """Run ``store`` on a thread named "storer" (as an executor stores shards), to its end."""
+    t = threading.Thread(target=store, name="storer")
+    t.start()
+    t.join(10)
+    assert not t.is_alive()
+
+
 def test_a_small_fetch_is_answered_by_the_thread_that_finds_its_shard_done_a_big_one_by_a_sender(worker):
     """A small shard's fetch (or a failed one's) is answered on the thread that
     stores the shard, before ``set`` returns, or by the I/O thread if the shard
@@ -102,9 +110,7 @@ def test_a_small_fetch_is_answered_by_the_thread_that_finds_its_shard_done_a_big
         worker.store.set(shard_key(buffer_id(1, 2), 0, [[0, big.size]]), big)
         worker.store.set(shard_key(buffer_id(1, 3), 0, [[0, 4]]),
                          error=m.ErrorInfo("RemoteError", "it failed", 0, "f", ""))
-    t = threading.Thread(target=store, name="storer")
-    t.start()
-    t.join(10)
+    _storer(store)
     replies = {}
     while len(replies) < 3:
         replies.update({msg.request: msg for _, _, msg in sent(worker)})
@@ -177,9 +183,7 @@ def test_a_wait_only_fetch_is_answered_without_its_shard_where_the_shard_is_foun
         worker.store.set_many([(shard_key(buffer_id(1, 1), 0, region), Unsplit(big, 0))])
         worker.store.set(shard_key(buffer_id(1, 2), 0, [[0, 4]]),
                          error=m.ErrorInfo("RemoteError", "it failed", 0, "f", ""))
-    t = threading.Thread(target=store, name="storer")
-    t.start()
-    t.join(10)
+    _storer(store)
     got = {}
     while len(got) < 2:
         got.update({msg.request: (msg, bufs) for _, _, msg, bufs, _ in worker.outbox.drain()})
