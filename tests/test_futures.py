@@ -123,7 +123,8 @@ def test_one_output_of_a_call_waited_for_says_the_others_are_computed_a_fetch_do
     """A call's outputs share their siblings (Computation.__call__): once one's
     wait (every shard) is answered, the others' block_until_ready and
     is_ready ask nothing, a small one's included, and nothing is fetched. A
-    fetch (one shard per distinct region) says nothing of the others."""
+    fetch (one shard per distinct region), or a wait relocated to a copy,
+    says nothing of the others."""
     import weakref
 
     conn = _Conn(np.zeros(1, np.float32))
@@ -141,6 +142,14 @@ def test_one_output_of_a_call_waited_for_says_the_others_are_computed_a_fetch_do
     a._siblings = b._siblings = [weakref.ref(a), weakref.ref(b)]
     a.block_until_ready()
     assert a.done() and not b._computed
+    # nor a wait that read a copy the controller located after a host was lost
+    import types
+    c, d = _big(_Conn(None)), _big(_Conn(None))
+    c._siblings = d._siblings = [weakref.ref(c), weakref.ref(d)]
+    c.is_ready()
+    relocated = c._wait = types.SimpleNamespace(relocated=True)
+    c._fetched(relocated, None, None)
+    assert c.is_ready() and not d._computed
     for t in conn.threads + fetched.threads:
         t.join(10)
 

@@ -198,6 +198,16 @@ def test_a_wait_only_fetch_is_answered_without_its_shard_where_the_shard_is_foun
     [(_, _, reply)] = sent(worker, 0)
     assert reply == m.FetchReply(3, m.Aval([], ""), None)
     assert worker.state.expire_fetches(float("inf")) == []
+    # many of one client's waits waiting: as fetches, the storing thread leaves them to the pool
+    from zpath.worker import server as ws
+    posts = _Posts(worker)
+    many = range(100, 100 + ws.INLINE_FETCHES_WAITING + 1)
+    for req in many:
+        worker._handle_data(CLIENT, 7, m.Fetch(req, buffer_id(1, 3), 0, [[0, 4]], 30.0, True), [])
+    _storer(lambda: worker.store.set(shard_key(buffer_id(1, 3), 0, [[0, 4]]), np.arange(4, dtype=np.float32)))
+    posts.wait_for(len(many))
+    assert posts.by[many[0]].startswith("send")      # the first found too many waiting
+    assert all(posts.msgs[req] == m.FetchReply(req, m.Aval([], ""), None) for req in many)
 
 
 def test_a_fetch_not_ready_by_its_deadline_gets_deadline_exceeded_and_leaves_nothing(worker):

@@ -74,6 +74,9 @@ class _Fetch:
         self.parts: dict[int, np.ndarray | None] = {}
         self.timeout = timeout                     # how long a worker waits for a shard
         self.wait_only = wait_only
+        # read from a copy the controller located after a host was lost: a
+        # wait then asked the copy's shards, not every one of the value's
+        self.relocated = False
 
 
 def _asked(devices: list[int], regions: list[sharding.Region], wait_only: bool
@@ -310,6 +313,7 @@ class Client:
         if {self.devices[d].host for d in future._devices} & set(self._lost):
             # a host with its shards is gone: read a copy elsewhere, if there is one
             fetch = _Fetch(future, {}, {}, timeout, wait_only)
+            fetch.relocated = True
             req = self.ep.next_id()
             self._locates[req] = fetch
             self.outbox.put("ctl", None, m.Locate(future.buffer), (), req)
@@ -584,6 +588,7 @@ class Client:
         """Ask the controller where a copy of the fetch's value is left (the
         answer, a Location, restarts the fetch from there)."""
         self._forget(fetch)
+        fetch.relocated = True
         req = self.ep.next_id()
         self._locates[req] = fetch
         self._send_ctl([(m.Locate(fetch.future.buffer), 0, req)])

@@ -235,14 +235,14 @@ class Future(ArrayMethods):
                     self._event.set()
             else:
                 return
-        if computed and self._siblings is not None:
+        if computed and self._siblings is not None and not getattr(fetch, "relocated", False):
             # A call's outputs are made on each host by one computation, and
             # stored once it has run to its end (Executor._settle): every
             # shard of this one being done (a wait asks every shard; a fetch
-            # one per distinct region, which says less), so is the computation
-            # on every host, and the call's other outputs are computed too (a
-            # tree of a step's outputs is waited for in one round trip, not
-            # one each)
+            # one per distinct region, and a wait relocated after a host was
+            # lost the copy's, which say less), so is the computation on every
+            # host, and the call's other outputs are computed too (a tree of a
+            # step's outputs is waited for in one round trip, not one each)
             for ref in self._siblings:
                 other = ref()
                 if other is not None:

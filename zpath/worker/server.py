@@ -1065,10 +1065,10 @@ class Worker:
         client with more than INLINE_FETCHES_WAITING fetches waiting here,
         so that no client's fetches hold up for long the thread that stores a
         shard they wait for. A ``wait_only`` fetch reads nothing of the shard:
-        it is answered here, without it."""
+        it is answered as a small one is, without it."""
         try:
-            inline = e.error is not None or p.msg.wait_only or (
-                self._fetch_bytes(p, e) <= channels.INLINE_PIECE_BYTES
+            inline = e.error is not None or (
+                (p.msg.wait_only or self._fetch_bytes(p, e) <= channels.INLINE_PIECE_BYTES)
                 and self.state.pending_fetches.get(client_of(p.msg.buffer), 0) <= INLINE_FETCHES_WAITING)
         except Exception:     # (a bug) the sender thread reads the shard: its failure is answered
             log.exception("sizing a fetch of buffer %d", p.msg.buffer)
