@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import threading
+import types
 
 import jax
 import numpy as np
@@ -26,8 +27,10 @@ class _Conn:
         self.waits: list[object] = []          # wait-only fetches (block_until_ready of a big value)
         self.threads: list[threading.Thread] = []
 
-    def start_fetch(self, future: Future, timeout: float, wait_only: bool = False) -> object:
-        fetch = object()
+    def start_fetch(self, future: Future, timeout: float, wait_only: bool = False,
+                    every_shard: bool = False) -> object:
+        # (as connection._Fetch: a wait asks every shard, a fetch one per region unless asked)
+        fetch = types.SimpleNamespace(every_shard=wait_only or every_shard, relocated=False)
         (self.waits if wait_only else self.fetches).append(fetch)
         if self.answer is not None:
             value, error = (None, self.answer) if isinstance(self.answer, BaseException) else (self.answer, None)
@@ -122,9 +125,10 @@ def test_block_until_ready_of_a_big_value_waits_for_it_without_fetching_it():
 def test_one_output_of_a_call_waited_for_says_the_others_are_computed_a_fetch_does_not():
     """A call's outputs share their siblings (Computation.__call__): once one's
     wait (every shard) is answered, the others' block_until_ready and
-    is_ready ask nothing, a small one's included, and nothing is fetched. A
-    fetch (one shard per distinct region), or a wait relocated to a copy,
-    says nothing of the others."""
+    is_ready ask nothing, a small one's included, and nothing is fetched; a
+    small one's block_until_ready fetches every shard and says the same. A
+    read's fetch (one shard per distinct region), or a wait relocated to a
+    copy, says nothing of the others."""
     import weakref
 
     conn = _Conn(np.zeros(1, np.float32))
@@ -137,17 +141,23 @@ def test_one_output_of_a_call_waited_for_says_the_others_are_computed_a_fetch_do
     assert (len(conn.waits), len(conn.fetches)) == (1, 0)
     assert second.is_ready() and small.is_ready() and not small.done()
     assert (len(conn.waits), len(conn.fetches)) == (1, 0)
+    # a small one first (a step's loss, then its parameters): its fetch asks
+    # every shard, and says the same; a read's fetch (one shard per region) does not
     fetched = _Conn(np.zeros(2, np.float32))
+    loss, params = _future(fetched), _big(fetched)
+    loss._siblings = params._siblings = [weakref.ref(loss), weakref.ref(params)]
+    jax.block_until_ready((loss, params))
+    assert loss.done() and params.is_ready() and fetched.fetches[0].every_shard
+    assert (len(fetched.waits), len(fetched.fetches)) == (0, 1)
     a, b = _future(fetched), _big(fetched)
     a._siblings = b._siblings = [weakref.ref(a), weakref.ref(b)]
-    a.block_until_ready()
-    assert a.done() and not b._computed
+    a.result(timeout=10)
+    assert a.done() and not b._computed and not fetched.fetches[-1].every_shard
     # nor a wait that read a copy the controller located after a host was lost
-    import types
     c, d = _big(_Conn(None)), _big(_Conn(None))
     c._siblings = d._siblings = [weakref.ref(c), weakref.ref(d)]
     c.is_ready()
-    relocated = c._wait = types.SimpleNamespace(relocated=True)
+    relocated = c._wait = types.SimpleNamespace(every_shard=True, relocated=True)
     c._fetched(relocated, None, None)
     assert c.is_ready() and not d._computed
     for t in conn.threads + fetched.threads:

@@ -255,6 +255,21 @@ def test_a_donated_future_is_consumed(fake):
             for d in (True, False)] == [(0,), ()]
 
 
+def test_a_calls_outputs_know_each_other(fake):
+    """Every output of one call holds weak references to all of them (so one
+    known computed makes the others so: futures.Future._siblings_computed); a
+    call of one output holds none."""
+    client, devs = fake
+    f = zp.jit(lambda x: (x + 1, {"s": x.sum(), "m": x * 2}), devices=devs)
+    a, rest = f(np.ones(2))
+    outs = [a, rest["m"], rest["s"]]          # (in the order of the leaves: keys sorted)
+    assert outs[0]._siblings is outs[1]._siblings is outs[2]._siblings
+    assert all(r() is o for r, o in zip(outs[0]._siblings, outs, strict=True))
+    assert zp.jit(lambda x: x + 1, devices=devs)(np.ones(2))._siblings is None
+    del outs, a, rest
+    assert f(np.ones(2))[0]._siblings[1]() is None       # weak: a dropped sibling goes
+
+
 # ---- on a cluster -----------------------------------------------------------------
 def devices(n: int, **kw: Any) -> list:
     return zp.make_virtual_device_set().add_slice(devices=n, **kw).devices

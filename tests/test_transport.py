@@ -505,6 +505,25 @@ def test_client_fetch_answered_while_its_requests_are_still_being_put_waits_for_
     c.start_fetch(fut, 30.0, wait_only=True)
     assert got == [(None, None)] and [a.wait_only for a in asked] == [False, False, True, True]
     assert not c._fetches
+    # a replicated value: a read's fetch asks one shard, a wait (or a fetch
+    # with every_shard) every device's, which is what says its call ended
+    rep = Fut(c, 10, (4, 2), np.dtype(np.float32), [0, 1], [2], ["i"], [None, None])
+    for kw, n in (({}, 1), ({"wait_only": True}, 2), ({"every_shard": True}, 2)):
+        asked.clear()
+        fetch = c.start_fetch(rep, 30.0, **kw)
+        assert [a.device for a in asked] == [0, 1][:n] and fetch.every_shard == (n == 2), kw
+    # a wait whose host was lost goes to the copy the controller locates: still a wait, relocated
+    asked.clear()
+    sent = []
+    c._send_ctl, c._locates, c._data_sock = sent.extend, {}, lambda host: host
+    c._send = lambda sock, msg, bufs, req: c.outbox.put("data", sock, msg, bufs, req)
+    wait = c.start_fetch(rep, 30.0, wait_only=True)
+    c._relocate(wait)
+    [(locate, _, req)] = sent
+    got.clear()
+    c._refetch(c._locates.pop(req), m.Location(10, [[[0, 4], [0, 2]]], [1], None))
+    assert wait.relocated and [(a.device, a.wait_only) for a in asked] == [(0, True), (1, True), (1, True)]
+    assert got == [(None, None)]
 
 
 def test_client_sends_the_releases_made_among_a_burst_of_calls_as_one_release_after_them():

@@ -210,6 +210,31 @@ def test_a_wait_only_fetch_is_answered_without_its_shard_where_the_shard_is_foun
     assert all(posts.msgs[req] == m.FetchReply(req, m.Aval([], ""), None) for req in many)
 
 
+def test_a_computation_whose_second_output_cannot_be_taken_apart_fails_all_its_outputs(worker):
+    """Settling a computation whose output 1 is not what the call declared
+    stores the computations' before it and fails every output of this one,
+    output 0 included: a client that knows one output of a call done takes
+    the others for done (futures.Future._fetched), so none may be done alone."""
+    from zpath.worker.store import ShardKey
+
+    class Prepared:
+        def output_shards(self, k, o, out, lazy=False):
+            if k == 1:
+                raise ValueError("output 1 is float32[3], but the call declared float32[4]")
+            return [(0, ((0, 4),), out)]
+    av = m.Aval([4], "float32")
+    ex = m.Execute(7, 1, "d" * 64, "f", [1], ["i"], [0], [0], [],
+                   [m.ExecOutput(buffer_id(1, 10), av, [None]), m.ExecOutput(buffer_id(1, 11), av, [None])])
+    earlier = ShardKey(buffer_id(1, 9), 0, ((0, 4),))
+    shards = [(earlier, np.ones(4, np.float32))]
+    error = worker.executor._output_shards(ex, Prepared(), [np.zeros(4, np.float32)] * 2, shards)
+    assert error is not None and "declared" in error.message and shards == []
+    assert worker.store.entry(earlier).error is None and worker.store.entry(earlier).value.tolist() == [1.0] * 4
+    for b in (10, 11):
+        e = worker.store.entry(shard_key(buffer_id(1, b), 0, [[0, 4]]))
+        assert e.done and e.error is not None and "declared" in e.error.message, b
+
+
 def test_a_fetch_not_ready_by_its_deadline_gets_deadline_exceeded_and_leaves_nothing(worker):
     worker._handle_data(CLIENT, 7, m.Fetch(2, buffer_id(1, 2), 0, [[0, 4]], 0.0), [])
     worker._expire_fetches()

@@ -67,24 +67,27 @@ class _Fetch:
     answered without it."""
 
     def __init__(self, future: Any, regions: dict[int, sharding.Region], hosts: dict[int, int],
-                 timeout: float, wait_only: bool = False) -> None:
+                 timeout: float, wait_only: bool = False, every_shard: bool = False) -> None:
         self.future = future
         self.regions = regions                     # request id -> region
         self.hosts = hosts                         # request id -> host asked
         self.parts: dict[int, np.ndarray | None] = {}
         self.timeout = timeout                     # how long a worker waits for a shard
         self.wait_only = wait_only
+        # asks every shard (a wait always does), so its success says the call
+        # that made the value has ended on every host (Future._siblings_computed)
+        self.every_shard = wait_only or every_shard
         # read from a copy the controller located after a host was lost: a
         # wait then asked the copy's shards, not every one of the value's
         self.relocated = False
 
 
-def _asked(devices: list[int], regions: list[sharding.Region], wait_only: bool
+def _asked(devices: list[int], regions: list[sharding.Region], every_shard: bool
            ) -> list[tuple[sharding.Region, int]]:
     """The (region, device) shards a fetch asks for: the first device of each
-    distinct region; for a wait, every shard (each device's copy is made and
-    stored on its own)."""
-    if wait_only:
+    distinct region; with ``every_shard`` (a wait), every shard (each
+    device's copy is made and stored on its own)."""
+    if every_shard:
         return list(zip(regions, devices, strict=True))
     seen: dict[sharding.Region, int] = {}
     for d, r in zip(devices, regions, strict=True):
@@ -304,23 +307,27 @@ class Client:
         if not self._closed and self._broken is None:
             self.outbox.put("rel", None, buffer, (), 0)
 
-    def start_fetch(self, future: Any, timeout: float, wait_only: bool = False) -> "_Fetch":
+    def start_fetch(self, future: Any, timeout: float, wait_only: bool = False,
+                    every_shard: bool = False) -> "_Fetch":
         """Ask the workers for every distinct shard of ``future``; the I/O thread
         sets the future's value when all have arrived. With ``wait_only``, ask
         every shard's host to say when it is done, without sending it: the I/O
-        thread tells the future once all have."""
+        thread tells the future once all have. With ``every_shard``, fetch
+        from every shard, not one per distinct region."""
         self._check_open()
         if {self.devices[d].host for d in future._devices} & set(self._lost):
             # a host with its shards is gone: read a copy elsewhere, if there is one
-            fetch = _Fetch(future, {}, {}, timeout, wait_only)
+            fetch = _Fetch(future, {}, {}, timeout, wait_only, every_shard)
             fetch.relocated = True
             req = self.ep.next_id()
             self._locates[req] = fetch
             self.outbox.put("ctl", None, m.Locate(future.buffer), (), req)
             return fetch
-        asked = {self.ep.next_id(): rd for rd in _asked(future._devices, future._regions(), wait_only)}
+        every_shard = wait_only or every_shard
+        asked = {self.ep.next_id(): rd for rd in _asked(future._devices, future._regions(), every_shard)}
         fetch = _Fetch(future, {req: r for req, (r, _) in asked.items()},
-                       {req: self.devices[d].host for req, (_, d) in asked.items()}, timeout, wait_only)
+                       {req: self.devices[d].host for req, (_, d) in asked.items()}, timeout, wait_only,
+                       every_shard)
         # every request is the fetch's before any goes: the I/O thread may
         # take the first answer while this thread puts the next request
         for req in asked:
@@ -607,7 +614,7 @@ class Client:
             return
         fetch.regions, fetch.hosts, fetch.parts = {}, {}, {}
         regions = [sharding.from_wire(wire) for wire in loc.regions]
-        for r, d in _asked(loc.devices, regions, fetch.wait_only):
+        for r, d in _asked(loc.devices, regions, fetch.every_shard):
             req = self.ep.next_id()
             host = self.devices[d].host
             fetch.regions[req], fetch.hosts[req] = r, host

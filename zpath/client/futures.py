@@ -111,6 +111,8 @@ class Future(ArrayMethods):
         so are the others: the call's one computation has ended on every host
         (``_fetched``), and they return at once."""
         if self._small() and not self._computed:
+            with self._lock:
+                self._start_fetch(self._siblings is not None)
             self._array()
         else:
             self._wait_done()
@@ -132,10 +134,10 @@ class Future(ArrayMethods):
         ``block_until_ready`` does: fetches a small value, and asks only whether
         a bigger one is done (``WAIT_FETCHES_UP_TO``)."""
         with self._lock:
-            if self._computed or self.done():
+            if (self._computed and self._donated is None) or self.done():
                 return True
             if self._small():
-                self._start_fetch()
+                self._start_fetch(self._siblings is not None)
             elif self._fetch is None and self._donated is None:
                 self._start_wait()
             return self._computed or self.done()
@@ -143,14 +145,17 @@ class Future(ArrayMethods):
     def _small(self) -> bool:
         return self.size * self.dtype.itemsize <= WAIT_FETCHES_UP_TO
 
-    def _start_fetch(self) -> None:
+    def _start_fetch(self, every_shard: bool = False) -> None:
         """Fetch the value unless it is here, failed, being fetched or donated
-        (under ``_lock``)."""
+        (under ``_lock``); with ``every_shard``, from every shard, not one per
+        distinct region (block_until_ready of a call's small output: its
+        answer then says the call's other outputs are computed too)."""
         if self._value is None and self._error is None and self._fetch is None and self._donated is None:
             self._fetch_error = None
             self._waiting().clear()
             self._read = True
-            self._fetch = self._client.start_fetch(self, self._client.config.fetch_timeout_s)
+            self._fetch = self._client.start_fetch(self, self._client.config.fetch_timeout_s,
+                                                   **({"every_shard": True} if every_shard else {}))
 
     def _start_wait(self, timeout: float | None = None) -> threading.Event:
         """Ask the workers to say when the value is done unless a wait is in
@@ -160,7 +165,7 @@ class Future(ArrayMethods):
         if self._wait is None:
             self._wait_error = None
             self._wait_event.clear()
-            self._read = True     # (as a fetch: no later call may donate it before the workers answer)
+            self._read = True     # (as a fetch does: a later call does not donate it)
             self._wait = self._client.start_fetch(
                 self, self._client.config.fetch_timeout_s if timeout is None else timeout, wait_only=True)
         return self._wait_event
@@ -183,23 +188,28 @@ class Future(ArrayMethods):
             self._array(timeout)
             return
         recorder, began = getattr(self._client, "recorder", None), time.time()
+        deadline = time.monotonic() + timeout
         try:
-            arrived = event.wait(timeout)
+            while True:
+                arrived = event.wait(max(0.0, deadline - time.monotonic()))
+                with self._lock:
+                    if self._error is not None:
+                        raise _fresh(self._error)
+                    if self._value is not None or self._computed:
+                        return
+                    if self._wait_error is not None and self._wait is None:
+                        raise _fresh(self._wait_error)
+                    if self._wait is not None and self._wait is not wait and time.monotonic() < deadline:
+                        wait = self._wait         # ours failed and another thread asked again
+                        continue
+                    if not arrived and self._wait is wait:
+                        self._wait = None     # a later wait asks again
+                    raise DeadlineExceeded(f"buffer {self.buffer} ({self.dtype}{list(self.shape)}) was "
+                                           f"not computed within {timeout:.1f}s")
         finally:
             if recorder is not None:
                 recorder.add("wait", f"{self.dtype}{list(self.shape)}", began, time.time(),
                              buffer=self.buffer)
-        with self._lock:
-            if self._error is not None:
-                raise _fresh(self._error)
-            if self._value is not None or self._computed:
-                return
-            if self._wait_error is not None and self._wait is None:
-                raise _fresh(self._wait_error)
-            if not arrived and self._wait is wait:
-                self._wait = None     # a later wait asks again
-            raise DeadlineExceeded(f"buffer {self.buffer} ({self.dtype}{list(self.shape)}) was not "
-                                   f"computed within {timeout:.1f}s")
 
     def _waiting(self) -> threading.Event:
         """The event a fetch's outcome sets, made now if need be (under ``_lock``)."""
@@ -213,12 +223,12 @@ class Future(ArrayMethods):
     def _fetched(self, fetch: Any, value: np.ndarray | None, error: BaseException | None) -> None:
         """Outcome of one fetch (or wait: ``value`` None); ignored unless it is
         the fetch or wait in flight."""
-        computed = False
         with self._lock:
             if fetch is self._wait and fetch is not None:
                 self._wait = None
                 if error is None:
-                    self._computed = computed = True
+                    self._computed = True
+                    self._siblings_computed(fetch)
                 else:
                     self._wait_error = error
                 self._wait_event.set()
@@ -229,24 +239,28 @@ class Future(ArrayMethods):
                     # np.asarray(array) is, so no caller can change it for the others
                     value.flags.writeable = False
                     self._value = value
+                    self._siblings_computed(fetch)
                 else:
                     self._fetch_error = error
                 if self._event is not None:
                     self._event.set()
-            else:
-                return
-        if computed and self._siblings is not None and not getattr(fetch, "relocated", False):
-            # A call's outputs are made on each host by one computation, and
-            # stored once it has run to its end (Executor._settle): every
-            # shard of this one being done (a wait asks every shard; a fetch
-            # one per distinct region, and a wait relocated after a host was
-            # lost the copy's, which say less), so is the computation on every
-            # host, and the call's other outputs are computed too (a tree of a
-            # step's outputs is waited for in one round trip, not one each)
-            for ref in self._siblings:
-                other = ref()
-                if other is not None:
-                    other._computed = True      # (one store: read under the other's lock)
+
+    def _siblings_computed(self, fetch: Any) -> None:
+        """A fetch or wait of this value succeeded: if it asked every shard,
+        the call's other outputs are computed too (before its waiter wakes,
+        so that the next leaf of a tree finds them so). A call's outputs are
+        made on each host by one computation and stored, all or none, once it
+        has run to its end (Executor._settle, _output_shards): every shard of
+        this one being done, so is the computation on every host. A fetch of
+        one shard per distinct region, or a wait sent to a copy after a host
+        was lost (``relocated``), says less."""
+        if self._siblings is None or not getattr(fetch, "every_shard", False) \
+                or getattr(fetch, "relocated", False):
+            return
+        for ref in self._siblings:
+            other = ref()
+            if other is not None:
+                other._computed = True      # (only ever set: read under the other's lock)
 
     def _fail(self, error: BaseException) -> None:
         """The call that produces this value failed: every fetch raises ``error``."""

@@ -417,13 +417,17 @@ class Executor:
     def _output_shards(self, ex: m.Execute, prepared: "_Prepared", outs: Any,
                        shards: list[tuple[ShardKey, Any]]) -> m.ErrorInfo | None:
         """Add the shards of a plain computation's outputs to ``shards``, to be
-        stored; returns an error if taking them apart failed: then those
-        before are stored now, and its outputs fail with it."""
+        stored; returns an error if taking them apart failed: then those of
+        the computations before are stored now, and all its outputs fail
+        with it, none stored (a client that knows one output of a call done
+        takes the others for done too: futures.Future._fetched)."""
+        mine = len(shards)
         try:
             for k, (o, out) in enumerate(zip(ex.outputs, outs, strict=True)):
                 shards += [(ShardKey(o.buffer, gid, region), data)
                            for gid, region, data in prepared.output_shards(k, o, out, True)]
         except Exception as e:
+            del shards[mine:]
             self.store.set_many(shards)     # (in order: what came before, then the error)
             shards.clear()
             return self._failed(ex, ex.exec_id, _as_is, e, None)
