@@ -217,8 +217,8 @@ class _AllAtOnce(_Conn):
         super().__init__(None)
         self.n, self.asked = n, []
 
-    def start_fetch(self, future: Future, timeout: float) -> object:
-        fetch = super().start_fetch(future, timeout)
+    def start_fetch(self, future: Future, timeout: float, **kw) -> object:
+        fetch = super().start_fetch(future, timeout, **kw)
         self.asked.append((future, fetch))
         if len(self.asked) == self.n:     # (from a thread of its own, as the I/O thread answers)
             t = threading.Thread(target=lambda: [fut._fetched(f, np.full(2, fut.buffer, np.float32), None)

@@ -155,7 +155,7 @@ class Future(ArrayMethods):
             self._waiting().clear()
             self._read = True
             self._fetch = self._client.start_fetch(self, self._client.config.fetch_timeout_s,
-                                                   **({"every_shard": True} if every_shard else {}))
+                                                   every_shard=every_shard)
 
     def _start_wait(self, timeout: float | None = None) -> threading.Event:
         """Ask the workers to say when the value is done unless a wait is in
