@@ -123,20 +123,23 @@ def test_block_until_ready_of_a_big_value_waits_for_it_without_fetching_it():
 
 
 def test_one_output_of_a_call_waited_for_says_the_others_are_computed_a_fetch_does_not():
-    """A call's outputs share their siblings (Computation.__call__): once one's
+    """A call's outputs share a CallRan (Computation.__call__): once one's
     wait (every shard) is answered, the others' block_until_ready and
     is_ready ask nothing, a small one's included, and nothing is fetched; a
     small one's block_until_ready fetches every shard and says the same. A
     read's fetch (one shard per distinct region), or a wait relocated to a
     copy, says nothing of the others."""
-    import weakref
+    from zpath.client.futures import CallRan
+
+    def one_call(*futures):
+        ran = CallRan()
+        for f in futures:
+            f._call = ran
 
     conn = _Conn(np.zeros(1, np.float32))
     first, second = _big(conn), _big(conn)
     small = _future(conn)
-    siblings = [weakref.ref(f) for f in (first, second, small)]
-    for f in (first, second, small):
-        f._siblings = siblings
+    one_call(first, second, small)
     jax.block_until_ready([first, second, small])
     assert (len(conn.waits), len(conn.fetches)) == (1, 0)
     assert second.is_ready() and small.is_ready() and not small.done()
@@ -145,21 +148,21 @@ def test_one_output_of_a_call_waited_for_says_the_others_are_computed_a_fetch_do
     # every shard, and says the same; a read's fetch (one shard per region) does not
     fetched = _Conn(np.zeros(2, np.float32))
     loss, params = _future(fetched), _big(fetched)
-    loss._siblings = params._siblings = [weakref.ref(loss), weakref.ref(params)]
+    one_call(loss, params)
     jax.block_until_ready((loss, params))
     assert loss.done() and params.is_ready() and fetched.fetches[0].every_shard
     assert (len(fetched.waits), len(fetched.fetches)) == (0, 1)
     a, b = _future(fetched), _big(fetched)
-    a._siblings = b._siblings = [weakref.ref(a), weakref.ref(b)]
+    one_call(a, b)
     a.result(timeout=10)
-    assert a.done() and not b._computed and not fetched.fetches[-1].every_shard
+    assert a.done() and not b._is_computed() and not fetched.fetches[-1].every_shard
     # nor a wait that read a copy the controller located after a host was lost
     c, d = _big(_Conn(None)), _big(_Conn(None))
-    c._siblings = d._siblings = [weakref.ref(c), weakref.ref(d)]
+    one_call(c, d)
     c.is_ready()
     relocated = c._wait = types.SimpleNamespace(every_shard=True, relocated=True)
     c._fetched(relocated, None, None)
-    assert c.is_ready() and not d._computed
+    assert c.is_ready() and not d._is_computed()
     for t in conn.threads + fetched.threads:
         t.join(10)
 

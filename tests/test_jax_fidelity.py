@@ -256,18 +256,16 @@ def test_a_donated_future_is_consumed(fake):
 
 
 def test_a_calls_outputs_know_each_other(fake):
-    """Every output of one call holds weak references to all of them (so one
-    known computed makes the others so: futures.Future._siblings_computed); a
-    call of one output holds none."""
+    """Every output of one call shares one CallRan (so one known computed makes
+    the others so: futures.Future._ran_everywhere); a call of one output has
+    none."""
     client, devs = fake
     f = zp.jit(lambda x: (x + 1, {"s": x.sum(), "m": x * 2}), devices=devs)
     a, rest = f(np.ones(2))
     outs = [a, rest["m"], rest["s"]]          # (in the order of the leaves: keys sorted)
-    assert outs[0]._siblings is outs[1]._siblings is outs[2]._siblings
-    assert all(r() is o for r, o in zip(outs[0]._siblings, outs, strict=True))
-    assert zp.jit(lambda x: x + 1, devices=devs)(np.ones(2))._siblings is None
-    del outs, a, rest
-    assert f(np.ones(2))[0]._siblings[1]() is None       # weak: a dropped sibling goes
+    assert outs[0]._call is not None and outs[0]._call is outs[1]._call is outs[2]._call
+    assert f(np.ones(2))[0]._call is not outs[0]._call          # one per call
+    assert zp.jit(lambda x: x + 1, devices=devs)(np.ones(2))._call is None
 
 
 # ---- on a cluster -----------------------------------------------------------------
@@ -303,7 +301,7 @@ def test_futures_are_arrays(client):
     # a call's outputs: one waited for, the others are known computed (nothing fetched)
     three = zp.jit(lambda a: (a + 1, a.sum(), a * 2), devices=d0)(big)
     jax.block_until_ready(three)
-    assert all(f._computed and f._value is None for f in three)
+    assert all(f._is_computed() and f._value is None for f in three)
     np.testing.assert_array_equal(three[2].result(timeout=60), np.full((64, 512), 6, np.float32))
     np.testing.assert_array_equal(z.result(timeout=60), x * 2)
     ops = {"add": (y + other, x + 1), "rsub": (1 - y, 1 - x), "mul": (y * y, x * x), "div": (y / 2, x / 2),

@@ -7,7 +7,6 @@ import functools
 import hashlib
 import inspect
 import time
-import weakref
 from typing import Any, Callable, Sequence
 
 import jax
@@ -20,7 +19,7 @@ from jax.sharding import PartitionSpec as P
 from zpath import sharding
 from zpath.client import tracer
 from zpath.client.avals import Aval, aval_of, dtype_name, host_value
-from zpath.client.futures import Future
+from zpath.client.futures import CallRan, Future
 from zpath.errors import Closed
 from zpath.net import codec
 from zpath.net import messages as m
@@ -619,9 +618,9 @@ class Computation:
         futures = [self.future(b, a, spec, k) for b, a, spec, k in
                    zip(out_buffers, traced.out_avals, traced.out_specs, traced.out_keys, strict=True)]
         if len(futures) > 1:       # one known computed, all are (Future._fetched)
-            siblings = [weakref.ref(f) for f in futures]
+            ran = CallRan()
             for f in futures:
-                f._siblings = siblings
+                f._call = ran
         call_id = client.new_call_id()
 
         def whole(keep: int) -> m.Call:       # (the first call of this form: it goes whole)

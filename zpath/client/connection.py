@@ -75,7 +75,7 @@ class _Fetch:
         self.timeout = timeout                     # how long a worker waits for a shard
         self.wait_only = wait_only
         # asks every shard (a wait always does), so its success says the call
-        # that made the value has ended on every host (Future._siblings_computed)
+        # that made the value has ended on every host (Future._ran_everywhere)
         self.every_shard = wait_only or every_shard
         # read from a copy the controller located after a host was lost: a
         # wait then asked the copy's shards, not every one of the value's
@@ -315,19 +315,16 @@ class Client:
         thread tells the future once all have. With ``every_shard``, fetch
         from every shard, not one per distinct region."""
         self._check_open()
+        fetch = _Fetch(future, {}, {}, timeout, wait_only, every_shard)
         if {self.devices[d].host for d in future._devices} & set(self._lost):
             # a host with its shards is gone: read a copy elsewhere, if there is one
-            fetch = _Fetch(future, {}, {}, timeout, wait_only, every_shard)
-            fetch.relocated = True
             req = self.ep.next_id()
             self._locates[req] = fetch
             self.outbox.put("ctl", None, m.Locate(future.buffer), (), req)
             return fetch
-        every_shard = wait_only or every_shard
-        asked = {self.ep.next_id(): rd for rd in _asked(future._devices, future._regions(), every_shard)}
-        fetch = _Fetch(future, {req: r for req, (r, _) in asked.items()},
-                       {req: self.devices[d].host for req, (_, d) in asked.items()}, timeout, wait_only,
-                       every_shard)
+        asked = {self.ep.next_id(): rd for rd in _asked(future._devices, future._regions(), fetch.every_shard)}
+        for req, (r, d) in asked.items():
+            fetch.regions[req], fetch.hosts[req] = r, self.devices[d].host
         # every request is the fetch's before any goes: the I/O thread may
         # take the first answer while this thread puts the next request
         for req in asked:
@@ -595,7 +592,6 @@ class Client:
         """Ask the controller where a copy of the fetch's value is left (the
         answer, a Location, restarts the fetch from there)."""
         self._forget(fetch)
-        fetch.relocated = True
         req = self.ep.next_id()
         self._locates[req] = fetch
         self._send_ctl([(m.Locate(fetch.future.buffer), 0, req)])
@@ -613,6 +609,7 @@ class Client:
                 "on a host this client can reach"))
             return
         fetch.regions, fetch.hosts, fetch.parts = {}, {}, {}
+        fetch.relocated = True
         regions = [sharding.from_wire(wire) for wire in loc.regions]
         for r, d in _asked(loc.devices, regions, fetch.every_shard):
             req = self.ep.next_id()

@@ -21,6 +21,16 @@ MAX_TIMEOUT_S = 1e7      # (a wait longer than the platform's limit raises Overf
 WAIT_FETCHES_UP_TO = 64 * 1024
 
 
+class CallRan:
+    """What the outputs of one call share (``Future._call``): whether the call
+    is known to have run to its end on every host (``Future._fetched``)."""
+
+    __slots__ = ("ran",)
+
+    def __init__(self) -> None:
+        self.ran = False
+
+
 class Future(ArrayMethods):
     """A value being computed (or already computed) on the cluster, used as a
     ``jax.Array`` is: operators, indexing and array methods run on its devices
@@ -35,7 +45,7 @@ class Future(ArrayMethods):
     __slots__ = ("_client", "buffer", "shape", "dtype", "_devices", "_mesh_shape",
                  "_axis_names", "_spec", "_lock", "_event", "_value", "_error", "_fetch",
                  "_fetch_error", "_mesh", "_key", "_donated", "_read",
-                 "_wait", "_wait_event", "_wait_error", "_computed", "_siblings", "__weakref__")
+                 "_wait", "_wait_event", "_wait_error", "_computed", "_call", "__weakref__")
 
     def __init__(self, client: Any, buffer: int, shape: tuple[int, ...], dtype: np.dtype,
                  devices: list[int], mesh_shape: list[int], axis_names: list[str],
@@ -65,8 +75,8 @@ class Future(ArrayMethods):
         self._wait_event: threading.Event | None = None
         self._wait_error: BaseException | None = None   # how the last wait failed
         self._computed = False                          # a wait said it is done
-        # weak references to every output of the call that made it (Computation.__call__), or None
-        self._siblings: list | None = None
+        # shared by the outputs of the call that made it (Computation.__call__), or None
+        self._call: CallRan | None = None
 
     def __del__(self) -> None:
         if self._donated is not None:
@@ -110,9 +120,9 @@ class Future(ArrayMethods):
         and nothing is copied. Once one output of a call is known computed,
         so are the others: the call's one computation has ended on every host
         (``_fetched``), and they return at once."""
-        if self._small() and not self._computed:
+        if self._small() and not self._is_computed():
             with self._lock:
-                self._start_fetch(self._siblings is not None)
+                self._start_fetch(self._call is not None)
             self._array()
         else:
             self._wait_done()
@@ -134,13 +144,18 @@ class Future(ArrayMethods):
         ``block_until_ready`` does: fetches a small value, and asks only whether
         a bigger one is done (``WAIT_FETCHES_UP_TO``)."""
         with self._lock:
-            if (self._computed and self._donated is None) or self.done():
+            if (self._is_computed() and self._donated is None) or self.done():
                 return True
             if self._small():
-                self._start_fetch(self._siblings is not None)
+                self._start_fetch(self._call is not None)
             elif self._fetch is None and self._donated is None:
                 self._start_wait()
-            return self._computed or self.done()
+            return self._is_computed() or self.done()
+
+    def _is_computed(self) -> bool:
+        """Known computed without its value: a wait of its own said so, or one
+        of another output of its call (``_fetched``)."""
+        return self._computed or (self._call is not None and self._call.ran)
 
     def _small(self) -> bool:
         return self.size * self.dtype.itemsize <= WAIT_FETCHES_UP_TO
@@ -178,7 +193,7 @@ class Future(ArrayMethods):
         with self._lock:
             if self._error is not None:
                 raise _fresh(self._error)
-            if self._value is not None or self._computed:
+            if self._value is not None or self._is_computed():
                 return
             fetching = self._fetch is not None
             if not fetching:
@@ -195,7 +210,7 @@ class Future(ArrayMethods):
                 with self._lock:
                     if self._error is not None:
                         raise _fresh(self._error)
-                    if self._value is not None or self._computed:
+                    if self._value is not None or self._is_computed():
                         return
                     if self._wait_error is not None and self._wait is None:
                         raise _fresh(self._wait_error)
@@ -228,7 +243,7 @@ class Future(ArrayMethods):
                 self._wait = None
                 if error is None:
                     self._computed = True
-                    self._siblings_computed(fetch)
+                    self._ran_everywhere(fetch)
                 else:
                     self._wait_error = error
                 self._wait_event.set()
@@ -239,28 +254,24 @@ class Future(ArrayMethods):
                     # np.asarray(array) is, so no caller can change it for the others
                     value.flags.writeable = False
                     self._value = value
-                    self._siblings_computed(fetch)
+                    self._ran_everywhere(fetch)
                 else:
                     self._fetch_error = error
                 if self._event is not None:
                     self._event.set()
 
-    def _siblings_computed(self, fetch: Any) -> None:
+    def _ran_everywhere(self, fetch: Any) -> None:
         """A fetch or wait of this value succeeded: if it asked every shard,
-        the call's other outputs are computed too (before its waiter wakes,
-        so that the next leaf of a tree finds them so). A call's outputs are
-        made on each host by one computation and stored, all or none, once it
-        has run to its end (Executor._settle, _output_shards): every shard of
-        this one being done, so is the computation on every host. A fetch of
-        one shard per distinct region, or a wait sent to a copy after a host
-        was lost (``relocated``), says less."""
-        if self._siblings is None or not getattr(fetch, "every_shard", False) \
-                or getattr(fetch, "relocated", False):
-            return
-        for ref in self._siblings:
-            other = ref()
-            if other is not None:
-                other._computed = True      # (only ever set: read under the other's lock)
+        its call has run to its end on every host, and the call's other
+        outputs are computed too (said before its waiter wakes, so that the
+        next leaf of a tree finds them so). A call's outputs are made on each
+        host by one computation and stored, all or none, once it has run to
+        its end (Executor._settle, _output_shards). A fetch of one shard per
+        distinct region, or a wait sent to a copy after a host was lost
+        (``relocated``), says less."""
+        if self._call is not None and getattr(fetch, "every_shard", False) \
+                and not getattr(fetch, "relocated", False):
+            self._call.ran = True      # (only ever set)
 
     def _fail(self, error: BaseException) -> None:
         """The call that produces this value failed: every fetch raises ``error``."""
