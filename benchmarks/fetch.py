@@ -145,18 +145,16 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         zp.shutdown()
 
+    def by_gap(times: dict[float, list[float]]) -> dict:
+        return {f"g{g:g}": _quantiles(times[g]) for g in gaps}
+
     out = {"python": platform.python_version(), "jax": jax.__version__, "cpus": os.cpu_count(),
-           "count": args.count, "gaps_ms": gaps,
-           "done_us": {f"g{g:g}": _quantiles(done[g]) for g in gaps},
-           "round_trip_us": {f"g{g:g}": _quantiles(trip[g]) for g in gaps},
-           "tree": args.tree, "tree_us": {f"g{g:g}": _quantiles(tree[g]) for g in gaps},
-           "one_by_one_us": {f"g{g:g}": _quantiles(each[g]) for g in gaps},
+           "count": args.count, "gaps_ms": gaps, "done_us": by_gap(done), "round_trip_us": by_gap(trip),
+           "tree": args.tree, "tree_us": by_gap(tree), "one_by_one_us": by_gap(each),
            "big_mib": args.big_mib}
     if n_big:
-        out["big_block_us"] = {f"g{g:g}": _quantiles(big_block[g]) for g in gaps}
-        out["big_result_us"] = {f"g{g:g}": _quantiles(big_result[g]) for g in gaps}
-        out["big_outputs"] = args.big_outputs
-        out["big_outputs_us"] = {f"g{g:g}": _quantiles(big_outputs[g]) for g in gaps}
+        out.update(big_block_us=by_gap(big_block), big_result_us=by_gap(big_result),
+                   big_outputs=args.big_outputs, big_outputs_us=by_gap(big_outputs))
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(out, fh, indent=1)
