@@ -211,6 +211,59 @@ def test_a_big_values_wait_raises_the_error_and_a_silent_one_runs_out_of_time_th
         t.join(10)
 
 
+class _CountedEvent(threading.Event):
+    """An event that tells the test each time a thread begins to wait on it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.entered = threading.Semaphore(0)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        self.entered.release()
+        return super().wait(timeout)
+
+
+@pytest.mark.parametrize("how", ["result", "block_until_ready"])
+def test_a_fetch_that_fails_while_another_thread_asks_again_is_waited_for_anew(how):
+    """A thread's fetch (or a big value's wait) fails, and before that thread
+    wakes another asks again (copy_to_host_async, is_ready): the first thread
+    waits for the new request instead of raising DeadlineExceeded at once."""
+    silent = _Conn(None)
+    fut = _future(silent) if how == "result" else _big(silent)
+    event = _CountedEvent()
+    if how == "result":
+        fut._event = event
+        asked, again = silent.fetches, fut.copy_to_host_async
+    else:
+        fut._wait_event = event
+        asked, again = silent.waits, fut.is_ready
+    fut._lock = threading.RLock()     # (so that the test can fail one and ask again under it)
+    got: list = []
+    waiter = threading.Thread(target=lambda: got.append(_outcome(getattr(fut, how))))
+    waiter.start()
+    assert event.entered.acquire(timeout=10)        # the first request is out, its thread waiting
+    with fut._lock:             # the waiter cannot look before both have happened
+        fut._fetched(asked[0], None, RuntimeError("that host was lost"))
+        again()
+    assert len(asked) == 2
+    waited_again = event.entered.acquire(timeout=10)
+    value = np.arange(fut.size, dtype=np.float32).reshape(fut.shape)
+    fut._fetched(asked[1], value if how == "result" else None, None)
+    waiter.join(10)
+    assert waited_again and len(got) == 1 and not isinstance(got[0], BaseException), got
+    if how == "result":
+        np.testing.assert_array_equal(got[0], value)
+    else:
+        assert fut.is_ready() and len(asked) == 2
+
+
+def _outcome(call):
+    try:
+        return call()
+    except BaseException as e:        # (returned, to be asserted on by the test's thread)
+        return e
+
+
 class _AllAtOnce(_Conn):
     """Answers no fetch until ``n`` have been asked for, then all of them."""
 

@@ -337,18 +337,23 @@ class Future(ArrayMethods):
                 self._read = True
                 self._fetch = self._client.start_fetch(self, timeout)
             fetch = self._fetch
-        arrived = event.wait(timeout)
-        with self._lock:
-            if self._error is not None:
-                raise _fresh(self._error)
-            if self._value is not None:
-                return self._value
-            if self._fetch_error is not None and self._fetch is None:
-                raise _fresh(self._fetch_error)
-            if not arrived and self._fetch is fetch:
-                self._fetch = None     # a later result() asks again
-            raise DeadlineExceeded(f"value of buffer {self.buffer} ({self.dtype}{list(self.shape)}) "
-                                   f"not fetched within {timeout:.1f}s")
+        deadline = time.monotonic() + timeout
+        while True:
+            arrived = event.wait(max(0.0, deadline - time.monotonic()))
+            with self._lock:
+                if self._error is not None:
+                    raise _fresh(self._error)
+                if self._value is not None:
+                    return self._value
+                if self._fetch_error is not None and self._fetch is None:
+                    raise _fresh(self._fetch_error)
+                if self._fetch is not None and self._fetch is not fetch and time.monotonic() < deadline:
+                    fetch = self._fetch       # ours failed and another thread asked again
+                    continue
+                if not arrived and self._fetch is fetch:
+                    self._fetch = None     # a later result() asks again
+                raise DeadlineExceeded(f"value of buffer {self.buffer} ({self.dtype}{list(self.shape)}) "
+                                       f"not fetched within {timeout:.1f}s")
 
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
         value = self._array()
