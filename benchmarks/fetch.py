@@ -21,7 +21,9 @@ per device, so a fetch asks each host for 8 bytes.
   (a value over 64 KiB is waited for without being copied here), and a
   second such value's ``result()`` (the copy itself) beside it; and
   ``jax.block_until_ready`` of the ``--big-outputs`` (4) outputs of one call,
-  ``--big-mib`` in all (the parameters a training step returns).
+  ``--big-mib`` in all (the parameters a training step returns), and of as
+  many outputs of one ``zp.program`` run, each made by a computation of its
+  own (a program's step).
 
 Each is measured ``--count`` times per gap, the gaps alternated. How long the
 machine was idle before matters on a virtual machine: code and data the last
@@ -56,7 +58,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--big-mib", type=float, default=16.0,
                    help="MiB per device of the big value (default 16; 0: leave it out)")
     p.add_argument("--big-outputs", type=int, default=4,
-                   help="big outputs of the one call waited for together (default 4)")
+                   help="big outputs of the one call, and of the one program run, waited for together "
+                        "(default 4)")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON here")
     args = p.parse_args(argv)
     try:
@@ -82,6 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     big_block: dict[float, list[float]] = {g: [] for g in gaps}
     big_result: dict[float, list[float]] = {g: [] for g in gaps}
     big_outputs: dict[float, list[float]] = {g: [] for g in gaps}
+    program_outputs: dict[float, list[float]] = {g: [] for g in gaps}
     try:
         devs = zp.make_virtual_device_set().add_slice(devices=2).devices
 
@@ -103,6 +107,10 @@ def main(argv: list[str] | None = None) -> int:
             several = zp.pmap(lambda v: tuple(v[:part] * (j + 2.) for j in range(k)), axis_name="i",
                               devices=devs)
             jax.block_until_ready(several(v))
+            parts = [zp.pmap(lambda v, j=j: v[:part] * (j + 2.), axis_name="i", devices=devs) for j in range(k)]
+            program = zp.program(lambda v: tuple(p(v) for p in parts))
+            for _ in range(2):              # (its template defined, then run)
+                jax.block_until_ready(program(v))
         for _ in range(args.count):
             for g in gaps:
                 y = f(x)
@@ -134,14 +142,16 @@ def main(argv: list[str] | None = None) -> int:
                         times.append((time.perf_counter() - t0) * 1e6)
                     if not (b.result(timeout=60)[:, ::4099] == 2.).all():
                         raise AssertionError("the big value is not 2 everywhere")
-                    outs = several(v)
-                    time.sleep(g / 1000)
-                    t0 = time.perf_counter()
-                    jax.block_until_ready(outs)
-                    big_outputs[g].append((time.perf_counter() - t0) * 1e6)
-                    if not (outs[-1].result(timeout=60)[:, ::4099] == k + 1.).all():
-                        raise AssertionError(f"the call's last output is not {k + 1} everywhere")
-                    del outs
+                    for times, run, what in ((big_outputs[g], several, "call"),
+                                             (program_outputs[g], program, "program run")):
+                        outs = run(v)
+                        time.sleep(g / 1000)
+                        t0 = time.perf_counter()
+                        jax.block_until_ready(outs)
+                        times.append((time.perf_counter() - t0) * 1e6)
+                        if not (outs[-1].result(timeout=60)[:, ::4099] == k + 1.).all():
+                            raise AssertionError(f"the {what}'s last output is not {k + 1} everywhere")
+                        del outs
     finally:
         zp.shutdown()
 
@@ -154,7 +164,8 @@ def main(argv: list[str] | None = None) -> int:
            "big_mib": args.big_mib}
     if n_big:
         out.update(big_block_us=by_gap(big_block), big_result_us=by_gap(big_result),
-                   big_outputs=args.big_outputs, big_outputs_us=by_gap(big_outputs))
+                   big_outputs=args.big_outputs, big_outputs_us=by_gap(big_outputs),
+                   program_outputs_us=by_gap(program_outputs))
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(out, fh, indent=1)
@@ -167,7 +178,8 @@ def main(argv: list[str] | None = None) -> int:
                            (f"{args.tree} done values one by one", "one_by_one_us"),
                            (f"block_until_ready, done {args.big_mib:g} MiB/device", "big_block_us"),
                            (f"result(), done {args.big_mib:g} MiB/device", "big_result_us"),
-                           (f"block_until_ready, a call's {args.big_outputs} outputs", "big_outputs_us")):
+                           (f"block_until_ready, a call's {args.big_outputs} outputs", "big_outputs_us"),
+                           (f"block_until_ready, a program's {args.big_outputs} outputs", "program_outputs_us")):
             if key not in out:
                 continue
             q = out[key][f"g{g:g}"]

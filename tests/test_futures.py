@@ -284,6 +284,76 @@ class _AllAtOnce(_Conn):
         return fetch
 
 
+class _FirstThenAll(_Conn):
+    """Answers the first request at once, the others only once all ``n`` have
+    been asked for (as a program's outputs: leaves after the second wait for
+    requests that went out together)."""
+
+    config = ClientConfig(fetch_timeout_s=5.0)
+
+    def __init__(self, n: int) -> None:
+        super().__init__(None)
+        self.n, self.asked = n, []
+
+    def start_fetch(self, future: Future, timeout: float, wait_only: bool = False, **kw) -> object:
+        fetch = super().start_fetch(future, timeout, wait_only=wait_only, **kw)
+        self.asked.append((future, fetch, wait_only))
+        answer = self.asked[:1] if len(self.asked) == 1 else self.asked[1:] if len(self.asked) == self.n else []
+        if answer:
+            t = threading.Thread(target=lambda: [
+                fut._fetched(f, None if wait else np.zeros(fut.shape, np.float32), None)
+                for fut, f, wait in answer])
+            t.start()
+            self.threads.append(t)
+        return fetch
+
+
+def test_a_program_runs_outputs_are_asked_for_together_once_a_second_one_is_waited_for():
+    """A program run's outputs share a RunOutputs (tracer._futures): waiting
+    for one asks for nothing more; once block_until_ready is called on a
+    second, the others' requests go out together (a small one's fetch, a big
+    one's wait), so jax.block_until_ready of the run's tree takes about two
+    round trips, not one per leaf. A done, donated or already asked output
+    is not asked again."""
+    from zpath.client.futures import RunOutputs
+
+    def one_run(*futures):
+        run = RunOutputs(list(futures))
+        for f in futures:
+            f._run = run
+
+    conn = _FirstThenAll(5)
+    loss, small, big, big2, big3 = _future(conn), _future(conn), _big(conn), _big(conn), _big(conn)
+    one_run(loss, small, big, big2, big3)
+    loss.block_until_ready()
+    loss.block_until_ready()                      # the same output again: nothing more
+    assert len(conn.asked) == 1 and loss.done()
+    # (without asking for them together, the third leaf's request would go out
+    # only after the second leaf's answer, which needs all five asked: DeadlineExceeded)
+    jax.block_until_ready((loss, small, big, big2, big3))
+    assert len(conn.asked) == 5 and small.done()
+    # the second leaf asked for the others, then for itself; small values fetched, big ones waited for
+    assert [(fut, wait) for fut, _, wait in conn.asked] == [
+        (loss, False), (big, True), (big2, True), (big3, True), (small, False)]
+    assert all(b.is_ready() and not b.done() for b in (big, big2, big3))
+    # a donated output, or one asked for already, is not asked again; a dropped one is gone
+    silent = _Conn(None)
+    a, b, c, d, e = _big(silent), _big(silent), _big(silent), _big(silent), _big(silent)
+    one_run(a, b, c, d, e)
+    c._donate("f")
+    d.copy_to_host_async()                    # its fetch on its way
+    del e
+    a._run.blocked_on(a)
+    a._run.blocked_on(a)
+    assert (len(silent.waits), len(silent.fetches)) == (0, 1)
+    a._run.blocked_on(b)       # b's block_until_ready: the others asked for (b asks itself)
+    assert (len(silent.waits), len(silent.fetches)) == (1, 1) and silent.waits[0] is a._wait
+    a._run.blocked_on(d)
+    assert (len(silent.waits), len(silent.fetches)) == (1, 1)
+    for t in conn.threads:
+        t.join(10)
+
+
 def test_jax_device_get_of_a_tree_of_futures_asks_for_them_all_before_it_waits():
     """jax.device_get calls each leaf's copy_to_host_async first: the fetches
     of a tree's futures go out together instead of one round trip each."""

@@ -303,6 +303,17 @@ def test_futures_are_arrays(client):
     jax.block_until_ready(three)
     assert all(f._is_computed() and f._value is None for f in three)
     np.testing.assert_array_equal(three[2].result(timeout=60), np.full((64, 512), 6, np.float32))
+    # a program's outputs, made by three computations, share a RunOutputs (asked for
+    # together once a second is waited for); a one-output program's has none
+    total, double, triple = (zp.jit(fn, devices=d0) for fn in (jnp.sum, lambda a: a * 2, lambda a: a * 3))
+    outputs = zp.program(lambda a: (total(a), double(a), triple(a)))
+    for _ in range(2):       # the first run defines the program's template, the second runs it
+        outs = outputs(big)
+        assert outs[0]._run is not None and outs[0]._run is outs[1]._run is outs[2]._run
+        jax.block_until_ready(outs)
+        assert outs[0].done() and all(f._is_computed() and f._value is None for f in outs[1:])
+    np.testing.assert_array_equal(outs[2].result(timeout=60), np.full((64, 512), 9, np.float32))
+    assert zp.program(lambda a: double(a))(big)._run is None
     np.testing.assert_array_equal(z.result(timeout=60), x * 2)
     ops = {"add": (y + other, x + 1), "rsub": (1 - y, 1 - x), "mul": (y * y, x * x), "div": (y / 2, x / 2),
            "pow": (y ** 2, x ** 2), "matmul": (y @ y.T, x @ x.T), "index": (y[1:, 0], x[1:, 0]),

@@ -4,6 +4,7 @@ from __future__ import annotations
 import numbers
 import threading
 import time
+import weakref
 from typing import Any
 
 import jax
@@ -31,6 +32,40 @@ class CallRan:
         self.ran = False
 
 
+class RunOutputs:
+    """What the distinct outputs of one program run share (``Future._run``).
+    They come from several computations, so one done says nothing of another
+    (unlike a call's, ``CallRan``); but ``jax.block_until_ready`` of the run's
+    tree waits for its leaves one after another, a round trip each. So once
+    ``block_until_ready`` is called on a second output of the run, the
+    others' requests (what their own ``block_until_ready`` would send) go out
+    together, and the leaves after it find theirs on the way: a tree costs
+    about two round trips, and waiting for one output (a loss) asks for
+    nothing more."""
+
+    __slots__ = ("_outputs", "_first", "_asked")
+
+    def __init__(self, outputs: list["Future"]) -> None:
+        # (weak: the outputs hold this record, and must be freed when the user drops them)
+        self._outputs = [weakref.ref(f) for f in outputs]
+        self._first: int | None = None     # id() of the first output waited for
+        self._asked = False
+
+    def blocked_on(self, future: "Future") -> None:
+        """``future``'s block_until_ready was called (done or not: a tree's
+        first leaf may be a loss read before)."""
+        if self._asked:
+            return
+        if self._first is None or self._first == id(future):
+            self._first = id(future)
+            return
+        self._asked = True      # (a race asks twice at most: each future asks once)
+        for ref in self._outputs:
+            other = ref()
+            if other is not None and other is not future:
+                other._ask_ready()
+
+
 class Future(ArrayMethods):
     """A value being computed (or already computed) on the cluster, used as a
     ``jax.Array`` is: operators, indexing and array methods run on its devices
@@ -45,7 +80,7 @@ class Future(ArrayMethods):
     __slots__ = ("_client", "buffer", "shape", "dtype", "_devices", "_mesh_shape",
                  "_axis_names", "_spec", "_lock", "_event", "_value", "_error", "_fetch",
                  "_fetch_error", "_mesh", "_key", "_donated", "_read",
-                 "_wait", "_wait_event", "_wait_error", "_computed", "_call", "__weakref__")
+                 "_wait", "_wait_event", "_wait_error", "_computed", "_call", "_run", "__weakref__")
 
     def __init__(self, client: Any, buffer: int, shape: tuple[int, ...], dtype: np.dtype,
                  devices: list[int], mesh_shape: list[int], axis_names: list[str],
@@ -77,6 +112,8 @@ class Future(ArrayMethods):
         self._computed = False                          # a wait said it is done
         # shared by the outputs of the call that made it (Computation.__call__), or None
         self._call: CallRan | None = None
+        # shared by the outputs of the program run that made it (tracer._futures), or None
+        self._run: RunOutputs | None = None
 
     def __del__(self) -> None:
         if self._donated is not None:
@@ -119,7 +156,11 @@ class Future(ArrayMethods):
         once); of a bigger one the workers only say when each shard is done,
         and nothing is copied. Once one output of a call is known computed,
         so are the others: the call's one computation has ended on every host
-        (``_fetched``), and they return at once."""
+        (``_fetched``), and they return at once. Once it is called on a
+        second output of a program run, the run's other outputs are asked
+        for together (``RunOutputs``)."""
+        if self._run is not None:
+            self._run.blocked_on(self)
         if self._small() and not self._is_computed():
             with self._lock:
                 self._start_fetch(self._call is not None)
@@ -151,6 +192,18 @@ class Future(ArrayMethods):
             elif self._fetch is None and self._donated is None:
                 self._start_wait()
             return self._is_computed() or self.done()
+
+    def _ask_ready(self) -> None:
+        """Send what ``block_until_ready`` would, without waiting (RunOutputs):
+        a small value's fetch, a bigger one's wait, unless it is known done,
+        asked for already or donated."""
+        with self._lock:
+            if self.done() or self._is_computed() or self._donated is not None:
+                return
+            if self._small():
+                self._start_fetch(self._call is not None)
+            elif self._fetch is None:
+                self._start_wait()
 
     def _is_computed(self) -> bool:
         """Known computed without its value: a wait of its own said so, or one

@@ -20,7 +20,7 @@ import numpy as np
 
 from zpath.client.arrays import ArrayMethods
 from zpath.client.avals import aval_of, dtype_name, host_value
-from zpath.client.futures import Future
+from zpath.client.futures import Future, RunOutputs
 from zpath.errors import ZpathError
 from zpath.net import codec
 from zpath.net import messages as m
@@ -42,6 +42,10 @@ def _futures(traced: "Traced", buffer_of: Callable[[Any], int]) -> list[Future]:
             node, i = o.origin[1], o.origin[2]
             seen[id(o)] = node.computation.future(buffer_of(o), node.traced.out_avals[i],
                                                   node.traced.out_specs[i], node.traced.out_keys[i])
+    if len(seen) > 1:       # jax.block_until_ready of them asks for all together
+        run = RunOutputs(list(seen.values()))
+        for f in seen.values():
+            f._run = run
     return [seen[id(o)] for o in traced.outputs]
 
 
