@@ -332,16 +332,18 @@ def test_a_program_runs_outputs_are_asked_for_together_once_a_second_one_is_wait
     # only after the second leaf's answer, which needs all five asked: DeadlineExceeded)
     jax.block_until_ready((loss, small, big, big2, big3))
     assert len(conn.asked) == 5 and small.done()
-    # the second leaf asked for the others, then for itself; small values fetched, big ones waited for
+    # the second leaf asked for itself, then for the others; small values fetched, big ones waited for
     assert [(fut, wait) for fut, _, wait in conn.asked] == [
-        (loss, False), (big, True), (big2, True), (big3, True), (small, False)]
+        (loss, False), (small, False), (big, True), (big2, True), (big3, True)]
     assert all(b.is_ready() and not b.done() for b in (big, big2, big3))
-    # a donated output, or one asked for already, is not asked again; a dropped one is gone
+    # a donated output, one asked for already or known computed is not asked
+    # again; a dropped one is gone
     silent = _Conn(None)
-    a, b, c, d, e = _big(silent), _big(silent), _big(silent), _big(silent), _big(silent)
-    one_run(a, b, c, d, e)
+    a, b, c, d, e, f = (_big(silent) for _ in range(6))
+    one_run(a, b, c, d, e, f)
     c._donate("f")
     d.copy_to_host_async()                    # its fetch on its way
+    f._computed = True                        # (a wait of its own said so)
     del e
     a._run.blocked_on(a)
     a._run.blocked_on(a)
@@ -350,6 +352,22 @@ def test_a_program_runs_outputs_are_asked_for_together_once_a_second_one_is_wait
     assert (len(silent.waits), len(silent.fetches)) == (1, 1) and silent.waits[0] is a._wait
     a._run.blocked_on(d)
     assert (len(silent.waits), len(silent.fetches)) == (1, 1)
+    # asking the others is a hint: a closed connection's error is not raised by
+    # another output's block_until_ready (a done one's returns), nor stops the asking
+
+    class Closed(_Conn):
+        def start_fetch(self, future, timeout, **kw):
+            self.fetches.append(future)
+            raise ZpathError("this zpath client is closed")
+    closed = Closed(None)
+    done, g, h = _future(closed), _big(closed), _big(closed)
+    one_run(done, g, h)
+    done._value = np.zeros(2, np.float32)
+    assert done.block_until_ready() is done and closed.fetches == []
+    g._computed = True
+    assert g.block_until_ready() is g and closed.fetches == [h]      # (h asked, and failed)
+    with pytest.raises(ZpathError, match="closed"):
+        h.block_until_ready()
     for t in conn.threads:
         t.join(10)
 

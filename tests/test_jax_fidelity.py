@@ -9,6 +9,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import itertools
+import types
 from typing import Any
 
 import jax
@@ -18,6 +19,7 @@ import numpy as np
 import pytest
 
 import zpath as zp
+from zpath.config import ClientConfig
 from zpath.client import api, avals
 from zpath.client.tracer import TracerBoolConversionError, Value
 from zpath.net import messages as m
@@ -41,6 +43,8 @@ jax.tree_util.register_dataclass(State, data_fields=["w", "step"], meta_fields=[
 # ---- tracing, without a cluster ------------------------------------------------
 class RecordingClient:
     """What a Computation needs of a connection; it records what it is sent."""
+
+    config = ClientConfig()
 
     def __init__(self, devices: int = 2) -> None:
         self.devices = {d: m.DeviceInfo(d, 0, 0, d, d, "cpu") for d in range(devices)}
@@ -76,6 +80,13 @@ class RecordingClient:
 
     def release(self, buffer: int) -> None:
         self.sent.append(("release", buffer))
+
+    def start_fetch(self, future: Any, timeout: float, wait_only: bool = False, every_shard: bool = False
+                    ) -> Any:
+        # (answered by the test, with future._fetched)
+        fetch = types.SimpleNamespace(wait_only=wait_only, every_shard=wait_only or every_shard, relocated=False)
+        self.sent.append(("fetch", future.buffer, fetch))
+        return fetch
 
 
 @pytest.fixture
@@ -253,6 +264,20 @@ def test_a_donated_future_is_consumed(fake):
     assert set(variants) == {True, False}
     assert [donated_inputs(jax.export.deserialize(bytearray(client.programs[variants[d].digest])))
             for d in (True, False)] == [(0,), ()]
+    # a wait (block_until_ready or is_ready of a value over 64 KiB) reads none of
+    # it: while it is out the call copies; once answered, the call donates
+    big = zp.jit(lambda w, g: w - g, devices=devs, donate_argnums=0)
+    g = np.ones(40_000, np.float32)
+    waited, out = zp.device_put(g, devs), zp.device_put(g, devs)
+    assert not waited.is_ready() and not out.is_ready()        # (the fake answers nothing itself)
+    waits = {x[1]: x[2] for x in client.sent if type(x) is tuple and x[0] == "fetch"}
+    assert waits[waited.buffer].wait_only and waits[out.buffer].wait_only
+    waited._fetched(waits[waited.buffer], None, None)
+    assert waited.is_ready() and waited._value is None
+    big(waited, g)
+    big(out, g)
+    donating = {donate: traced.digest for (_, donate), traced in big._cache.items()}
+    assert [c.program for c in calls(client)[-2:]] == [donating[True], donating[False]]
 
 
 def test_a_calls_outputs_know_each_other(fake):
@@ -314,6 +339,13 @@ def test_futures_are_arrays(client):
         assert outs[0].done() and all(f._is_computed() and f._value is None for f in outs[1:])
     np.testing.assert_array_equal(outs[2].result(timeout=60), np.full((64, 512), 9, np.float32))
     assert zp.program(lambda a: double(a))(big)._run is None
+    # waited for, then donated: the wait read nothing, so the step takes the buffer over
+    bumped = zp.jit(lambda a: a + 1, devices=d0, donate_argnums=0)
+    w = big * 1
+    jax.block_until_ready(w)
+    w2 = bumped(w)
+    assert [donate for _, donate in bumped._cache] == [True]
+    np.testing.assert_array_equal(w2.result(timeout=60), np.full((64, 512), 4, np.float32))
     np.testing.assert_array_equal(z.result(timeout=60), x * 2)
     ops = {"add": (y + other, x + 1), "rsub": (1 - y, 1 - x), "mul": (y * y, x * x), "div": (y / 2, x / 2),
            "pow": (y ** 2, x ** 2), "matmul": (y @ y.T, x @ x.T), "index": (y[1:, 0], x[1:, 0]),

@@ -59,11 +59,16 @@ class RunOutputs:
         if self._first is None or self._first == id(future):
             self._first = id(future)
             return
-        self._asked = True      # (a race asks twice at most: each future asks once)
+        # (racing calls may ask more than once, or not at all: each ask does
+        # nothing where a request is out already)
+        self._asked = True
         for ref in self._outputs:
             other = ref()
             if other is not None and other is not future:
-                other._ask_ready()
+                try:
+                    other._ask_ready()
+                except Exception:     # (a closed connection: a hint lost; its own wait says why)
+                    pass
 
 
 class Future(ArrayMethods):
@@ -160,6 +165,8 @@ class Future(ArrayMethods):
         second output of a program run, the run's other outputs are asked
         for together (``RunOutputs``)."""
         if self._run is not None:
+            self._check_kept()
+            self._ask_ready()              # its own request first, then its siblings'
             self._run.blocked_on(self)
         if self._small() and not self._is_computed():
             with self._lock:
@@ -233,7 +240,8 @@ class Future(ArrayMethods):
         if self._wait is None:
             self._wait_error = None
             self._wait_event.clear()
-            self._read = True     # (as a fetch does: a later call does not donate it)
+            # (a wait reads none of the value: while it is out a call does not
+            # donate it, Computation._may_donate; once answered, it may)
             self._wait = self._client.start_fetch(
                 self, self._client.config.fetch_timeout_s if timeout is None else timeout, wait_only=True)
         return self._wait_event
