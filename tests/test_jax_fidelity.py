@@ -264,20 +264,25 @@ def test_a_donated_future_is_consumed(fake):
     assert set(variants) == {True, False}
     assert [donated_inputs(jax.export.deserialize(bytearray(client.programs[variants[d].digest])))
             for d in (True, False)] == [(0,), ()]
-    # a wait (block_until_ready or is_ready of a value over 64 KiB) reads none of
-    # it: while it is out the call copies; once answered, the call donates
+    # a fetch or a wait (block_until_ready, is_ready, a read) that has been
+    # answered reads no more: the call donates; while one is out, or after one
+    # failed (another host may still read its shard), it copies
     big = zp.jit(lambda w, g: w - g, devices=devs, donate_argnums=0)
     g = np.ones(40_000, np.float32)
-    waited, out = zp.device_put(g, devs), zp.device_put(g, devs)
+    waited, out, fetched, fetching, failed = (zp.device_put(g, devs) for _ in range(5))
     assert not waited.is_ready() and not out.is_ready()        # (the fake answers nothing itself)
-    waits = {x[1]: x[2] for x in client.sent if type(x) is tuple and x[0] == "fetch"}
-    assert waits[waited.buffer].wait_only and waits[out.buffer].wait_only
-    waited._fetched(waits[waited.buffer], None, None)
-    assert waited.is_ready() and waited._value is None
-    big(waited, g)
-    big(out, g)
+    for f in (fetched, fetching, failed):
+        f.copy_to_host_async()
+    asked = {x[1]: x[2] for x in client.sent if type(x) is tuple and x[0] == "fetch"}
+    assert asked[waited.buffer].wait_only and not asked[fetched.buffer].wait_only
+    waited._fetched(asked[waited.buffer], None, None)
+    fetched._fetched(asked[fetched.buffer], g, None)
+    failed._fetched(asked[failed.buffer], None, zp.ZpathError("host 1 did not answer"))
+    assert waited.is_ready() and waited._value is None and fetched.done() and not failed.done()
+    for f in (waited, out, fetched, fetching, failed):
+        big(f, g)
     donating = {donate: traced.digest for (_, donate), traced in big._cache.items()}
-    assert [c.program for c in calls(client)[-2:]] == [donating[True], donating[False]]
+    assert [c.program for c in calls(client)[-5:]] == [donating[d] for d in (True, False, True, False, False)]
 
 
 def test_a_calls_outputs_know_each_other(fake):
@@ -346,6 +351,13 @@ def test_futures_are_arrays(client):
     w2 = bumped(w)
     assert [donate for _, donate in bumped._cache] == [True]
     np.testing.assert_array_equal(w2.result(timeout=60), np.full((64, 512), 4, np.float32))
+    # read (fetched), then donated: the value read stays as it was
+    v = w2 * 1
+    seen = v.result(timeout=60)
+    v2 = bumped(v)
+    assert [donate for _, donate in bumped._cache] == [True]
+    np.testing.assert_array_equal(v2.result(timeout=60), np.full((64, 512), 5, np.float32))
+    np.testing.assert_array_equal(seen, np.full((64, 512), 4, np.float32))
     np.testing.assert_array_equal(z.result(timeout=60), x * 2)
     ops = {"add": (y + other, x + 1), "rsub": (1 - y, 1 - x), "mul": (y * y, x * x), "div": (y / 2, x / 2),
            "pow": (y ** 2, x ** 2), "matmul": (y @ y.T, x @ x.T), "index": (y[1:, 0], x[1:, 0]),

@@ -641,12 +641,13 @@ class Computation:
 
     def _may_donate(self, bound: _Args) -> bool:
         """Whether the workers may reuse the donated arguments' buffers: each
-        of their futures is read by this call alone (no call, program or fetch
-        read it before, no wait for it is out, and it is not passed twice), so
-        no transfer or fetch can still be reading it; client values put for
-        this call always are. A wait that has been answered read nothing:
-        ``jax.block_until_ready(params)`` before a donating step leaves the
-        step donating."""
+        of their futures is read by this call alone (no call or program read
+        it before, no fetch or wait for it is out or failed, and it is not
+        passed twice), so no transfer or fetch can still be reading it; client
+        values put for this call always are. A fetch or wait that has been
+        answered reads no more (a worker that still holds a view of the shard
+        makes XLA copy instead of reuse it): ``jax.block_until_ready(state)``
+        or a loss read before a donating step leaves it donating."""
         if not self.donate_argnums:
             return False
         donated = self._donated_leaves(bound)
@@ -655,7 +656,7 @@ class Computation:
         futures = [x for x in bound.leaves if isinstance(x, Future)]
         for k in donated:
             x = bound.leaves[k]
-            if isinstance(x, Future) and (x._read or x._value is not None or x._wait is not None or
+            if isinstance(x, Future) and (x._read or x._fetch is not None or x._wait is not None or
                                           sum(f is x for f in futures) > 1):
                 return False
         return True

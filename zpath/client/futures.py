@@ -109,7 +109,9 @@ class Future(ArrayMethods):
         self._mesh = mesh            # the zp.Mesh it lives on (None: made by hand, see tests)
         self._key = key              # a typed PRNG key's implementation: the value is its key data
         self._donated: str | None = None      # the function it was donated to
-        self._read = False           # read by a call, a program or a fetch (see Computation._may_donate)
+        # read by a call or a program, or by a fetch that failed or was given up
+        # (Computation._may_donate: a fetch or wait out, or one that succeeded, is seen so)
+        self._read = False
         # a wait for it to be done without its value (block_until_ready of a big one)
         self._wait: Any = None                          # the wait in flight
         self._wait_event: threading.Event | None = None
@@ -228,7 +230,6 @@ class Future(ArrayMethods):
         if self._value is None and self._error is None and self._fetch is None and self._donated is None:
             self._fetch_error = None
             self._waiting().clear()
-            self._read = True
             self._fetch = self._client.start_fetch(self, self._client.config.fetch_timeout_s,
                                                    every_shard=every_shard)
 
@@ -240,8 +241,8 @@ class Future(ArrayMethods):
         if self._wait is None:
             self._wait_error = None
             self._wait_event.clear()
-            # (a wait reads none of the value: while it is out a call does not
-            # donate it, Computation._may_donate; once answered, it may)
+            # (while it is out a call does not donate it, Computation._may_donate;
+            # once answered, it may)
             self._wait = self._client.start_fetch(
                 self, self._client.config.fetch_timeout_s if timeout is None else timeout, wait_only=True)
         return self._wait_event
@@ -318,6 +319,8 @@ class Future(ArrayMethods):
                     self._ran_everywhere(fetch)
                 else:
                     self._fetch_error = error
+                    # (other hosts may still read their shards for it: no call donates it)
+                    self._read = True
                 if self._event is not None:
                     self._event.set()
 
@@ -395,7 +398,6 @@ class Future(ArrayMethods):
             if self._fetch is None:
                 self._fetch_error = None
                 event.clear()
-                self._read = True
                 self._fetch = self._client.start_fetch(self, timeout)
             fetch = self._fetch
         deadline = time.monotonic() + timeout
@@ -413,6 +415,7 @@ class Future(ArrayMethods):
                     continue
                 if not arrived and self._fetch is fetch:
                     self._fetch = None     # a later result() asks again
+                    self._read = True      # (its workers may still read it: no call donates it)
                 raise DeadlineExceeded(f"value of buffer {self.buffer} ({self.dtype}{list(self.shape)}) "
                                        f"not fetched within {timeout:.1f}s")
 
