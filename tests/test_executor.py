@@ -680,6 +680,16 @@ _SCRIPT = textwrap.dedent("""
     res["donated_reports"] += [[i, e] for i, e, _ in (reports.get(timeout=60) for _ in range(3))]
     res["donated"] = [[a.is_deleted() for b in range(8000, 8004) for a in stored(b)],
                       [np.asarray(a).tolist() for a in stored(8004)]]
+    # a shard still viewed (a fetch's reply frame not yet sent holds a numpy
+    # view of it) is copied, not reused: the donating computation runs, the
+    # view keeps its values, and the other shard is taken over
+    for d, r in zip(two, halves2):
+        ex.store.set(shard_key(8100, d.id, r), jax.device_put(np.full(1, 3.), d))
+    view = memoryview(np.asarray(stored(8100)[0]))
+    ex.submit(numbered(95, node(ddon, 8100, 8101)))
+    res["donated_viewed"] = [reports.get(timeout=60)[:2], view.tolist(),
+                             [a.is_deleted() for a in stored(8100)], [np.asarray(a).tolist() for a in stored(8101)]]
+    del view
     # settling late: with ``hold`` (nothing in the controller waits for the
     # reports) and nothing here waiting for the outputs, the executor thread
     # settles each short computation itself once the next one has run, and
@@ -1059,3 +1069,7 @@ def test_a_donating_program_takes_its_inputs_buffers_over(results):
     assert results["donated_reports"] == [[90 + k, None] for k in range(4)]
     deleted, last = results["donated"]
     assert deleted == [True] * 8 and last == [[16.0], [16.0]]
+    # (the client donates a value whose fetch has been answered: a worker whose
+    # reply still holds a view of a shard makes XLA copy that shard, not fail)
+    report, view, viewed_deleted, out = results["donated_viewed"]
+    assert report == [95, None] and view == [3.0] and viewed_deleted == [False, True] and out == [[6.0], [6.0]]

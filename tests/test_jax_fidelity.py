@@ -279,10 +279,13 @@ def test_a_donated_future_is_consumed(fake):
     fetched._fetched(asked[fetched.buffer], g, None)
     failed._fetched(asked[failed.buffer], None, zp.ZpathError("host 1 did not answer"))
     assert waited.is_ready() and waited._value is None and fetched.done() and not failed.done()
-    for f in (waited, out, fetched, fetching, failed):
+    given_up = zp.device_put(g, devs)           # its fetch never answered: a worker may still read it
+    with pytest.raises(zp.DeadlineExceeded):
+        given_up.result(timeout=0.05)
+    for f in (waited, out, fetched, fetching, failed, given_up):
         big(f, g)
     donating = {donate: traced.digest for (_, donate), traced in big._cache.items()}
-    assert [c.program for c in calls(client)[-5:]] == [donating[d] for d in (True, False, True, False, False)]
+    assert [c.program for c in calls(client)[-6:]] == [donating[d] for d in (True, False, True, False, False, False)]
 
 
 def test_a_calls_outputs_know_each_other(fake):

@@ -642,12 +642,14 @@ class Computation:
     def _may_donate(self, bound: _Args) -> bool:
         """Whether the workers may reuse the donated arguments' buffers: each
         of their futures is read by this call alone (no call or program read
-        it before, no fetch or wait for it is out or failed, and it is not
-        passed twice), so no transfer or fetch can still be reading it; client
-        values put for this call always are. A fetch or wait that has been
-        answered reads no more (a worker that still holds a view of the shard
-        makes XLA copy instead of reuse it): ``jax.block_until_ready(state)``
-        or a loss read before a donating step leaves it donating."""
+        it before, no fetch for it is out, failed or given up, no wait is out,
+        and it is not passed twice), so no transfer or fetch can still be
+        reading it; client values put for this call always are. A fetch or
+        wait that has been answered reads no more (a worker that still holds a
+        view of the shard makes XLA copy that shard instead of reuse it):
+        ``jax.block_until_ready(state)`` or a value read before a donating step
+        leaves it donating. (Read without a lock: a fetch started by another
+        thread while this call is made may race its donation, as in JAX.)"""
         if not self.donate_argnums:
             return False
         donated = self._donated_leaves(bound)

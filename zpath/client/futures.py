@@ -67,7 +67,7 @@ class RunOutputs:
             if other is not None and other is not future:
                 try:
                     other._ask_ready()
-                except Exception:     # (a closed connection: a hint lost; its own wait says why)
+                except ZpathError:     # (a closed connection: a hint lost; its own wait says why)
                     pass
 
 
@@ -110,7 +110,9 @@ class Future(ArrayMethods):
         self._key = key              # a typed PRNG key's implementation: the value is its key data
         self._donated: str | None = None      # the function it was donated to
         # read by a call or a program, or by a fetch that failed or was given up
-        # (Computation._may_donate: a fetch or wait out, or one that succeeded, is seen so)
+        # (a worker may still read it): Computation._may_donate then copies it, as
+        # it does while a fetch or wait is out; an answered one, or a wait that
+        # failed (a wait reads nothing), leaves it free to be donated
         self._read = False
         # a wait for it to be done without its value (block_until_ready of a big one)
         self._wait: Any = None                          # the wait in flight
