@@ -23,7 +23,10 @@ per device, so a fetch asks each host for 8 bytes.
   ``jax.block_until_ready`` of the ``--big-outputs`` (4) outputs of one call,
   ``--big-mib`` in all (the parameters a training step returns), and of as
   many outputs of one ``zp.program`` run, each made by a computation of its
-  own (a program's step).
+  own (a program's step); and, back to back, ``--count`` steps of
+  ``state = step(state)`` with ``donate_argnums=0`` on a ``--big-mib`` state,
+  each waited for with ``jax.block_until_ready(state)`` (as a training loop
+  does): whether the steps donated, and their time.
 
 Each is measured ``--count`` times per gap, the gaps alternated. How long the
 machine was idle before matters on a virtual machine: code and data the last
@@ -86,6 +89,8 @@ def main(argv: list[str] | None = None) -> int:
     big_result: dict[float, list[float]] = {g: [] for g in gaps}
     big_outputs: dict[float, list[float]] = {g: [] for g in gaps}
     program_outputs: dict[float, list[float]] = {g: [] for g in gaps}
+    steps: list[float] = []
+    donated = None
     try:
         devs = zp.make_virtual_device_set().add_slice(devices=2).devices
 
@@ -152,6 +157,18 @@ def main(argv: list[str] | None = None) -> int:
                         if not (outs[-1].result(timeout=60)[:, ::4099] == k + 1.).all():
                             raise AssertionError(f"the {what}'s last output is not {k + 1} everywhere")
                         del outs
+        if n_big:
+            step = zp.pmap(lambda w: w * 0.5 + 0.5, axis_name="i", devices=devs, donate_argnums=0)
+            state = double(v) * 0.5        # 1. on each device: the step keeps it so
+            for k in range(args.count + 2):          # (the first two: compiled, warm)
+                t0 = time.perf_counter()
+                state = step(state)
+                jax.block_until_ready(state)
+                if k >= 2:
+                    steps.append((time.perf_counter() - t0) * 1e6)
+            if not (state.result(timeout=60)[:, ::4099] == 1.).all():
+                raise AssertionError("the donating step's state is not 1 everywhere")
+            donated = sorted({donate for _, donate in step._cache})
     finally:
         zp.shutdown()
 
@@ -165,7 +182,8 @@ def main(argv: list[str] | None = None) -> int:
     if n_big:
         out.update(big_block_us=by_gap(big_block), big_result_us=by_gap(big_result),
                    big_outputs=args.big_outputs, big_outputs_us=by_gap(big_outputs),
-                   program_outputs_us=by_gap(program_outputs))
+                   program_outputs_us=by_gap(program_outputs), donating_step_us=_quantiles(steps),
+                   step_variants_donating=donated)
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(out, fh, indent=1)
@@ -184,6 +202,11 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             q = out[key][f"g{g:g}"]
             print(f"{label + f', {g:g} ms idle':52} {q['p10']:>8,.0f} {q['median']:>8,.0f} {q['p90']:>8,.0f}")
+    if n_big:
+        q = out["donating_step_us"]
+        label = f"donating step + block_until_ready, {args.big_mib:g} MiB/device"
+        print(f"{label:52} {q['p10']:>8,.0f} {q['median']:>8,.0f} {q['p90']:>8,.0f}  "
+              f"(variants run, donating: {out['step_variants_donating']})")
     return 0
 
 

@@ -214,6 +214,8 @@ def test_fetch_benchmark_times_fetches_and_round_trips_per_gap(tmp_path):
     assert "result() of a done value, 8 ms idle" in p.stdout and "jax.device_get of 3 done values" in p.stdout
     assert "block_until_ready, done 0.5 MiB/device, 5 ms idle" in p.stdout and r["big_mib"] == 0.5
     assert "block_until_ready, a program's 4 outputs, 8 ms idle" in p.stdout
+    # a donating step waited for with block_until_ready still donates
+    assert r["donating_step_us"]["n"] == 3 and r["step_variants_donating"] == [True]
     for key in ("done_us", "round_trip_us", "tree_us", "one_by_one_us", "big_block_us", "big_result_us",
                 "big_outputs_us", "program_outputs_us"):
         assert set(r[key]) == {"g5", "g8"}
