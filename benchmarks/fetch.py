@@ -160,11 +160,11 @@ def main(argv: list[str] | None = None) -> int:
         if n_big:
             step = zp.pmap(lambda w: w * 0.5 + 0.5, axis_name="i", devices=devs, donate_argnums=0)
             state = double(v) * 0.5        # 1. on each device: the step keeps it so
-            for k in range(args.count + 2):          # (the first two: compiled, warm)
+            for i in range(args.count + 2):          # (the first two: compiled, warm)
                 t0 = time.perf_counter()
                 state = step(state)
                 jax.block_until_ready(state)
-                if k >= 2:
+                if i >= 2:
                     steps.append((time.perf_counter() - t0) * 1e6)
             if not (state.result(timeout=60)[:, ::4099] == 1.).all():
                 raise AssertionError("the donating step's state is not 1 everywhere")

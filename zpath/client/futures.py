@@ -168,13 +168,13 @@ class Future(ArrayMethods):
         (``_fetched``), and they return at once. Once it is called on a
         second output of a program run, the run's other outputs are asked
         for together (``RunOutputs``)."""
-        if self._run is not None:
+        small = self._small() and not self._is_computed()
+        if small or self._run is not None:
             self._check_kept()
-            self._ask_ready()              # its own request first, then its siblings'
-            self._run.blocked_on(self)
-        if self._small() and not self._is_computed():
-            with self._lock:
-                self._start_fetch(self._call is not None)
+            self._ask_ready()              # its own request (a run's output: before its siblings')
+            if self._run is not None:
+                self._run.blocked_on(self)
+        if small:
             self._array()
         else:
             self._wait_done()
@@ -195,19 +195,15 @@ class Future(ArrayMethods):
         failed), without waiting. The first call asks the workers for it, as
         ``block_until_ready`` does: fetches a small value, and asks only whether
         a bigger one is done (``WAIT_FETCHES_UP_TO``)."""
-        with self._lock:
-            if (self._is_computed() and self._donated is None) or self.done():
-                return True
-            if self._small():
-                self._start_fetch(self._call is not None)
-            elif self._fetch is None and self._donated is None:
-                self._start_wait()
-            return self._is_computed() or self.done()
+        if self._is_computed() or self.done():
+            return True
+        self._ask_ready()
+        return self._is_computed() or self.done()
 
     def _ask_ready(self) -> None:
-        """Send what ``block_until_ready`` would, without waiting (RunOutputs):
-        a small value's fetch, a bigger one's wait, unless it is known done,
-        asked for already or donated."""
+        """Send what ``block_until_ready`` would, without waiting (is_ready,
+        RunOutputs): a small value's fetch, a bigger one's wait, unless it is
+        known done, asked for already or donated."""
         with self._lock:
             if self.done() or self._is_computed() or self._donated is not None:
                 return
@@ -235,7 +231,7 @@ class Future(ArrayMethods):
             self._fetch = self._client.start_fetch(self, self._client.config.fetch_timeout_s,
                                                    every_shard=every_shard)
 
-    def _start_wait(self, timeout: float | None = None) -> threading.Event:
+    def _start_wait(self) -> threading.Event:
         """Ask the workers to say when the value is done unless a wait is in
         flight (under ``_lock``); returns the event its outcome sets."""
         if self._wait_event is None:
@@ -245,8 +241,7 @@ class Future(ArrayMethods):
             self._wait_event.clear()
             # (while it is out a call does not donate it, Computation._may_donate;
             # once answered, it may)
-            self._wait = self._client.start_fetch(
-                self, self._client.config.fetch_timeout_s if timeout is None else timeout, wait_only=True)
+            self._wait = self._client.start_fetch(self, self._client.config.fetch_timeout_s, wait_only=True)
         return self._wait_event
 
     def _wait_done(self) -> None:
@@ -261,7 +256,7 @@ class Future(ArrayMethods):
                 return
             fetching = self._fetch is not None
             if not fetching:
-                event = self._start_wait(timeout)
+                event = self._start_wait()
                 wait = self._wait
         if fetching:
             self._array(timeout)
@@ -335,8 +330,7 @@ class Future(ArrayMethods):
         its end (Executor._settle, _output_shards). A fetch of one shard per
         distinct region, or a wait sent to a copy after a host was lost
         (``relocated``), says less."""
-        if self._call is not None and getattr(fetch, "every_shard", False) \
-                and not getattr(fetch, "relocated", False):
+        if self._call is not None and fetch.every_shard and not fetch.relocated:
             self._call.ran = True      # (only ever set)
 
     def _fail(self, error: BaseException) -> None:
