@@ -2,9 +2,10 @@
 one of several invocations.
 
 One invocation runs, in a fresh process each, ``island_dispatch.py --repeats 31``,
-``chained.py --programs 4 --repeats 15`` and ``transfer.py --only ici --sizes
-1K,64M`` (``ab.run_one``: the working directory and ``PYTHONPATH`` set to the
-tree), and reads from their ``--json`` output:
+``chained.py --programs 4 --repeats 15``, ``transfer.py --only ici --sizes
+1K,64M`` and ``mc_noise.py --invocations 1 --repeats 15`` (``ab.run_one``: the
+working directory and ``PYTHONPATH`` set to the tree), and reads from their
+``--json`` output:
 
 ===========  ==============================================================  ========
 figure       what                                                            target
@@ -18,6 +19,13 @@ ici_64M      a 64 MiB ICI piece's throughput / a warm memcpy's               >= 
 O            -O throughput, zpath / multi-controller                         >= 0.40
 ctl_O_us     the controller's CPU per -O computation, µs                     <= 150
 ===========  ==============================================================  ========
+
+and, as a reference beside -C rather than a target, ``MC_AA``: one
+multi-controller pair's throughput against another's, timed as ``chained.py``
+times -C against multi-controller (``mc_noise.py``). It is the ratio a runtime
+exactly as fast as multi-controller would score in that invocation, so the
+count of invocations in which it reached 0.95 says how often this machine lets
+a ratio at parity meet -C's target.
 
 It prints each figure per invocation, and in how many it met its target. With
 several ``--tree``, every invocation runs each tree in turn (the order rotating,
@@ -58,6 +66,10 @@ TARGETS: list[tuple[str, str, Callable[[float, float], bool], float, str]] = [
     ("O", "-O zpath / MC", operator.ge, 0.40, ".3f"),
     ("ctl_O_us", "controller CPU per -O computation (µs)", operator.le, 150.0, ".0f"),
 ]
+# (name, what, the comparison, the level counted, how its figures print): not targets
+REFERENCES: list[tuple[str, str, Callable[[float, float], bool], float, str]] = [
+    ("MC_AA", "reference for -C, not a target: MC / MC (mc_noise.py)", operator.ge, 0.95, ".3f"),
+]
 # per benchmark: its arguments (full, --quick) and the figures read from its JSON
 BENCHMARKS: list[tuple[str, list[str], list[str], dict[str, str]]] = [
     ("benchmarks/island_dispatch.py", ["--repeats", "31"],
@@ -70,6 +82,8 @@ BENCHMARKS: list[tuple[str, list[str], list[str], dict[str, str]]] = [
      {"C": "zpath.C.comps_per_s/multi_controller.comps_per_s"}),
     ("benchmarks/transfer.py", ["--only", "ici", "--sizes", "1K,64M"], ["--only", "ici", "--sizes", "1K,64M"],
      {"ici_1K_us": "ici.1024.shm_us", "ici_64M": "ici.67108864.shm_GBps/ici.67108864.memcpy_GBps"}),
+    ("benchmarks/mc_noise.py", ["--invocations", "1", "--repeats", "15"],
+     ["--invocations", "1", "--repeats", "1", "--calls", "128"], {"MC_AA": "invocations.0.ratio"}),
 ]
 
 
@@ -91,7 +105,7 @@ def table(records: list[dict[str, Any]]) -> str:
         lines.append(f"\n{name} ({mine[0]['tree']}), {len(mine)} invocation(s)")
         head = f"  {'figure':<54}{'target':>9}  " + " ".join(f"{'#' + str(r['round']):>8}" for r in mine)
         lines += [head + "  met in", "  " + "-" * (len(head) + 6)]
-        for key, what, ok, target, fmt in TARGETS:
+        for key, what, ok, target, fmt in TARGETS + REFERENCES:
             values = [r["figures"].get(key) for r in mine]
             met = sum(v is not None and ok(v, target) for v in values)
             shown = " ".join(f"{'-':>8}" if v is None else f"{v:>8{fmt}}" for v in values)

@@ -16,6 +16,14 @@ pytestmark = pytest.mark.timeout(240)
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "worker_loop.py"
 
 
+def _load(script: Path):
+    """A benchmark script as a module (benchmarks/ is not a package)."""
+    spec = importlib.util.spec_from_file_location(script.stem, script)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 @pytest.mark.parametrize("solo,hold", [(False, False), (True, False), (False, True)])
 def test_worker_loop_benchmark_runs_every_variant(tmp_path, solo, hold):
     """(each variant's value is checked by the script: it fails on a wrong one;
@@ -152,9 +160,7 @@ def test_controller_opbyop_counts_the_cores_bytecodes_on_chained_calls():
     parked (the alone window no longer than the solo one, as with a second
     client connected), and the count covers the core's functions on that path."""
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "controller_opbyop.py"
-    spec = importlib.util.spec_from_file_location("controller_opbyop", script)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = _load(script)
     calls, parked, by_code = mod.core_chained(chains=3, chain=150, counted_from=1, alone_window_ms=100.0)
     assert calls == 300 and parked > 100
     assert sum(by_code.values()) > 1000 * calls
@@ -168,9 +174,7 @@ def test_controller_opbyop_counts_the_core_without_a_part_and_puts_it_back():
     from zpath.controller import records, scheduler
 
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "controller_opbyop.py"
-    spec = importlib.util.spec_from_file_location("controller_opbyop", script)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = _load(script)
     before = {name: scheduler.TenantScheduler.__dict__[name] for name in ("can_send_now", "low", "sent")}
     append = records.Timeline.__dict__["append"]
     calls, parked, whole = mod.core_chained(chains=3, chain=150, counted_from=1, alone_window_ms=100.0)
@@ -236,3 +240,28 @@ def test_newcomer_benchmark_times_a_second_clients_first_calls(tmp_path):
     (run,) = r["runs"]
     assert run["window_ms"] == 100 and run["connect_ms"] > 0 and run["first_ms"] > 0 and run["later_ms"] > 0
     assert r["table"][0]["first_ms"] == run["first_ms"]
+
+
+def test_mc_noise_benchmark_times_two_multi_controller_pairs_alternately(tmp_path):
+    """Two short invocations of the A/A reference: each times both pairs as many
+    runs (the processes check every run's value), and its ratio is pair B's
+    throughput over pair A's from those runs; the count of invocations that
+    reached the level is printed. Bad arguments are refused."""
+    import statistics
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "mc_noise.py"
+    mod = _load(script)
+    p = run_script([str(script), "--invocations", "2", "--repeats", "3", "--calls", "64",
+                    "--json", str(tmp_path / "out.json")], timeout=200)
+    assert p.returncode == 0, p.stdout + p.stderr[-3000:]
+    r = json.loads((tmp_path / "out.json").read_text())
+    assert len(r["invocations"]) == 2
+    for inv in r["invocations"]:
+        assert len(inv["a_s"]) == len(inv["b_s"]) == 3 and min(inv["a_s"] + inv["b_s"]) > 0
+        assert inv["ratio"] == pytest.approx(statistics.median(inv["a_s"]) / statistics.median(inv["b_s"]))
+        # (its interval: pairs of runs resampled together, as chained.py's)
+        assert inv["ratio_ci"] == pytest.approx(list(mod.ratio_ci(inv["b_s"], inv["a_s"])))
+    met = sum(inv["ratio"] >= 0.95 for inv in r["invocations"])
+    assert f">= 0.95 in {met} of 2" in p.stdout and "invocation 1: B / A" in p.stdout
+    bad = run_script([str(script), "--calls", "1024"], timeout=60)
+    assert bad.returncode == 2 and "--calls" in bad.stderr

@@ -15,6 +15,8 @@ sys.path.insert(0, str(BENCH))
 import targets  # noqa: E402  (benchmarks/ is not a package)
 
 pytestmark = pytest.mark.timeout(60)
+# every figure an invocation reads: the targets' and the reference's
+FIGURES = {t[0] for t in targets.TARGETS + targets.REFERENCES}
 
 
 def test_the_workers_figure_is_the_larger_host():
@@ -47,6 +49,9 @@ def test_table_counts_the_invocations_that_meet_each_target():
     # a target met at its bound; a figure an invocation did not give is shown, not counted
     assert _row(text, "controller CPU").endswith("140      150        -  2 of 2 (each)")
     assert _row(text, "-C zpath / MC").endswith("-        -        -  0 of 0")
+    # the reference is shown and counted as the targets are, and called what it is
+    recs[0]["figures"]["MC_AA"], recs[1]["figures"]["MC_AA"] = 0.94, 1.01
+    assert _row(targets.table(recs), "not a target: MC / MC").endswith("0.940    1.010        -  1 of 2")
 
 
 def _fake_run_one(calls: list, fail: str | None = None):
@@ -68,22 +73,24 @@ def test_main_alternates_trees_writes_each_invocation_and_compares_them(tmp_path
     out = tmp_path / "t.jsonl"
     targets.main(["--tree", f"base={tmp_path / 'base'}", "--tree", f"new={tmp_path / 'new'}",
                   "--invocations", "2", "--out", str(out)])
-    # every invocation runs the three benchmarks with the issue's arguments, the trees' order rotating
-    assert [c[0] for c in calls] == ["base"] * 3 + ["new"] * 3 + ["new"] * 3 + ["base"] * 3
-    assert [(c[1], c[2]) for c in calls[:3]] == [
+    # every invocation runs the three benchmarks with the issue's arguments, and the
+    # multi-controller A/A reference, the trees' order rotating
+    assert [c[0] for c in calls] == ["base"] * 4 + ["new"] * 4 + ["new"] * 4 + ["base"] * 4
+    assert [(c[1], c[2]) for c in calls[:4]] == [
         ("benchmarks/island_dispatch.py", ["--repeats", "31"]),
         ("benchmarks/chained.py", ["--programs", "4", "--repeats", "15"]),
-        ("benchmarks/transfer.py", ["--only", "ici", "--sizes", "1K,64M"])]
+        ("benchmarks/transfer.py", ["--only", "ici", "--sizes", "1K,64M"]),
+        ("benchmarks/mc_noise.py", ["--invocations", "1", "--repeats", "15"])]
     recs = [json.loads(line) for line in out.read_text().splitlines()]
     assert [(r["round"], r["name"]) for r in recs] == [(0, "base"), (0, "new"), (1, "new"), (1, "base")]
-    assert recs[1]["figures"]["workers_F"] == 2.0 and set(recs[0]["figures"]) == {t[0] for t in targets.TARGETS}
-    assert recs[0]["load_before"] == "0.5 0.5 0.5" and len(recs[0]["runs"]) == 3
+    assert recs[1]["figures"]["workers_F"] == 2.0 and set(recs[0]["figures"]) == FIGURES
+    assert recs[0]["load_before"] == "0.5 0.5 0.5" and len(recs[0]["runs"]) == 4
     assert recs[0]["machine"] == targets.ab.machine()
-    # the steal of an invocation is its three benchmarks' together
-    assert recs[0]["steal_s"] == 0.75 and [r["steal_s"] for r in recs[0]["runs"]] == [0.25] * 3
+    # the steal of an invocation is its four benchmarks' together
+    assert recs[0]["steal_s"] == 1.0 and [r["steal_s"] for r in recs[0]["runs"]] == [0.25] * 4
     text = targets.summarize(recs)
     assert f"(machine: {targets.ab.machine()})" in text
-    assert "(CPU seconds the hypervisor took during each invocation: 0.75, 0.75)" in text
+    assert "(CPU seconds the hypervisor took during each invocation: 1.00, 1.00)" in text
     assert "new / base" in text and "2 pairs, median 2.000" in text
     # more invocations added to the same file, numbered on
     calls.clear()
@@ -106,7 +113,7 @@ def test_a_failed_benchmark_loses_only_its_figures(tmp_path, monkeypatch, capsys
     assert rec["runs"][1] == {"script": "benchmarks/chained.py", "failed": f"SystemExit: {tmp_path / 'base'}: exit 1"}
     assert _row(capsys.readouterr().out, "-C zpath / MC").endswith("-  0 of 0")
     # compared with a tree that gave it: the ratios leave it out, the table shows both
-    recs = [rec, dict(_record(0, "new", **{k: 2.0 for k, *_ in targets.TARGETS}), tree="/new")]
+    recs = [rec, dict(_record(0, "new", **dict.fromkeys(FIGURES, 2.0)), tree="/new")]
     (tmp_path / "two.jsonl").write_text("\n".join(json.dumps(r) for r in recs))
     targets.main(["--summarize", str(tmp_path / "two.jsonl")])
     text = capsys.readouterr().out
@@ -120,14 +127,15 @@ def test_a_tree_that_is_not_a_directory_is_refused(tmp_path):
 
 @pytest.mark.timeout(300)
 def test_quick_invocation_reads_every_figure_from_the_real_benchmarks(tmp_path):
-    """One short invocation of the three benchmarks in this checkout: every
+    """One short invocation of the four benchmarks in this checkout: every
     target's figure is read from their JSON (the paths match what they write)."""
     out = tmp_path / "t.jsonl"
     p = run_script([str(BENCH / "targets.py"), "--quick", "--invocations", "1", "--out", str(out)], timeout=280)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     rec = json.loads(out.read_text())
-    assert set(rec["figures"]) == {t[0] for t in targets.TARGETS}, rec
+    assert set(rec["figures"]) == FIGURES, rec
     assert all(math.isfinite(v) and v >= 0 for v in rec["figures"].values()), rec
+    assert rec["figures"]["MC_AA"] > 0
     assert 0 < rec["figures"]["ici_1K_us"] < 1e6 and rec["figures"]["F"] > 0 and rec["figures"]["C"] > 0
     assert "met in" in p.stdout and all(r.get("wall_s") for r in rec["runs"])
     model, _, count = rec["machine"].rpartition(", ")
