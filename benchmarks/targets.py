@@ -137,7 +137,7 @@ def summarize(records: list[dict[str, Any]]) -> str:
 
 
 def invoke(tree: str, quick: bool, timeout: float) -> dict[str, Any]:
-    """One invocation of the three benchmarks in ``tree``: their figures, and per
+    """One invocation of the four benchmarks in ``tree``: their figures, and per
     benchmark the load before and after, the steal during it and the seconds it
     took (or why it gave no figures: the others still run); the invocation's
     steal is the sum of its benchmarks'."""
