@@ -37,8 +37,11 @@ as ``ab.py`` does) and the ratios to the first tree follow::
 
 The workers' figure pairs host k with multi-controller process k: each holds
 device k of the same two-device collective. ``--quick`` shortens
-``island_dispatch.py`` and ``chained.py`` (to try the script, not to quote). A
-benchmark that fails or lacks a figure loses only its figures, shown as ``-``.
+``island_dispatch.py``, ``chained.py`` and ``mc_noise.py`` (to try the script,
+not to quote). A benchmark that fails or lacks a figure loses only its figures,
+shown as ``-``; a checkout from before ``mc_noise.py`` existed runs without the
+reference. With several trees the ratios to the first leave the reference out: it
+measures no tree.
 Records are numbered by invocation (``round``, as ``ab.py``'s); ``--first-round``
 continues an ``--out`` file. A script that prints figures, not a test.
 """
@@ -129,7 +132,10 @@ def summarize(records: list[dict[str, Any]]) -> str:
     text = table(records)
     if len({r["name"] for r in records}) > 1:
         # (the figures every invocation gave: ab.py pairs each of them)
-        common = [k for k in records[0]["figures"] if all(k in r["figures"] for r in records)]
+        # (not the reference: it measures the machine, not a tree)
+        refs = {ref[0] for ref in REFERENCES}
+        common = [k for k in records[0]["figures"]
+                  if k not in refs and all(k in r["figures"] for r in records)]
         # (the table shows each invocation's steal already)
         text += "\n" + ab.summarize([dict(r, metrics={k: r["figures"][k] for k in common}, steal_s=None)
                                      for r in records])
@@ -143,7 +149,11 @@ def invoke(tree: str, quick: bool, timeout: float) -> dict[str, Any]:
     steal is the sum of its benchmarks'."""
     metrics: dict[str, float] = {}
     runs = []
+    refs = {ref[0] for ref in REFERENCES}
     for script, full, short, paths in BENCHMARKS:
+        if set(paths) <= refs and not os.path.exists(os.path.join(tree, script)):
+            runs.append({"script": script, "skipped": "not in this checkout"})
+            continue
         try:
             rec = ab.run_one(tree, script, short if quick else full, paths, timeout)
         except (SystemExit, KeyError, subprocess.TimeoutExpired) as e:

@@ -261,7 +261,13 @@ def test_mc_noise_benchmark_times_two_multi_controller_pairs_alternately(tmp_pat
         assert inv["ratio"] == pytest.approx(statistics.median(inv["a_s"]) / statistics.median(inv["b_s"]))
         # (its interval: pairs of runs resampled together, as chained.py's)
         assert inv["ratio_ci"] == pytest.approx(list(mod.ratio_ci(inv["b_s"], inv["a_s"])))
+    # (the second invocation started pair B's processes first)
+    assert [inv["b_started_first"] for inv in r["invocations"]] == [False, True]
     met = sum(inv["ratio"] >= 0.95 for inv in r["invocations"])
     assert f">= 0.95 in {met} of 2" in p.stdout and "invocation 1: B / A" in p.stdout
+    assert r["summary"]["invocations"] == 2 and r["summary"]["met"] == met
+    assert r["config"]["calls"] == 64 and r["config"]["mc_sync"] == "end"
     bad = run_script([str(script), "--calls", "1024"], timeout=60)
-    assert bad.returncode == 2 and "--calls" in bad.stderr
+    assert bad.returncode == 2 and "below 1024" in bad.stderr
+    bad = run_script([str(script), "--repeats", "0"], timeout=60)
+    assert bad.returncode == 2 and "must be at least 1" in bad.stderr

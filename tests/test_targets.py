@@ -68,8 +68,9 @@ def _fake_run_one(calls: list, fail: str | None = None):
 def test_main_alternates_trees_writes_each_invocation_and_compares_them(tmp_path, monkeypatch):
     calls: list = []
     monkeypatch.setattr(targets.ab, "run_one", _fake_run_one(calls))
-    (tmp_path / "base").mkdir()
-    (tmp_path / "new").mkdir()
+    for name in ("base", "new"):      # (checkouts with the reference's script)
+        (tmp_path / name / "benchmarks").mkdir(parents=True)
+        (tmp_path / name / "benchmarks" / "mc_noise.py").write_text("")
     out = tmp_path / "t.jsonl"
     targets.main(["--tree", f"base={tmp_path / 'base'}", "--tree", f"new={tmp_path / 'new'}",
                   "--invocations", "2", "--out", str(out)])
@@ -118,6 +119,29 @@ def test_a_failed_benchmark_loses_only_its_figures(tmp_path, monkeypatch, capsys
     targets.main(["--summarize", str(tmp_path / "two.jsonl")])
     text = capsys.readouterr().out
     assert "new / base" in text and "  C: ratios" not in text and "  F: ratios 2.000" in text
+
+
+def test_a_checkout_without_the_reference_runs_the_rest_and_ratios_leave_the_reference_out(
+        tmp_path, monkeypatch, capsys):
+    calls: list = []
+    monkeypatch.setattr(targets.ab, "run_one", _fake_run_one(calls))
+    for name in ("base", "new"):
+        (tmp_path / name / "benchmarks").mkdir(parents=True)
+    (tmp_path / "new" / "benchmarks" / "mc_noise.py").write_text("")   # only new has the script
+    out = tmp_path / "t.jsonl"
+    targets.main(["--tree", f"base={tmp_path / 'base'}", "--tree", f"new={tmp_path / 'new'}",
+                  "--invocations", "1", "--out", str(out)])
+    assert [(c[0], Path(c[1]).name) for c in calls if c[1].endswith("mc_noise.py")] == [("new", "mc_noise.py")]
+    base, new = (json.loads(line) for line in out.read_text().splitlines())
+    assert base["runs"][3] == {"script": "benchmarks/mc_noise.py", "skipped": "not in this checkout"}
+    assert "MC_AA" not in base["figures"] and new["figures"]["MC_AA"] == 2.0
+    text = capsys.readouterr().out
+    assert "no figures" not in text and "  F: ratios 2.000" in text
+    # both trees with the reference: the ratios still leave it out (it measures no tree)
+    recs = [dict(_record(0, "a", **dict.fromkeys(FIGURES, 1.0)), base="a"),
+            dict(_record(0, "b", **dict.fromkeys(FIGURES, 2.0)), base="a")]
+    text = targets.summarize(recs)
+    assert "  F: ratios 2.000" in text and "MC_AA: ratios" not in text
 
 
 def test_a_tree_that_is_not_a_directory_is_refused(tmp_path):
