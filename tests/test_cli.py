@@ -76,3 +76,16 @@ def test_connect_checks_its_arguments_before_connecting():
         zp.init(weight=0)                   # before starting anything
     with pytest.raises(zp.DeadlineExceeded, match="within 0.5s"):
         zp.connect("tcp://127.0.0.1:1", KEY, timeout=0.5)
+
+
+def test_version_names_zpath_and_what_it_runs_on():
+    """``zpath --version`` prints one line on stdout and exits 0, as CLIs do,
+    with the versions a bug report needs."""
+    from importlib import metadata
+
+    r = zpath_cmd("--version")
+    assert r.returncode == 0, r.stderr
+    line = r.stdout.strip()
+    assert line.startswith(f"zpath {zp.__version__} (") and "\n" not in line
+    assert f"jax {metadata.version('jax')}" in line and f"jaxlib {metadata.version('jaxlib')}" in line
+    assert f"Python {sys.version.split()[0]}" in line

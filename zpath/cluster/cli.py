@@ -299,6 +299,24 @@ def _friendly(command: str, fn: Any, *args: Any) -> int:
         return 1
 
 
+
+def version_line() -> str:
+    """What ``zpath --version`` prints: zpath's version and those of what it runs
+    on (read from the installed packages' metadata, without importing JAX)."""
+    from importlib import metadata
+
+    import zpath
+
+    def installed(name: str) -> str:
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            return "not installed"
+
+    parts = ", ".join(f"{name} {installed(name)}" for name in ("jax", "jaxlib", "pyzmq"))
+    return f"zpath {zpath.__version__} ({parts}, Python {sys.version.split()[0]})"
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     # the controller's and the worker's own main(), imported only to run it: the
@@ -320,6 +338,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     shape = DEFAULT_SHAPE
     p = argparse.ArgumentParser(prog="zpath", description="zpath: a single-controller runtime for JAX")
+    p.add_argument("--version", action="version", version=version_line())
     sub = p.add_subparsers(dest="command", required=True)
     up = sub.add_parser("up", help="run a cluster (local, over ssh with --hostfile, or in a Slurm "
                         "allocation with --slurm) in the foreground")
