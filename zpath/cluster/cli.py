@@ -10,11 +10,12 @@ import shlex
 import signal
 import sys
 import threading
+from importlib import metadata
 from typing import Any
 
 import zmq
 
-from zpath import logs
+from zpath import __version__, logs
 from zpath.cluster import state as cluster_state
 from zpath.config import DEFAULT_SHAPE, POLICIES, ClientConfig, ClusterConfig, CommonConfig, SlurmJob
 from zpath.errors import ZpathError
@@ -303,10 +304,6 @@ def _friendly(command: str, fn: Any, *args: Any) -> int:
 def version_line() -> str:
     """What ``zpath --version`` prints: zpath's version and those of what it runs
     on (read from the installed packages' metadata, without importing JAX)."""
-    from importlib import metadata
-
-    import zpath
-
     def installed(name: str) -> str:
         try:
             return metadata.version(name)
@@ -314,7 +311,7 @@ def version_line() -> str:
             return "not installed"
 
     parts = ", ".join(f"{name} {installed(name)}" for name in ("jax", "jaxlib", "pyzmq"))
-    return f"zpath {zpath.__version__} ({parts}, Python {sys.version.split()[0]})"
+    return f"zpath {__version__} ({parts}, Python {sys.version.split()[0]})"
 
 
 def main(argv: list[str] | None = None) -> int:
