@@ -73,6 +73,7 @@ TARGETS: list[tuple[str, str, Callable[[float, float], bool], float, str]] = [
 REFERENCES: list[tuple[str, str, Callable[[float, float], bool], float, str]] = [
     ("MC_AA", "reference for -C, not a target: MC / MC (mc_noise.py)", operator.ge, 0.95, ".3f"),
 ]
+REFERENCE_KEYS = frozenset(ref[0] for ref in REFERENCES)
 # per benchmark: its arguments (full, --quick) and the figures read from its JSON
 BENCHMARKS: list[tuple[str, list[str], list[str], dict[str, str]]] = [
     ("benchmarks/island_dispatch.py", ["--repeats", "31"],
@@ -133,9 +134,8 @@ def summarize(records: list[dict[str, Any]]) -> str:
     if len({r["name"] for r in records}) > 1:
         # (the figures every invocation gave: ab.py pairs each of them)
         # (not the reference: it measures the machine, not a tree)
-        refs = {ref[0] for ref in REFERENCES}
         common = [k for k in records[0]["figures"]
-                  if k not in refs and all(k in r["figures"] for r in records)]
+                  if k not in REFERENCE_KEYS and all(k in r["figures"] for r in records)]
         # (the table shows each invocation's steal already)
         text += "\n" + ab.summarize([dict(r, metrics={k: r["figures"][k] for k in common}, steal_s=None)
                                      for r in records])
@@ -149,9 +149,8 @@ def invoke(tree: str, quick: bool, timeout: float) -> dict[str, Any]:
     steal is the sum of its benchmarks'."""
     metrics: dict[str, float] = {}
     runs = []
-    refs = {ref[0] for ref in REFERENCES}
     for script, full, short, paths in BENCHMARKS:
-        if set(paths) <= refs and not os.path.exists(os.path.join(tree, script)):
+        if set(paths) <= REFERENCE_KEYS and not os.path.exists(os.path.join(tree, script)):
             runs.append({"script": script, "skipped": "not in this checkout"})
             continue
         try:

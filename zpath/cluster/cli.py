@@ -300,7 +300,6 @@ def _friendly(command: str, fn: Any, *args: Any) -> int:
         return 1
 
 
-
 def version_line() -> str:
     """What ``zpath --version`` prints: zpath's version and those of what it runs
     on (read from the installed packages' metadata, without importing JAX)."""
